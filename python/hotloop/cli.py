@@ -1,0 +1,50 @@
+"""The ``hotloop`` command: ``hotloop serve`` runs the server; ``hotloop --version``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hotloop import __version__
+from hotloop.config import Config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hotloop", description="OpenAI Responses API server for agent loops.")
+    p.add_argument("--version", action="version", version=f"hotloop {__version__}")
+    sub = p.add_subparsers(dest="command")
+    s = sub.add_parser("serve", help="run the server (defaults: simulator backend, SQLite store, 127.0.0.1:8000)")
+    s.add_argument("--host", help="bind address (env HOTLOOP_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (env HOTLOOP_PORT, default 8000)")
+    s.add_argument("--backend", choices=["simulator", "cerebras", "openai-compat"], help="model backend (env HOTLOOP_BACKEND)")
+    s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
+    s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")
+    s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="env HOTLOOP_LOG_LEVEL")
+    s.add_argument("--api-key", dest="api_key", help="require this bearer token from clients (env HOTLOOP_API_KEY)")
+    s.add_argument("--store", choices=["sqlite", "memory"], help="response store (env HOTLOOP_STORE, default sqlite)")
+    s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
+    s.add_argument("--sim-rate", dest="sim_rate", type=float, help="simulator tokens/s (default 1000; 0 = unpaced)")
+    s.add_argument("--sim-ttft", dest="sim_ttft", type=float, help="simulator time to first token, seconds")
+    s.add_argument("--sim-output-tokens", dest="sim_output_tokens", type=int, help="simulator answer length")
+    s.add_argument("--sim-seed", dest="sim_seed", type=int, help="simulator seed")
+    s.add_argument("--sim-script", dest="sim_script", help="simulator scenario file (JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    if args.command == "serve":
+        overrides = {k: v for k, v in vars(args).items() if k != "command"}
+        config = Config.from_env(**overrides)
+        from hotloop.server.runner import serve
+
+        serve(config)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Server configuration: defaults, environment variables (``HOTLOOP_*``) and CLI flags.
+
+Precedence: CLI flag > environment variable > default. Every bound that protects the server is
+here, with its default, so the README's table can be checked against one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "hotloop")
+
+
+@dataclass
+class Config:
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    api_key: str | None = None  # when set, clients must send "Authorization: Bearer <api_key>"
+    # backend
+    backend: str = "simulator"  # simulator | cerebras | openai-compat
+    model: str | None = None  # default model id (backend's default when None)
+    base_url: str | None = None  # openai-compat / cerebras endpoint
+    backend_api_key: str | None = None
+    backend_timeout: float = 300.0  # seconds to the first chunk
+    backend_idle_timeout: float = 120.0  # seconds of silence allowed between chunks
+    backend_retries: int = 0  # retries of a 429/5xx before the first token
+    # simulator
+    sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)
+    sim_ttft: float = 0.0  # seconds to the first token
+    sim_output_tokens: int = 64
+    sim_seed: int = 0
+    sim_script: str | None = None
+    # storage
+    store: str = "sqlite"  # sqlite | memory
+    data_dir: str = field(default_factory=_default_data_dir)
+    store_ttl_seconds: float = 30 * 24 * 3600
+    store_max_responses: int = 10_000
+    # bounds
+    max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
+    ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
+    ws_max_queued: int = 64  # response.create frames waiting on one connection
+    ws_cache_entries: int = 1  # responses cached per connection (OpenAI: the most recent)
+    response_cache_entries: int = 256  # process-wide cache of stored responses
+    response_cache_items: int = 200_000
+    token_cache_entries: int = 100_000  # fingerprint -> token count
+    max_pending_writes: int = 1024
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.data_dir) / "hotloop.sqlite3"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "Config":
+        """Defaults, then ``HOTLOOP_<FIELD>`` variables, then ``overrides`` (non-None only)."""
+        env = dict(os.environ if env is None else env)
+        cfg = cls()
+        for f in fields(cls):
+            raw = env.get(f"HOTLOOP_{f.name.upper()}")
+            if raw is not None:
+                setattr(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), raw))
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(cfg, k, v)
+        return cfg
+
+
+def _coerce(name: str, current: Any, raw: str) -> Any:
+    if isinstance(current, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    return raw

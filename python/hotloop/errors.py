@@ -1,0 +1,183 @@
+"""The typed error tree.
+
+Every error a client can see is one of these classes. Each carries its wire meaning (HTTP status,
+OpenAI error ``type``, ``code`` and ``param``) and a message written for clients. Internal
+exceptions never cross the wire: the server catches anything else and answers with a generic
+:class:`ServerError` whose message says nothing about the cause (the cause goes to the log).
+
+Rendering to the three wire shapes (HTTP JSON body, SSE ``error`` event, WebSocket error frame)
+lives in :mod:`hotloop.protocol.events`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HotloopError(Exception):
+    """Base of every client-visible error."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The ``error`` object of the OpenAI error shape."""
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+
+# --- 4xx: the client's request is at fault -------------------------------------------------------
+
+
+class InvalidRequest(HotloopError):
+    status = 400
+    type = "invalid_request_error"
+    code = None
+
+
+class InvalidJSON(InvalidRequest):
+    code = "invalid_json"
+
+
+class MissingParameter(InvalidRequest):
+    code = "missing_required_parameter"
+
+
+class InvalidType(InvalidRequest):
+    code = "invalid_type"
+
+
+class InvalidValue(InvalidRequest):
+    code = "invalid_value"
+
+
+class UnsupportedParameter(InvalidRequest):
+    code = "unsupported_parameter"
+
+
+class PreviousResponseNotFound(InvalidRequest):
+    code = "previous_response_not_found"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+        )
+
+
+class ItemNotFound(InvalidRequest):
+    code = "item_not_found"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ConnectionLimitReached(InvalidRequest):
+    code = "websocket_connection_limit_reached"
+
+
+class QueueFull(InvalidRequest):
+    code = "websocket_queue_full"
+
+
+class AuthenticationFailed(HotloopError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(HotloopError):
+    status = 404
+    type = "invalid_request_error"
+    code = None
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(HotloopError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(HotloopError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(HotloopError):
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        hdrs = dict(headers or {})
+        if retry_after is not None:
+            hdrs.setdefault("retry-after", f"{retry_after:g}")
+            hdrs.setdefault("retry-after-ms", str(int(retry_after * 1000)))
+        super().__init__(message, headers=hdrs)
+        self.retry_after = retry_after
+
+
+# --- 5xx: our side or the model's side is at fault -----------------------------------------------
+
+
+class ServerError(HotloopError):
+    """A generic failure. Its message never carries internal details."""
+
+    status = 500
+    type = "server_error"
+    code = "server_error"
+
+    def __init__(self, message: str = "The server had an error while processing your request.") -> None:
+        super().__init__(message)
+
+
+class BackendError(HotloopError):
+    """The model backend failed (5xx, malformed stream, disconnect)."""
+
+    status = 502
+    type = "server_error"
+    code = "server_error"
+
+
+class BackendTimeout(BackendError):
+    status = 504
+    code = "server_error"
+
+
+class BackendUnavailable(BackendError):
+    status = 503
+    code = "server_error"
+
+
+class ModelError(HotloopError):
+    """The model produced an unusable answer (a ``response.failed`` turn, not a transport error)."""
+
+    status = 500
+    type = "server_error"
+    code = "server_error"

@@ -1,0 +1,175 @@
+"""Per-item analysis: the semantic fingerprint and the token count of one conversation item.
+
+The fingerprint is taken over the item's *semantic* view (what a model would see: role, texts,
+call ids, arguments), not over its wire bytes, so an item the client echoes back in a slightly
+different spelling (with or without ``id``/``status``, content as a string or as parts) matches
+the item the server produced. Token counts come from the shared tokenizer and are cached by
+fingerprint in a bounded LRU (:class:`TokenCache`), so a client that resends its whole history
+over HTTP pays for hashing, not for tokenizing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterable
+
+import msgspec
+
+from hotloop import _accel, tokenizer
+from hotloop.protocol.request import (
+    FunctionCall,
+    FunctionCallOutput,
+    InputFile,
+    InputImage,
+    InputText,
+    Item,
+    ItemReference,
+    Message,
+    OtherItem,
+    OutputText,
+    Reasoning,
+    ReasoningText,
+    Refusal,
+    SummaryText,
+)
+
+_canonical = _accel.canonical_json
+_fingerprint = _accel.fingerprint
+
+
+def _part_view(part: Any) -> list[Any]:
+    t = type(part)
+    if t is InputText or t is OutputText or t is ReasoningText or t is SummaryText:
+        return ["t", part.text]
+    if t is Refusal:
+        return ["r", part.refusal]
+    if t is InputImage:
+        return ["i", part.image_url or "", part.file_id or "", part.detail]
+    if t is InputFile:
+        return ["f", part.file_id or "", part.file_url or "", part.filename or "", part.file_data or ""]
+    return ["o", msgspec.to_builtins(part)]
+
+
+def _content_view(content: str | list[Any]) -> list[Any]:
+    if isinstance(content, str):
+        return [["t", content]]
+    return [_part_view(p) for p in content]
+
+
+def semantic_view(item: Item) -> list[Any]:
+    """What identifies an item for prefix matching (ids and statuses are not part of it)."""
+    t = type(item)
+    if t is Message:
+        return ["m", item.role, _content_view(item.content)]  # type: ignore[union-attr]
+    if t is FunctionCall:
+        return ["fc", item.call_id, item.name, item.arguments]  # type: ignore[union-attr]
+    if t is FunctionCallOutput:
+        return ["fo", item.call_id, _content_view(item.output)]  # type: ignore[union-attr]
+    if t is Reasoning:
+        r: Reasoning = item  # type: ignore[assignment]
+        return [
+            "rs",
+            [s.text for s in r.summary],
+            [c.text for c in r.content or ()],
+            r.encrypted_content or "",
+        ]
+    if t is ItemReference:
+        return ["ref", item.id]  # type: ignore[union-attr]
+    o: OtherItem = item  # type: ignore[assignment]
+    data = {k: v for k, v in o.data.items() if k not in ("id", "status")}
+    return ["x", o.type, data]
+
+
+def _content_text(content: str | list[Any]) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for p in content:
+        text = getattr(p, "text", None)
+        if text is None:
+            text = getattr(p, "refusal", None)
+        if text:
+            out.append(text)
+    return "\n".join(out)
+
+
+def item_text(item: Item) -> str:
+    """The text a chat template would render for this item (its token count is what we bill)."""
+    t = type(item)
+    if t is Message:
+        return _content_text(item.content)  # type: ignore[union-attr]
+    if t is FunctionCall:
+        return f"{item.name}({item.arguments})"  # type: ignore[union-attr]
+    if t is FunctionCallOutput:
+        return _content_text(item.output)  # type: ignore[union-attr]
+    if t is Reasoning:
+        r: Reasoning = item  # type: ignore[assignment]
+        return "\n".join([c.text for c in r.content or ()] or [s.text for s in r.summary])
+    if t is OtherItem:
+        return _canonical(item.data).decode()  # type: ignore[union-attr]
+    return ""
+
+
+def fingerprint(item: Item) -> int:
+    return _fingerprint(_canonical(semantic_view(item)))
+
+
+class TokenCache:
+    """fingerprint -> token count, LRU-bounded by entries (default 100,000 items, ~10 MB)."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._d: OrderedDict[int, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, fp: int) -> int | None:
+        v = self._d.get(fp)
+        if v is not None:
+            self._d.move_to_end(fp)
+            self.hits += 1
+        return v
+
+    def put(self, fp: int, tokens: int) -> None:
+        d = self._d
+        d[fp] = tokens
+        d.move_to_end(fp)
+        if len(d) > self.max_entries:
+            d.popitem(last=False)
+
+
+def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int]]:
+    """Fingerprints and token counts of ``items`` (tokenizing only what the cache lacks)."""
+    fps: list[int] = []
+    toks: list[int] = []
+    per_item = tokenizer.TOKENS_PER_ITEM
+    for item in items:
+        fp = fingerprint(item)
+        n = cache.get(fp) if cache is not None else None
+        if n is None:
+            n = tokenizer.count(item_text(item)) + per_item
+            if cache is not None:
+                cache.misses += 1
+                cache.put(fp, n)
+        fps.append(fp)
+        toks.append(n)
+    return fps, toks
+
+
+def blob_tokens(obj: Any, cache: TokenCache | None = None) -> int:
+    """Token count of a setting the model sees each turn (instructions text, one tool's schema).
+
+    Cached by fingerprint like items, so resent instructions and tools are tokenized once.
+    """
+    data = obj.encode() if isinstance(obj, str) else _canonical(obj)
+    fp = _fingerprint(data)
+    n = cache.get(fp) if cache is not None else None
+    if n is None:
+        n = tokenizer.count(data.decode())
+        if cache is not None:
+            cache.misses += 1
+            cache.put(fp, n)
+    return n

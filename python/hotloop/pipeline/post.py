@@ -1,0 +1,170 @@
+"""Post-inference bookkeeping, off the critical path: persistence and the usage ledger.
+
+:class:`Persistence` owns the response store and one writer thread. A finished turn *submits* its
+record and returns at once; the writer stores it while the connection already serves the next
+turn. Until a record is written it sits in ``pending``, so reads see their own writes.
+
+Bounds: the submission queue holds at most ``max_pending`` records (default 1,024). When it is
+full, ``submit`` waits (backpressure on the turn that finished, never on one in flight): records
+are never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hotloop.protocol.request import item_from_dict, item_to_dict
+from hotloop.state.context import CachedResponse, Context
+from hotloop.state.store import ResponseStore, StoredResponse, UsageRecord, page_items
+
+log = logging.getLogger("hotloop.post")
+
+
+def to_record(entry: CachedResponse) -> StoredResponse:
+    ctx = entry.context
+    return StoredResponse(
+        response=entry.response,
+        items=[item_to_dict(it) for it in ctx.items],
+        fps=list(ctx.chain.fingerprints()),
+        toks=[int(ctx.chain.tokens_upto(i + 1) - ctx.chain.tokens_upto(i)) for i in range(len(ctx))],
+        input_len=entry.input_len,
+    )
+
+
+def from_record(rec: StoredResponse) -> CachedResponse:
+    items = [item_from_dict(d) for d in rec.items]
+    ctx = Context()
+    ctx.extend(items, rec.fps, rec.toks)
+    return CachedResponse(rec.response, ctx, rec.input_len, True)
+
+
+def usage_record(response: dict[str, Any]) -> UsageRecord | None:
+    u = response.get("usage")
+    if not u:
+        return None
+    return UsageRecord(
+        model=str(response.get("model")),
+        input_tokens=int(u["input_tokens"]),
+        output_tokens=int(u["output_tokens"]),
+        cached_tokens=int(u["input_tokens_details"]["cached_tokens"]),
+        reasoning_tokens=int(u["output_tokens_details"]["reasoning_tokens"]),
+        at=time.time(),
+    )
+
+
+class Persistence:
+    def __init__(self, store: ResponseStore, max_pending: int = 1024) -> None:
+        self.store = store
+        self.max_pending = max_pending
+        self.pending: dict[str, CachedResponse] = {}
+        self.deleted: set[str] = set()
+        self._queue: asyncio.Queue[tuple[str, Any]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
+        self.written = 0
+        self.failed = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._queue = asyncio.Queue(self.max_pending)
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="hotloop-writer")
+
+    async def flush(self) -> None:
+        if self._queue is not None:
+            await self._queue.join()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await self.flush()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
+        self._pool.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            kind, payload = await self._queue.get()
+            try:
+                if kind == "put":
+                    entry: CachedResponse = payload
+                    await loop.run_in_executor(self._pool, self.store.put, to_record(entry))
+                    self.pending.pop(entry.id, None)
+                    self.written += 1
+                elif kind == "usage":
+                    await loop.run_in_executor(self._pool, self.store.record_usage, payload)
+            except Exception:  # a storage failure must not kill the writer; it is logged
+                self.failed += 1
+                log.exception("store write failed")
+                if kind == "put":
+                    self.pending.pop(payload.id, None)
+            finally:
+                self._queue.task_done()
+
+    # -- writes --------------------------------------------------------------------------------
+
+    async def submit(self, entry: CachedResponse) -> None:
+        """Queue a finished response: the usage ledger always, the response if it is stored."""
+        if self._queue is None:
+            self.start()
+        assert self._queue is not None
+        rec = usage_record(entry.response)
+        if rec is not None:
+            await self._queue.put(("usage", rec))
+        if entry.store:
+            self.pending[entry.id] = entry
+            await self._queue.put(("put", entry))
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def load(self, response_id: str) -> CachedResponse | None:
+        """A stored response, hydrated into a continuable context (or ``None``)."""
+        entry = self.pending.get(response_id)
+        if entry is not None:
+            return entry
+        rec = await self._call(self.store.get, response_id)
+        return None if rec is None else from_record(rec)
+
+    async def get_response(self, response_id: str) -> dict[str, Any] | None:
+        entry = self.pending.get(response_id)
+        if entry is not None:
+            return entry.response
+        return await self._call(self.store.get_response, response_id)  # type: ignore[no-any-return]
+
+    async def input_items(
+        self, response_id: str, after: str | None, limit: int, order: str
+    ) -> tuple[list[dict[str, Any]], bool] | None | bool:
+        """A page of input items; ``None`` if the response is unknown, ``False`` if ``after`` is."""
+        entry = self.pending.get(response_id)
+        if entry is not None:
+            items = [item_to_dict(it) for it in entry.input_items]
+        else:
+            rec = await self._call(self.store.get, response_id)
+            if rec is None:
+                return None
+            items = rec.items[: rec.input_len]
+        page = page_items(items, after, limit, order)
+        return False if page is None else page
+
+    async def delete(self, response_id: str) -> bool:
+        await self.flush()  # a pending write must not resurrect what is deleted now
+        return bool(await self._call(self.store.delete, response_id))
+
+    async def usage(self) -> list[dict[str, Any]]:
+        await self.flush()
+        return await self._call(self.store.usage)  # type: ignore[no-any-return]
+

@@ -1,0 +1,111 @@
+"""Every wire event of the Responses API. The only module that spells ``response.*`` names.
+
+An event leaves this module as a :data:`Frame`: ``(type, json_bytes)``. The JSON payload is the
+same for SSE and WebSocket (WebSocket mode sends the SSE ``data:`` JSON as one text frame); SSE
+framing adds ``event:``/``data:`` lines (:func:`sse`). Only error frames differ between transports,
+and the functions below say which shape each transport gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from hotloop import _accel
+from hotloop.errors import HotloopError
+
+Frame = tuple[str, bytes]
+
+# --- server -> client event types ------------------------------------------------------------
+CREATED = "response.created"
+IN_PROGRESS = "response.in_progress"
+COMPLETED = "response.completed"
+INCOMPLETE = "response.incomplete"
+FAILED = "response.failed"
+OUTPUT_ITEM_ADDED = "response.output_item.added"
+OUTPUT_ITEM_DONE = "response.output_item.done"
+CONTENT_PART_ADDED = "response.content_part.added"
+CONTENT_PART_DONE = "response.content_part.done"
+OUTPUT_TEXT_DELTA = "response.output_text.delta"
+OUTPUT_TEXT_DONE = "response.output_text.done"
+REASONING_TEXT_DELTA = "response.reasoning_text.delta"
+REASONING_TEXT_DONE = "response.reasoning_text.done"
+FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
+ERROR = "error"
+
+TERMINAL = frozenset({COMPLETED, INCOMPLETE, FAILED})
+
+# --- client -> server WebSocket frame types --------------------------------------------------
+CLIENT_CREATE = "response.create"
+CLIENT_PROCESSED = "response.processed"  # Codex acknowledgement: accepted, never answered
+CLIENT_APPEND = "response.append"
+CLIENT_STEER = "response.steer"
+CLIENT_INJECT = "response.inject"
+
+# --- objects ---------------------------------------------------------------------------------
+RESPONSE_OBJECT = "response"
+INPUT_TOKENS_OBJECT = "response.input_tokens"
+
+_encode = msgspec.json.Encoder().encode
+_encode_delta = _accel.encode_delta
+_encode_sse = _accel.encode_sse
+
+
+def encode(obj: Any) -> bytes:
+    return _encode(obj)
+
+
+def event(kind: str, seq: int, **fields: Any) -> Frame:
+    """A non-delta event. ``type`` and ``sequence_number`` come first, as OpenAI sends them."""
+    return kind, _encode({"type": kind, "sequence_number": seq, **fields})
+
+
+def text_delta(seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> Frame:
+    return OUTPUT_TEXT_DELTA, _encode_delta(
+        OUTPUT_TEXT_DELTA, seq, item_id, output_index, content_index, delta, True
+    )
+
+
+def reasoning_delta(seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> Frame:
+    return REASONING_TEXT_DELTA, _encode_delta(
+        REASONING_TEXT_DELTA, seq, item_id, output_index, content_index, delta, False
+    )
+
+
+def arguments_delta(seq: int, item_id: str, output_index: int, delta: str) -> Frame:
+    return FUNCTION_CALL_ARGUMENTS_DELTA, _encode_delta(
+        FUNCTION_CALL_ARGUMENTS_DELTA, seq, item_id, output_index, -1, delta, False
+    )
+
+
+def sse(frame: Frame) -> bytes:
+    """SSE framing: ``event: <type>`` then ``data: <json>`` and a blank line."""
+    return _encode_sse(frame[0], frame[1])
+
+
+# --- errors in the three wire shapes ---------------------------------------------------------
+
+
+def http_error_body(err: HotloopError) -> bytes:
+    """``{"error": {message, type, param, code}}`` for an HTTP error response."""
+    return _encode({"error": err.body()})
+
+
+def sse_error(err: HotloopError, seq: int) -> Frame:
+    """The SSE ``error`` event, nested as real OpenAI streams send it (followed by ``response.failed``).
+
+    openai-python raises ``APIError`` on it, which is what a streaming caller of OpenAI sees too.
+    """
+    return ERROR, _encode({"type": ERROR, "sequence_number": seq, "error": err.body()})
+
+
+def ws_error(err: HotloopError, stream_id: str | None = None) -> Frame:
+    """The WebSocket error frame: ``status`` always present (Codex needs it), no sequence number."""
+    obj: dict[str, Any] = {"type": ERROR, "status": err.status, "error": err.body()}
+    if err.headers:
+        obj["error"]["headers"] = err.headers
+    if stream_id is not None:
+        obj["stream_id"] = stream_id
+    return ERROR, _encode(obj)

@@ -1,0 +1,112 @@
+"""The Response object and its parts, built from a validated request. Sans-I/O.
+
+Ids come from an injectable :class:`IdGen` so tests (and golden transcripts) are deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import Any
+
+import msgspec
+
+from hotloop.protocol.events import RESPONSE_OBJECT
+from hotloop.protocol.request import Prepared
+
+
+class IdGen:
+    """Makes ``resp_``/``msg_``/``fc_``/``call_``/``rs_`` ids: random, or sequential for tests."""
+
+    def __init__(self, deterministic: bool = False, prefix: str = "") -> None:
+        self._counter = itertools.count(1) if deterministic else None
+        self._prefix = prefix
+
+    def new(self, kind: str) -> str:
+        if self._counter is not None:
+            return f"{kind}_{self._prefix}{next(self._counter):04d}"
+        return f"{kind}_{secrets.token_hex(24)}"
+
+
+def usage_object(
+    input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
+    """The full usage object: every field present (openai-python and Codex require them)."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _text_object(p: Prepared) -> dict[str, Any]:
+    text = p.req.text
+    if text is None:
+        return {"format": {"type": "text"}, "verbosity": "medium"}
+    out: dict[str, Any] = {"format": msgspec.to_builtins(text.format)}
+    out["verbosity"] = text.verbosity or "medium"
+    return out
+
+
+def _reasoning_object(p: Prepared) -> dict[str, Any]:
+    r = p.req.reasoning
+    if r is None:
+        return {"effort": None, "summary": None}
+    return {"effort": r.effort, "summary": r.summary}
+
+
+def response_object(
+    p: Prepared,
+    response_id: str,
+    created_at: int,
+    *,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """The Response as ``response.created`` carries it: ``in_progress``, no output, no usage."""
+    req = p.req
+    return {
+        "id": response_id,
+        "object": RESPONSE_OBJECT,
+        "created_at": created_at,
+        "status": "in_progress",
+        "background": False,
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "model": model or req.model,
+        "output": [],
+        "parallel_tool_calls": p.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
+        "reasoning": _reasoning_object(p),
+        "safety_identifier": req.safety_identifier,
+        "service_tier": req.service_tier or "default",
+        "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": _text_object(p),
+        "tool_choice": p.tool_choice,
+        "tools": p.tools,
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": req.truncation or "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+def output_text(response: dict[str, Any]) -> str:
+    """Concatenated ``output_text`` of a Response (what the SDK's ``output_text`` property gives)."""
+    parts: list[str] = []
+    for item in response.get("output", ()):
+        if item.get("type") == "message":
+            for c in item.get("content", ()):
+                if c.get("type") == "output_text":
+                    parts.append(c.get("text", ""))
+    return "".join(parts)

@@ -1,0 +1,534 @@
+"""Decoding and validating the ``POST /v1/responses`` body (and the WebSocket ``response.create``).
+
+Sans-I/O: bytes or dicts in, typed structs or :class:`hotloop.errors.InvalidRequest` out.
+
+Tolerance (DESIGN principle 9): unknown top-level fields are ignored (real clients send new ones),
+unknown *item* types are kept as :class:`OtherItem` and never rejected here, unknown *tool* types
+are kept and rejected only when a request forces their use. Invariants the server relies on
+(types, ranges, limits) are checked strictly and reported with the OpenAI ``param`` path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Union
+
+import msgspec
+
+from hotloop import errors
+
+# ---------------------------------------------------------------------------------------------
+# Content parts
+# ---------------------------------------------------------------------------------------------
+
+_PART = {"tag_field": "type", "kw_only": True, "omit_defaults": True}
+
+
+class InputText(msgspec.Struct, tag="input_text", **_PART):  # type: ignore[call-arg]
+    text: str
+
+
+class OutputText(msgspec.Struct, tag="output_text", **_PART):  # type: ignore[call-arg]
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class Refusal(msgspec.Struct, tag="refusal", **_PART):  # type: ignore[call-arg]
+    refusal: str
+
+
+class InputImage(msgspec.Struct, tag="input_image", **_PART):  # type: ignore[call-arg]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str = "auto"
+
+
+class InputFile(msgspec.Struct, tag="input_file", **_PART):  # type: ignore[call-arg]
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+
+
+class InputAudio(msgspec.Struct, tag="input_audio", **_PART):  # type: ignore[call-arg]
+    input_audio: dict[str, Any]
+
+
+class ReasoningText(msgspec.Struct, tag="reasoning_text", **_PART):  # type: ignore[call-arg]
+    text: str
+
+
+class SummaryText(msgspec.Struct, tag="summary_text", **_PART):  # type: ignore[call-arg]
+    text: str
+
+
+ContentPart = Union[
+    InputText, OutputText, Refusal, InputImage, InputFile, InputAudio, ReasoningText, SummaryText
+]
+
+# ---------------------------------------------------------------------------------------------
+# Items
+# ---------------------------------------------------------------------------------------------
+
+_ITEM = {"tag_field": "type", "kw_only": True, "omit_defaults": True}
+
+Role = Literal["user", "assistant", "system", "developer"]
+
+
+class Message(msgspec.Struct, tag="message", **_ITEM):  # type: ignore[call-arg]
+    role: Role
+    content: Union[str, list[ContentPart]]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class FunctionCall(msgspec.Struct, tag="function_call", **_ITEM):  # type: ignore[call-arg]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(msgspec.Struct, tag="function_call_output", **_ITEM):  # type: ignore[call-arg]
+    call_id: str
+    output: Union[str, list[ContentPart]]
+    id: str | None = None
+    status: str | None = None
+
+
+class Reasoning(msgspec.Struct, tag="reasoning", **_ITEM):  # type: ignore[call-arg]
+    id: str | None = None
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+class ItemReference(msgspec.Struct, tag="item_reference", **_ITEM):  # type: ignore[call-arg]
+    id: str
+
+
+class OtherItem(msgspec.Struct, kw_only=True):
+    """An item type hotloop does not model (custom tool calls, hosted tool calls, compaction...).
+
+    Kept verbatim so it can be stored, listed and passed on; backends decide how to render it.
+    """
+
+    type: str
+    data: dict[str, Any]
+
+
+Item = Union[Message, FunctionCall, FunctionCallOutput, Reasoning, ItemReference, OtherItem]
+
+_ITEM_TYPES: dict[str, type] = {
+    "message": Message,
+    "function_call": FunctionCall,
+    "function_call_output": FunctionCallOutput,
+    "reasoning": Reasoning,
+    "item_reference": ItemReference,
+}
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: str | None = None
+
+
+class CreateRequest(msgspec.Struct, kw_only=True):
+    """The body of ``POST /v1/responses`` and of a WebSocket ``response.create`` frame."""
+
+    model: str | None = None
+    input: Union[str, list[Any], None] = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    generate: bool | None = None
+    stream_id: str | None = None
+    # The WebSocket frame's discriminator; absent on HTTP.
+    type: str | None = None
+
+
+class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool = True
+
+
+class Prepared(msgspec.Struct, kw_only=True):
+    """A validated request: settings plus the request's own (new) input items."""
+
+    req: CreateRequest
+    items: list[Item]
+    tools: list[dict[str, Any]]
+    function_tools: dict[str, FunctionTool]
+    tool_choice: Union[str, dict[str, Any]]
+    parallel_tool_calls: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits (documented in the README)
+# ---------------------------------------------------------------------------------------------
+
+METADATA_MAX_KEYS = 16
+METADATA_MAX_KEY_LEN = 64
+METADATA_MAX_VALUE_LEN = 512
+MAX_INPUT_ITEMS = 10_000
+MAX_TOOLS = 512
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
+TRUNCATION_VALUES = ("auto", "disabled")
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+TOOL_CHOICE_STRINGS = ("none", "auto", "required")
+
+_decoder = msgspec.json.Decoder(CreateRequest)
+_AT_RE = re.compile(r" - at `\$(.*)`$")
+
+
+def _param_from_path(path: str) -> str | None:
+    """``.input[0].content`` -> ``input[0].content`` (OpenAI's ``param`` spelling)."""
+    path = path.lstrip(".")
+    return path or None
+
+
+def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> errors.InvalidRequest:
+    text = str(exc)
+    m = _AT_RE.search(text)
+    param = _param_from_path(m.group(1)) if m else None
+    detail = text[: m.start()] if m else text
+    if prefix:
+        param = prefix + ("" if param is None else ("" if param.startswith("[") else ".") + param)
+    if detail.startswith("Object missing required field"):
+        field = detail.split("`")[1] if "`" in detail else None
+        full = param + "." + field if param and field else (field or param)
+        return errors.MissingParameter(f"Missing required parameter: '{full}'.", param=full)
+    if detail.startswith("Expected"):
+        return errors.InvalidType(f"Invalid type for '{param}': {detail}.", param=param)
+    return errors.InvalidValue(f"Invalid value for '{param}': {detail}.", param=param)
+
+
+def decode_body(body: bytes | str) -> CreateRequest:
+    """Decode a JSON body. Raises :class:`errors.InvalidRequest` (never anything else)."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        if str(exc).startswith("Expected `object`"):
+            raise errors.InvalidJSON("The request body must be a JSON object.") from None
+        raise _from_validation_error(exc) from None
+    except msgspec.DecodeError:
+        raise errors.InvalidJSON(
+            "We could not parse the JSON body of your request. The body must be valid JSON."
+        ) from None
+
+
+def convert_body(obj: dict[str, Any]) -> CreateRequest:
+    """Like :func:`decode_body` for an already-decoded JSON object (a WebSocket frame)."""
+    try:
+        return msgspec.convert(obj, CreateRequest)
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+
+
+def decode_item(raw: Any, index: int, field: str = "input") -> Item:
+    """Validate one input item. ``index`` names it in errors (``input[3].content``)."""
+    where = f"{field}[{index}]"
+    if not isinstance(raw, dict):
+        if isinstance(raw, str):
+            # A bare string inside the list is not an item; OpenAI rejects it too.
+            raise errors.InvalidType(
+                f"Invalid type for '{where}': expected an input item object, but got a string.",
+                param=where,
+            )
+        raise errors.InvalidType(
+            f"Invalid type for '{where}': expected an input item object.", param=where
+        )
+    kind = raw.get("type")
+    if kind is None:
+        if "role" not in raw:
+            raise errors.MissingParameter(
+                f"Missing required parameter: '{where}.type'.", param=f"{where}.type"
+            )
+        kind = "message"
+    if not isinstance(kind, str):
+        raise errors.InvalidType(f"Invalid type for '{where}.type': expected a string.", param=f"{where}.type")
+    cls = _ITEM_TYPES.get(kind)
+    if cls is None:
+        return OtherItem(type=kind, data=raw)
+    try:
+        return msgspec.convert(raw, cls)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc, prefix=where) from None
+
+
+def decode_items(raw: str | list[Any] | None, field: str = "input") -> list[Item]:
+    """Turn ``input`` (a string or a list of items) into typed items."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return [Message(role="user", content=[InputText(text=raw)])]
+    if len(raw) > MAX_INPUT_ITEMS:
+        raise errors.InvalidValue(
+            f"Invalid '{field}': too many items ({len(raw)}); the maximum is {MAX_INPUT_ITEMS}.",
+            param=field,
+        )
+    return [decode_item(it, i, field) for i, it in enumerate(raw)]
+
+
+def _check_metadata(md: dict[str, Any] | None) -> None:
+    if md is None:
+        return
+    if len(md) > METADATA_MAX_KEYS:
+        raise errors.InvalidValue(
+            f"Invalid 'metadata': too many keys ({len(md)}); at most {METADATA_MAX_KEYS} are allowed.",
+            param="metadata",
+        )
+    for k, v in md.items():
+        if len(k) > METADATA_MAX_KEY_LEN:
+            raise errors.InvalidValue(
+                f"Invalid 'metadata': keys may be at most {METADATA_MAX_KEY_LEN} characters.",
+                param="metadata",
+            )
+        if not isinstance(v, str):
+            raise errors.InvalidType(
+                f"Invalid type for 'metadata.{k}': expected a string.", param=f"metadata.{k}"
+            )
+        if len(v) > METADATA_MAX_VALUE_LEN:
+            raise errors.InvalidValue(
+                f"Invalid 'metadata.{k}': values may be at most {METADATA_MAX_VALUE_LEN} characters.",
+                param=f"metadata.{k}",
+            )
+
+
+def _range(name: str, value: float | int | None, lo: float, hi: float | None = None) -> None:
+    if value is None:
+        return
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo:g} and {hi:g}" if hi is not None else f"at least {lo:g}"
+        raise errors.InvalidValue(
+            f"Invalid '{name}': {value!r} is out of range; it must be {bound}.", param=name
+        )
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> dict[str, FunctionTool]:
+    fns: dict[str, FunctionTool] = {}
+    if not tools:
+        return fns
+    if len(tools) > MAX_TOOLS:
+        raise errors.InvalidValue(f"Invalid 'tools': at most {MAX_TOOLS} tools are allowed.", param="tools")
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise errors.MissingParameter(
+                f"Missing required parameter: 'tools[{i}].type'.", param=f"tools[{i}].type"
+            )
+        if kind != "function":
+            continue  # kept; rejected only if a request forces its use
+        try:
+            fn = msgspec.convert(tool, FunctionTool)
+        except msgspec.ValidationError as exc:
+            raise _from_validation_error(exc, prefix=f"tools[{i}]") from None
+        if not TOOL_NAME_RE.match(fn.name):
+            raise errors.InvalidValue(
+                f"Invalid 'tools[{i}].name': names may contain only a-z, A-Z, 0-9, underscores "
+                "and dashes, at most 128 characters.",
+                param=f"tools[{i}].name",
+            )
+        if fn.name in fns:
+            raise errors.InvalidValue(
+                f"Invalid 'tools': duplicate function name '{fn.name}'.", param=f"tools[{i}].name"
+            )
+        if fn.parameters is not None and fn.parameters.get("type", "object") != "object":
+            raise errors.InvalidValue(
+                f"Invalid 'tools[{i}].parameters': the schema must have type 'object'.",
+                param=f"tools[{i}].parameters",
+            )
+        fns[fn.name] = fn
+    return fns
+
+
+def _check_tool_choice(
+    choice: str | dict[str, Any] | None, tools: list[dict[str, Any]], fns: dict[str, FunctionTool]
+) -> str | dict[str, Any]:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_STRINGS:
+            raise errors.InvalidValue(
+                f"Invalid value for 'tool_choice': '{choice}'. Supported values are: 'none', "
+                "'auto', 'required' or an object.",
+                param="tool_choice",
+            )
+        if choice == "required" and not tools:
+            raise errors.InvalidValue(
+                "Invalid 'tool_choice': 'required' needs at least one tool in 'tools'.",
+                param="tool_choice",
+            )
+        return choice
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise errors.MissingParameter(
+                "Missing required parameter: 'tool_choice.name'.", param="tool_choice.name"
+            )
+        if name not in fns:
+            raise errors.InvalidValue(
+                f"Tool choice '{name}' not found in 'tools' parameter.", param="tool_choice"
+            )
+        return choice
+    if kind == "allowed_tools":
+        mode = choice.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise errors.InvalidValue(
+                f"Invalid 'tool_choice.mode': '{mode}'. Expected 'auto' or 'required'.",
+                param="tool_choice.mode",
+            )
+        allowed = choice.get("tools")
+        if not isinstance(allowed, list) or not allowed:
+            raise errors.InvalidValue(
+                "Invalid 'tool_choice.tools': expected a non-empty list of tools.",
+                param="tool_choice.tools",
+            )
+        for j, t in enumerate(allowed):
+            if not isinstance(t, dict) or (t.get("type") == "function" and t.get("name") not in fns):
+                raise errors.InvalidValue(
+                    f"Invalid 'tool_choice.tools[{j}]': it names no function in 'tools'.",
+                    param=f"tool_choice.tools[{j}]",
+                )
+        return choice
+    if isinstance(kind, str):
+        # A hosted or custom tool: allowed only if such a tool was declared; even then no
+        # backend can run it, so it is rejected clearly.
+        raise errors.UnsupportedParameter(
+            f"Invalid 'tool_choice': tools of type '{kind}' are not supported by this server.",
+            param="tool_choice",
+        )
+    raise errors.MissingParameter("Missing required parameter: 'tool_choice.type'.", param="tool_choice.type")
+
+
+def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
+    """Check the request's settings and decode its own input items (not the chained context)."""
+    if req.model is None:
+        raise errors.MissingParameter("Missing required parameter: 'model'.", param="model")
+    if not req.model:
+        raise errors.InvalidValue("Invalid 'model': the model name must not be empty.", param="model")
+    if req.input is None and req.previous_response_id is None and req.prompt is None:
+        raise errors.MissingParameter("Missing required parameter: 'input'.", param="input")
+    if req.background:
+        where = "over WebSocket" if websocket else "by this server"
+        raise errors.UnsupportedParameter(
+            f"Background responses are not supported {where}; omit 'background'.", param="background"
+        )
+    if req.conversation is not None:
+        raise errors.UnsupportedParameter(
+            "The 'conversation' parameter is not supported by this server; use "
+            "'previous_response_id' instead.",
+            param="conversation",
+        )
+    if req.prompt is not None:
+        raise errors.UnsupportedParameter(
+            "Prompt templates ('prompt') are not supported by this server.", param="prompt"
+        )
+    if req.stream_id is not None and not STREAM_ID_RE.match(req.stream_id):
+        raise errors.InvalidValue(
+            "The 'stream_id' field must be a non-empty string with at most 256 characters and may "
+            "only contain letters, numbers, underscores, hyphens, and periods.",
+            param="stream_id",
+            code="invalid_stream_id",
+        )
+    _range("temperature", req.temperature, 0, 2)
+    _range("top_p", req.top_p, 0, 1)
+    _range("max_output_tokens", req.max_output_tokens, 1)
+    _range("max_tool_calls", req.max_tool_calls, 1)
+    _range("top_logprobs", req.top_logprobs, 0, 20)
+    if req.truncation is not None and req.truncation not in TRUNCATION_VALUES:
+        raise errors.InvalidValue(
+            f"Invalid value for 'truncation': '{req.truncation}'. Supported values are: 'auto' and "
+            "'disabled'.",
+            param="truncation",
+        )
+    if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
+        raise errors.InvalidValue(
+            f"Invalid value for 'service_tier': '{req.service_tier}'.", param="service_tier"
+        )
+    _check_metadata(req.metadata)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        if not fmt.name:
+            raise errors.MissingParameter(
+                "Missing required parameter: 'text.format.name'.", param="text.format.name"
+            )
+        if fmt.schema is None:
+            raise errors.MissingParameter(
+                "Missing required parameter: 'text.format.schema'.", param="text.format.schema"
+            )
+    tools = req.tools or []
+    fns = _check_tools(tools)
+    choice = _check_tool_choice(req.tool_choice, tools, fns)
+    items = decode_items(req.input)
+    return Prepared(
+        req=req,
+        items=items,
+        tools=tools,
+        function_tools=fns,
+        tool_choice=choice,
+        parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+    )
+
+
+
+
+def item_to_dict(item: Item) -> dict[str, Any]:
+    """The wire form of an item (what ``input_items`` lists and what is stored)."""
+    if isinstance(item, OtherItem):
+        return item.data
+    return msgspec.to_builtins(item)  # type: ignore[no-any-return]
+
+
+def item_from_dict(d: dict[str, Any]) -> Item:
+    """Inverse of :func:`item_to_dict` for stored items (already validated once)."""
+    return decode_item(d, 0, "item")

@@ -1,0 +1,374 @@
+"""One response's event sequence. Sans-I/O: chunks in, frames out.
+
+A :class:`Turn` numbers events from 0 without gaps, assigns ``output_index`` and item ids, opens
+and closes output items, and keeps the final Response object equal to what was streamed (item
+ids, texts and arguments are the same in the stream and in ``response.completed``).
+
+Item life cycle, as a table (DESIGN principle 2). The open item is one of ``None``, ``message``,
+``reasoning`` or ``call:<index>``; a chunk whose target differs from the open item closes it
+(``.done`` events) and opens its own (``.added`` events):
+
+    chunk           target
+    TextDelta       message
+    ReasoningDelta  reasoning
+    ToolCallDelta   call:<index>
+
+Terminal outcomes: ``finish()`` -> ``response.completed``, or ``response.incomplete`` when the
+backend stopped for ``length``/``content_filter``; ``fail()`` -> ``response.failed`` (preceded
+on SSE by the nested ``error`` event when the failure is a transport/backend error).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from hotloop import errors
+from hotloop.protocol import events as ev
+from hotloop.protocol.chunks import (
+    Chunk,
+    Failure,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from hotloop.protocol.events import Frame
+from hotloop.protocol.objects import IdGen, usage_object
+
+_MESSAGE = "message"
+_REASONING = "reasoning"
+
+# Phases of the whole response (a table: which calls are legal in which phase).
+_NEW, _STREAMING, _DONE = "new", "streaming", "done"
+_LEGAL = {
+    "start": {_NEW},
+    "feed": {_STREAMING},
+    "finish": {_STREAMING},
+    "fail": {_NEW, _STREAMING},
+}
+
+
+class TurnStateError(RuntimeError):
+    """A programming error: a call the turn's phase does not allow."""
+
+
+class _OpenItem:
+    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name")
+
+    def __init__(self, key: str, output_index: int, item_id: str) -> None:
+        self.key = key
+        self.output_index = output_index
+        self.item_id = item_id
+        self.parts: list[str] = []
+        self.call_id = ""
+        self.name = ""
+
+
+class Turn:
+    """Build one response's events.
+
+    ``response`` is the in-progress Response object (see :func:`objects.response_object`); the
+    turn owns it from here on and fills ``output``, ``status``, ``usage``, ``completed_at``.
+    ``transport`` is ``"sse"`` or ``"ws"``: it only changes how mid-stream errors are reported.
+    """
+
+    def __init__(
+        self,
+        response: dict[str, Any],
+        *,
+        ids: IdGen,
+        transport: str = "sse",
+        input_tokens: int = 0,
+        cached_tokens: int = 0,
+        max_tool_calls: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.response = response
+        self.ids = ids
+        self.transport = transport
+        self.input_tokens = input_tokens
+        self.cached_tokens = cached_tokens
+        self.max_tool_calls = max_tool_calls
+        self._clock = clock
+        self._seq = 0
+        self._phase = _NEW
+        self._open: _OpenItem | None = None
+        self._output: list[dict[str, Any]] = response["output"]
+        self._closed_calls: set[int] = set()
+        self._calls = 0
+        self._dropped_calls: set[int] = set()
+        self._usage: Usage | None = None
+        self._output_tokens_seen = 0  # deltas counted, used when the backend reports no usage
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _check(self, op: str) -> None:
+        if self._phase not in _LEGAL[op]:
+            raise TurnStateError(f"{op}() is not allowed in phase {self._phase!r}")
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq = seq + 1
+        return seq
+
+    @property
+    def status(self) -> str:
+        return str(self.response["status"])
+
+    @property
+    def done(self) -> bool:
+        return self._phase == _DONE
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def start(self) -> list[Frame]:
+        """``response.created`` and ``response.in_progress``."""
+        self._check("start")
+        self._phase = _STREAMING
+        return [
+            ev.event(ev.CREATED, self._next(), response=self.response),
+            ev.event(ev.IN_PROGRESS, self._next(), response=self.response),
+        ]
+
+    def feed(self, chunk: Chunk) -> list[Frame]:
+        """Events for one backend chunk (usually exactly one delta event)."""
+        self._check("feed")
+        kind = type(chunk)
+        if kind is TextDelta:
+            return self._delta(_MESSAGE, chunk.text)  # type: ignore[union-attr]
+        if kind is ToolCallDelta:
+            return self._call_delta(chunk)  # type: ignore[arg-type]
+        if kind is ReasoningDelta:
+            return self._delta(_REASONING, chunk.text)  # type: ignore[union-attr]
+        if kind is Usage:
+            self._usage = chunk  # type: ignore[assignment]
+            return []
+        if kind is Finish:
+            return self.finish(chunk.reason)  # type: ignore[union-attr]
+        if kind is Failure:
+            return self.fail(
+                errors.ModelError(chunk.message, code=chunk.code),  # type: ignore[union-attr]
+                error_event=False,
+            )
+        raise TypeError(f"unknown chunk {chunk!r}")
+
+    def _delta(self, key: str, text: str) -> list[Frame]:
+        out: list[Frame] = []
+        item = self._open
+        if item is None or item.key != key:
+            item = self._open_item(key, out)
+        if not text:
+            return out
+        item.parts.append(text)
+        self._output_tokens_seen += 1
+        if key == _MESSAGE:
+            out.append(ev.text_delta(self._next(), item.item_id, item.output_index, 0, text))
+        else:
+            out.append(ev.reasoning_delta(self._next(), item.item_id, item.output_index, 0, text))
+        return out
+
+    def _call_delta(self, chunk: ToolCallDelta) -> list[Frame]:
+        out: list[Frame] = []
+        key = f"call:{chunk.index}"
+        item = self._open
+        if item is None or item.key != key:
+            if chunk.index in self._dropped_calls:
+                return out
+            if chunk.index in self._closed_calls:
+                raise TurnStateError(f"tool call {chunk.index} continued after it was closed")
+            if self.max_tool_calls is not None and self._calls >= self.max_tool_calls:
+                # max_tool_calls reached: further calls are not emitted (OpenAI stops calling).
+                self._dropped_calls.add(chunk.index)
+                return out
+            item = self._open_item(key, out, chunk)
+        if chunk.arguments:
+            item.parts.append(chunk.arguments)
+            self._output_tokens_seen += 1
+            out.append(ev.arguments_delta(self._next(), item.item_id, item.output_index, chunk.arguments))
+        return out
+
+    def _open_item(self, key: str, out: list[Frame], call: ToolCallDelta | None = None) -> _OpenItem:
+        if self._open is not None:
+            self._close_item("completed", out)
+        index = len(self._output)
+        if key == _MESSAGE:
+            item = _OpenItem(key, index, self.ids.new("msg"))
+            obj: dict[str, Any] = {
+                "id": item.item_id,
+                "type": "message",
+                "status": "in_progress",
+                "content": [],
+                "role": "assistant",
+            }
+            part: dict[str, Any] | None = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        elif key == _REASONING:
+            item = _OpenItem(key, index, self.ids.new("rs"))
+            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            assert call is not None
+            item = _OpenItem(key, index, self.ids.new("fc"))
+            item.call_id = call.call_id or self.ids.new("call")
+            item.name = call.name or ""
+            self._calls += 1
+            obj = {
+                "id": item.item_id,
+                "type": "function_call",
+                "status": "in_progress",
+                "arguments": "",
+                "call_id": item.call_id,
+                "name": item.name,
+            }
+            part = None
+        self._open = item
+        self._output.append(obj)
+        out.append(ev.event(ev.OUTPUT_ITEM_ADDED, self._next(), output_index=index, item=obj))
+        if part is not None:
+            out.append(
+                ev.event(
+                    ev.CONTENT_PART_ADDED,
+                    self._next(),
+                    item_id=item.item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        return item
+
+    def _close_item(self, status: str, out: list[Frame]) -> None:
+        item = self._open
+        if item is None:
+            return
+        self._open = None
+        text = "".join(item.parts)
+        idx = item.output_index
+        if item.key == _MESSAGE:
+            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+            out.append(
+                ev.event(
+                    ev.OUTPUT_TEXT_DONE,
+                    self._next(),
+                    item_id=item.item_id,
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+            )
+            out.append(
+                ev.event(ev.CONTENT_PART_DONE, self._next(), item_id=item.item_id, output_index=idx, content_index=0, part=part)
+            )
+            obj = {
+                "id": item.item_id,
+                "type": "message",
+                "status": status,
+                "content": [part],
+                "role": "assistant",
+            }
+        elif item.key == _REASONING:
+            part = {"type": "reasoning_text", "text": text}
+            out.append(
+                ev.event(
+                    ev.REASONING_TEXT_DONE,
+                    self._next(),
+                    item_id=item.item_id,
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                )
+            )
+            out.append(
+                ev.event(ev.CONTENT_PART_DONE, self._next(), item_id=item.item_id, output_index=idx, content_index=0, part=part)
+            )
+            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [part]}
+        else:
+            index = int(item.key[5:])
+            self._closed_calls.add(index)
+            out.append(
+                ev.event(
+                    ev.FUNCTION_CALL_ARGUMENTS_DONE,
+                    self._next(),
+                    item_id=item.item_id,
+                    output_index=idx,
+                    name=item.name,
+                    arguments=text,
+                )
+            )
+            obj = {
+                "id": item.item_id,
+                "type": "function_call",
+                "status": status,
+                "arguments": text,
+                "call_id": item.call_id,
+                "name": item.name,
+            }
+        self._output[idx] = obj
+        out.append(ev.event(ev.OUTPUT_ITEM_DONE, self._next(), output_index=idx, item=obj))
+
+    def _final_usage(self) -> dict[str, Any]:
+        u = self._usage
+        input_tokens = self.input_tokens
+        cached = self.cached_tokens
+        output_tokens = self._output_tokens_seen
+        reasoning = 0
+        if u is not None:
+            if u.input_tokens is not None:
+                input_tokens = u.input_tokens
+            if u.output_tokens is not None:
+                output_tokens = u.output_tokens
+            if u.cached_tokens is not None:
+                cached = u.cached_tokens
+            if u.reasoning_tokens is not None:
+                reasoning = u.reasoning_tokens
+        return usage_object(input_tokens, output_tokens, min(cached, input_tokens), reasoning)
+
+    def finish(self, reason: str = "stop") -> list[Frame]:
+        """Close the open item and end with ``completed`` (or ``incomplete`` on a token limit)."""
+        self._check("finish")
+        out: list[Frame] = []
+        incomplete = reason in ("length", "content_filter")
+        self._close_item("incomplete" if incomplete else "completed", out)
+        r = self.response
+        r["usage"] = self._final_usage()
+        if incomplete:
+            r["status"] = "incomplete"
+            r["incomplete_details"] = {
+                "reason": "max_output_tokens" if reason == "length" else "content_filter"
+            }
+            kind = ev.INCOMPLETE
+        else:
+            r["status"] = "completed"
+            kind = ev.COMPLETED
+        r["completed_at"] = int(self._clock())
+        self._phase = _DONE
+        out.append(ev.event(kind, self._next(), response=r))
+        return out
+
+    def fail(self, err: errors.HotloopError, *, error_event: bool = True) -> list[Frame]:
+        """End with ``response.failed``.
+
+        Open items are closed with status ``incomplete`` first, so every ``.added`` has its
+        ``.done``. With ``error_event`` (a transport/backend error) SSE streams get the nested
+        ``error`` event first, as OpenAI sends; WebSocket streams never do, because a client that
+        ends the turn at the error frame would read the following ``response.failed`` as the
+        first frame of its *next* turn. WebSocket errors before ``response.created`` are sent by
+        the session as error frames instead.
+        """
+        self._check("fail")
+        out: list[Frame] = []
+        if self._phase == _NEW:
+            self._phase = _STREAMING
+            out.append(ev.event(ev.CREATED, self._next(), response=self.response))
+        self._close_item("incomplete", out)
+        if error_event and self.transport == "sse":
+            out.append(ev.sse_error(err, self._next()))
+        r = self.response
+        r["status"] = "failed"
+        r["error"] = {"code": err.code or "server_error", "message": err.message}
+        r["usage"] = self._final_usage() if self._output else None
+        self._phase = _DONE
+        out.append(ev.event(ev.FAILED, self._next(), response=r))
+        return out

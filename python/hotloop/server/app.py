@@ -1,0 +1,444 @@
+"""The ASGI application: HTTP routes, SSE streaming and WebSocket mode on ``/v1/responses``.
+
+No protocol decisions are made here: requests are decoded by :mod:`hotloop.protocol.request`,
+events come from :mod:`hotloop.protocol.turn` via the :class:`~hotloop.server.engine.Engine`, and
+WebSocket frames go through the sans-I/O :class:`~hotloop.protocol.session.Session`.
+
+Every HTTP response carries ``x-request-id``. Errors are rendered in the OpenAI shape; anything
+unexpected is logged and answered with a generic 500 (no internals reach a client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qs
+
+import msgspec
+
+from hotloop import __version__, errors, tokenizer
+from hotloop.backends.base import Backend
+from hotloop.config import Config
+from hotloop.pipeline.post import Persistence
+from hotloop.pipeline.prepare import prepare
+from hotloop.protocol import events as ev
+from hotloop.protocol.request import decode_body, item_to_dict, validate
+from hotloop.protocol.session import Close, RunCreate, SendError, Session
+from hotloop.server.engine import Engine, Run
+from hotloop.state.context import ConnectionCache
+
+log = logging.getLogger("hotloop.server")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_encode = msgspec.json.Encoder().encode
+
+
+def _request_id() -> str:
+    return "req_" + secrets.token_hex(16)
+
+
+class HotloopApp:
+    """ASGI 3 application. Create with a config, a backend and a persistence layer."""
+
+    def __init__(self, config: Config, backend: Backend, persistence: Persistence) -> None:
+        self.config = config
+        self.backend = backend
+        self.persistence = persistence
+        self.engine = Engine(config, backend, persistence)
+        self.started_at = time.time()
+        self._api_key = config.api_key.encode() if config.api_key else None
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    # -- ASGI entry ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._websocket(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": "start-up failed (see log)"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, tokenizer.preload)
+        await self.backend.start()
+        self.persistence.start()
+
+    async def shutdown(self) -> None:
+        await self.backend.close()
+        await self.persistence.close()
+
+    # -- auth ----------------------------------------------------------------------------------
+
+    def _check_auth(self, scope: Scope) -> None:
+        if self._api_key is None:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._api_key):
+                    return
+                break
+        raise errors.AuthenticationFailed("Incorrect API key provided.")
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = _request_id()
+        started = False
+
+        async def respond(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+            nonlocal started
+            started = True
+            hdrs = [_JSON, (b"x-request-id", rid.encode())] + (headers or [])
+            await send({"type": "http.response.start", "status": status, "headers": hdrs})
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            await self._route(scope, receive, send, respond, rid)
+        except errors.HotloopError as exc:
+            if not started:
+                hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+                if exc.status == 429 or exc.status >= 500:
+                    hdrs.append((b"x-should-retry", b"true"))
+                await respond(exc.status, ev.http_error_body(exc), hdrs)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await respond(500, ev.http_error_body(errors.ServerError()))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+        method = scope["method"]
+        path: str = scope["path"].rstrip("/") or "/"
+        if path in ("/healthz", "/health"):
+            body = _encode(
+                {
+                    "status": "ok",
+                    "version": __version__,
+                    "backend": self.backend.name,
+                    "active_responses": self.engine.active,
+                    "uptime_seconds": round(time.time() - self.started_at, 3),
+                }
+            )
+            return await respond(200, body)
+        self._check_auth(scope)
+        if path == "/v1/responses":
+            if method != "POST":
+                raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
+            return await self._create(scope, receive, send, respond, rid)
+        if path == "/v1/models":
+            self._method(method, "GET")
+            models = await self.backend.list_models()
+            return await respond(200, _encode({"object": "list", "data": models}))
+        if path.startswith("/v1/models/"):
+            self._method(method, "GET")
+            model_id = path[len("/v1/models/") :]
+            for m in await self.backend.list_models():
+                if m["id"] == model_id:
+                    return await respond(200, _encode(m))
+            raise errors.ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+        if path == "/v1/responses/input_tokens":
+            self._method(method, "POST")
+            return await self._input_tokens(receive, respond)
+        if path.startswith("/v1/responses/"):
+            rest = path[len("/v1/responses/") :].split("/")
+            rid_ = rest[0]
+            if len(rest) == 1:
+                if method == "GET":
+                    return await self._retrieve(rid_, respond)
+                if method == "DELETE":
+                    return await self._delete(rid_, respond)
+                raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.")
+            if len(rest) == 2 and rest[1] == "input_items":
+                self._method(method, "GET")
+                return await self._input_items(rid_, scope, respond)
+            if len(rest) == 2 and rest[1] == "cancel":
+                self._method(method, "POST")
+                return await self._cancel(rid_)
+        raise errors.NotFound(f"Unknown route: {method} {path}.")
+
+    @staticmethod
+    def _method(method: str, allowed: str) -> None:
+        if method != allowed:
+            raise errors.MethodNotAllowed(f"Method {method} is not allowed here; use {allowed}.")
+
+    async def _body(self, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise asyncio.CancelledError()
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > limit:
+                raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            chunks.append(body)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+        req = decode_body(await self._body(receive))
+        if not req.stream:
+            run = await self.engine.start(req, transport="json")
+            response = await run.drain()
+            if response["status"] == "failed":
+                err = response.get("error") or {}
+                exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
+                raise exc
+            return await respond(200, _encode(response))
+        run = await self.engine.start(req, transport="sse")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())],
+            }
+        )
+        sse = ev.sse
+        try:
+            async with contextlib.aclosing(run.frames()) as frames:
+                async for batch in frames:
+                    await send({"type": "http.response.body", "body": b"".join([sse(f) for f in batch]), "more_body": True})
+        finally:
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _retrieve(self, response_id: str, respond: Any) -> None:
+        hit = self.engine.responses.get(response_id)
+        response = hit.response if hit is not None else await self.persistence.get_response(response_id)
+        if response is None:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        await respond(200, _encode(response))
+
+    async def _delete(self, response_id: str, respond: Any) -> None:
+        self.engine.responses.evict(response_id)
+        self.persistence.deleted.add(response_id)
+        if not await self.persistence.delete(response_id):
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        await respond(200, _encode({"id": response_id, "object": "response", "deleted": True}))
+
+    async def _cancel(self, response_id: str) -> None:
+        known = self.engine.responses.get(response_id) is not None or (
+            await self.persistence.get_response(response_id) is not None
+        )
+        if not known:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        raise errors.InvalidRequest(
+            "Only responses created with the 'background' parameter set to true can be cancelled."
+        )
+
+    async def _input_items(self, response_id: str, scope: Scope, respond: Any) -> None:
+        q = parse_qs(scope.get("query_string", b"").decode())
+        after = q.get("after", [None])[0]
+        order = q.get("order", ["desc"])[0]
+        if order not in ("asc", "desc"):
+            raise errors.InvalidValue(f"Invalid 'order': '{order}'. Expected 'asc' or 'desc'.", param="order")
+        try:
+            limit = int(q.get("limit", ["20"])[0])
+        except ValueError:
+            raise errors.InvalidType("Invalid 'limit': expected an integer.", param="limit") from None
+        if not 1 <= limit <= 100:
+            raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
+        hit = self.engine.responses.get(response_id)
+        if hit is not None:
+            from hotloop.state.store import page_items
+
+            page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
+            result: Any = False if page is None else page
+        else:
+            result = await self.persistence.input_items(response_id, after, limit, order)
+        if result is None:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        if result is False:
+            raise errors.InvalidValue(f"Invalid 'after': no item with id '{after}'.", param="after")
+        data, has_more = result
+        body = {
+            "object": "list",
+            "data": data,
+            "first_id": data[0].get("id") if data else None,
+            "last_id": data[-1].get("id") if data else None,
+            "has_more": has_more,
+        }
+        await respond(200, _encode(body))
+
+    async def _input_tokens(self, receive: Receive, respond: Any) -> None:
+        req = decode_body(await self._body(receive))
+        p = validate(req)
+        parent = await self.engine.resolve(req.previous_response_id, None)
+        plan = prepare(p, parent, self.engine.ids, self.engine.tokens)
+        await respond(200, _encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": plan.input_tokens}))
+
+    # -- WebSocket mode ------------------------------------------------------------------------
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        msg = await receive()
+        if msg["type"] != "websocket.connect":
+            return
+        path = scope["path"].rstrip("/")
+        try:
+            if path != "/v1/responses":
+                raise errors.NotFound(f"WebSocket mode is served on /v1/responses, not {path}.")
+            self._check_auth(scope)
+        except errors.HotloopError as exc:
+            await self._reject(scope, send, exc)
+            return
+        await send({"type": "websocket.accept"})
+        conn = _Connection(self, send)
+        await conn.serve(receive)
+
+    async def _reject(self, scope: Scope, send: Send, exc: errors.HotloopError) -> None:
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": exc.status,
+                    "headers": [_JSON, (b"x-request-id", _request_id().encode())],
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": ev.http_error_body(exc)})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+
+class _Connection:
+    """One WebSocket connection: a reader feeding the session, a worker running actions in order."""
+
+    def __init__(self, app: HotloopApp, send: Send) -> None:
+        self.app = app
+        self._send = send
+        cfg = app.config
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.session = Session(opened_at=loop.time(), max_age=cfg.ws_connection_max_age, max_queued=cfg.ws_max_queued)
+        self.cache = ConnectionCache(cfg.ws_cache_entries)
+        # Bounded: a client that floods frames stops being read until the worker catches up.
+        self.actions: asyncio.Queue[Any] = asyncio.Queue(cfg.ws_max_queued + 8)
+        self.closed = False
+
+    async def send_frame(self, payload: bytes) -> None:
+        await self._send({"type": "websocket.send", "text": payload.decode()})
+
+    async def serve(self, receive: Receive) -> None:
+        worker = asyncio.create_task(self._work())
+        reader = asyncio.create_task(self._read(receive))
+        try:
+            done, _ = await asyncio.wait({worker, reader}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is not None and not isinstance(t.exception(), _Disconnected):
+                    log.error("websocket connection task failed", exc_info=t.exception())
+        finally:
+            self.closed = True
+            for t in (worker, reader):
+                t.cancel()
+            for t in (worker, reader):
+                with contextlib.suppress(BaseException):
+                    await t
+            self.cache.clear()
+
+    async def _read(self, receive: Receive) -> None:
+        session = self.session
+        idle_deadline = self.loop.call_at(session.opened_at + session.max_age, self._expire)
+        try:
+            while True:
+                msg = await receive()
+                kind = msg["type"]
+                if kind == "websocket.disconnect":
+                    raise _Disconnected()
+                if kind != "websocket.receive":
+                    continue
+                data = msg.get("text")
+                if data is None:
+                    data = msg.get("bytes", b"")
+                for action in session.receive(data, self.loop.time()):
+                    await self.actions.put(action)
+        finally:
+            idle_deadline.cancel()
+
+    def _expire(self) -> None:
+        # The connection reached its age limit: tell the client once the queue is empty.
+        if not self.session.closing:
+            self.session.closing = True
+            with contextlib.suppress(asyncio.QueueFull):
+                self.actions.put_nowait(SendError(self.session.limit_error()))
+                self.actions.put_nowait(Close(1001, "connection limit reached"))
+
+    async def _work(self) -> None:
+        engine = self.app.engine
+        while True:
+            action = await self.actions.get()
+            if isinstance(action, SendError):
+                await self.send_frame(ev.ws_error(action.error, action.stream_id)[1])
+            elif isinstance(action, Close):
+                await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
+                raise _Disconnected()
+            elif isinstance(action, RunCreate):
+                try:
+                    await self._run(engine, action)
+                finally:
+                    self.session.done()
+
+    async def _run(self, engine: Engine, action: RunCreate) -> None:
+        req = action.request
+        stream_id = req.stream_id
+        try:
+            run: Run = await engine.start(req, transport="ws", conn=self.cache, websocket=True)
+        except errors.HotloopError as exc:
+            await self.send_frame(ev.ws_error(exc, stream_id)[1])
+            return
+        except Exception:
+            log.exception("unhandled error starting a websocket response")
+            await self.send_frame(ev.ws_error(errors.ServerError(), stream_id)[1])
+            return
+        suffix = _stream_id_suffix(stream_id)
+        send = self._send
+        async with contextlib.aclosing(run.frames()) as frames:
+            async for batch in frames:
+                for _, payload in batch:
+                    if suffix:
+                        payload = payload[:-1] + suffix
+                    await send({"type": "websocket.send", "text": payload.decode()})
+
+
+def _stream_id_suffix(stream_id: str | None) -> bytes:
+    """Named lanes echo ``stream_id`` on every event; spliced in before the closing brace."""
+    if stream_id is None:
+        return b""
+    return b',"stream_id":' + _encode(stream_id) + b"}"
+
+
+class _Disconnected(Exception):
+    pass

@@ -1,0 +1,238 @@
+"""Running one response: resolve, prepare, call the backend, drive the turn, then bookkeeping.
+
+Transport-neutral: HTTP (JSON and SSE) and WebSocket handlers call :meth:`Engine.start`, which does
+everything that can fail *before* the first event (validation, ``previous_response_id``, the
+backend's first chunk), raising :class:`hotloop.errors.HotloopError` so the caller can answer with
+an HTTP error or a WebSocket error frame. The returned :class:`Run` then yields batches of frames;
+failures after that point become ``response.failed`` inside the stream.
+
+After the terminal event the finished response is cached (the connection's cache and, if stored,
+the process-wide cache) and handed to :class:`hotloop.pipeline.post.Persistence`, which writes it
+off the critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from hotloop import errors
+from hotloop.backends.base import Backend, BackendRequest
+from hotloop.config import Config
+from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.post import Persistence
+from hotloop.pipeline.prepare import Plan, finished, prepare
+from hotloop.protocol.chunks import Chunk, Finish
+from hotloop.protocol.events import Frame
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import CreateRequest, Prepared, validate
+from hotloop.protocol.turn import Turn
+from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache
+
+log = logging.getLogger("hotloop.engine")
+
+
+async def _warmup() -> AsyncIterator[Chunk]:
+    """``generate: false``: no model call, an empty completed response."""
+    yield Finish("stop")
+
+
+class Engine:
+    def __init__(self, config: Config, backend: Backend, persistence: Persistence) -> None:
+        self.config = config
+        self.backend = backend
+        self.persistence = persistence
+        self.ids = IdGen()
+        self.tokens = itemlib.TokenCache(config.token_cache_entries)
+        self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
+        self.active = 0
+        self.completed = 0
+
+    # -- resolving the parent ------------------------------------------------------------------
+
+    async def resolve(self, response_id: str | None, conn: ConnectionCache | None) -> CachedResponse | None:
+        if response_id is None:
+            return None
+        if conn is not None:
+            hit = conn.get(response_id)
+            if hit is not None:
+                return hit
+        hit = self.responses.get(response_id)
+        if hit is None and response_id not in self.persistence.deleted:
+            hit = await self.persistence.load(response_id)
+            if hit is not None:
+                self.responses.put(hit)
+        if hit is None:
+            raise errors.PreviousResponseNotFound(response_id)
+        return hit
+
+    # -- one response --------------------------------------------------------------------------
+
+    def backend_request(self, plan: Plan) -> BackendRequest:
+        p = plan.prepared
+        req = p.req
+        return BackendRequest(
+            model=req.model or self.backend.default_model,
+            instructions=req.instructions,
+            items=plan.context.items,
+            tools=list(p.function_tools.values()),
+            tool_choice=p.tool_choice,
+            parallel_tool_calls=p.parallel_tool_calls,
+            max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            text_format=req.text.format if req.text is not None else None,
+            reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
+            prompt_cache_key=req.prompt_cache_key,
+            service_tier=req.service_tier,
+            metadata=req.metadata or {},
+            input_tokens=plan.input_tokens,
+            user=req.safety_identifier or req.user,
+        )
+
+    async def start(
+        self,
+        req: CreateRequest,
+        *,
+        transport: str,
+        conn: ConnectionCache | None = None,
+        websocket: bool = False,
+    ) -> "Run":
+        """Everything before the first event. Raises ``HotloopError``; evicts on failure."""
+        try:
+            p = validate(req, websocket=websocket)
+            parent = await self.resolve(req.previous_response_id, conn)
+            plan = prepare(p, parent, self.ids, self.tokens)
+            if req.generate is False:
+                stream: AsyncIterator[Chunk] = _warmup()
+            else:
+                stream = self.backend.stream(self.backend_request(plan))
+            first = await self._first(stream)
+        except errors.HotloopError:
+            self._evict(req, conn)
+            raise
+        response = response_object(p, self.ids.new("resp"), int(time.time()), model=req.model)
+        turn = Turn(
+            response,
+            ids=self.ids,
+            transport=transport,
+            input_tokens=plan.input_tokens,
+            cached_tokens=plan.cached_tokens,
+            max_tool_calls=req.max_tool_calls,
+        )
+        return Run(self, plan, p, turn, first, stream, conn)
+
+    async def _first(self, stream: AsyncIterator[Chunk]) -> Chunk:
+        try:
+            async with asyncio.timeout(self.config.backend_timeout):
+                return await anext(stream)
+        except TimeoutError:
+            await _aclose(stream)
+            raise errors.BackendTimeout("The model backend did not answer in time.") from None
+        except StopAsyncIteration:
+            raise errors.BackendError("The model backend ended the stream without output.") from None
+        except errors.HotloopError:
+            await _aclose(stream)
+            raise
+        except Exception:
+            await _aclose(stream)
+            log.exception("backend failed before the first chunk")
+            raise errors.BackendError("The model backend failed.") from None
+
+    def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
+        # A failed continuation evicts the referenced response from the connection's cache
+        # (OpenAI WebSocket mode). Stored responses stay loadable from the store.
+        if conn is not None and req.previous_response_id is not None:
+            conn.evict(req.previous_response_id, req.stream_id)
+
+    async def complete(self, run: "Run") -> None:
+        r = run.turn.response
+        if r["status"] in ("completed", "incomplete"):
+            entry = finished(run.plan, r, self.tokens)
+            if run.conn is not None:
+                run.conn.put(entry, run.prepared.req.stream_id)
+            if entry.store:
+                self.responses.put(entry)
+            await self.persistence.submit(entry)
+            self.completed += 1
+        else:
+            self._evict(run.prepared.req, run.conn)
+
+
+async def _aclose(stream: AsyncIterator[Chunk]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # closing a broken backend stream must not mask the real error
+            log.debug("closing the backend stream failed", exc_info=True)
+
+
+class Run:
+    """One response in flight: iterate it for batches of frames (terminal event last)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        plan: Plan,
+        prepared: Prepared,
+        turn: Turn,
+        first: Chunk,
+        stream: AsyncIterator[Chunk],
+        conn: ConnectionCache | None,
+    ) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.prepared = prepared
+        self.turn = turn
+        self._first = first
+        self._stream = stream
+        self.conn = conn
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return self.turn.response
+
+    async def frames(self) -> AsyncIterator[list[Frame]]:
+        turn = self.turn
+        engine = self.engine
+        engine.active += 1
+        try:
+            yield turn.start() + turn.feed(self._first)
+            if not turn.done:
+                loop = asyncio.get_running_loop()
+                idle = engine.config.backend_idle_timeout
+                stream = self._stream
+                try:
+                    async with asyncio.timeout_at(loop.time() + idle) as deadline:
+                        async for chunk in stream:
+                            deadline.reschedule(loop.time() + idle)
+                            out = turn.feed(chunk)
+                            if out:
+                                yield out
+                            if turn.done:
+                                break
+                except TimeoutError:
+                    yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
+                except errors.HotloopError as exc:
+                    yield turn.fail(exc)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("backend stream failed")
+                    yield turn.fail(errors.BackendError("The model backend failed."))
+                else:
+                    if not turn.done:
+                        yield turn.fail(errors.BackendError("The model backend ended the stream early."))
+        finally:
+            engine.active -= 1
+            await _aclose(self._stream)
+        await engine.complete(self)
+
+    async def drain(self) -> dict[str, Any]:
+        """Run to the end without streaming (non-streaming HTTP); the final Response."""
+        async for _ in self.frames():
+            pass
+        return self.turn.response

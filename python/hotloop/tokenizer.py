@@ -1,0 +1,86 @@
+"""The o200k_base tokenizer, built offline from the vocabulary shipped in the package.
+
+tiktoken would download the vocabulary at first use, which fails on machines without network, so
+the file ships as package data (``data/o200k_base.tiktoken.gz``), is checked against its published
+sha256, and is turned into a :class:`tiktoken.Encoding` once per process (~0.5 s; call
+:func:`preload` at start-up, off the event loop).
+
+Token counts are cached *per item* by the pipeline: splitting text at arbitrary offsets changes
+tokens at the seam, while each chat item sits between special tokens, so per-item counts add up.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import threading
+from importlib import resources
+
+import tiktoken
+
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+
+# The pattern of tiktoken_ext/openai_public.py for o200k_base.
+O200K_PAT = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+SPECIAL_TOKENS = {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}
+
+# Tokens a chat format spends around each item (role header and separators): the count OpenAI's
+# cookbook uses for its chat models. Added per item by the pipeline, plus a few per request.
+TOKENS_PER_ITEM = 4
+TOKENS_PER_REQUEST = 3
+
+_lock = threading.Lock()
+_encoding: tiktoken.Encoding | None = None
+
+
+class VocabularyError(RuntimeError):
+    """The shipped vocabulary is missing or corrupt (a broken installation)."""
+
+
+def _load() -> tiktoken.Encoding:
+    raw = gzip.decompress(resources.files("hotloop").joinpath("data/o200k_base.tiktoken.gz").read_bytes())
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != O200K_SHA256:
+        raise VocabularyError(f"o200k_base vocabulary checksum mismatch: {digest}")
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+    return tiktoken.Encoding(
+        name="o200k_base", pat_str=O200K_PAT, mergeable_ranks=ranks, special_tokens=SPECIAL_TOKENS
+    )
+
+
+def encoding() -> tiktoken.Encoding:
+    """The process-wide encoding (built on first use)."""
+    global _encoding
+    enc = _encoding
+    if enc is None:
+        with _lock:
+            if _encoding is None:
+                _encoding = _load()
+            enc = _encoding
+    return enc
+
+
+def preload() -> None:
+    encoding()
+
+
+def count(text: str) -> int:
+    """Tokens in ``text`` (special-token text counted as ordinary text, never rejected)."""
+    if not text:
+        return 0
+    return len(encoding().encode_ordinary(text))
+
+
+def encode(text: str) -> list[int]:
+    return encoding().encode_ordinary(text)
