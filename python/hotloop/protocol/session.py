@@ -40,10 +40,10 @@ Action = Union[RunCreate, SendError, Close]
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 _UNSUPPORTED = {
-    ev.CLIENT_STEER: "Steering ('response.steer') is not supported by this server.",
-    ev.CLIENT_INJECT: "'response.inject' is not supported by this server.",
-    ev.CLIENT_APPEND: "'response.append' (the 2026-02-04 beta) is not supported; use "
-    "'response.create' with 'previous_response_id'.",
+    ev.CLIENT_STEER: f"Steering ('{ev.CLIENT_STEER}') is not supported by this server.",
+    ev.CLIENT_INJECT: f"'{ev.CLIENT_INJECT}' is not supported by this server.",
+    ev.CLIENT_APPEND: f"'{ev.CLIENT_APPEND}' (the 2026-02-04 beta) is not supported; use "
+    f"'{ev.CLIENT_CREATE}' with 'previous_response_id'.",
 }
 
 
@@ -100,8 +100,8 @@ class Session:
             return [
                 SendError(
                     errors.InvalidValue(
-                        f"Invalid 'type': {kind!r}. Supported client events are 'response.create' and "
-                        "'response.processed'.",
+                        f"Invalid 'type': {kind!r}. Supported client events are '{ev.CLIENT_CREATE}' "
+                        f"and '{ev.CLIENT_PROCESSED}'.",
                         param="type",
                     ),
                     stream_id,
@@ -114,7 +114,7 @@ class Session:
             return [
                 SendError(
                     errors.QueueFull(
-                        f"Too many queued 'response.create' events on this connection (limit "
+                        f"Too many queued '{ev.CLIENT_CREATE}' events on this connection (limit "
                         f"{self.max_queued}); wait for responses to complete.",
                     ),
                     stream_id,

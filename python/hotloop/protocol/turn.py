@@ -20,7 +20,6 @@ on SSE by the nested ``error`` event when the failure is a transport/backend err
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 from hotloop import errors
@@ -83,7 +82,7 @@ class Turn:
         input_tokens: int = 0,
         cached_tokens: int = 0,
         max_tool_calls: int | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float],
     ) -> None:
         self.response = response
         self.ids = ids

@@ -121,6 +121,7 @@ class Engine:
             input_tokens=plan.input_tokens,
             cached_tokens=plan.cached_tokens,
             max_tool_calls=req.max_tool_calls,
+            clock=time.time,
         )
         return Run(self, plan, p, turn, first, stream, conn)
 

@@ -1,0 +1,80 @@
+"""Shared fixtures: a real ``hotloop serve`` process on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log = log
+        self.base = f"http://127.0.0.1:{port}"
+        self.v1 = self.base + "/v1"
+        self.ws = f"ws://127.0.0.1:{port}/v1"
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def run_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Start ``python -m hotloop serve`` with ``args``; wait for /healthz; stop it afterwards."""
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("HOTLOOP_DATA_DIR", str(tmp / f"data-{port}"))
+    cmd = [sys.executable, "-m", "hotloop", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+    server = Server(proc, port, log)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{server.logs()}")
+            try:
+                if httpx.get(server.base + "/healthz", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{server.logs()}")
+            time.sleep(0.05)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        tail = server.logs()
+        assert "Traceback" not in tail, f"server logged a traceback:\n{tail}"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default server: simulator (unpaced for speed), SQLite store in a temp dir."""
+    with run_server(tmp_path_factory.mktemp("server"), "--sim-rate", "0") as s:
+        yield s

@@ -1,0 +1,179 @@
+"""The turn state machine, fed chunks directly (sans-I/O)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hotloop import errors
+from hotloop.protocol.chunks import Failure, Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import decode_body, validate
+from hotloop.protocol.turn import Turn, TurnStateError
+
+
+def make_turn(body: dict | None = None, transport: str = "sse", **kw) -> Turn:
+    body = body or {"model": "m", "input": "hi"}
+    p = validate(decode_body(json.dumps(body)))
+    ids = IdGen(deterministic=True)
+    return Turn(response_object(p, ids.new("resp"), 1000), ids=ids, transport=transport, clock=lambda: 1001.0, **kw)
+
+
+def run(turn: Turn, chunks) -> list[dict]:
+    frames = turn.start()
+    for c in chunks:
+        frames += turn.feed(c)
+    out = [json.loads(p) for _, p in frames]
+    for (t, _), obj in zip(frames, out):
+        assert obj["type"] == t
+    return out
+
+
+def check_invariants(events: list[dict]) -> None:
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done
+    final = events[-1]["response"]
+    assert [o["id"] for o in final["output"]] == done
+    for e in events:
+        if e["type"] == "response.output_item.done":
+            assert final["output"][e["output_index"]] == e["item"]
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def test_text_sequence() -> None:
+    ev = run(make_turn(input_tokens=7), [TextDelta("Hel"), TextDelta("lo"), Usage(output_tokens=2), Finish()])
+    assert types(ev) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    check_invariants(ev)
+    final = ev[-1]["response"]
+    assert final["status"] == "completed" and final["completed_at"] == 1001
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["usage"] == {
+        "input_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 9,
+    }
+    assert ev[0]["response"]["status"] == "in_progress"
+    assert ev[4]["logprobs"] == [] and ev[4]["content_index"] == 0
+
+
+def test_function_calls_parallel_and_after_text() -> None:
+    chunks = [
+        TextDelta("Let me check."),
+        ToolCallDelta(0, call_id="call_a", name="get_weather"),
+        ToolCallDelta(0, arguments='{"city":'),
+        ToolCallDelta(0, arguments='"Paris"}'),
+        ToolCallDelta(1, call_id="call_b", name="get_time", arguments="{}"),
+        Finish("tool_calls"),
+    ]
+    ev = run(make_turn(), chunks)
+    check_invariants(ev)
+    t = types(ev)
+    assert t.count("response.function_call_arguments.delta") == 3
+    done = [e for e in ev if e["type"] == "response.function_call_arguments.done"]
+    assert [d["arguments"] for d in done] == ['{"city":"Paris"}', "{}"]
+    assert [d["name"] for d in done] == ["get_weather", "get_time"]
+    final = ev[-1]["response"]
+    assert final["status"] == "completed"
+    calls = [o for o in final["output"] if o["type"] == "function_call"]
+    assert [(c["call_id"], c["status"], c["output_index"] if "output_index" in c else None) for c in calls] == [
+        ("call_a", "completed", None),
+        ("call_b", "completed", None),
+    ]
+    arg_deltas = [e for e in ev if e["type"] == "response.function_call_arguments.delta"]
+    assert all("content_index" not in e for e in arg_deltas)
+    assert [e["output_index"] for e in arg_deltas] == [1, 1, 2]
+
+
+def test_reasoning_then_answer_counts_reasoning_tokens() -> None:
+    ev = run(make_turn(), [ReasoningDelta("think"), TextDelta("ok"), Usage(output_tokens=2, reasoning_tokens=1), Finish()])
+    check_invariants(ev)
+    assert "response.reasoning_text.delta" in types(ev)
+    final = ev[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 1
+
+
+def test_incomplete_on_length() -> None:
+    ev = run(make_turn({"model": "m", "input": "x", "max_output_tokens": 2}), [TextDelta("a"), TextDelta("b"), Finish("length")])
+    check_invariants(ev)
+    final = ev[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_model_failure_is_plain_failed() -> None:
+    ev = run(make_turn(), [TextDelta("a"), Failure(code="server_error", message="boom")])
+    check_invariants(ev)
+    assert "error" not in types(ev)
+    assert ev[-1]["type"] == "response.failed"
+    assert ev[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}
+    assert ev[-1]["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_backend_error_sse_gets_nested_error_event() -> None:
+    turn = make_turn()
+    frames = turn.start() + turn.feed(TextDelta("a"))
+    frames += turn.fail(errors.RateLimited("slow down", retry_after=1.5))
+    ev = [json.loads(p) for _, p in frames]
+    assert types(ev)[-2:] == ["error", "response.failed"]
+    assert ev[-2]["error"]["code"] == "rate_limit_exceeded"
+    assert "sequence_number" in ev[-2]
+    check_invariants([e for e in ev])
+
+
+def test_backend_error_ws_has_no_error_frame() -> None:
+    turn = make_turn(transport="ws")
+    frames = turn.start() + turn.feed(TextDelta("a")) + turn.fail(errors.BackendError("down"))
+    assert [t for t, _ in frames][-1] == "response.failed"
+    assert "error" not in [t for t, _ in frames]
+
+
+def test_max_tool_calls_drops_extra_calls() -> None:
+    chunks = [
+        ToolCallDelta(0, call_id="c0", name="f", arguments="{}"),
+        ToolCallDelta(1, call_id="c1", name="f", arguments="{}"),
+        ToolCallDelta(1, arguments=" "),
+        Finish("tool_calls"),
+    ]
+    ev = run(make_turn(max_tool_calls=1), chunks)
+    check_invariants(ev)
+    assert len(ev[-1]["response"]["output"]) == 1
+
+
+def test_illegal_calls_raise() -> None:
+    turn = make_turn()
+    with pytest.raises(TurnStateError):
+        turn.feed(TextDelta("x"))
+    turn.start()
+    turn.feed(Finish())
+    with pytest.raises(TurnStateError):
+        turn.finish()
+    turn2 = make_turn()
+    turn2.start()
+    turn2.feed(ToolCallDelta(0, call_id="a", name="f"))
+    turn2.feed(ToolCallDelta(1, call_id="b", name="f"))
+    with pytest.raises(TurnStateError):
+        turn2.feed(ToolCallDelta(0, arguments="late"))
