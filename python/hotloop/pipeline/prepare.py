@@ -109,8 +109,16 @@ def prepare(
     fps, toks = itemlib.analyze(new, cache)
     ctx = base.derive() if base is not None else Context()
     ctx.extend(new, fps, toks)
-    cached = base.tokens if base is not None else 0
-    input_tokens = ctx.tokens + settings_tokens(p, cache)
+    settings = settings_tokens(p, cache)
+    cached = 0
+    if parent is not None and base is not None:
+        # What a prompt cache would hold: the parent's whole conversation, plus the settings
+        # rendered before it (instructions, tools) when they did not change.
+        cached = base.tokens
+        prev = parent.response
+        if prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools:
+            cached += settings
+    input_tokens = ctx.tokens + settings
     return Plan(p, ctx, new, input_tokens, cached, parent)
 
 

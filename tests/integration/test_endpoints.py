@@ -1,0 +1,190 @@
+"""Stored responses, chaining over HTTP, tool round trips and the auxiliary endpoints."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture()
+def client(server) -> OpenAI:
+    return OpenAI(api_key="sk-test", base_url=server.v1, max_retries=0, timeout=30)
+
+
+def test_function_tool_round_trip_over_http(client: OpenAI) -> None:
+    r1 = client.responses.create(model="hotloop-sim", input="What's the weather in Paris?", tools=[WEATHER_TOOL])
+    calls = [o for o in r1.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+    r2 = client.responses.create(
+        model="hotloop-sim",
+        previous_response_id=r1.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "18C and sunny"}],
+        tools=[WEATHER_TOOL],
+    )
+    assert r2.status == "completed" and r2.output_text
+    assert r2.previous_response_id == r1.id
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens
+    # an output for a call that never happened is rejected
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(
+            model="hotloop-sim",
+            previous_response_id=r1.id,
+            input=[{"type": "function_call_output", "call_id": "call_unknown", "output": "x"}],
+        )
+    assert "No tool call found for function call output with call_id call_unknown" in ei.value.message
+
+
+def test_parallel_calls_and_reasoning_stream(client: OpenAI) -> None:
+    tools = [WEATHER_TOOL, {**WEATHER_TOOL, "name": "get_time", "description": "time"}]
+    events = list(
+        client.responses.create(
+            model="hotloop-sim",
+            input="weather and time please",
+            tools=tools,
+            metadata={"sim": "reasoning,tools:2"},
+            stream=True,
+        )
+    )
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "function_call", "function_call"]
+    assert {o.name for o in final.output[1:]} == {"get_weather", "get_time"}
+    assert any(e.type == "response.reasoning_text.delta" for e in events)
+    assert final.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_forced_tool_choice_must_name_a_tool(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(
+            model="hotloop-sim", input="x", tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "nope"}
+        )
+    assert ei.value.param == "tool_choice"
+    r = client.responses.create(
+        model="hotloop-sim", input="x", tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "get_weather"}
+    )
+    assert r.output[0].type == "function_call"
+
+
+def test_max_output_tokens_gives_incomplete(client: OpenAI) -> None:
+    events = list(client.responses.create(model="hotloop-sim", input="long please", max_output_tokens=16, stream=True))
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 16
+
+
+def test_model_failure_stream(client: OpenAI) -> None:
+    events = list(client.responses.create(model="hotloop-sim", input="x", metadata={"sim": "fail:server_error"}, stream=True))
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "server_error"
+
+
+def test_backend_error_mid_stream_sends_error_event_then_failed(server) -> None:
+    body = {"model": "hotloop-sim", "input": "x", "stream": True, "metadata": {"sim": "error"}}
+    with httpx.stream("POST", server.v1 + "/responses", json=body, timeout=30) as r:
+        raw = r.read().decode()
+    payloads = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    assert [p["type"] for p in payloads[-2:]] == ["error", "response.failed"]
+    assert payloads[-2]["error"]["type"] == "server_error"
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+
+
+def test_rate_limit_before_first_token_is_http_429(client: OpenAI) -> None:
+    with pytest.raises(openai.RateLimitError) as ei:
+        client.responses.create(model="hotloop-sim", input="x", metadata={"sim": "rate_limit"}, stream=True)
+    assert ei.value.code == "rate_limit_exceeded"
+    assert ei.value.response.headers["retry-after"] == "1"
+
+
+def test_retrieve_delete_input_items(client: OpenAI) -> None:
+    r1 = client.responses.create(model="hotloop-sim", input="first")
+    r2 = client.responses.create(
+        model="hotloop-sim",
+        previous_response_id=r1.id,
+        input=[{"role": "user", "content": "second"}],
+        instructions="Be brief.",
+    )
+    got = client.responses.retrieve(r2.id)
+    assert got.id == r2.id and got.output_text == r2.output_text and got.instructions == "Be brief."
+    items = client.responses.input_items.list(r2.id, order="asc")
+    kinds = [(i.type, getattr(i, "role", None)) for i in items.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert all(i.id for i in items.data)
+    desc = client.responses.input_items.list(r2.id, limit=1)
+    assert desc.data[0].id == items.data[-1].id and desc.has_more
+    page2 = client.responses.input_items.list(r2.id, limit=5, after=desc.data[0].id)
+    assert [i.id for i in page2.data] == [i.id for i in reversed(items.data[:-1])]
+    client.responses.delete(r2.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r2.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r2.id)
+    # the parent is untouched
+    assert client.responses.retrieve(r1.id).id == r1.id
+
+
+def test_store_false_is_not_retrievable(client: OpenAI) -> None:
+    r = client.responses.create(model="hotloop-sim", input="secret", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input="x", previous_response_id=r.id)
+    assert ei.value.code == "previous_response_not_found"
+
+
+def test_cancel_non_background_is_400(client: OpenAI) -> None:
+    r = client.responses.create(model="hotloop-sim", input="x")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input="x", background=True)
+    assert ei.value.param == "background"
+
+
+def test_input_tokens_counts_with_tokenizer(client: OpenAI) -> None:
+    short = client.responses.input_tokens.count(model="hotloop-sim", input="hello")
+    long = client.responses.input_tokens.count(model="hotloop-sim", input="hello " * 200)
+    assert short.object == "response.input_tokens"
+    assert long.input_tokens - short.input_tokens == 200  # " hello" is one o200k token
+    with_tools = client.responses.input_tokens.count(model="hotloop-sim", input="hello", tools=[WEATHER_TOOL])
+    assert with_tools.input_tokens > short.input_tokens
+
+
+def test_unknown_fields_are_ignored(server) -> None:
+    body = {"model": "hotloop-sim", "input": "x", "some_future_field": {"a": 1}, "client_metadata": {"k": "v"}}
+    r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "completed"
+
+
+def test_item_reference_resolves_or_400(client: OpenAI) -> None:
+    r1 = client.responses.create(model="hotloop-sim", input="first")
+    msg_id = r1.output[0].id
+    r2 = client.responses.create(
+        model="hotloop-sim",
+        previous_response_id=r1.id,
+        input=[{"type": "item_reference", "id": msg_id}, {"role": "user", "content": "more"}],
+    )
+    assert r2.status == "completed"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_nope"}])
+    assert ei.value.code == "item_not_found"
