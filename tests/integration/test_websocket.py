@@ -1,0 +1,151 @@
+"""WebSocket mode details: the connection cache, FIFO queueing, lanes, limits, auth, restart."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from websockets.sync.client import connect as ws_connect
+
+from tests.conftest import run_server
+
+
+def until_terminal(conn) -> list:
+    out = []
+    for e in conn:
+        out.append(e)
+        if e.type in ("response.completed", "response.failed", "response.incomplete", "error"):
+            return out
+    raise AssertionError("connection closed before a terminal event")
+
+
+def raw_until_terminal(ws) -> list[dict]:
+    out = []
+    while True:
+        e = json.loads(ws.recv(timeout=30))
+        out.append(e)
+        if e["type"] in ("response.completed", "response.failed", "response.incomplete", "error"):
+            return out
+
+
+def test_cache_holds_only_the_latest_unstored_response(server) -> None:
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    with client.responses.connect() as conn:
+        ids = []
+        prev = None
+        for i in range(3):
+            conn.response.create(model="hotloop-sim", input=f"turn {i}", previous_response_id=prev, store=False)
+            evs = until_terminal(conn)
+            assert evs[-1].type == "response.completed"
+            prev = evs[-1].response.id
+            ids.append(prev)
+        # the first response is no longer cached and was never stored
+        conn.response.create(model="hotloop-sim", input="x", previous_response_id=ids[0], store=False)
+        [e] = until_terminal(conn)
+        assert e.type == "error" and e.error.code == "previous_response_not_found"
+        # the latest is still cached
+        conn.response.create(model="hotloop-sim", input="x", previous_response_id=ids[-1], store=False)
+        assert until_terminal(conn)[-1].type == "response.completed"
+
+
+def test_stored_response_hydrates_on_another_connection(server) -> None:
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    with client.responses.connect() as conn:
+        conn.response.create(model="hotloop-sim", input="remember me")
+        first = until_terminal(conn)[-1].response
+    with client.responses.connect() as conn:
+        conn.response.create(model="hotloop-sim", input="and now?", previous_response_id=first.id)
+        second = until_terminal(conn)[-1].response
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens
+
+
+def test_frames_are_queued_fifo(server) -> None:
+    with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+        for i in range(3):
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": f"q{i}", "store": False}))
+        ws.send("garbage")
+        seen = []
+        for _ in range(3):
+            evs = raw_until_terminal(ws)
+            assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+            assert evs[-1]["type"] == "response.completed"
+            seen.append(evs[0]["response"]["id"])
+        err = json.loads(ws.recv(timeout=30))
+        assert err["type"] == "error" and err["status"] == 400 and "sequence_number" not in err
+    assert len(set(seen)) == 3
+
+
+def test_generate_false_warmup_then_continue(server) -> None:
+    with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "context", "generate": False, "store": False}))
+        evs = raw_until_terminal(ws)
+        assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.completed"]
+        warm = evs[-1]["response"]
+        assert warm["status"] == "completed" and warm["output"] == []
+        assert warm["usage"]["input_tokens"] > 0 and warm["usage"]["output_tokens"] == 0
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": [], "previous_response_id": warm["id"], "store": False}))
+        evs = raw_until_terminal(ws)
+        assert evs[-1]["type"] == "response.completed"
+        assert evs[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= warm["usage"]["input_tokens"]
+
+
+def test_named_lane_echoes_stream_id(server) -> None:
+    with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x", "store": False, "stream_id": "agent_1"}))
+        evs = raw_until_terminal(ws)
+        assert all(e.get("stream_id") == "agent_1" for e in evs)
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x", "previous_response_id": "resp_x", "stream_id": "agent_1"}))
+        [err] = raw_until_terminal(ws)
+        assert err["stream_id"] == "agent_1" and err["error"]["code"] == "previous_response_not_found"
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x", "store": False}))
+        evs = raw_until_terminal(ws)
+        assert all("stream_id" not in e for e in evs)
+
+
+def test_connection_age_limit_closes_with_1001(tmp_path) -> None:
+    with run_server(tmp_path, "--sim-rate", "0", env={"HOTLOOP_WS_CONNECTION_MAX_AGE": "1"}) as srv:
+        with ws_connect(srv.ws + "/responses", open_timeout=10) as ws:
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x", "store": False}))
+            assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
+            time.sleep(1.2)
+            err = json.loads(ws.recv(timeout=10))
+            assert err["type"] == "error" and err["error"]["code"] == "websocket_connection_limit_reached"
+            with pytest.raises(Exception):
+                ws.recv(timeout=10)
+            assert ws.close_code == 1001
+
+
+def test_api_key_required_on_http_and_upgrade(tmp_path) -> None:
+    with run_server(tmp_path, "--sim-rate", "0", "--api-key", "sk-right") as srv:
+        bad = OpenAI(api_key="sk-wrong", base_url=srv.v1, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            bad.responses.create(model="hotloop-sim", input="x")
+        assert ei.value.code == "invalid_api_key"
+        r = httpx.get(srv.v1.replace("/v1", "") + "/healthz")
+        assert r.status_code == 200  # probes need no key
+        with pytest.raises(Exception) as wi:
+            with ws_connect(srv.ws + "/responses", open_timeout=10, additional_headers={"Authorization": "Bearer sk-wrong"}):
+                pass
+        assert "401" in str(wi.value)
+        good = OpenAI(api_key="sk-right", base_url=srv.v1, max_retries=0)
+        with good.responses.connect() as conn:
+            conn.response.create(model="hotloop-sim", input="x", store=False)
+            assert until_terminal(conn)[-1].type == "response.completed"
+
+
+def test_sqlite_store_survives_restart(tmp_path) -> None:
+    env = {"HOTLOOP_DATA_DIR": str(tmp_path / "data")}
+    with run_server(tmp_path, "--sim-rate", "0", env=env) as srv:
+        client = OpenAI(api_key="k", base_url=srv.v1, max_retries=0)
+        r1 = client.responses.create(model="hotloop-sim", input="persist me")
+    with run_server(tmp_path, "--sim-rate", "0", env=env) as srv:
+        client = OpenAI(api_key="k", base_url=srv.v1, max_retries=0)
+        got = client.responses.retrieve(r1.id)
+        assert got.output_text == r1.output_text
+        r2 = client.responses.create(model="hotloop-sim", input="again", previous_response_id=r1.id)
+        assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.total_tokens

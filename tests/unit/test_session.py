@@ -1,0 +1,62 @@
+"""The WebSocket session machine, fed frames directly (sans-I/O)."""
+
+from __future__ import annotations
+
+import json
+
+from hotloop import errors
+from hotloop.protocol.session import Close, RunCreate, SendError, Session
+
+
+def s(**kw) -> Session:
+    return Session(opened_at=0.0, max_age=kw.pop("max_age", 3600.0), **kw)
+
+
+def test_create_and_processed() -> None:
+    sess = s()
+    [a] = sess.receive(json.dumps({"type": "response.create", "model": "m", "input": "x", "stream": True}), 1.0)
+    assert isinstance(a, RunCreate) and a.request.model == "m" and a.request.stream is True
+    assert sess.queued == 1
+    assert sess.receive(json.dumps({"type": "response.processed", "response_id": "resp_1"}), 1.0) == []
+    sess.done()
+    assert sess.queued == 0
+
+
+def test_malformed_frames_are_errors_not_closes() -> None:
+    sess = s()
+    for frame in ["nope", "[1]", json.dumps({"type": "what"}), json.dumps({"type": "response.steer"}), b"\x00bin"]:
+        [a] = sess.receive(frame, 1.0)
+        assert isinstance(a, SendError) and a.error.status == 400
+    [a] = sess.receive(json.dumps({"type": "response.create", "model": ["m"]}), 1.0)
+    assert isinstance(a, SendError) and a.error.param == "model"
+
+
+def test_queue_bound() -> None:
+    sess = s(max_queued=2)
+    frame = json.dumps({"type": "response.create", "model": "m", "input": "x"})
+    assert isinstance(sess.receive(frame, 1)[0], RunCreate)
+    assert isinstance(sess.receive(frame, 1)[0], RunCreate)
+    [a] = sess.receive(frame, 1)
+    assert isinstance(a, SendError) and isinstance(a.error, errors.QueueFull)
+    sess.done()
+    assert isinstance(sess.receive(frame, 1)[0], RunCreate)
+
+
+def test_connection_age_limit() -> None:
+    sess = s(max_age=60)
+    frame = json.dumps({"type": "response.create", "model": "m", "input": "x"})
+    assert isinstance(sess.receive(frame, 59.9)[0], RunCreate)
+    err, close = sess.receive(frame, 60.0)
+    assert isinstance(err, SendError) and err.error.code == "websocket_connection_limit_reached"
+    assert isinstance(close, Close) and close.code == 1001
+    assert sess.receive(frame, 61.0) == []
+
+
+def test_stream_id_lane_limit() -> None:
+    sess = s(max_lanes=2)
+    mk = lambda sid: json.dumps({"type": "response.create", "model": "m", "input": "x", "stream_id": sid})
+    assert isinstance(sess.receive(mk("a"), 1)[0], RunCreate)
+    assert isinstance(sess.receive(mk("b"), 1)[0], RunCreate)
+    assert isinstance(sess.receive(mk("a"), 1)[0], RunCreate)
+    [a] = sess.receive(mk("c"), 1)
+    assert isinstance(a, SendError) and a.error.code == "websocket_stream_limit_reached" and a.stream_id == "c"

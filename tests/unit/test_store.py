@@ -1,0 +1,85 @@
+"""Response stores (real SQLite and memory): round trips, retention bounds, usage ledger."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hotloop.state.store import MemoryStore, SQLiteStore, StoredResponse, UsageRecord, page_items
+
+
+def rec(rid: str, n: int = 3, input_len: int = 2) -> StoredResponse:
+    items = [{"type": "message", "id": f"msg_{rid}_{i}", "role": "user", "content": [{"type": "input_text", "text": f"t{i}"}]} for i in range(n)]
+    return StoredResponse({"id": rid, "object": "response", "output": []}, items, [2**64 - 1 - i for i in range(n)], [5 + i for i in range(n)], input_len)
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def store(request, tmp_path):
+    s = SQLiteStore(tmp_path / "db" / "h.sqlite3") if request.param == "sqlite" else MemoryStore()
+    yield s
+    s.close()
+
+
+def test_round_trip(store) -> None:
+    r = rec("resp_a")
+    store.put(r)
+    got = store.get("resp_a")
+    assert got == r
+    assert store.get_response("resp_a") == r.response
+    assert store.get("resp_b") is None
+    assert store.delete("resp_a") is True
+    assert store.get("resp_a") is None
+    assert store.delete("resp_a") is False
+
+
+def test_count_bound(tmp_path) -> None:
+    s = SQLiteStore(tmp_path / "h.sqlite3", max_responses=5)
+    s.PRUNE_EVERY = 1
+    for i in range(12):
+        s.put(rec(f"resp_{i:02d}"))
+    assert s.get("resp_00") is None and s.get("resp_11") is not None
+    (n,) = s._db.execute("SELECT COUNT(*) FROM responses").fetchone()
+    (blobs,) = s._db.execute("SELECT COUNT(*) FROM blobs").fetchone()
+    assert n == 5 and blobs == 5 * 3
+    s.close()
+
+
+def test_ttl(tmp_path) -> None:
+    s = SQLiteStore(tmp_path / "h.sqlite3", ttl_seconds=0.05)
+    s.put(rec("resp_old"))
+    time.sleep(0.1)
+    assert s.get("resp_old") is None
+    assert s.prune() == 1
+    s.close()
+    m = MemoryStore(ttl_seconds=0.05)
+    m.put(rec("resp_old"))
+    time.sleep(0.1)
+    assert m.get("resp_old") is None
+
+
+def test_survives_reopen(tmp_path) -> None:
+    path = tmp_path / "h.sqlite3"
+    s = SQLiteStore(path)
+    s.put(rec("resp_keep"))
+    s.close()
+    s2 = SQLiteStore(path)
+    assert s2.get("resp_keep") == rec("resp_keep")
+    assert s2._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s2.close()
+
+
+def test_usage_ledger(store) -> None:
+    store.record_usage(UsageRecord("m", 10, 5, 2, 1, 0.0))
+    store.record_usage(UsageRecord("m", 1, 1, 0, 0, 0.0))
+    [row] = store.usage()
+    assert row == {"day": "1970-01-01", "model": "m", "responses": 2, "input_tokens": 11,
+                   "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1}
+
+
+def test_page_items() -> None:
+    items = [{"id": f"i{k}"} for k in range(5)]
+    assert page_items(items, None, 2, "asc") == ([{"id": "i0"}, {"id": "i1"}], True)
+    assert page_items(items, "i1", 10, "asc") == ([{"id": "i2"}, {"id": "i3"}, {"id": "i4"}], False)
+    assert page_items(items, None, 2, "desc") == ([{"id": "i4"}, {"id": "i3"}], True)
+    assert page_items(items, "nope", 2, "asc") is None
