@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from hotloop import errors
 from hotloop.backends.base import Backend, BackendRequest
@@ -45,6 +45,7 @@ class Engine:
         self.backend = backend
         self.persistence = persistence
         self.ids = IdGen()
+        self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
         self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
         self.active = 0
@@ -113,7 +114,7 @@ class Engine:
         except errors.HotloopError:
             self._evict(req, conn)
             raise
-        response = response_object(p, self.ids.new("resp"), int(time.time()), model=req.model)
+        response = response_object(p, self.ids.new("resp"), int(self.clock()), model=req.model)
         turn = Turn(
             response,
             ids=self.ids,
@@ -121,7 +122,7 @@ class Engine:
             input_tokens=plan.input_tokens,
             cached_tokens=plan.cached_tokens,
             max_tool_calls=req.max_tool_calls,
-            clock=time.time,
+            clock=self.clock,
         )
         return Run(self, plan, p, turn, first, stream, conn)
 
