@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-output-tokens", dest="sim_output_tokens", type=int, help="simulator answer length")
     s.add_argument("--sim-seed", dest="sim_seed", type=int, help="simulator seed")
     s.add_argument("--sim-script", dest="sim_script", help="simulator scenario file (JSON)")
+    b = sub.add_parser("bench", help="agent-loop benchmarks against a server it starts (see hotloop bench -h)", add_help=False)
+    b.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
+    if args.command == "bench":
+        from hotloop.bench import main as bench_main
+
+        return bench_main(args.args)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command"}
         config = Config.from_env(**overrides)

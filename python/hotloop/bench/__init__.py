@@ -1,1 +1,218 @@
+"""``hotloop bench``: agent-loop benchmarks against a real server process.
 
+The benchmark starts ``hotloop serve`` (simulator backend) on a free loopback port, drives it from
+this process over real sockets, and reads the server's own per-response CPU accounting from
+``GET /hotloop/stats`` (event-loop thread CPU from the moment a request arrives to its terminal
+event), so client-side costs never count as server costs.
+
+Scenarios:
+
+* ``stream``: one WebSocket response of ``--tokens`` tokens at ``--rate`` tokens/s. Reports the
+  delivered rate, server CPU per delta event and the server's share of a core while streaming.
+* ``ws-loop``: ``--turns`` WebSocket turns chained with ``previous_response_id``, each adding
+  ``--new-bytes`` of new input (the history grows to turns x new-bytes). Reports per-turn server
+  CPU (p50, p90) and the ratio of the last turns to the first.
+* ``http-loop``: the same conversation over HTTP, the client resending the full history each turn
+  (no ``previous_response_id``): prefix reuse through the token cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import httpx
+
+_WORDS = "agent tool call result patch file test build error fix diff line code review loop".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    """User+system CPU of a process from /proc (Linux), in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def server(*args: str) -> Iterator[tuple[str, int]]:
+    """A ``hotloop serve`` subprocess; yields (base_url, pid)."""
+    port = _free_port()
+    data = tempfile.mkdtemp(prefix="hotloop-bench-")
+    cmd = [sys.executable, "-m", "hotloop", "serve", "--port", str(port), "--store", "memory", "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HOTLOOP_DATA_DIR": data})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("the server exited during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start within 30 s")
+            time.sleep(0.05)
+        yield base, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _stats(base: str) -> list[dict[str, Any]]:
+    return list(httpx.get(base + "/hotloop/stats", timeout=10).json()["turns"])
+
+
+def _text(rng: random.Random, nbytes: int) -> str:
+    out: list[str] = []
+    size = 0
+    while size < nbytes:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:nbytes]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_stream(tokens: int, rate: float) -> dict[str, Any]:
+    from websockets.sync.client import connect
+
+    with server("--sim-rate", str(rate), "--sim-output-tokens", str(tokens)) as (base, pid):
+        ws_url = base.replace("http", "ws", 1) + "/v1/responses"
+        with connect(ws_url, max_size=None, compression=None) as ws:
+            # warm-up response (tokenizer, caches, code paths)
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "warm", "store": False, "metadata": {"sim": "tokens:50"}}))
+            while json.loads(ws.recv(timeout=60))["type"] != "response.completed":
+                pass
+            cpu0 = _proc_cpu_seconds(pid)
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "go", "store": False}))
+            deltas = 0
+            first = last = 0.0
+            while True:
+                ev = json.loads(ws.recv(timeout=120))
+                if ev["type"] == "response.output_text.delta":
+                    now = time.perf_counter()
+                    if deltas == 0:
+                        first = now
+                    last = now
+                    deltas += 1
+                elif ev["type"] == "response.completed":
+                    break
+            proc_cpu = _proc_cpu_seconds(pid) - cpu0
+        turn = _stats(base)[-1]
+    wall = max(last - first, 1e-9)
+    return {
+        "scenario": "stream",
+        "tokens": deltas,
+        "target_rate": rate,
+        "delivered_rate": round((deltas - 1) / wall, 1),
+        "server_cpu_per_event_us": round(turn["cpu_us"] / turn["events"], 2),
+        "server_loop_core_share": round(turn["cpu_us"] / 1e6 / wall, 4),
+        "server_process_core_share": round(proc_cpu / wall, 4),
+    }
+
+
+def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
+    from websockets.sync.client import connect
+
+    rng = random.Random(seed)
+    ws_url = base.replace("http", "ws", 1) + "/v1/responses"
+    prev = None
+    with connect(ws_url, max_size=None, compression=None) as ws:
+        for _ in range(turns):
+            frame = {
+                "type": "response.create",
+                "model": "hotloop-sim",
+                "store": False,
+                "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]}],
+                "metadata": {"sim": "text,tokens:16"},
+            }
+            if prev:
+                frame["previous_response_id"] = prev
+            ws.send(json.dumps(frame))
+            while True:
+                ev = json.loads(ws.recv(timeout=60))
+                if ev["type"] == "response.completed":
+                    prev = ev["response"]["id"]
+                    break
+                if ev["type"] in ("error", "response.failed"):
+                    raise RuntimeError(f"turn failed: {ev}")
+
+
+def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
+    rng = random.Random(seed)
+    history: list[dict[str, Any]] = []
+    with httpx.Client(base_url=base + "/v1", timeout=60) as client:
+        for _ in range(turns):
+            history.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]})
+            r = client.post("/responses", json={"model": "hotloop-sim", "store": False, "input": history, "metadata": {"sim": "text,tokens:16"}})
+            r.raise_for_status()
+            history.extend(r.json()["output"])
+
+
+def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str, Any]:
+    with server("--sim-rate", "0") as (base, _pid):
+        (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
+        skip = len(_stats(base))
+        (_ws_loop if kind == "ws-loop" else _http_loop)(base, turns, new_bytes, seed)
+        cpu = [t["cpu_us"] for t in _stats(base)[skip:]]
+    head = statistics.mean(cpu[:5])
+    tail = statistics.mean(cpu[-5:])
+    return {
+        "scenario": kind,
+        "turns": len(cpu),
+        "history_bytes": turns * new_bytes,
+        "server_cpu_per_turn_p50_us": round(_pct(cpu, 0.5), 1),
+        "server_cpu_per_turn_p90_us": round(_pct(cpu, 0.9), 1),
+        "first5_mean_us": round(head, 1),
+        "last5_mean_us": round(tail, 1),
+        "last_over_first": round(tail / head, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "ws-loop", "http-loop"])
+    p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
+    p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
+    p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
+    p.add_argument("--new-bytes", type=int, default=2048, help="loops: new input per turn")
+    p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
+    args = p.parse_args(argv)
+    results = []
+    if args.scenario in ("all", "stream"):
+        results.append(bench_stream(args.tokens, args.rate))
+    for kind in ("ws-loop", "http-loop"):
+        if args.scenario in ("all", kind):
+            results.append(bench_loop(kind, args.turns, args.new_bytes))
+    for r in results:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(r["scenario"])
+            for k, v in r.items():
+                if k != "scenario":
+                    print(f"  {k:28s} {v}")
+    return 0

@@ -23,6 +23,7 @@ from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body
 
 class RunCreate(msgspec.Struct):
     request: CreateRequest
+    mark: float = 0.0  # the transport's CPU clock when the frame arrived (for turn statistics)
 
 
 class SendError(msgspec.Struct):

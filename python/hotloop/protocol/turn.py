@@ -117,6 +117,11 @@ class Turn:
         return str(self.response["status"])
 
     @property
+    def events(self) -> int:
+        """Events emitted so far."""
+        return self._seq
+
+    @property
     def done(self) -> bool:
         return self._phase == _DONE
 

@@ -100,6 +100,21 @@ class HotloopApp:
         await self.backend.close()
         await self.persistence.close()
 
+    def stats(self) -> dict[str, Any]:
+        """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``)."""
+        eng = self.engine
+        return {
+            "active_responses": eng.active,
+            "completed_responses": eng.completed,
+            "token_cache": {"entries": len(eng.tokens), "hits": eng.tokens.hits, "misses": eng.tokens.misses},
+            "response_cache": {"entries": len(eng.responses), "items": eng.responses.items},
+            "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
+            "turns": [
+                {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}
+                for t, c, p, e, n in eng.turn_stats
+            ],
+        }
+
     # -- auth ----------------------------------------------------------------------------------
 
     def _check_auth(self, scope: Scope) -> None:
@@ -154,6 +169,9 @@ class HotloopApp:
             )
             return await respond(200, body)
         self._check_auth(scope)
+        if path == "/hotloop/stats":
+            self._method(method, "GET")
+            return await respond(200, _encode(self.stats()))
         if path == "/v1/responses":
             if method != "POST":
                 raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
@@ -211,10 +229,12 @@ class HotloopApp:
                 return b"".join(chunks)
 
     async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+        mark = time.thread_time()
         req = decode_body(await self._body(receive))
         if not req.stream:
             run = await self.engine.start(req, transport="json")
             response = await run.drain()
+            self.engine.record(run, mark)
             if response["status"] == "failed":
                 err = response.get("error") or {}
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
@@ -236,6 +256,7 @@ class HotloopApp:
         finally:
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.engine.record(run, mark)
 
     async def _retrieve(self, response_id: str, respond: Any) -> None:
         hit = self.engine.responses.get(response_id)
@@ -383,7 +404,10 @@ class _Connection:
                 data = msg.get("text")
                 if data is None:
                     data = msg.get("bytes", b"")
+                mark = time.thread_time()
                 for action in session.receive(data, self.loop.time()):
+                    if isinstance(action, RunCreate):
+                        action.mark = mark
                     await self.actions.put(action)
         finally:
             idle_deadline.cancel()
@@ -431,6 +455,7 @@ class _Connection:
                     if suffix:
                         payload = payload[:-1] + suffix
                     await send({"type": "websocket.send", "text": payload.decode()})
+        engine.record(run, action.mark)
 
 
 def _stream_id_suffix(stream_id: str | None) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from hotloop import errors
@@ -50,6 +51,15 @@ class Engine:
         self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
         self.active = 0
         self.completed = 0
+        # Server CPU per response on the event-loop thread (bounded ring, newest last), for
+        # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
+        self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
+
+    def record(self, run: "Run", mark: float) -> None:
+        now = time.thread_time()
+        self.turn_stats.append(
+            (run.turn.transport, (now - mark) * 1e6, (run.started_cpu - mark) * 1e6, run.turn.events, len(run.plan.context))
+        )
 
     # -- resolving the parent ------------------------------------------------------------------
 
@@ -192,6 +202,7 @@ class Run:
         self._first = first
         self._stream = stream
         self.conn = conn
+        self.started_cpu = time.thread_time()
 
     @property
     def response(self) -> dict[str, Any]:
