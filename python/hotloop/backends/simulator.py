@@ -55,6 +55,7 @@ class Directives(msgspec.Struct, kw_only=True):
     error: str | None = None  # backend error raised mid-stream: server_error|disconnect
     rate_limit: bool = False  # 429 before the first token
     stall: float = 0.0  # seconds of silence mid-stream
+    rate: float | None = None  # tokens/s for this response (overrides the server's --sim-rate)
 
 
 def parse_directives(spec: str) -> Directives:
@@ -84,6 +85,8 @@ def parse_directives(spec: str) -> Directives:
                 d.rate_limit = True
             elif name == "stall":
                 d.stall = float(arg or "1")
+            elif name == "rate":
+                d.rate = float(arg)
             else:
                 raise ValueError(word)
         except ValueError:
@@ -302,7 +305,8 @@ class SimulatorBackend:
         fail_at = len(plan) // 2 if (d.fail or d.error or d.stall) else -1
 
         loop = asyncio.get_running_loop()
-        interval = 1.0 / self.rate if self.rate > 0 else 0.0
+        rate = self.rate if d.rate is None else d.rate
+        interval = 1.0 / rate if rate > 0 else 0.0
         t0 = loop.time() + self.ttft
         emitted = reasoning = 0
         for i, (kind, payload) in enumerate(plan):

@@ -33,6 +33,8 @@ from typing import Any, Iterator
 
 import httpx
 
+from hotloop.protocol import events as ev
+
 _WORDS = "agent tool call result patch file test build error fix diff line code review loop".split()
 
 
@@ -96,41 +98,48 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _stream_once(ws: Any, sim: str) -> tuple[int, float]:
+    """One response over an open WebSocket; (delta events, seconds from first to last delta)."""
+    ws.send(json.dumps({"type": ev.CLIENT_CREATE, "model": "hotloop-sim", "input": "go", "store": False, "metadata": {"sim": sim}}))
+    deltas = 0
+    first = last = 0.0
+    while True:
+        e = json.loads(ws.recv(timeout=120))
+        if e["type"] == ev.OUTPUT_TEXT_DELTA:
+            now = time.perf_counter()
+            if deltas == 0:
+                first = now
+            last = now
+            deltas += 1
+        elif e["type"] == ev.COMPLETED:
+            return deltas, max(last - first, 1e-9)
+        elif e["type"] in (ev.ERROR, ev.FAILED):
+            raise RuntimeError(f"stream failed: {e}")
+
+
 def bench_stream(tokens: int, rate: float) -> dict[str, Any]:
+    """At the model's rate (core share) and unpaced (CPU per chunk-in/frame-out), one run."""
     from websockets.sync.client import connect
 
-    with server("--sim-rate", str(rate), "--sim-output-tokens", str(tokens)) as (base, pid):
+    with server("--sim-rate", str(rate)) as (base, pid):
         ws_url = base.replace("http", "ws", 1) + "/v1/responses"
         with connect(ws_url, max_size=None, compression=None) as ws:
-            # warm-up response (tokenizer, caches, code paths)
-            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "warm", "store": False, "metadata": {"sim": "tokens:50"}}))
-            while json.loads(ws.recv(timeout=60))["type"] != "response.completed":
-                pass
+            _stream_once(ws, "tokens:200,rate:0")  # warm-up
             cpu0 = _proc_cpu_seconds(pid)
-            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "go", "store": False}))
-            deltas = 0
-            first = last = 0.0
-            while True:
-                ev = json.loads(ws.recv(timeout=120))
-                if ev["type"] == "response.output_text.delta":
-                    now = time.perf_counter()
-                    if deltas == 0:
-                        first = now
-                    last = now
-                    deltas += 1
-                elif ev["type"] == "response.completed":
-                    break
+            deltas, wall = _stream_once(ws, f"tokens:{tokens}")
             proc_cpu = _proc_cpu_seconds(pid) - cpu0
-        turn = _stats(base)[-1]
-    wall = max(last - first, 1e-9)
+            paced = _stats(base)[-1]
+            _stream_once(ws, f"tokens:{tokens},rate:0")
+            unpaced = _stats(base)[-1]
     return {
         "scenario": "stream",
         "tokens": deltas,
         "target_rate": rate,
         "delivered_rate": round((deltas - 1) / wall, 1),
-        "server_cpu_per_event_us": round(turn["cpu_us"] / turn["events"], 2),
-        "server_loop_core_share": round(turn["cpu_us"] / 1e6 / wall, 4),
+        "server_loop_core_share": round(paced["cpu_us"] / 1e6 / wall, 4),
         "server_process_core_share": round(proc_cpu / wall, 4),
+        "cpu_per_event_at_rate_us": round(paced["cpu_us"] / paced["events"], 2),
+        "cpu_per_event_unpaced_us": round(unpaced["cpu_us"] / unpaced["events"], 2),
     }
 
 
@@ -143,7 +152,7 @@ def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
     with connect(ws_url, max_size=None, compression=None) as ws:
         for _ in range(turns):
             frame = {
-                "type": "response.create",
+                "type": ev.CLIENT_CREATE,
                 "model": "hotloop-sim",
                 "store": False,
                 "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]}],
@@ -153,12 +162,12 @@ def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
                 frame["previous_response_id"] = prev
             ws.send(json.dumps(frame))
             while True:
-                ev = json.loads(ws.recv(timeout=60))
-                if ev["type"] == "response.completed":
-                    prev = ev["response"]["id"]
+                e = json.loads(ws.recv(timeout=60))
+                if e["type"] == ev.COMPLETED:
+                    prev = e["response"]["id"]
                     break
-                if ev["type"] in ("error", "response.failed"):
-                    raise RuntimeError(f"turn failed: {ev}")
+                if e["type"] in (ev.ERROR, ev.FAILED):
+                    raise RuntimeError(f"turn failed: {e}")
 
 
 def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:

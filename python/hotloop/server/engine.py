@@ -182,6 +182,44 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
             log.debug("closing the backend stream failed", exc_info=True)
 
 
+class _Watchdog:
+    """Backend idle timeout that costs one float store per chunk, not a timer per chunk.
+
+    ``since`` is set while the run waits on the backend and cleared when a chunk arrives. One timer
+    fires per idle period; only if the run has been *waiting on the backend* for ``idle`` seconds
+    does it expire the enclosing ``asyncio.timeout`` scope, so the cancellation always lands in
+    the backend await (time spent sending to a slow client never counts as backend silence).
+    """
+
+    __slots__ = ("loop", "idle", "since", "_scope", "_handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
+        self.loop = loop
+        self.idle = idle
+        self.since: float | None = None
+        self._scope: asyncio.Timeout | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, scope: asyncio.Timeout) -> None:
+        self._scope = scope
+        self._handle = self.loop.call_at(self.loop.time() + self.idle, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        since = self.since
+        if since is not None and now - since >= self.idle and self._scope is not None:
+            self._scope.reschedule(now)
+            self._handle = None
+            return
+        self._handle = self.loop.call_at((since if since is not None else now) + self.idle, self._check)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._scope = None
+
+
 class Run:
     """One response in flight: iterate it for batches of frames (terminal event last)."""
 
@@ -216,17 +254,24 @@ class Run:
             yield turn.start() + turn.feed(self._first)
             if not turn.done:
                 loop = asyncio.get_running_loop()
-                idle = engine.config.backend_idle_timeout
-                stream = self._stream
+                watchdog = _Watchdog(loop, engine.config.backend_idle_timeout)
+                it = self._stream.__aiter__()
                 try:
-                    async with asyncio.timeout_at(loop.time() + idle) as deadline:
-                        async for chunk in stream:
-                            deadline.reschedule(loop.time() + idle)
+                    async with asyncio.timeout(None) as scope:
+                        watchdog.arm(scope)
+                        while True:
+                            watchdog.since = loop.time()
+                            try:
+                                chunk = await anext(it)
+                            except StopAsyncIteration:
+                                break
+                            watchdog.since = None
                             out = turn.feed(chunk)
                             if out:
                                 yield out
                             if turn.done:
                                 break
+                    watchdog.disarm()
                 except TimeoutError:
                     yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
                 except errors.HotloopError as exc:
@@ -239,6 +284,8 @@ class Run:
                 else:
                     if not turn.done:
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
+                finally:
+                    watchdog.disarm()
         finally:
             engine.active -= 1
             await _aclose(self._stream)

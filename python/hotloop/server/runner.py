@@ -13,6 +13,7 @@ from hotloop import backends
 from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
 from hotloop.server.app import HotloopApp
+from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
 
 
@@ -45,7 +46,7 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         port=config.port,
         loop=loop,
         http="httptools",
-        ws="websockets-sansio",
+        ws=CorkedWebSocketProtocol,
         ws_per_message_deflate=False,
         ws_max_size=config.max_body_bytes,
         lifespan="on",
