@@ -188,3 +188,14 @@ def test_item_reference_resolves_or_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_nope"}])
     assert ei.value.code == "item_not_found"
+
+
+def test_usage_ledger_counts_every_response(server) -> None:
+    before = {r["model"]: r for r in httpx.get(server.base + "/hotloop/usage", timeout=10).json()["data"]}
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    made = [client.responses.create(model="ledger-model", input="x", store=False) for _ in range(3)]
+    rows = {r["model"]: r for r in httpx.get(server.base + "/hotloop/usage", timeout=10).json()["data"]}
+    row = rows["ledger-model"]
+    prev = before.get("ledger-model", {"responses": 0, "output_tokens": 0})
+    assert row["responses"] - prev["responses"] == 3
+    assert row["output_tokens"] - prev["output_tokens"] == sum(r.usage.output_tokens for r in made)

@@ -70,10 +70,10 @@ def test_survives_reopen(tmp_path) -> None:
 
 
 def test_usage_ledger(store) -> None:
-    store.record_usage(UsageRecord("m", 10, 5, 2, 1, 0.0))
-    store.record_usage(UsageRecord("m", 1, 1, 0, 0, 0.0))
+    store.record_usage([UsageRecord("m", 10, 5, 2, 1, 0.0)])
+    store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0), UsageRecord("m", 0, 0, 0, 0, 0.0)])
     [row] = store.usage()
-    assert row == {"day": "1970-01-01", "model": "m", "responses": 2, "input_tokens": 11,
+    assert row == {"day": "1970-01-01", "model": "m", "responses": 3, "input_tokens": 11,
                    "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1}
 
 

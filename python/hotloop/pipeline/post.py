@@ -4,9 +4,13 @@
 record and returns at once; the writer stores it while the connection already serves the next
 turn. Until a record is written it sits in ``pending``, so reads see their own writes.
 
+Usage records are batched: they accumulate in memory and go to the store as one write every
+``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
+append for its ledger entry, not a thread hand-off.
+
 Bounds: the submission queue holds at most ``max_pending`` records (default 1,024). When it is
 full, ``submit`` waits (backpressure on the turn that finished, never on one in flight): records
-are never dropped.
+are never dropped. The usage buffer holds at most ``USAGE_BATCH`` records before it is queued.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def usage_record(response: dict[str, Any]) -> UsageRecord | None:
 
 
 class Persistence:
+    USAGE_FLUSH_SECONDS = 1.0
+    USAGE_BATCH = 512
+
     def __init__(self, store: ResponseStore, max_pending: int = 1024) -> None:
         self.store = store
         self.max_pending = max_pending
@@ -67,6 +74,8 @@ class Persistence:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
         self.written = 0
         self.failed = 0
+        self._usage: list[UsageRecord] = []
+        self._usage_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -77,7 +86,24 @@ class Persistence:
 
     async def flush(self) -> None:
         if self._queue is not None:
+            if self._usage:
+                await self._queue.put(("usage", self._take_usage()))
             await self._queue.join()
+
+    def _take_usage(self) -> list[UsageRecord]:
+        batch, self._usage = self._usage, []
+        if self._usage_timer is not None:
+            self._usage_timer.cancel()
+            self._usage_timer = None
+        return batch
+
+    def _usage_due(self) -> None:
+        self._usage_timer = None
+        if self._usage and self._queue is not None:
+            try:
+                self._queue.put_nowait(("usage", self._take_usage()))
+            except asyncio.QueueFull:  # busy writer: try again later, the buffer stays bounded
+                self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -121,7 +147,11 @@ class Persistence:
         assert self._queue is not None
         rec = usage_record(entry.response)
         if rec is not None:
-            await self._queue.put(("usage", rec))
+            self._usage.append(rec)
+            if len(self._usage) >= self.USAGE_BATCH:
+                await self._queue.put(("usage", self._take_usage()))
+            elif self._usage_timer is None:
+                self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
         if entry.store:
             self.pending[entry.id] = entry
             await self._queue.put(("put", entry))

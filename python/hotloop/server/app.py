@@ -172,6 +172,9 @@ class HotloopApp:
         if path == "/hotloop/stats":
             self._method(method, "GET")
             return await respond(200, _encode(self.stats()))
+        if path == "/hotloop/usage":
+            self._method(method, "GET")
+            return await respond(200, _encode({"object": "list", "data": await self.persistence.usage()}))
         if path == "/v1/responses":
             if method != "POST":
                 raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")

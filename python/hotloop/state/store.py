@@ -73,7 +73,7 @@ class ResponseStore(Protocol):
     def get(self, response_id: str) -> StoredResponse | None: ...
     def get_response(self, response_id: str) -> dict[str, Any] | None: ...
     def delete(self, response_id: str) -> bool: ...
-    def record_usage(self, rec: UsageRecord) -> None: ...
+    def record_usage(self, recs: list[UsageRecord]) -> None: ...
     def usage(self) -> list[dict[str, Any]]: ...
     def close(self) -> None: ...
 
@@ -114,15 +114,16 @@ class MemoryStore:
         with self._lock:
             return self._d.pop(response_id, None) is not None
 
-    def record_usage(self, rec: UsageRecord) -> None:
-        day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
+    def record_usage(self, recs: list[UsageRecord]) -> None:
         with self._lock:
-            row = self._usage.setdefault((day, rec.model), [0, 0, 0, 0, 0])
-            row[0] += 1
-            row[1] += rec.input_tokens
-            row[2] += rec.output_tokens
-            row[3] += rec.cached_tokens
-            row[4] += rec.reasoning_tokens
+            for rec in recs:
+                day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
+                row = self._usage.setdefault((day, rec.model), [0, 0, 0, 0, 0])
+                row[0] += 1
+                row[1] += rec.input_tokens
+                row[2] += rec.output_tokens
+                row[3] += rec.cached_tokens
+                row[4] += rec.reasoning_tokens
 
     def usage(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -307,15 +308,18 @@ class SQLiteStore:
             db.execute("COMMIT")
             return cur.rowcount > 0
 
-    def record_usage(self, rec: UsageRecord) -> None:
-        day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
+    def record_usage(self, recs: list[UsageRecord]) -> None:
+        rows = [
+            (time.strftime("%Y-%m-%d", time.gmtime(r.at)), r.model, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens)
+            for r in recs
+        ]
         with self._lock:
-            self._db.execute(
+            self._db.executemany(
                 "INSERT INTO usage(day, model, responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens) "
                 "VALUES (?,?,1,?,?,?,?) ON CONFLICT(day, model) DO UPDATE SET responses=responses+1, "
                 "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
                 "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens",
-                (day, rec.model, rec.input_tokens, rec.output_tokens, rec.cached_tokens, rec.reasoning_tokens),
+                rows,
             )
 
     def usage(self) -> list[dict[str, Any]]:
