@@ -1,0 +1,194 @@
+"""Every native accelerator against its pure twin (asv).
+
+Each class's ``setup`` checks the implementation's result against a reference before timing
+(DESIGN principle 10); a wrong implementation makes the benchmark fail instead of looking fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+
+from hotloop import _canon, _frames, _native, _pure
+
+IMPLS: dict[str, dict[str, Any]] = {
+    "native": {
+        "fingerprint": _native.fingerprint,
+        "ItemChain": _native.ItemChain,
+        "SseDecoder": _native.SseDecoder,
+        "canonical_json": _canon.canonical_json,
+        "encode_delta": _frames.encode_delta,
+        "encode_sse": _frames.encode_sse,
+    },
+    "pure": {
+        "fingerprint": _pure.fingerprint,
+        "ItemChain": _pure.ItemChain,
+        "SseDecoder": _pure.SseDecoder,
+        "canonical_json": _pure.canonical_json,
+        "encode_delta": _pure.encode_delta,
+        "encode_sse": _pure.encode_sse,
+    },
+}
+IMPL_NAMES = ["native", "pure"]
+
+
+def _message_item(i: int, text_len: int = 2000) -> dict[str, Any]:
+    text = ("The quick brown fox jumps over the lazy dog. \u00e9\u4e2d\n" * 60)[:text_len]
+    return {
+        "type": "message",
+        "id": f"msg_{i:06d}",
+        "role": "user" if i % 2 else "assistant",
+        "status": "completed",
+        "content": [{"type": "input_text", "text": text, "annotations": []}],
+    }
+
+
+def _tool_item(i: int) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "call_id": f"call_{i}",
+        "name": "apply_patch",
+        "arguments": json.dumps({"path": f"src/m{i}.py", "lines": list(range(20)), "ok": True}),
+        "meta": {"score": 0.125 * i, "tags": ["a", "b"], "nested": {"k": [1, 2, {"z": None}]}},
+    }
+
+
+def _canonical_reference(obj: Any) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+class Fingerprint:
+    params = (IMPL_NAMES, [200, 65536])
+    param_names = ["impl", "size"]
+
+    def setup(self, impl: str, size: int) -> None:
+        self.fn = IMPLS[impl]["fingerprint"]
+        self.data = (b"0123456789abcdef" * (size // 16 + 1))[:size]
+        want = int.from_bytes(hashlib.blake2b(self.data, digest_size=8).digest(), "little")
+        assert self.fn(self.data) == want
+
+    def time_fingerprint(self, impl: str, size: int) -> None:
+        self.fn(self.data)
+
+
+class CanonicalJson:
+    params = (IMPL_NAMES, ["message_2kb", "tool_call"])
+    param_names = ["impl", "item"]
+
+    def setup(self, impl: str, item: str) -> None:
+        self.fn = IMPLS[impl]["canonical_json"]
+        self.obj = _message_item(1) if item == "message_2kb" else _tool_item(1)
+        assert self.fn(self.obj) == _canonical_reference(self.obj)
+
+    def time_canonical_json(self, impl: str, item: str) -> None:
+        self.fn(self.obj)
+
+
+class ItemFingerprint:
+    """canonical_json + fingerprint of one item: the per-item work of a new turn."""
+
+    params = IMPL_NAMES
+    param_names = ["impl"]
+
+    def setup(self, impl: str) -> None:
+        self.canon = IMPLS[impl]["canonical_json"]
+        self.fp = IMPLS[impl]["fingerprint"]
+        self.item = _message_item(7)
+        ref = _canonical_reference(self.item)
+        assert self.fp(self.canon(self.item)) == _pure.fingerprint(ref)
+
+    def time_item_fingerprint(self, impl: str) -> None:
+        self.fp(self.canon(self.item))
+
+
+class ItemChainOps:
+    """A 1,000-item history: match a resent history, then append a turn's new items."""
+
+    params = IMPL_NAMES
+    param_names = ["impl"]
+
+    def setup(self, impl: str) -> None:
+        cls = IMPLS[impl]["ItemChain"]
+        self.fps = [_pure.fingerprint(str(i).encode()) for i in range(1000)]
+        self.tokens = [(i * 37) % 500 for i in range(1000)]
+        self.chain = cls()
+        self.chain.extend(self.fps, self.tokens)
+        self.new_fps = self.fps[:990] + [1, 2, 3]
+        assert self.chain.common_prefix(self.new_fps) == 990
+        assert self.chain.tokens_upto(990) == sum(self.tokens[:990])
+        assert self.chain.total_tokens == sum(self.tokens)
+
+    def time_common_prefix_and_tokens(self, impl: str) -> None:
+        n = self.chain.common_prefix(self.new_fps)
+        self.chain.tokens_upto(n)
+
+    def time_copy_truncate_extend(self, impl: str) -> None:
+        c = self.chain.copy()
+        c.truncate(990)
+        c.extend([1, 2, 3], [10, 20, 30])
+
+
+def _delta_event(i: int) -> bytes:
+    payload = msgspec.json.encode(
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
+         "model": "m", "choices": [{"index": 0, "delta": {"content": f" tok{i}"},
+                                    "finish_reason": None}]}
+    )
+    return b"data: " + payload + b"\n\n"
+
+
+class SseFeed:
+    """One backend network chunk per feed: a single delta event, or 64 KiB of them."""
+
+    params = (IMPL_NAMES, ["one_event", "64kb_split"])
+    param_names = ["impl", "chunk"]
+
+    def setup(self, impl: str, chunk: str) -> None:
+        self.cls = IMPLS[impl]["SseDecoder"]
+        if chunk == "one_event":
+            self.chunks = [_delta_event(1)]
+        else:
+            stream = b"".join(_delta_event(i) for i in range(400))[:65536]
+            cut = stream.rindex(b"\n\n") + 2
+            self.chunks = [stream[:cut]]
+        want = _pure.SseDecoder().feed(b"".join(self.chunks))
+        assert want and all(t == "message" and d.startswith("{") for t, d in want)
+        self.dec = self.cls()
+        assert [e for c in self.chunks for e in self.dec.feed(c)] == want
+
+    def time_feed(self, impl: str, chunk: str) -> None:
+        feed = self.dec.feed
+        for c in self.chunks:
+            feed(c)
+
+
+class EncodeDelta:
+    """Once per streamed token: the delta event's JSON, then its SSE frame."""
+
+    params = IMPL_NAMES
+    param_names = ["impl"]
+
+    def setup(self, impl: str) -> None:
+        self.enc = IMPLS[impl]["encode_delta"]
+        self.sse = IMPLS[impl]["encode_sse"]
+        self.args = ("response.output_text.delta", 1234, "msg_67a1b2c3d4e5f6", 0, 0,
+                     " token\u00e9", False)
+        want = msgspec.json.encode(
+            {"type": self.args[0], "sequence_number": 1234, "item_id": self.args[2],
+             "output_index": 0, "content_index": 0, "delta": self.args[5]}
+        )
+        assert self.enc(*self.args) == want
+        assert self.sse(self.args[0], want) == (
+            b"event: response.output_text.delta\ndata: " + want + b"\n\n"
+        )
+
+    def time_encode_delta(self, impl: str) -> None:
+        self.enc(*self.args)
+
+    def time_encode_delta_and_sse(self, impl: str) -> None:
+        self.sse("response.output_text.delta", self.enc(*self.args))

@@ -1,0 +1,109 @@
+"""The one place that picks native or pure-Python implementations.
+
+Import accelerated names from here, never from ``hotloop._native``, ``hotloop._canon``,
+``hotloop._frames`` or ``hotloop._pure`` directly::
+
+    from hotloop._accel import ItemChain, SseDecoder, item_fingerprint, encode_delta
+
+``HOTLOOP_PURE_PYTHON=1`` (also ``true``/``yes``/``on``) forces the pure twins. Otherwise the
+compiled extensions are imported; if one fails to import, its names fall back to the twins and
+the failure is recorded: ``NATIVE`` is False, ``BACKEND_NAMES`` says which module each name came
+from and ``IMPORT_ERRORS`` says why, so tests (and ``HOTLOOP_REQUIRE_NATIVE=1`` in CI) can
+refuse a silently broken build. The twins give identical results, only slower.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from hotloop import _pure
+
+__all__ = [
+    "BACKEND_NAMES",
+    "IMPORT_ERRORS",
+    "NATIVE",
+    "PURE_REQUESTED",
+    "ItemChain",
+    "SseDecoder",
+    "canonical_json",
+    "encode_delta",
+    "encode_sse",
+    "fingerprint",
+    "item_fingerprint",
+]
+
+PURE_ENV = "HOTLOOP_PURE_PYTHON"
+
+
+def pure_requested(environ: Any = None) -> bool:
+    """True when the environment asks for the pure-Python twins."""
+    value = (os.environ if environ is None else environ).get(PURE_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+PURE_REQUESTED: bool = pure_requested()
+
+# module providing each name -> the names it provides
+_PROVIDERS: dict[str, tuple[str, ...]] = {
+    "hotloop._native": ("fingerprint", "ItemChain", "SseDecoder"),
+    "hotloop._canon": ("canonical_json",),
+    "hotloop._frames": ("encode_delta", "encode_sse"),
+}
+
+
+def _resolve() -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    impls: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    for module_name, provided in _PROVIDERS.items():
+        module: Any = _pure
+        source = "hotloop._pure"
+        if not PURE_REQUESTED:
+            try:
+                module = importlib.import_module(module_name)
+                source = module_name
+            except ImportError as exc:
+                errors[module_name] = f"{type(exc).__name__}: {exc}"
+        for name in provided:
+            impls[name] = getattr(module, name)
+            names[name] = source
+    return impls, names, errors
+
+
+_IMPLS, _NAMES, _ERRORS = _resolve()
+
+#: which module each accelerated name resolved to ("hotloop._native", ..., or "hotloop._pure")
+BACKEND_NAMES: dict[str, str] = _NAMES
+#: extension modules that failed to import (empty when all loaded or when pure was requested)
+IMPORT_ERRORS: dict[str, str] = _ERRORS
+#: True when every accelerated name is native
+NATIVE: bool = all(src != "hotloop._pure" for src in _NAMES.values())
+
+if _ERRORS:
+    logging.getLogger("hotloop").warning(
+        "hotloop native extensions unavailable, using pure-Python twins: %s",
+        "; ".join(f"{m}: {e}" for m, e in sorted(_ERRORS.items())),
+    )
+
+if TYPE_CHECKING:
+    from hotloop._canon import canonical_json as canonical_json
+    from hotloop._frames import encode_delta as encode_delta
+    from hotloop._frames import encode_sse as encode_sse
+    from hotloop._native import ItemChain as ItemChain
+    from hotloop._native import SseDecoder as SseDecoder
+    from hotloop._native import fingerprint as fingerprint
+else:
+    fingerprint = _IMPLS["fingerprint"]
+    ItemChain = _IMPLS["ItemChain"]
+    SseDecoder = _IMPLS["SseDecoder"]
+    canonical_json = _IMPLS["canonical_json"]
+    encode_delta = _IMPLS["encode_delta"]
+    encode_sse = _IMPLS["encode_sse"]
+
+
+def item_fingerprint(item: object) -> int:
+    """Fingerprint of one conversation item: ``fingerprint(canonical_json(item))``."""
+    return fingerprint(canonical_json(item))

@@ -1,0 +1,124 @@
+"""hotloop's Rust extension (``rust/py`` over ``rust/core``).
+
+Coarse calls typed with builtins: one call per item, turn or network chunk, never per token.
+Every name has a pure-Python twin in ``hotloop._pure`` with identical results and exception
+classes; import them through ``hotloop._accel``, which picks one.
+"""
+
+from collections.abc import Sequence
+from typing import final
+
+__all__ = ["fingerprint", "ItemChain", "SseDecoder"]
+
+def fingerprint(data: bytes) -> int:
+    """BLAKE2b with an 8-byte digest (digest length 8 in the parameter block, not a truncated
+    BLAKE2b-512) of ``data``, as the little-endian unsigned 64-bit int of those 8 bytes.
+
+    Equals ``int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")``. Inputs of
+    16 KiB or more are hashed with the GIL released.
+
+    :raises TypeError: ``data`` is not ``bytes`` (bytearray and memoryview are refused too).
+    """
+
+@final
+class ItemChain:
+    """An ordered chain of conversation items, each a ``(fingerprint, tokens)`` pair, with
+    running token sums, held in Rust.
+
+    Fingerprints are unsigned 64-bit ints (``fingerprint``/``item_fingerprint`` values), token
+    counts unsigned 32-bit ints; other values raise ``OverflowError`` (out of range) or
+    ``TypeError`` (not an int). The chain is bounded: growing it beyond ``max_items`` raises
+    ``OverflowError`` and leaves it unchanged.
+    """
+
+    def __new__(cls, max_items: int = 100000) -> ItemChain:
+        """An empty chain holding at most ``max_items`` items.
+
+        :raises ValueError: ``max_items`` is negative.
+        """
+
+    def push(self, fp: int, tokens: int) -> None:
+        """Append one item.
+
+        :raises OverflowError: the chain already holds ``max_items`` items, or ``fp``/``tokens``
+            is out of range.
+        """
+
+    def extend(self, fps: Sequence[int], tokens: Sequence[int]) -> None:
+        """Append many items, all or nothing.
+
+        :raises ValueError: ``fps`` and ``tokens`` differ in length.
+        :raises OverflowError: the chain would exceed ``max_items``, or a value is out of range.
+        """
+
+    def __len__(self) -> int:
+        """Number of items."""
+
+    @property
+    def total_tokens(self) -> int:
+        """Sum of the tokens of all items."""
+
+    @property
+    def max_items(self) -> int:
+        """The capacity bound given to the constructor."""
+
+    def common_prefix(self, fps: Sequence[int]) -> int:
+        """How many leading entries of ``fps`` equal this chain's fingerprints (every entry of
+        ``fps`` is validated as an unsigned 64-bit int)."""
+
+    def tokens_upto(self, n: int) -> int:
+        """Sum of the tokens of the first ``n`` items (``tokens_upto(0) == 0``).
+
+        :raises IndexError: ``n > len(self)``.
+        :raises ValueError: ``n`` is negative.
+        """
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` items; a no-op when ``n >= len(self)``.
+
+        :raises ValueError: ``n`` is negative.
+        """
+
+    def copy(self) -> ItemChain:
+        """An independent copy (same items and ``max_items``)."""
+
+    def fingerprints(self) -> list[int]:
+        """The fingerprints, in order (a new list)."""
+
+@final
+class SseDecoder:
+    """Incremental Server-Sent-Events decoder (WHATWG "event stream interpretation") for
+    backend HTTP streams; one ``feed`` per network chunk.
+
+    * Lines end in ``\\r\\n``, ``\\n`` or ``\\r``; a ``\\r`` ending one chunk and a ``\\n``
+      starting the next are one line ending.
+    * A line starting with ``:`` is a comment. ``field:value`` drops one leading space of the
+      value; a line without ``:`` is a field with an empty value.
+    * ``data`` values are joined with ``\\n``; ``event`` sets the type (``"message"`` when unset
+      or empty); ``id``, ``retry`` and unknown fields are ignored.
+    * A blank line dispatches the event if its data buffer is non-empty (no ``data`` line means
+      no event) and always resets the data and type buffers.
+    * Input is UTF-8; invalid sequences become U+FFFD; a BOM at the very start of the stream is
+      dropped. An incomplete trailing event is held until more input arrives.
+    """
+
+    def __new__(cls, max_buffer: int = 8388608) -> SseDecoder:
+        """A decoder bounding one line, and one event's data, to ``max_buffer`` bytes.
+
+        :raises ValueError: ``max_buffer`` is negative.
+        """
+
+    @property
+    def max_buffer(self) -> int:
+        """The bound given to the constructor."""
+
+    def feed(self, data: bytes) -> list[tuple[str, str]]:
+        """Consume one chunk and return the events it completed, as ``(event_type, data)``
+        pairs in stream order (``feed(b"")`` returns ``[]``).
+
+        :raises ValueError: a line (complete or pending, terminator excluded) exceeds
+            ``max_buffer`` bytes, or an event's data buffer (values plus one ``\\n`` per ``data``
+            line) does. The decoder is then failed: this and every later ``feed`` raise
+            ``ValueError`` and no events are returned.
+        :raises TypeError: ``data`` is not ``bytes``.
+        """

@@ -1,0 +1,378 @@
+"""Pure-Python twins of every native accelerator.
+
+Each name here has the same API, results and exception classes as its native counterpart
+(``hotloop._native`` in Rust, ``hotloop._canon`` and ``hotloop._frames`` in Cython); the tests in
+``tests/unit/test_native_twins.py`` and ``tests/property/test_native_twins_props.py`` prove it.
+Do not import this module to pick an implementation: use ``hotloop._accel``, which is the one
+place that chooses (``HOTLOOP_PURE_PYTHON=1`` forces these twins).
+
+The twins favour obviously-correct code over speed, but they run on the hot path when the
+extensions are unavailable, so they avoid gratuitous per-byte or per-char Python work.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from hashlib import blake2b
+from json.encoder import encode_basestring as _json_str
+from typing import Any, SupportsIndex
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_MAX_BUFFER",
+    "DEFAULT_MAX_ITEMS",
+    "MAX_DEPTH",
+    "ItemChain",
+    "SseDecoder",
+    "canonical_json",
+    "encode_delta",
+    "encode_sse",
+    "fingerprint",
+]
+
+DEFAULT_MAX_ITEMS = 100_000
+DEFAULT_MAX_BUFFER = 8 * 1024 * 1024
+MAX_DEPTH = 256
+
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+
+
+# -- integer conversions with the semantics of pyo3's u32/u64/i64 extraction -------------------
+
+
+def _u64(x: SupportsIndex) -> int:
+    v = operator.index(x)
+    if not 0 <= v <= _U64_MAX:
+        raise OverflowError(f"{v} does not fit in an unsigned 64-bit integer")
+    return v
+
+
+def _u32(x: SupportsIndex) -> int:
+    v = operator.index(x)
+    if not 0 <= v <= _U32_MAX:
+        raise OverflowError(f"{v} does not fit in an unsigned 32-bit integer")
+    return v
+
+
+def _non_negative(name: str, x: SupportsIndex) -> int:
+    v = operator.index(x)
+    if not _I64_MIN <= v <= _I64_MAX:
+        raise OverflowError(f"{name}={v} does not fit in a signed 64-bit integer")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+def _int_seq(x: object, conv: Callable[[Any], int]) -> list[int]:
+    if isinstance(x, str) or not isinstance(x, Sequence):
+        raise TypeError(f"expected a sequence of ints, got {type(x).__name__}")
+    return [conv(v) for v in x]
+
+
+# -- fingerprint -------------------------------------------------------------------------------
+
+
+def fingerprint(data: bytes) -> int:
+    """BLAKE2b with an 8-byte digest of ``data``, as a little-endian unsigned 64-bit int."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"fingerprint() argument must be bytes, not {type(data).__name__}")
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+
+
+# -- ItemChain ---------------------------------------------------------------------------------
+
+
+class ItemChain:
+    """An ordered chain of (fingerprint, tokens) items with running token sums; see
+    ``hotloop._native.ItemChain`` for the contract."""
+
+    __slots__ = ("_cum", "_fps", "_max")
+
+    def __init__(self, max_items: int = DEFAULT_MAX_ITEMS) -> None:
+        self._max = _non_negative("max_items", max_items)
+        self._fps: list[int] = []
+        self._cum: list[int] = []
+
+    def push(self, fp: int, tokens: int) -> None:
+        fp = _u64(fp)
+        tokens = _u32(tokens)
+        if len(self._fps) >= self._max:
+            raise OverflowError(f"ItemChain is full (max_items={self._max})")
+        cum = self._cum
+        cum.append((cum[-1] if cum else 0) + tokens)
+        self._fps.append(fp)
+
+    def extend(self, fps: Sequence[int], tokens: Sequence[int]) -> None:
+        new_fps = _int_seq(fps, _u64)
+        new_tokens = _int_seq(tokens, _u32)
+        if len(new_fps) != len(new_tokens):
+            raise ValueError(
+                "fps and tokens must have equal lengths "
+                f"(got {len(new_fps)} and {len(new_tokens)})"
+            )
+        if len(new_fps) > self._max - len(self._fps):
+            raise OverflowError(f"ItemChain is full (max_items={self._max})")
+        cum = self._cum
+        total = cum[-1] if cum else 0
+        for t in new_tokens:
+            total += t
+            cum.append(total)
+        self._fps.extend(new_fps)
+
+    def __len__(self) -> int:
+        return len(self._fps)
+
+    def __repr__(self) -> str:
+        return (
+            f"ItemChain(len={len(self._fps)}, total_tokens={self.total_tokens}, "
+            f"max_items={self._max})"
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self._cum[-1] if self._cum else 0
+
+    @property
+    def max_items(self) -> int:
+        return self._max
+
+    def common_prefix(self, fps: Sequence[int]) -> int:
+        other = _int_seq(fps, _u64)
+        n = 0
+        for a, b in zip(self._fps, other):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def tokens_upto(self, n: int) -> int:
+        n = _non_negative("n", n)
+        if n > len(self._cum):
+            raise IndexError(f"n={n} is out of range for a chain of {len(self._cum)} items")
+        return self._cum[n - 1] if n else 0
+
+    def truncate(self, n: int) -> None:
+        n = _non_negative("n", n)
+        del self._fps[n:]
+        del self._cum[n:]
+
+    def copy(self) -> ItemChain:
+        new = ItemChain(self._max)
+        new._fps = self._fps.copy()
+        new._cum = self._cum.copy()
+        return new
+
+    def fingerprints(self) -> list[int]:
+        return self._fps.copy()
+
+
+# -- SseDecoder --------------------------------------------------------------------------------
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class SseDecoder:
+    """Incremental WHATWG Server-Sent-Events decoder; see ``hotloop._native.SseDecoder``."""
+
+    __slots__ = ("_at_start", "_data", "_data_len", "_event", "_failed", "_line", "_max",
+                 "_skip_lf")
+
+    def __init__(self, max_buffer: int = DEFAULT_MAX_BUFFER) -> None:
+        self._max = _non_negative("max_buffer", max_buffer)
+        self._line = b""  # the pending, not yet terminated line
+        self._data: list[bytes] = []  # data values of the current event
+        self._data_len = 0  # bytes of the data buffer: values plus one "\n" each
+        self._event = b""  # the event type buffer
+        self._skip_lf = False  # the previous chunk ended with "\r"
+        self._at_start = True  # no line processed yet: a BOM may still be dropped
+        self._failed = False
+
+    @property
+    def max_buffer(self) -> int:
+        return self._max
+
+    def feed(self, data: bytes) -> list[tuple[str, str]]:
+        if not isinstance(data, bytes):
+            raise TypeError(f"feed() argument must be bytes, not {type(data).__name__}")
+        if self._failed:
+            raise ValueError("SSE decoder failed earlier and accepts no more input")
+        try:
+            return self._feed(data)
+        except ValueError:
+            self._failed = True
+            self._line = b""
+            self._data = []
+            self._data_len = 0
+            self._event = b""
+            raise
+
+    def _feed(self, data: bytes) -> list[tuple[str, str]]:
+        if self._skip_lf and data:
+            self._skip_lf = False
+            if data[0] == 10:
+                data = data[1:]
+        buf = self._line + data if self._line else data
+        lines = buf.splitlines(True)  # bytes.splitlines splits on \r\n, \n and \r only
+        tail = b""
+        if lines and lines[-1][-1] not in (10, 13):
+            tail = lines.pop()
+        elif lines and lines[-1][-1] == 13:
+            self._skip_lf = True
+        out: list[tuple[str, str]] = []
+        limit = self._max
+        for raw in lines:
+            line = raw[:-2] if raw[-2:] == b"\r\n" else raw[:-1]
+            if len(line) > limit:
+                raise ValueError(f"SSE line exceeds max_buffer ({limit} bytes)")
+            if self._at_start:
+                self._at_start = False
+                if line[:3] == _BOM:
+                    line = line[3:]
+            if not line:
+                if self._data:
+                    out.append(
+                        (
+                            self._event.decode("utf-8", "replace") if self._event else "message",
+                            b"\n".join(self._data).decode("utf-8", "replace"),
+                        )
+                    )
+                    self._data = []
+                    self._data_len = 0
+                self._event = b""
+            elif line[0] == 58:  # ":" starts a comment
+                continue
+            else:
+                field, sep, value = line.partition(b":")
+                if value[:1] == b" ":
+                    value = value[1:]
+                if field == b"data":
+                    self._data_len += len(value) + 1
+                    if self._data_len > limit:
+                        raise ValueError(f"SSE event data exceeds max_buffer ({limit} bytes)")
+                    self._data.append(value)
+                elif field == b"event":
+                    self._event = value
+        if len(tail) > limit:
+            raise ValueError(f"SSE line exceeds max_buffer ({limit} bytes)")
+        self._line = tail
+        return out
+
+
+# -- canonical_json ----------------------------------------------------------------------------
+
+
+def canonical_json(obj: object) -> bytes:
+    """``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+    allow_nan=False).encode("utf-8")`` with nesting bounded at ``MAX_DEPTH`` containers.
+
+    Values are written in traversal order and each string is UTF-8 encoded as it is written, so
+    when an input has several faults the first one met raises (the Cython twin does the same).
+    """
+    out: list[bytes] = []
+    _canon(obj, out.append, 0)
+    return b"".join(out)
+
+
+def _canon_float(o: float) -> bytes:
+    if not math.isfinite(o):
+        raise ValueError("Out of range float values are not JSON compliant: " + float.__repr__(o))
+    return float.__repr__(o).encode("ascii")
+
+
+def _canon_key(k: object) -> bytes:
+    # json's C encoder coerces keys in this order: str, float, True/False/None, int.
+    if isinstance(k, str):
+        return _json_str(k).encode("utf-8")
+    if isinstance(k, float):
+        return b'"' + _canon_float(k) + b'"'
+    if k is True:
+        return b'"true"'
+    if k is False:
+        return b'"false"'
+    if k is None:
+        return b'"null"'
+    if isinstance(k, int):
+        return b'"' + int.__repr__(k).encode("ascii") + b'"'
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
+
+
+def _canon(o: object, write: Callable[[bytes], object], depth: int) -> None:
+    if o is None:
+        write(b"null")
+    elif o is True:
+        write(b"true")
+    elif o is False:
+        write(b"false")
+    elif isinstance(o, str):
+        write(_json_str(o).encode("utf-8"))
+    elif isinstance(o, int):
+        write(int.__repr__(o).encode("ascii"))
+    elif isinstance(o, float):
+        write(_canon_float(o))
+    elif isinstance(o, (list, tuple)):
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"canonical_json: nesting deeper than {MAX_DEPTH} containers")
+        write(b"[")
+        first = True
+        for x in o:
+            if not first:
+                write(b",")
+            first = False
+            _canon(x, write, depth + 1)
+        write(b"]")
+    elif isinstance(o, dict):
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"canonical_json: nesting deeper than {MAX_DEPTH} containers")
+        write(b"{")
+        first = True
+        # Like json: sort the (key, value) items, then coerce keys.
+        for k, v in sorted(o.items()):
+            if not first:
+                write(b",")
+            first = False
+            write(_canon_key(k))
+            write(b":")
+            _canon(v, write, depth + 1)
+        write(b"}")
+    else:
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+# -- encode_delta / encode_sse -----------------------------------------------------------------
+
+_encode = msgspec.json.Encoder().encode
+
+
+def encode_delta(
+    event_type: str,
+    sequence_number: int,
+    item_id: str,
+    output_index: int,
+    content_index: int,
+    delta: str,
+    logprobs: bool,
+) -> bytes:
+    """``msgspec.json.encode`` of the delta event dict, keys in wire order."""
+    d: dict[str, object] = {
+        "type": event_type,
+        "sequence_number": sequence_number,
+        "item_id": item_id,
+        "output_index": output_index,
+    }
+    if content_index >= 0:
+        d["content_index"] = content_index
+    d["delta"] = delta
+    if logprobs:
+        d["logprobs"] = []
+    return _encode(d)
+
+
+def encode_sse(event_type: str, payload: bytes) -> bytes:
+    """One Server-Sent Event: ``b"event: " + event_type + b"\\ndata: " + payload + b"\\n\\n"``."""
+    return b"".join((b"event: ", event_type.encode("utf-8"), b"\ndata: ", payload, b"\n\n"))

@@ -1,0 +1,19 @@
+//! hotloop's native core: pure Rust, no Python.
+//!
+//! * [`blake2b64`]: the 64-bit item fingerprint (BLAKE2b with an 8-byte digest).
+//! * [`ItemChain`]: an ordered chain of `(fingerprint, tokens)` items with running token sums and a
+//!   capacity bound, used to find how much of a conversation is already known.
+//! * [`SseDecoder`]: an incremental WHATWG Server-Sent-Events decoder for backend streams.
+//!
+//! The pyo3 glue in `rust/py` wraps these with coarse, builtin-typed calls; every item here has a
+//! pure-Python twin in `python/hotloop/_pure.py` and tests that the two agree.
+
+#![forbid(unsafe_code)]
+
+pub mod blake2b;
+pub mod chain;
+pub mod sse;
+
+pub use blake2b::blake2b64;
+pub use chain::{ChainError, ItemChain, DEFAULT_MAX_ITEMS};
+pub use sse::{Event, FeedError, SseDecoder, SseError, DEFAULT_MAX_BUFFER};

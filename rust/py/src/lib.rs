@@ -1,0 +1,178 @@
+//! `hotloop._native`: pyo3 glue over `hotloop-core`. Glue only: argument conversion, error
+//! mapping and object construction. Every call is coarse (one per item, turn or network chunk).
+//! The stub `python/hotloop/_native.pyi` is the documented API; pure twins live in
+//! `hotloop._pure`.
+
+use hotloop_core::{self as core, ChainError, FeedError, SseError};
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+/// Inputs at least this long are hashed with the GIL released.
+const DETACH_THRESHOLD: usize = 16 * 1024;
+
+/// BLAKE2b with an 8-byte digest of `data`, as a little-endian unsigned 64-bit int.
+#[pyfunction]
+fn fingerprint(py: Python<'_>, data: &[u8]) -> u64 {
+    if data.len() >= DETACH_THRESHOLD {
+        py.detach(|| core::blake2b64(data))
+    } else {
+        core::blake2b64(data)
+    }
+}
+
+fn chain_err(e: ChainError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        ChainError::CapacityExceeded { .. } => PyOverflowError::new_err(msg),
+        ChainError::LengthMismatch { .. } => PyValueError::new_err(msg),
+        ChainError::OutOfRange { .. } => PyIndexError::new_err(msg),
+    }
+}
+
+fn non_negative(name: &str, n: i64) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {n}")))
+}
+
+/// An ordered chain of conversation items, each a (fingerprint, tokens) pair, with running
+/// token sums and a capacity bound.
+#[pyclass(module = "hotloop._native", name = "ItemChain")]
+struct ItemChain {
+    inner: core::ItemChain,
+}
+
+#[pymethods]
+impl ItemChain {
+    #[new]
+    #[pyo3(signature = (max_items = 100_000))]
+    fn new(max_items: i64) -> PyResult<Self> {
+        Ok(ItemChain {
+            inner: core::ItemChain::new(non_negative("max_items", max_items)?),
+        })
+    }
+
+    fn push(&mut self, fp: u64, tokens: u32) -> PyResult<()> {
+        self.inner.push(fp, tokens).map_err(chain_err)
+    }
+
+    fn extend(&mut self, fps: Vec<u64>, tokens: Vec<u32>) -> PyResult<()> {
+        self.inner.extend(&fps, &tokens).map_err(chain_err)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ItemChain(len={}, total_tokens={}, max_items={})",
+            self.inner.len(),
+            self.inner.total_tokens(),
+            self.inner.max_items()
+        )
+    }
+
+    #[getter]
+    fn total_tokens(&self) -> u64 {
+        self.inner.total_tokens()
+    }
+
+    #[getter]
+    fn max_items(&self) -> usize {
+        self.inner.max_items()
+    }
+
+    fn common_prefix(&self, fps: Vec<u64>) -> usize {
+        self.inner.common_prefix(&fps)
+    }
+
+    fn tokens_upto(&self, n: i64) -> PyResult<u64> {
+        self.inner
+            .tokens_upto(non_negative("n", n)?)
+            .map_err(chain_err)
+    }
+
+    fn truncate(&mut self, n: i64) -> PyResult<()> {
+        self.inner.truncate(non_negative("n", n)?);
+        Ok(())
+    }
+
+    fn copy(&self) -> Self {
+        ItemChain {
+            inner: self.inner.clone(),
+        }
+    }
+
+    fn fingerprints(&self) -> Vec<u64> {
+        self.inner.fingerprints().to_vec()
+    }
+}
+
+/// Decode UTF-8 with CPython's own "replace" handler, so results equal the pure twin's
+/// `bytes.decode("utf-8", "replace")` exactly.
+fn decode_replace<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: the pointer and length describe a live slice; the C call returns a new reference
+    // or NULL with an exception set, which from_owned_ptr_or_err turns into a PyErr.
+    unsafe {
+        let ptr = pyo3::ffi::PyUnicode_DecodeUTF8(
+            bytes.as_ptr().cast(),
+            bytes.len() as pyo3::ffi::Py_ssize_t,
+            c"replace".as_ptr(),
+        );
+        Bound::from_owned_ptr_or_err(py, ptr)
+    }
+}
+
+/// Incremental Server-Sent-Events decoder (WHATWG rules) for backend HTTP streams.
+#[pyclass(module = "hotloop._native", name = "SseDecoder")]
+struct SseDecoder {
+    inner: core::SseDecoder,
+}
+
+#[pymethods]
+impl SseDecoder {
+    #[new]
+    #[pyo3(signature = (max_buffer = 8_388_608))] // 8 MiB, core::DEFAULT_MAX_BUFFER
+    fn new(max_buffer: i64) -> PyResult<Self> {
+        Ok(SseDecoder {
+            inner: core::SseDecoder::new(non_negative("max_buffer", max_buffer)?),
+        })
+    }
+
+    #[getter]
+    fn max_buffer(&self) -> usize {
+        self.inner.max_buffer()
+    }
+
+    fn feed<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let message = intern!(py, "message");
+        let result = self.inner.feed_with(data, |ty, payload| -> PyResult<()> {
+            let ty_obj: Bound<'py, PyAny> = if ty == b"message" {
+                message.clone().into_any()
+            } else {
+                decode_replace(py, ty)?
+            };
+            let data_obj = decode_replace(py, payload)?;
+            out.append(PyTuple::new(py, [ty_obj, data_obj])?)
+        });
+        match result {
+            Ok(()) => Ok(out),
+            Err(FeedError::Emit(e)) => Err(e),
+            Err(FeedError::Sse(
+                e @ (SseError::LineTooLong { .. }
+                | SseError::EventTooLarge { .. }
+                | SseError::Failed),
+            )) => Err(PyValueError::new_err(e.to_string())),
+        }
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
+    m.add_class::<ItemChain>()?;
+    m.add_class::<SseDecoder>()?;
+    Ok(())
+}

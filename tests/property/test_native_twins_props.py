@@ -1,0 +1,236 @@
+"""Hypothesis: every native accelerator agrees with its pure twin on arbitrary inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hotloop import _canon, _frames, _pure
+from hotloop import _native as native
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def outcome(fn: Any, *args: Any) -> tuple[str, Any]:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the class is the observable
+        return ("err", type(exc))
+
+
+# Any code point, lone surrogates included; control characters and astral planes weighted up.
+any_char = st.one_of(
+    st.characters(min_codepoint=0, max_codepoint=0x1F),
+    st.sampled_from('"\\/\x7f\u2028\u2029\ufeff\u00e9\U0001f600\U0010ffff'),
+    st.characters(codec=None, categories=None),
+    st.integers(0xD800, 0xDFFF).map(chr),  # lone surrogates (st.characters never yields them)
+)
+any_text = st.text(any_char, max_size=40)
+valid_text = st.text(st.characters(codec="utf-8"), max_size=40)
+
+
+# -- fingerprint --------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(st.binary(max_size=600))
+def test_fingerprint(data: bytes) -> None:
+    want = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    assert native.fingerprint(data) == want
+    assert _pure.fingerprint(data) == want
+
+
+# -- ItemChain ----------------------------------------------------------------------------------
+
+u64ish = st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64]))
+u32ish = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([-1, 2**32]))
+small_n = st.integers(-2, 12)
+ops = st.one_of(
+    st.tuples(st.just("push"), u64ish, u32ish),
+    st.tuples(st.just("extend"), st.lists(u64ish, max_size=5), st.lists(u32ish, max_size=5)),
+    st.tuples(st.just("common_prefix"), st.lists(st.integers(0, 5), max_size=8)),
+    st.tuples(st.just("tokens_upto"), small_n),
+    st.tuples(st.just("truncate"), small_n),
+    st.tuples(st.just("copy")),
+)
+
+
+def _observe(chain: Any) -> tuple[Any, ...]:
+    return (len(chain), chain.total_tokens, chain.fingerprints(), chain.max_items, repr(chain))
+
+
+@SETTINGS
+@given(st.integers(0, 10), st.lists(ops, max_size=40))
+def test_item_chain_random_ops(max_items: int, program: list[tuple[Any, ...]]) -> None:
+    chains: list[Any] = [native.ItemChain(max_items), _pure.ItemChain(max_items)]
+    for op, *args in program:
+        results = []
+        for i, chain in enumerate(chains):
+            if op == "copy":
+                chains[i] = chain.copy()
+                if len(chain) < max_items:
+                    chain.push(0, 1)  # mutating the original must not show in the copy
+                results.append(("ok", None))
+            else:
+                results.append(outcome(getattr(chain, op), *args))
+        assert results[0] == results[1], (op, args)
+        assert _observe(chains[0]) == _observe(chains[1])
+
+
+# -- SseDecoder ---------------------------------------------------------------------------------
+
+sse_piece = st.one_of(
+    st.sampled_from([b"\n", b"\r", b"\r\n", b"data", b"data:", b"data: ", b"event:", b"event: ",
+                     b"id: 1", b"retry: 5", b":comment", b":", b" ", b"message", b"\xef\xbb\xbf",
+                     b"\xe2\x82\xac", b"\xff", b"\xe2\x82", b"\xf0\x9f\x98\x80", b"x"]),
+    st.binary(max_size=6),
+)
+sse_stream = st.lists(sse_piece, max_size=40).map(b"".join)
+
+
+def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(c, len(data)) for c in cuts})
+    out, prev = [], 0
+    for p in points:
+        out.append(data[prev:p])
+        prev = p
+    out.append(data[prev:])
+    return out
+
+
+def _feed_all(dec: Any, chunks: list[bytes]) -> list[tuple[str, str]]:
+    return [ev for chunk in chunks for ev in dec.feed(chunk)]
+
+
+@SETTINGS
+@given(sse_stream, st.lists(st.integers(0, 300), max_size=12))
+def test_sse_any_chunking_same_events(data: bytes, cuts: list[int]) -> None:
+    want = native.SseDecoder().feed(data)
+    chunks = _chunks(data, cuts)
+    assert _feed_all(native.SseDecoder(), chunks) == want
+    assert _feed_all(_pure.SseDecoder(), chunks) == want
+    assert _pure.SseDecoder().feed(data) == want
+    byte_chunks = [data[i : i + 1] for i in range(len(data))]
+    assert _feed_all(native.SseDecoder(), byte_chunks) == want
+
+
+@SETTINGS
+@given(sse_stream, st.lists(st.integers(0, 300), max_size=12), st.integers(0, 24))
+def test_sse_bounded_twins_agree_chunk_by_chunk(data: bytes, cuts: list[int], limit: int) -> None:
+    decoders: list[Any] = [native.SseDecoder(limit), _pure.SseDecoder(limit)]
+    for chunk in _chunks(data, cuts) + [b"\n\n"]:
+        n, p = (outcome(d.feed, chunk) for d in decoders)
+        assert n == p, chunk
+
+
+# -- canonical_json -----------------------------------------------------------------------------
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False), valid_text,
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5),
+        st.lists(inner, max_size=5).map(tuple),
+        st.dictionaries(valid_text, inner, max_size=5),
+    ),
+    max_leaves=30,
+)
+
+
+def reference_json(obj: Any) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+@SETTINGS
+@given(json_values)
+def test_canonical_json_equals_json_dumps(obj: Any) -> None:
+    want = reference_json(obj)
+    assert _canon.canonical_json(obj) == want
+    assert _pure.canonical_json(obj) == want
+
+
+any_key = st.one_of(any_text, st.integers(), st.floats(), st.booleans(), st.none())
+messy_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), any_text,
+    st.sampled_from([b"x", {1, 2}, object(), 1j]),
+)
+messy_values = st.recursive(
+    messy_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(any_text, inner, max_size=4),
+        st.dictionaries(st.integers(), inner, max_size=3),
+        st.dictionaries(st.floats(), inner, max_size=3),
+        st.dictionaries(any_key, inner, max_size=3),
+    ),
+    max_leaves=20,
+)
+
+
+@SETTINGS
+@given(messy_values)
+def test_canonical_json_twins_agree_on_anything(obj: Any) -> None:
+    n = outcome(_canon.canonical_json, obj)
+    assert n == outcome(_pure.canonical_json, obj)
+    ref = outcome(reference_json, obj)
+    if ref[0] == "ok" or n[0] == "ok":
+        # Valid input: same bytes as json.dumps. Invalid input: json.dumps also fails (it may
+        # report a different fault first, e.g. a lone surrogate only after all other checks).
+        assert n[0] == ref[0]
+        if n[0] == "ok":
+            assert n == ref
+
+
+@SETTINGS
+@given(st.integers(0, 300))
+def test_canonical_json_depth(depth: int) -> None:
+    obj: Any = "leaf"
+    for i in range(depth):
+        obj = [obj] if i % 3 else {"k": obj}
+    n = outcome(_canon.canonical_json, obj)
+    assert n == outcome(_pure.canonical_json, obj)
+    assert n[0] == ("ok" if depth <= 256 else "err")
+
+
+# -- encode_delta / encode_sse ------------------------------------------------------------------
+
+int64 = st.integers(-(2**63), 2**63 - 1)
+some_int = st.one_of(st.integers(-3, 3), int64, st.integers(-(2**65), 2**65))
+
+
+@SETTINGS
+@given(any_text, some_int, any_text, some_int, some_int, any_text, st.booleans())
+def test_encode_delta_matches_msgspec(
+    event_type: str, seq: int, item_id: str, out_idx: int, content_idx: int, delta: str,
+    logprobs: bool,
+) -> None:
+    d: dict[str, Any] = {"type": event_type, "sequence_number": seq, "item_id": item_id,
+                         "output_index": out_idx}
+    if content_idx >= 0:
+        d["content_index"] = content_idx
+    d["delta"] = delta
+    if logprobs:
+        d["logprobs"] = []
+    want = outcome(msgspec.json.encode, d)
+    args = (event_type, seq, item_id, out_idx, content_idx, delta, logprobs)
+    assert outcome(_frames.encode_delta, *args) == want
+    assert outcome(_pure.encode_delta, *args) == want
+
+
+@SETTINGS
+@given(any_text, st.binary(max_size=100))
+def test_encode_sse(event_type: str, payload: bytes) -> None:
+    want = outcome(lambda: b"event: " + event_type.encode() + b"\ndata: " + payload + b"\n\n")
+    assert outcome(_frames.encode_sse, event_type, payload) == want
+    assert outcome(_pure.encode_sse, event_type, payload) == want

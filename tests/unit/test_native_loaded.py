@@ -1,0 +1,85 @@
+"""The compiled extensions are really loaded (a broken build must fail here, not hide).
+
+CI sets ``HOTLOOP_REQUIRE_NATIVE=1``: then ``_accel.NATIVE`` must be True. Without it the native
+modules must still import; the only way to skip is ``HOTLOOP_PURE_PYTHON=1``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hotloop import _accel
+
+NATIVE_MODULES = ("hotloop._native", "hotloop._canon", "hotloop._frames")
+REQUIRE_NATIVE = os.environ.get("HOTLOOP_REQUIRE_NATIVE", "") == "1"
+
+skip_if_pure = pytest.mark.skipif(
+    _accel.PURE_REQUESTED and not REQUIRE_NATIVE,
+    reason="HOTLOOP_PURE_PYTHON=1 forces the pure twins",
+)
+
+
+@skip_if_pure
+@pytest.mark.parametrize("name", NATIVE_MODULES)
+def test_native_module_imports_from_a_compiled_extension(name: str) -> None:
+    module = importlib.import_module(name)
+    path = module.__file__
+    assert path is not None
+    assert path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), path
+
+
+@skip_if_pure
+def test_accel_resolved_every_name_natively() -> None:
+    if _accel.PURE_REQUESTED:
+        pytest.fail("HOTLOOP_REQUIRE_NATIVE=1 and HOTLOOP_PURE_PYTHON=1 contradict each other")
+    assert _accel.IMPORT_ERRORS == {}
+    assert _accel.NATIVE is True
+    expected = {
+        "fingerprint": "hotloop._native",
+        "ItemChain": "hotloop._native",
+        "SseDecoder": "hotloop._native",
+        "canonical_json": "hotloop._canon",
+        "encode_delta": "hotloop._frames",
+        "encode_sse": "hotloop._frames",
+    }
+    assert expected == _accel.BACKEND_NAMES
+    for name, module_name in expected.items():
+        assert getattr(_accel, name) is getattr(importlib.import_module(module_name), name)
+
+
+def test_pure_switch_parsing() -> None:
+    assert _accel.pure_requested({"HOTLOOP_PURE_PYTHON": "1"})
+    assert _accel.pure_requested({"HOTLOOP_PURE_PYTHON": "true"})
+    assert not _accel.pure_requested({"HOTLOOP_PURE_PYTHON": "0"})
+    assert not _accel.pure_requested({})
+
+
+def test_a_failed_native_import_is_recorded_not_hidden() -> None:
+    """If an extension cannot be imported, _accel falls back to the twins but says so."""
+    script = (
+        "import sys, json\n"
+        "sys.modules['hotloop._canon'] = None  # makes `import hotloop._canon` raise ImportError\n"
+        "from hotloop import _accel as a\n"
+        "print(json.dumps([a.NATIVE, a.BACKEND_NAMES, sorted(a.IMPORT_ERRORS),\n"
+        "                  a.canonical_json({'b': 1, 'a': [2]}).decode()]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HOTLOOP_PURE_PYTHON"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+        check=False, cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr
+    native, names, errors, canon = json.loads(proc.stdout)
+    assert native is False
+    assert errors == ["hotloop._canon"]
+    assert names["canonical_json"] == "hotloop._pure"
+    assert names["fingerprint"] == "hotloop._native"
+    assert canon == '{"a":[2],"b":1}'
+    assert "native extensions unavailable" in proc.stderr

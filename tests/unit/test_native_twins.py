@@ -1,0 +1,388 @@
+"""Every native accelerator against its pure twin on fixed cases (property tests live in
+tests/property/test_native_twins_props.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from hotloop import _pure
+
+# Imported directly (not through _accel): a missing or broken build must fail here.
+from hotloop import _canon, _frames
+from hotloop import _native as native
+
+Impl = dict[str, Any]
+IMPLS: dict[str, Impl] = {
+    "native": {
+        "fingerprint": native.fingerprint,
+        "ItemChain": native.ItemChain,
+        "SseDecoder": native.SseDecoder,
+        "canonical_json": _canon.canonical_json,
+        "encode_delta": _frames.encode_delta,
+        "encode_sse": _frames.encode_sse,
+    },
+    "pure": {
+        "fingerprint": _pure.fingerprint,
+        "ItemChain": _pure.ItemChain,
+        "SseDecoder": _pure.SseDecoder,
+        "canonical_json": _pure.canonical_json,
+        "encode_delta": _pure.encode_delta,
+        "encode_sse": _pure.encode_sse,
+    },
+}
+
+
+@pytest.fixture(params=["native", "pure"])
+def impl(request: pytest.FixtureRequest) -> Impl:
+    return IMPLS[request.param]
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """('ok', result) or ('err', exception class): what must agree between twins."""
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the class is the observable
+        return ("err", type(exc))
+
+
+def reference_json(obj: Any) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+# -- fingerprint --------------------------------------------------------------------------------
+
+FP_INPUTS = [b"", b"abc", b"a" * 127, b"a" * 128, b"a" * 129, bytes(range(256)) * 300]
+
+
+@pytest.mark.parametrize("data", FP_INPUTS, ids=lambda d: f"len{len(d)}")
+def test_fingerprint_is_blake2b_64_little_endian(impl: Impl, data: bytes) -> None:
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    assert impl["fingerprint"](data) == int.from_bytes(digest, "little")
+
+
+def test_fingerprint_known_vector(impl: Impl) -> None:
+    assert impl["fingerprint"](b"abc") == 0x5995D533D814BBD8
+    assert impl["fingerprint"](b"") == 0xB4B2797457A0A6E4
+
+
+@pytest.mark.parametrize("bad", ["abc", bytearray(b"abc"), memoryview(b"abc"), None, 3])
+def test_fingerprint_refuses_non_bytes(impl: Impl, bad: object) -> None:
+    with pytest.raises(TypeError):
+        impl["fingerprint"](bad)
+
+
+# -- ItemChain ----------------------------------------------------------------------------------
+
+
+def test_item_chain_basics(impl: Impl) -> None:
+    chain = impl["ItemChain"]()
+    assert len(chain) == 0
+    assert chain.total_tokens == 0
+    assert chain.max_items == 100_000
+    chain.push(11, 5)
+    chain.extend([12, 13], [6, 7])
+    assert len(chain) == 3
+    assert chain.total_tokens == 18
+    assert chain.fingerprints() == [11, 12, 13]
+    assert [chain.tokens_upto(n) for n in range(4)] == [0, 5, 11, 18]
+    assert chain.common_prefix([11, 12, 99]) == 2
+    assert chain.common_prefix([11, 12, 13, 14]) == 3
+    assert chain.common_prefix([]) == 0
+    copy = chain.copy()
+    chain.truncate(1)
+    assert chain.fingerprints() == [11]
+    assert chain.total_tokens == 5
+    assert copy.fingerprints() == [11, 12, 13]
+    chain.truncate(10)
+    assert len(chain) == 1
+    assert repr(copy) == "ItemChain(len=3, total_tokens=18, max_items=100000)"
+
+
+def test_item_chain_limits(impl: Impl) -> None:
+    chain = impl["ItemChain"](max_items=2)
+    chain.push(2**64 - 1, 2**32 - 1)
+    with pytest.raises(OverflowError):
+        chain.extend([1, 2], [1, 1])  # all or nothing
+    assert len(chain) == 1
+    chain.push(0, 0)
+    with pytest.raises(OverflowError):
+        chain.push(1, 1)
+    assert chain.total_tokens == 2**32 - 1
+    with pytest.raises(IndexError):
+        chain.tokens_upto(3)
+    with pytest.raises(ValueError):
+        chain.tokens_upto(-1)
+    with pytest.raises(ValueError):
+        chain.truncate(-1)
+    with pytest.raises(ValueError):
+        chain.extend([1], [])
+    with pytest.raises(ValueError):
+        impl["ItemChain"](-1)
+
+
+@pytest.mark.parametrize(
+    ("fp", "tokens", "exc"),
+    [(-1, 0, OverflowError), (2**64, 0, OverflowError), (0, 2**32, OverflowError),
+     (0, -1, OverflowError), (1.0, 0, TypeError), ("1", 0, TypeError)],
+)
+def test_item_chain_value_checks(impl: Impl, fp: object, tokens: object, exc: type) -> None:
+    chain = impl["ItemChain"]()
+    with pytest.raises(exc):
+        chain.push(fp, tokens)
+    with pytest.raises(exc):
+        chain.extend([fp], [tokens])
+    assert len(chain) == 0
+
+
+# -- SseDecoder ---------------------------------------------------------------------------------
+
+SSE_CASES: list[tuple[bytes, list[tuple[str, str]]]] = [
+    (b"data: hello\n\n", [("message", "hello")]),
+    (b"event: delta\r\ndata: {\"a\":1}\r\n\r\n", [("delta", '{"a":1}')]),
+    (b"data:a\rdata: b\r\r", [("message", "a\nb")]),
+    (b"data: a\r\r\n", [("message", "a")]),
+    (b": ping\nid: 3\nretry: 10\nfoo\ndata\n\n", [("message", "")]),
+    (b"event: x\n\ndata: y\n\n", [("message", "y")]),
+    (b"event\ndata: y\n\n", [("message", "y")]),
+    (b"data:  two\n\n", [("message", " two")]),
+    (b"\xef\xbb\xbfdata: bom\n\n", [("message", "bom")]),
+    (b"\xef\xbb\xbf\xef\xbb\xbfdata: x\n\n", []),
+    (b"data: x\n\n\xef\xbb\xbfdata: y\n\n", [("message", "x")]),
+    (b"data: \xff\xf0\x9f\x98\n\n", [("message", "\ufffd\ufffd")]),
+    ("data: h\u00e9 \U0001f600\n\n".encode(), [("message", "h\u00e9 \U0001f600")]),
+    (b"data: held", []),
+]
+
+
+@pytest.mark.parametrize(("stream", "events"), SSE_CASES)
+def test_sse_fixed_cases_every_split(impl: Impl, stream: bytes, events: list[Any]) -> None:
+    assert impl["SseDecoder"]().feed(stream) == events
+    for split in range(len(stream) + 1):
+        dec = impl["SseDecoder"]()
+        got = dec.feed(stream[:split]) + dec.feed(b"") + dec.feed(stream[split:])
+        assert got == events, split
+    dec = impl["SseDecoder"]()
+    assert [e for b in stream for e in dec.feed(bytes([b]))] == events
+
+
+def test_sse_cr_then_lf_in_next_chunk_is_one_line_ending(impl: Impl) -> None:
+    dec = impl["SseDecoder"]()
+    assert dec.feed(b"data: a\r") == []
+    assert dec.feed(b"\n") == []  # completes "\r\n"; not a blank line
+    assert dec.feed(b"\n") == [("message", "a")]
+
+
+def test_sse_bounds(impl: Impl) -> None:
+    dec = impl["SseDecoder"](max_buffer=8)
+    assert dec.max_buffer == 8
+    assert dec.feed(b"data: 12\n\n") == [("message", "12")]
+    assert dec.feed(b"data: 12") == []
+    with pytest.raises(ValueError):
+        dec.feed(b"3")
+    with pytest.raises(ValueError):  # failed for good
+        dec.feed(b"\n\n")
+    dec = impl["SseDecoder"](max_buffer=8)
+    with pytest.raises(ValueError):
+        dec.feed(b"data:1\ndata:2\ndata:3\ndata:4\ndata:5\n")
+    with pytest.raises(TypeError):
+        impl["SseDecoder"]().feed("data: x\n\n")
+
+
+# -- canonical_json -----------------------------------------------------------------------------
+
+CANON_OK: list[Any] = [
+    None, True, False, 0, -1, 2**63, -(2**64) - 5, 10**30, 0.0, -0.0, 1.5, 1e16, 1e-7, 1 / 3,
+    2.0**70, "", "plain", "q\"b\\s/", "".join(map(chr, range(0x20))) + "\x7f\u2028\u2029",
+    "\u00e9\u4e2d\U0001f600", [], (), {}, [1, [2, [3, {}]]], (1, "a", None),
+    {"b": 1, "a": [{"d": 1, "c": 2}], "": None, "\u00e9": 1, "e": 1},
+    {10: "a", 2: "b", -1: "c"}, {1.5: 0, 0.25: 1}, {True: 1, 2: 2}, {None: 0}, {False: 0},
+    {"k": {"k": {"k": [True, False, None, 1.0]}}},
+]
+
+
+@pytest.mark.parametrize("obj", CANON_OK, ids=repr)
+def test_canonical_json_equals_json_dumps(impl: Impl, obj: Any) -> None:
+    assert impl["canonical_json"](obj) == reference_json(obj)
+
+
+class ListSub(list[Any]):
+    pass
+
+
+def _cycle() -> list[Any]:
+    a: list[Any] = []
+    a.append(a)
+    return a
+
+
+def _deep(n: int) -> Any:
+    obj: Any = 0
+    for i in range(n):
+        obj = [obj] if i % 2 else {"k": obj}
+    return obj
+
+
+CANON_ERR: list[tuple[Any, type]] = [
+    (float("nan"), ValueError), (float("inf"), ValueError), ([-float("inf")], ValueError),
+    ({float("nan"): 1}, ValueError), (object(), TypeError), ({1, 2}, TypeError),
+    (b"bytes", TypeError), ({(1, 2): 0}, TypeError), ({1: 0, "a": 0}, TypeError),
+    ("\ud800", UnicodeEncodeError), ({"\udfff": 1}, UnicodeEncodeError),
+    (["ok", "x\udc80y"], UnicodeEncodeError), (_cycle(), ValueError), (_deep(257), ValueError),
+    ([object(), "\ud800"], TypeError), (["\ud800", object()], UnicodeEncodeError),
+    ([float("nan"), object()], ValueError),
+]
+
+
+@pytest.mark.parametrize(("obj", "exc"), CANON_ERR, ids=lambda v: type(v).__name__)
+def test_canonical_json_errors(impl: Impl, obj: Any, exc: type) -> None:
+    with pytest.raises(exc):
+        impl["canonical_json"](obj)
+
+
+def test_canonical_json_depth_limit_is_256(impl: Impl) -> None:
+    ok = _deep(256)
+    assert impl["canonical_json"](ok) == reference_json(ok)
+    with pytest.raises(ValueError):
+        impl["canonical_json"](_deep(257))
+
+
+def test_canonical_json_subclasses(impl: Impl) -> None:
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 3
+
+    class S(str):
+        pass
+
+    class D(dict[str, int]):
+        pass
+
+    obj = {S("s"): [Color.RED, S("v"), D(z=1, a=2), ListSub([1.25])], Color.RED: 1.0}
+    with pytest.raises(TypeError):  # str and IntEnum keys cannot be sorted together
+        reference_json(obj)
+    obj = {"s": [Color.RED, S("v"), D(z=1, a=2), ListSub([1.25])], "t": {Color.RED: 1}}
+    assert impl["canonical_json"](obj) == reference_json(obj)
+
+
+# -- encode_delta / encode_sse ------------------------------------------------------------------
+
+DELTA_ARGS: list[tuple[Any, ...]] = [
+    ("response.output_text.delta", 7, "msg_1", 0, 0, "Hello", False),
+    ("response.output_text.delta", 7, "msg_1", 0, 0, "Hello", True),
+    ("response.function_call_arguments.delta", 2**62, "fc_1", 3, -1, '{"a":', False),
+    ("t", 0, "", 0, -5, "".join(map(chr, range(0x20))) + '"\\\x7f\u2028\U0001f600\u00e9', True),
+    ("t", -3, "i", -1, 2, "", False),
+    ("t", 2**63, "i", 0, 0, "x", False),  # off the int64 fast path
+    ("t", True, "i", 0, 0, "x", False),  # bool is encoded as msgspec does
+    ("t", 1, "i", 0, 0, "x", 1),  # truthy non-bool logprobs
+]
+
+
+@pytest.mark.parametrize("args", DELTA_ARGS, ids=repr)
+def test_encode_delta_matches_msgspec(impl: Impl, args: tuple[Any, ...]) -> None:
+    event_type, seq, item_id, out_idx, content_idx, delta, logprobs = args
+    d: dict[str, Any] = {"type": event_type, "sequence_number": seq, "item_id": item_id,
+                         "output_index": out_idx}
+    if content_idx >= 0:
+        d["content_index"] = content_idx
+    d["delta"] = delta
+    if logprobs:
+        d["logprobs"] = []
+    assert impl["encode_delta"](*args) == msgspec.json.encode(d)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("t", 0, "i", 0, 0, "\ud800", False), ("\udfff", 0, "i", 0, 0, "x", False),
+     ("t", 0, "i\ud800", 0, 0, "x", True), ("t", 2**64, "i", 0, 0, "x", False),
+     ("t", 0, "i", 0, "0", "x", False), ("t", object(), "i", 0, 0, "x", False)],
+    ids=repr,
+)
+def test_encode_delta_errors_agree(args: tuple[Any, ...]) -> None:
+    n = outcome(IMPLS["native"]["encode_delta"], *args)
+    p = outcome(IMPLS["pure"]["encode_delta"], *args)
+    assert n == p
+    assert n[0] == "err" or args[1] == 2**64
+
+
+@pytest.mark.parametrize(
+    ("event_type", "payload"),
+    [("response.output_text.delta", b'{"a":1}'), ("", b""), ("\u00e9v", b"x" * 2000),
+     ("t", bytearray(b"ba")), ("t", memoryview(b"mv"))],
+)
+def test_encode_sse(impl: Impl, event_type: str, payload: Any) -> None:
+    want = b"event: " + event_type.encode() + b"\ndata: " + bytes(payload) + b"\n\n"
+    assert impl["encode_sse"](event_type, payload) == want
+
+
+@pytest.mark.parametrize(("event_type", "payload"), [("\ud800", b"x"), (1, b"x"), ("t", "x")])
+def test_encode_sse_errors_agree(event_type: Any, payload: Any) -> None:
+    n = outcome(IMPLS["native"]["encode_sse"], event_type, payload)
+    assert n[0] == "err"
+    assert n == outcome(IMPLS["pure"]["encode_sse"], event_type, payload)
+
+
+# -- the HOTLOOP_PURE_PYTHON switch, end to end ---------------------------------------------------
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from hotloop import _accel as a
+    chain = a.ItemChain(10)
+    chain.extend([1, 2, 3], [4, 5, 6])
+    dec = a.SseDecoder()
+    events = dec.feed(b"event: e\\r\\ndata: 1\\r") + dec.feed(b"\\n\\r\\ndata: \\xff\\n\\n")
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi\\u2028"}]}
+    out = {
+        "native": a.NATIVE,
+        "backends": sorted(set(a.BACKEND_NAMES.values())),
+        "fingerprint": a.fingerprint(b"hello"),
+        "item_fingerprint": a.item_fingerprint(item),
+        "canonical": a.canonical_json(item).decode(),
+        "chain": [len(chain), chain.total_tokens, chain.tokens_upto(2), chain.common_prefix([1, 9])],
+        "events": events,
+        "delta": a.encode_delta("t", 1, "i", 0, 0, "d\\u00e9", True).decode(),
+        "sse": a.encode_sse("t", b"{}").decode(),
+    }
+    print(json.dumps(out))
+    """
+)
+
+
+def _run(pure: bool) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("HOTLOOP_PURE_PYTHON", None)
+    if pure:
+        env["HOTLOOP_PURE_PYTHON"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60,
+        check=False, cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def test_pure_switch_in_a_subprocess_gives_identical_results() -> None:
+    pure = _run(pure=True)
+    assert pure["native"] is False
+    assert pure["backends"] == ["hotloop._pure"]
+    nat = _run(pure=False)
+    assert nat["native"] is True
+    assert "hotloop._pure" not in nat["backends"]
+    for key in ("native", "backends"):
+        del pure[key], nat[key]
+    assert pure == nat
