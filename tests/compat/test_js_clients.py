@@ -1,0 +1,52 @@
+"""Real JavaScript clients against a real server: openai-node (HTTP, SSE, ResponsesWS) and the
+Vercel AI SDK (streamText, a generateText tool loop).
+
+The clients are pinned in ``package.json``/``package-lock.json`` and installed with ``npm ci`` on
+first use (the npm registry is reachable wherever the suite runs). Without a ``node`` executable
+the JavaScript runtime itself is absent, and these tests skip saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
+
+
+@pytest.fixture(scope="module")
+def node_modules() -> Path:
+    nm = HERE / "node_modules"
+    if not (nm / "openai").is_dir() or not (nm / "ai").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=HERE, check=True, timeout=600)
+    return nm
+
+
+def run_js(script: str, server) -> dict:
+    proc = subprocess.run([NODE, str(HERE / script), server.v1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_openai_node(node_modules, server) -> None:
+    out = run_js("openai_node.mjs", server)
+    assert out["json"]["status"] == "completed" and out["json"]["text"] and out["json"]["total"] > 0
+    assert out["sse"] == {"first": "response.created", "last": "response.completed", "count": out["sse"]["count"], "matches": True}
+    assert out["sse"]["count"] >= 9
+    assert out["ws"]["first"] == "response.created" and out["ws"]["last"] == "response.completed"
+    assert out["ws"]["chained"] is True
+    assert out["ws"]["cached"] >= out["ws"]["firstTotal"]
+
+
+def test_vercel_ai_sdk(node_modules, server) -> None:
+    out = run_js("ai_sdk.mjs", server)
+    assert out["stream"]["text"] and out["stream"]["finish"] == "stop"
+    assert out["stream"]["inputTokens"] > 0 and out["stream"]["outputTokens"] > 0
+    assert out["tools"]["executed"] == "example city"
+    assert out["tools"]["steps"] == 2 and out["tools"]["finalText"] and out["tools"]["finish"] == "stop"
