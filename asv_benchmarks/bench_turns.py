@@ -1,0 +1,125 @@
+"""Per-turn and per-event server work, in process (no sockets): what the DESIGN targets measure.
+
+* ``TurnPrepare``: pre-inference work of one WebSocket turn (2 KB of new input) on top of a cached
+  200 KB / 100-turn conversation, against turn 1 of the same conversation: only the new input is
+  analysed, so the two must stay close.
+* ``DeltaEvent``: one backend chunk in, one SSE frame out (turn machine + encoder).
+* ``track_*``: the ``hotloop bench`` scenarios against a real server process (loopback), reported
+  as asv tracked values (microseconds of server CPU).
+"""
+
+from __future__ import annotations
+
+import random
+
+from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.prepare import finished, prepare
+from hotloop.protocol import events as ev
+from hotloop.protocol.chunks import Finish, TextDelta
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import decode_body, validate
+from hotloop.protocol.turn import Turn
+
+WORDS = "agent tool call result patch file test build error fix diff line code review loop".split()
+
+
+def _text(rng: random.Random, n: int) -> str:
+    out, size = [], 0
+    while size < n:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def _request(text: str, prev: str | None) -> bytes:
+    import json
+
+    body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}]}
+    if prev:
+        body["previous_response_id"] = prev
+    return json.dumps(body).encode()
+
+
+def _turn(parent, body: bytes, ids: IdGen, cache: itemlib.TokenCache):
+    p = validate(decode_body(body))
+    plan = prepare(p, parent, ids, cache)
+    resp = response_object(p, ids.new("resp"), 0)
+    turn = Turn(resp, ids=ids, clock=lambda: 0.0, input_tokens=plan.input_tokens)
+    turn.start()
+    turn.feed(TextDelta("ok"))
+    turn.feed(Finish())
+    return plan, finished(plan, resp, cache)
+
+
+class TurnPrepare:
+    params = [1, 100]
+    param_names = ["turn"]
+
+    def setup(self, turn: int) -> None:
+        rng = random.Random(0)
+        self.ids = IdGen(deterministic=True)
+        self.cache = itemlib.TokenCache()
+        parent = None
+        for _ in range(turn - 1):
+            _, parent = _turn(parent, _request(_text(rng, 2048), parent.id if parent else None), self.ids, self.cache)
+        self.parent = parent
+        self.body = _request(_text(rng, 2048), parent.id if parent else None)
+        # correctness before timing: the new context is the parent's plus exactly one item
+        plan = prepare(validate(decode_body(self.body)), self.parent, IdGen(deterministic=True), itemlib.TokenCache())
+        expected = (len(parent.context) if parent else 0) + 1
+        assert len(plan.context) == expected, (len(plan.context), expected)
+        assert plan.input_tokens > 300 * turn  # ~376 tokens per 2 KB turn
+
+    def time_prepare_new_turn(self, turn: int) -> None:
+        # a fresh token cache each call: the new 2 KB really is tokenized every time
+        prepare(validate(decode_body(self.body)), self.parent, self.ids, itemlib.TokenCache(16))
+
+
+class DeltaEvent:
+    def setup(self) -> None:
+        p = validate(decode_body(b'{"model":"m","input":"x"}'))
+        ids = IdGen(deterministic=True)
+        self.turn = Turn(response_object(p, ids.new("resp"), 0), ids=ids, clock=lambda: 0.0)
+        self.turn.start()
+        self.turn.feed(TextDelta("warm"))
+        self.chunk = TextDelta(" token")
+        [frame] = self.turn.feed(self.chunk)
+        assert ev.sse(frame).startswith(b"event: response.output_text.delta\ndata: {")
+        self.sse = ev.sse
+
+    def time_chunk_to_sse_frame(self) -> None:
+        sse = self.sse
+        for frame in self.turn.feed(self.chunk):
+            sse(frame)
+
+
+class ServerScenarios:
+    """Real server, real sockets; one run each (values are medians inside the scenario)."""
+
+    timeout = 300
+    number = 1
+    repeat = 1
+
+    def track_ws_loop_cpu_p50_us(self) -> float:
+        from hotloop.bench import bench_loop
+
+        return float(bench_loop("ws-loop", 40, 2048)["server_cpu_per_turn_p50_us"])
+
+    track_ws_loop_cpu_p50_us.unit = "us"  # type: ignore[attr-defined]
+
+    def track_http_full_history_cpu_p50_us(self) -> float:
+        from hotloop.bench import bench_loop
+
+        return float(bench_loop("http-loop", 40, 2048)["server_cpu_per_turn_p50_us"])
+
+    track_http_full_history_cpu_p50_us.unit = "us"  # type: ignore[attr-defined]
+
+    def track_stream_cpu_per_event_unpaced_us(self) -> float:
+        from hotloop.bench import bench_stream
+
+        return float(bench_stream(2000, 4000.0)["cpu_per_event_unpaced_us"])
+
+    track_stream_cpu_per_event_unpaced_us.unit = "us"  # type: ignore[attr-defined]
+
+
