@@ -1,0 +1,145 @@
+"""The simulator backend: directives, scripts, schema-valid arguments, determinism, pacing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from hotloop import errors, tokenizer
+from hotloop.backends.base import BackendRequest
+from hotloop.backends.simulator import Script, SimulatorBackend, example_value, parse_directives
+from hotloop.protocol.chunks import Failure, Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, InputText, Message
+
+TOOL = FunctionTool(
+    name="edit_file",
+    parameters={
+        "type": "object",
+        "properties": {
+            "path": {"type": "string"},
+            "line": {"type": "integer", "minimum": 3},
+            "mode": {"type": "string", "enum": ["replace", "insert"]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "opts": {"type": "object", "properties": {"dry": {"type": "boolean"}}, "required": ["dry"]},
+            "note": {"type": ["string", "null"]},
+        },
+        "required": ["path", "line", "mode", "tags", "opts", "note"],
+        "additionalProperties": False,
+    },
+)
+
+
+def req(items=None, tools=(), choice="auto", **kw) -> BackendRequest:
+    items = items if items is not None else [Message(role="user", content=[InputText(text="fix the bug")])]
+    return BackendRequest(model="hotloop-sim", instructions=None, items=items, tools=list(tools),
+                          tool_choice=choice, parallel_tool_calls=True, **kw)
+
+
+def collect(sim: SimulatorBackend, r: BackendRequest) -> list:
+    async def go():
+        await sim.start()
+        return [c async for c in sim.stream(r)]
+    return uvloop.run(go())
+
+
+def test_text_is_real_tokens_one_delta_each() -> None:
+    sim = SimulatorBackend(rate=0, output_tokens=40)
+    chunks = collect(sim, req())
+    texts = [c.text for c in chunks if isinstance(c, TextDelta)]
+    assert len(texts) == 40
+    enc = tokenizer.encoding()
+    assert [enc.decode([t]) for t in enc.encode_ordinary("".join(texts))] == texts
+    assert chunks[-2] == Usage(output_tokens=40, reasoning_tokens=0) and chunks[-1] == Finish("stop")
+
+
+def test_agent_default_calls_then_answers() -> None:
+    sim = SimulatorBackend(rate=0)
+    first = collect(sim, req(tools=[TOOL]))
+    calls = [c for c in first if isinstance(c, ToolCallDelta)]
+    assert calls[0].name == "edit_file" and calls[0].call_id
+    args = json.loads("".join(c.arguments for c in calls))
+    assert args == {"path": "example path", "line": 3, "mode": "replace", "tags": ["example tags"], "opts": {"dry": True}, "note": "example note"}
+    assert first[-1] == Finish("tool_calls")
+    history = [
+        Message(role="user", content=[InputText(text="fix the bug")]),
+        FunctionCall(call_id=calls[0].call_id, name="edit_file", arguments=json.dumps(args)),
+        FunctionCallOutput(call_id=calls[0].call_id, output="done"),
+    ]
+    second = collect(sim, req(items=history, tools=[TOOL]))
+    assert any(isinstance(c, TextDelta) for c in second) and second[-1] == Finish("stop")
+
+
+def test_directives() -> None:
+    sim = SimulatorBackend(rate=0)
+    chunks = collect(sim, req(tools=[TOOL, FunctionTool(name="other")], metadata={"sim": "reasoning,tools:2,tokens:6"}))
+    kinds = [type(c).__name__ for c in chunks]
+    assert kinds.index("ReasoningDelta") < kinds.index("ToolCallDelta")
+    assert {c.index for c in chunks if isinstance(c, ToolCallDelta)} == {0, 1}
+    assert [c.name for c in chunks if isinstance(c, ToolCallDelta) and c.name] == ["edit_file", "other"]
+    fail = collect(sim, req(metadata={"sim": "fail:invalid_prompt,tokens:10"}))
+    assert isinstance(fail[-1], Failure) and fail[-1].code == "invalid_prompt"
+    with pytest.raises(errors.RateLimited):
+        collect(sim, req(metadata={"sim": "rate_limit"}))
+    with pytest.raises(errors.BackendError):
+        collect(sim, req(metadata={"sim": "disconnect"}))
+    with pytest.raises(errors.InvalidValue):
+        parse_directives("text,bogus")
+    capped = collect(sim, req(metadata={"sim": "tokens:50"}, max_output_tokens=7))
+    assert sum(isinstance(c, TextDelta) for c in capped) == 7 and capped[-1] == Finish("length")
+
+
+def test_script_by_turn(tmp_path: Path) -> None:
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"turns": ["tools:1", "rate_limit", "text,tokens:3"]}))
+    sim = SimulatorBackend(rate=0, script=Script.load(path))
+    user = Message(role="user", content=[InputText(text="go")])
+    assert any(isinstance(c, ToolCallDelta) for c in collect(sim, req(items=[user], tools=[TOOL])))
+    one_turn = [user, Message(role="assistant", content="ok"), user]
+    with pytest.raises(errors.RateLimited):
+        collect(sim, req(items=one_turn, tools=[TOOL]))
+    two_turns = one_turn + [Message(role="assistant", content="ok"), user]
+    assert sum(isinstance(c, TextDelta) for c in collect(sim, req(items=two_turns))) == 3
+    assert sum(isinstance(c, TextDelta) for c in collect(sim, req(items=two_turns * 3))) == 3  # last entry repeats
+
+
+def test_deterministic_under_seed() -> None:
+    a = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))
+    b = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))
+    c = collect(SimulatorBackend(rate=0, seed=8), req(metadata={"sim": "reasoning,tokens:20"}))
+    assert a == b and a != c
+    assert any(isinstance(x, ReasoningDelta) for x in a)
+
+
+def test_pacing_never_runs_ahead_of_the_rate() -> None:
+    # Lower bounds only: a loaded machine may be slower than the rate, never faster.
+    sim = SimulatorBackend(rate=4000, ttft=0.05, output_tokens=400)
+
+    async def go():
+        await sim.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = None
+        n = 0
+        async for c in sim.stream(req()):
+            if isinstance(c, TextDelta):
+                n += 1
+                if first is None:
+                    first = loop.time() - t0
+        return first, loop.time() - t0, n
+
+    first, total, n = uvloop.run(go())
+    assert n == 400
+    assert first >= 0.049
+    assert total >= 0.05 + 399 / 4000 - 0.002
+
+
+def test_example_values_cover_schema_forms() -> None:
+    assert example_value({"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 1
+    assert example_value({"const": "x"}) == "x"
+    assert example_value({"type": "array", "items": {"type": "number"}, "minItems": 2}) == [1.5, 1.5]
+    assert example_value({"type": "string", "format": "date"}) == "2026-01-01"
