@@ -29,4 +29,12 @@ def create(config: "Config") -> "Backend":
             if config.model not in sim.models:
                 sim.models = (config.model, *sim.models)
         return sim
+    if config.backend == "cerebras":
+        from hotloop.backends.cerebras import CerebrasBackend
+
+        return CerebrasBackend(config)
+    if config.backend == "openai-compat":
+        from hotloop.backends.openai_compat import OpenAICompatBackend
+
+        return OpenAICompatBackend(config)
     raise ValueError(f"unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")

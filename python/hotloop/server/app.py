@@ -80,6 +80,11 @@ class HotloopApp:
             if msg["type"] == "lifespan.startup":
                 try:
                     await self.startup()
+                except (RuntimeError, ValueError, OSError) as exc:
+                    # configuration problems (a missing API key, a bad URL): say what, no traceback
+                    log.error("start-up failed: %s", exc)
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
                 except Exception:
                     log.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": "start-up failed (see log)"})

@@ -1,0 +1,111 @@
+"""OpenAI-compatible chat-completions servers (vLLM, SGLang, llama.cpp, Ollama, ...).
+
+``--base-url`` *includes* the API prefix, as with OpenAI clients: ``http://localhost:8000/v1``
+(vLLM), ``http://localhost:11434/v1`` (Ollama); hotloop appends ``/chat/completions`` and
+``/models``. One ``httpx.AsyncClient`` (one connection pool) serves the whole process. The API
+key is ``--backend-api-key``/``HOTLOOP_BACKEND_API_KEY``, else ``OPENAI_API_KEY``; without one no
+``Authorization`` header is sent (local servers rarely need it).
+
+The mapping and the stream parsing are shared with the Cerebras backend
+(:mod:`hotloop.backends.chat`, dialect ``OPENAI_COMPAT``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import httpx
+
+from hotloop import __version__, errors
+from hotloop.backends.chat import (
+    OPENAI_COMPAT,
+    ChatBackend,
+    http_timeout,
+    quiet_http_logs,
+    read_error_body,
+    status_error,
+)
+from hotloop.config import Config
+
+log = logging.getLogger("hotloop.backends")
+
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+_POST_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+
+class OpenAICompatBackend(ChatBackend):
+    name = "openai-compat"
+    dialect = OPENAI_COMPAT
+    owned_by = "openai-compat"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(model=config.model or "", retries=config.backend_retries)
+        self._base_url = config.base_url
+        self._api_key = config.backend_api_key or os.environ.get("OPENAI_API_KEY")
+        self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        if not self._base_url:
+            raise RuntimeError(
+                "The openai-compat backend needs --base-url (or HOTLOOP_BASE_URL), including the "
+                "API prefix, e.g. http://localhost:8000/v1."
+            )
+        quiet_http_logs()
+        headers = {"User-Agent": f"hotloop/{__version__}"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        self._client = httpx.AsyncClient(
+            # A trailing slash makes relative paths extend the prefix instead of replacing it.
+            base_url=self._base_url.rstrip("/") + "/",
+            headers=headers,
+            timeout=self._timeout,
+            limits=_LIMITS,
+        )
+        if not self.default_model:
+            # No --model: offer the server's first model (list_models falls back to it).
+            models = await self.list_models()
+            if models:
+                self.default_model = str(models[0]["id"])
+                log.info("openai-compat backend: default model %s", self.default_model)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _require_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise errors.BackendUnavailable("The model backend is not started.")
+        return self._client
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._require_client().send(request, stream=True)
+        except httpx.TimeoutException:
+            raise errors.BackendTimeout("The model backend did not answer in time.") from None
+        except httpx.HTTPError:
+            log.warning("openai-compat backend: connection to %s failed", request.url)
+            raise errors.BackendUnavailable("Could not connect to the model backend.") from None
+
+    async def _open(self, body: bytes, model: str) -> httpx.Response:
+        client = self._require_client()
+        resp = await self._send(client.build_request("POST", "chat/completions", content=body, headers=_POST_HEADERS))
+        if resp.status_code >= 400:
+            payload = await read_error_body(resp)
+            raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=model)
+        return resp
+
+    async def _get_models(self) -> bytes:
+        client = self._require_client()
+        resp = await self._send(client.build_request("GET", "models"))
+        if resp.status_code >= 400:
+            payload = await read_error_body(resp)
+            raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=self.default_model)
+        try:
+            return await resp.aread()
+        except httpx.HTTPError:
+            raise errors.BackendUnavailable("Could not read the model backend's model list.") from None
+        finally:
+            await resp.aclose()

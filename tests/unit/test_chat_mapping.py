@@ -1,0 +1,515 @@
+"""Responses <-> chat completions mapping (hotloop.backends.chat), sans-I/O."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from hotloop import errors
+from hotloop.backends.base import BackendRequest
+from hotloop.backends.chat import (
+    CEREBRAS,
+    OPENAI_COMPAT,
+    ChatChunk,
+    ChunkAssembler,
+    TransientBackendError,
+    encode_request,
+    render,
+    retry_after,
+    status_error,
+)
+from hotloop.protocol.chunks import Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import (
+    FunctionTool,
+    Item,
+    TextFormat,
+    decode_body,
+    decode_items,
+    validate,
+)
+from hotloop.protocol.turn import Turn
+
+DIALECTS = [CEREBRAS, OPENAI_COMPAT]
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def items(raw: list[dict[str, Any]]) -> list[Item]:
+    return decode_items(raw)
+
+
+def request(raw_items: list[dict[str, Any]] | str = "hi", **kw: Any) -> BackendRequest:
+    base: dict[str, Any] = {
+        "model": "gpt-oss-120b",
+        "instructions": None,
+        "items": items(raw_items) if isinstance(raw_items, list) else decode_items(raw_items),
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+    }
+    base.update(kw)
+    return BackendRequest(**base)
+
+
+def tool(name: str, **kw: Any) -> FunctionTool:
+    return FunctionTool(name=name, parameters={"type": "object", "properties": {"q": {"type": "string"}}}, **kw)
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+
+def fcall(call_id: str, name: str = "search", args: str = '{"q":"x"}') -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": args}
+
+
+def fout(call_id: str, output: str = "result") -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def reasoning(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage: dict[str, Any] | None = None) -> ChatChunk:
+    obj: dict[str, Any] = {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    if usage is not None:
+        obj["usage"] = usage
+    return msgspec.json.decode(json.dumps(obj), type=ChatChunk)
+
+
+def tc(index: int | None, *, id: str | None = None, name: str | None = None, args: str | None = None) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    if index is not None:
+        d["index"] = index
+    if id is not None:
+        d["id"] = id
+    fn: dict[str, Any] = {}
+    if name is not None:
+        fn["name"] = name
+    if args is not None:
+        fn["arguments"] = args
+    d["function"] = fn
+    return {"tool_calls": [d]}
+
+
+def assemble(chunks: list[ChatChunk]) -> list[Any]:
+    a = ChunkAssembler()
+    out: list[Any] = []
+    for c in chunks:
+        out += a.feed(c)
+    return out + a.end()
+
+
+def through_turn(chunks: list[Any]) -> dict[str, Any]:
+    """Feed assembled chunks to the real turn machine (raises TurnStateError on a contract break)."""
+    p = validate(decode_body(json.dumps({"model": "m", "input": "hi"})))
+    ids = IdGen(deterministic=True)
+    turn = Turn(response_object(p, ids.new("resp"), 1000), ids=ids, clock=lambda: 1001.0)
+    turn.start()
+    for c in chunks:
+        turn.feed(c)
+    assert turn.done
+    return turn.response
+
+
+def calls_of(response: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [(o["call_id"], o["name"], o["arguments"]) for o in response["output"] if o["type"] == "function_call"]
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering messages
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+def test_roles_and_text(dialect) -> None:
+    req = request(
+        [
+            {"type": "message", "role": "system", "content": "sys"},
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "dev"}]},
+            {"role": "user", "content": "plain"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}, {"type": "output_text", "text": "y"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        ],
+        instructions="be brief",
+    )
+    msgs = render(req, dialect)["messages"]
+    assert msgs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "sys"},
+        {"role": dialect.developer_role, "content": "dev"},
+        {"role": "user", "content": "plain"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "xy"},
+        {"role": "assistant", "content": "no"},
+    ]
+    assert CEREBRAS.developer_role == "developer" and OPENAI_COMPAT.developer_role == "system"
+
+
+def test_images() -> None:
+    parts = [{"type": "input_text", "text": "what is this"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}]
+    req = request([{"type": "message", "role": "user", "content": parts}])
+    assert render(req, OPENAI_COMPAT)["messages"][0]["content"] == [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+    ]
+    with pytest.raises(errors.UnsupportedParameter) as ei:
+        render(req, CEREBRAS)
+    assert ei.value.status == 400 and "cerebras" in ei.value.message and "image" in ei.value.message.lower()
+    files = request([{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}])
+    for d in DIALECTS:
+        with pytest.raises(errors.UnsupportedParameter):
+            render(files, d)
+    img_out = request([fcall("c1"), {"type": "function_call_output", "call_id": "c1", "output": [parts[1]]}])
+    with pytest.raises(errors.UnsupportedParameter):
+        render(img_out, OPENAI_COMPAT)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+def test_function_calls_merge_and_outputs_match(dialect) -> None:
+    req = request(
+        [
+            user("find"),
+            assistant("Let me look."),
+            fcall("call_a", args='{"q":"a"}'),
+            fcall("call_b", args='{"q":"b"}'),
+            fout("call_a", "A"),
+            {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "B1"}, {"type": "input_text", "text": "B2"}]},
+            fcall("call_c"),
+            fcall("call_d"),
+            fout("call_c"),
+            fout("call_d"),
+            assistant("done"),
+        ]
+    )
+    msgs = render(req, dialect)["messages"]
+    assert msgs[1] == {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "search", "arguments": '{"q":"a"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "search", "arguments": '{"q":"b"}'}},
+        ],
+    }
+    assert msgs[2] == {"role": "tool", "tool_call_id": "call_a", "content": "A"}
+    assert msgs[3] == {"role": "tool", "tool_call_id": "call_b", "content": "B1B2"}
+    # calls without a preceding text message: one assistant message, no content key
+    assert msgs[4] == {
+        "role": "assistant",
+        "tool_calls": [
+            {"id": "call_c", "type": "function", "function": {"name": "search", "arguments": '{"q":"x"}'}},
+            {"id": "call_d", "type": "function", "function": {"name": "search", "arguments": '{"q":"x"}'}},
+        ],
+    }
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "assistant", "tool", "tool", "assistant"]
+    # every tool message answers a call of the assistant message before it
+    ids = {c["id"] for m in msgs if m["role"] == "assistant" for c in m.get("tool_calls", [])}
+    assert {m["tool_call_id"] for m in msgs if m["role"] == "tool"} == ids
+
+
+def test_reasoning_history() -> None:
+    req = request([user("q"), reasoning("think "), reasoning("more"), fcall("c1"), fout("c1"), reasoning("again"), assistant("answer"), user("next"), reasoning("orphan"), user("x")])
+    cb = render(req, CEREBRAS)["messages"]
+    assert cb[1] == {"role": "assistant", "reasoning": "think more", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q":"x"}'}}]}
+    assert cb[3] == {"role": "assistant", "content": "answer", "reasoning": "again"}
+    assert all("orphan" not in json.dumps(m) for m in cb)
+    oc = render(req, OPENAI_COMPAT)["messages"]
+    assert all("reasoning" not in m for m in oc)
+    assert [m["role"] for m in oc] == [m["role"] for m in cb]
+
+
+def test_other_items_are_rendered_as_json_text() -> None:
+    raw = [
+        user("patch it"),
+        {"type": "custom_tool_call", "call_id": "ct1", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "ct1", "output": "ok"},
+    ]
+    msgs = render(request(raw), CEREBRAS)["messages"]
+    assert msgs[1]["role"] == "assistant" and json.loads(msgs[1]["content"]) == raw[1]
+    assert msgs[2]["role"] == "user" and json.loads(msgs[2]["content"]) == raw[2]
+    # the item's own key order is kept (stable as long as the item is)
+    assert msgs[1]["content"].startswith('{"type":"custom_tool_call","call_id":"ct1"')
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tools_and_settings() -> None:
+    tools = [
+        FunctionTool(name="search", description="Search.", parameters={"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"], "additionalProperties": False}),
+        FunctionTool(name="noargs", strict=False),
+    ]
+    req = request(
+        tools=tools,
+        parallel_tool_calls=False,
+        max_output_tokens=256,
+        temperature=0.2,
+        top_p=0.9,
+        reasoning_effort="minimal",
+        prompt_cache_key="agent-7",
+        service_tier="flex",
+        user="u1",
+        metadata={"sim": "x"},
+    )
+    cb = render(req, CEREBRAS)
+    assert cb["tools"] == [
+        {"type": "function", "function": {"name": "search", "description": "Search.", "parameters": tools[0].parameters, "strict": True}},
+        {"type": "function", "function": {"name": "noargs", "parameters": {"type": "object", "properties": {}}, "strict": False}},
+    ]
+    assert "tool_choice" not in cb  # auto is the default
+    assert cb["parallel_tool_calls"] is False
+    assert cb["max_completion_tokens"] == 256 and "max_tokens" not in cb
+    assert cb["reasoning_effort"] == "low"
+    assert (cb["temperature"], cb["top_p"], cb["prompt_cache_key"], cb["service_tier"], cb["user"]) == (0.2, 0.9, "agent-7", "flex", "u1")
+    assert cb["stream"] is True and cb["stream_options"] == {"include_usage": True}
+    assert "metadata" not in cb
+    oc = render(req, OPENAI_COMPAT)
+    assert oc["max_tokens"] == 256 and "max_completion_tokens" not in oc
+    assert "service_tier" not in oc
+    assert render(request(reasoning_effort="xhigh"), CEREBRAS)["reasoning_effort"] == "high"
+    assert render(request(reasoning_effort="medium"), CEREBRAS)["reasoning_effort"] == "medium"
+    assert "service_tier" not in render(request(service_tier="scale"), CEREBRAS)
+    bare = render(request(), CEREBRAS)
+    assert list(bare) == ["model", "messages", "stream", "stream_options"]
+
+
+def test_tool_choice_forms() -> None:
+    tools = [tool("a"), tool("b"), tool("c")]
+
+    def r(choice: Any, dialect=CEREBRAS) -> dict[str, Any]:
+        return render(request(tools=tools, tool_choice=choice), dialect)
+
+    assert r("none")["tool_choice"] == "none" and len(r("none")["tools"]) == 3
+    assert r("required")["tool_choice"] == "required"
+    # named function: emulated on Cerebras, native elsewhere
+    named = r({"type": "function", "name": "b"})
+    assert [t["function"]["name"] for t in named["tools"]] == ["b"] and named["tool_choice"] == "required"
+    native = r({"type": "function", "name": "b"}, OPENAI_COMPAT)
+    assert len(native["tools"]) == 3 and native["tool_choice"] == {"type": "function", "function": {"name": "b"}}
+    # allowed_tools: filtered, order of the tools list kept, mode passed on
+    for d in DIALECTS:
+        allowed = r({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "c"}, {"type": "function", "name": "a"}]}, d)
+        assert [t["function"]["name"] for t in allowed["tools"]] == ["a", "c"] and allowed["tool_choice"] == "required"
+        auto = r({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "b"}]}, d)
+        assert [t["function"]["name"] for t in auto["tools"]] == ["b"] and "tool_choice" not in auto
+    hosted_only = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]}
+    with pytest.raises(errors.UnsupportedParameter):
+        r(hosted_only)
+    # no tools: no tool fields at all
+    assert "tool_choice" not in render(request(tool_choice="none"), CEREBRAS)
+
+
+def test_response_formats() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = TextFormat(type="json_schema", name="answer", schema=schema, strict=True)
+    assert render(request(text_format=fmt), CEREBRAS)["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": True},
+    }
+    described = TextFormat(type="json_schema", name="answer", schema=schema, description="An answer.")
+    assert render(request(text_format=described), OPENAI_COMPAT)["response_format"]["json_schema"] == {
+        "name": "answer", "description": "An answer.", "schema": schema,
+    }
+    assert render(request(text_format=TextFormat(type="json_object")), CEREBRAS)["response_format"] == {"type": "json_object"}
+    assert "response_format" not in render(request(text_format=TextFormat(type="text")), CEREBRAS)
+
+
+def test_byte_stable_rendering() -> None:
+    history = [
+        user("hello"),
+        reasoning("plan"),
+        assistant("hi"),
+        fcall("c1", args='{"q":"\\u00e9t\\u00e9 ok"}'),
+        fout("c1", "été"),
+        {"type": "custom_tool_call", "name": "x", "call_id": "z", "input": "y"},
+    ]
+    tools = [tool("search", description="d")]
+    a = encode_request(request(json.loads(json.dumps(history)), tools=tools, instructions="sys"), CEREBRAS)
+    b = encode_request(request(json.loads(json.dumps(history)), tools=[tool("search", description="d")], instructions="sys"), CEREBRAS)
+    assert a == b
+    # the next turn renders the earlier messages byte for byte, then the new ones
+    longer = encode_request(request(history + [user("more")], tools=tools, instructions="sys"), CEREBRAS)
+    msgs_a = json.dumps(json.loads(a)["messages"], separators=(",", ":"), ensure_ascii=False)
+    prefix = msgs_a[:-1]  # drop the closing bracket
+    assert longer.decode().find('"messages":' + prefix + ",") != -1
+    assert b'"model":"gpt-oss-120b","messages":[' in a[:40]
+
+
+# ---------------------------------------------------------------------------------------------
+# assembling the stream
+# ---------------------------------------------------------------------------------------------
+
+
+def test_text_reasoning_usage_finish() -> None:
+    out = assemble(
+        [
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"reasoning": "hm"}),
+            chunk({"reasoning_content": "m"}),
+            chunk({"content": "Hel"}),
+            chunk({"content": "lo"}),
+            chunk({}, "stop"),
+            msgspec.json.decode(
+                json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}}}),
+                type=ChatChunk,
+            ),
+        ]
+    )
+    assert out == [
+        ReasoningDelta("hm"),
+        ReasoningDelta("m"),
+        TextDelta("Hel"),
+        TextDelta("lo"),
+        Usage(input_tokens=9, output_tokens=5, cached_tokens=4, reasoning_tokens=2),
+        Finish("stop"),
+    ]
+    assert assemble([chunk({"content": "x"}, "length")])[-1] == Finish("length")
+    assert assemble([chunk({}, "function_call")])[-1] == Finish("tool_calls")
+    assert assemble([chunk({}, "weird")])[-1] == Finish("stop")
+
+
+def test_sequential_calls_stream_live() -> None:
+    a = ChunkAssembler()
+    first = a.feed(chunk(tc(0, id="call_1", name="search", args="")))
+    assert first == [ToolCallDelta(0, "", "call_1", "search")]
+    assert a.feed(chunk(tc(0, args='{"q":'))) == [ToolCallDelta(0, '{"q":')]
+    assert a.feed(chunk(tc(0, args='"a"}'))) == [ToolCallDelta(0, '"a"}')]
+    # call 0 is complete JSON: call 1 opens at once
+    assert a.feed(chunk(tc(1, id="call_2", name="search", args='{"q"'))) == [ToolCallDelta(1, '{"q"', "call_2", "search")]
+    assert a.feed(chunk(tc(1, args=':"b"}'))) == [ToolCallDelta(1, ':"b"}')]
+    end = a.end()
+    assert end == [Finish("stop")]
+    resp = through_turn([*first, ToolCallDelta(0, '{"q":'), ToolCallDelta(0, '"a"}'), ToolCallDelta(1, '{"q"', "call_2", "search"), ToolCallDelta(1, ':"b"}'), *end])
+    assert calls_of(resp) == [("call_1", "search", '{"q":"a"}'), ("call_2", "search", '{"q":"b"}')]
+
+
+def test_arguments_only_in_final_chunk() -> None:
+    chunks = [
+        chunk(tc(0, id="call_1", name="a")),
+        chunk(tc(1, id="call_2", name="b")),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"x":1}'}}, {"index": 1, "function": {"arguments": '{"y":2}'}}]}, "tool_calls"),
+    ]
+    out = assemble(chunks)
+    resp = through_turn(out)
+    assert calls_of(resp) == [("call_1", "a", '{"x":1}'), ("call_2", "b", '{"y":2}')]
+    # the first call streamed live, the second waited for the end
+    assert out[0] == ToolCallDelta(0, "", "call_1", "a")
+
+
+def test_name_in_a_later_chunk() -> None:
+    a = ChunkAssembler()
+    assert a.feed(chunk(tc(0, id="call_1"))) == []
+    assert a.feed(chunk(tc(0, args='{"q":'))) == []
+    assert a.feed(chunk(tc(0, name="search", args='"z"'))) == [ToolCallDelta(0, '{"q":"z"', "call_1", "search")]
+    assert a.feed(chunk(tc(0, name="search", args="}"))) == [ToolCallDelta(0, "}")]  # repeated name ignored
+    resp = through_turn([ToolCallDelta(0, '{"q":"z"', "call_1", "search"), ToolCallDelta(0, "}"), *a.end()])
+    assert calls_of(resp) == [("call_1", "search", '{"q":"z"}')]
+
+
+def test_interleaved_indices_are_buffered_in_order() -> None:
+    chunks = [
+        chunk({"content": "Checking."}),
+        chunk(tc(0, id="c0", name="a", args='{"k":')),
+        chunk(tc(1, id="c1", name="b", args='{"m":')),
+        chunk(tc(0, args='"v0"}')),
+        chunk({"content": " more text"}),
+        chunk(tc(2, id="c2", name="c", args="{}")),
+        chunk(tc(1, args='"v1"}')),
+        chunk({}, "tool_calls"),
+    ]
+    out = assemble(chunks)
+    resp = through_turn(out)  # no TurnStateError
+    assert calls_of(resp) == [("c0", "a", '{"k":"v0"}'), ("c1", "b", '{"m":"v1"}'), ("c2", "c", "{}")]
+    texts = [o["content"][0]["text"] for o in resp["output"] if o["type"] == "message"]
+    assert texts == ["Checking.", " more text"]
+    assert [o["type"] for o in resp["output"]] == ["message", "function_call", "function_call", "message", "function_call"]
+    indices = [c.index for c in out if isinstance(c, ToolCallDelta)]
+    assert indices == sorted(indices)
+
+
+def test_text_after_an_unfinished_call_waits() -> None:
+    a = ChunkAssembler()
+    assert a.feed(chunk(tc(0, id="c0", name="a", args='{"k"'))) == [ToolCallDelta(0, '{"k"', "c0", "a")]
+    assert a.feed(chunk({"content": "hmm"})) == []
+    assert a.feed(chunk(tc(0, args=':1}'))) == [ToolCallDelta(0, ":1}")]
+    assert a.end() == [TextDelta("hmm"), Finish("stop")]
+
+
+def test_missing_index_and_missing_name() -> None:
+    out = assemble([chunk(tc(None, id="c0", name="a", args='{"a":')), chunk(tc(None, args="1}")), chunk(tc(None, id="c1", name="b", args="{}"))])
+    assert calls_of(through_turn(out)) == [("c0", "a", '{"a":1}'), ("c1", "b", "{}")]
+    with pytest.raises(errors.BackendError):
+        assemble([chunk(tc(0, id="c0", args="{}"))])
+
+
+def test_sealed_call_rejects_more_arguments() -> None:
+    a = ChunkAssembler()
+    a.feed(chunk(tc(0, id="c0", name="a", args="{}")))
+    a.feed(chunk({"content": "x"}))  # seals call 0
+    assert a.feed(chunk(tc(0, args="  "))) == []  # whitespace is harmless
+    with pytest.raises(errors.BackendError):
+        a.feed(chunk(tc(0, args="oops")))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_retry_after_headers() -> None:
+    assert retry_after({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
+    assert retry_after({"retry-after": "3"}) == 3.0
+    assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:05 GMT"}, now=1445412480.0) == pytest.approx(5.0)
+    assert retry_after({"x-ratelimit-reset-tokens-minute": "12.5", "x-ratelimit-reset-requests-day": "40000"}) == 12.5
+    exhausted = {
+        "x-ratelimit-reset-tokens-minute": "12.5",
+        "x-ratelimit-remaining-tokens-minute": "3000",
+        "x-ratelimit-reset-requests-day": "400.0",
+        "x-ratelimit-remaining-requests-day": "0",
+    }
+    assert retry_after(exhausted) == 400.0
+    assert retry_after({"x-ratelimit-reset-tokens": "1m30s"}) == 90.0
+    assert retry_after({"x-ratelimit-reset-requests": "250ms"}) == 0.25
+    assert retry_after({"retry-after": "soon"}) is None
+    assert retry_after({}) is None
+
+
+def test_status_errors() -> None:
+    def err(status: int, body: Any, headers: dict[str, str] | None = None) -> errors.HotloopError:
+        return status_error(status, headers or {}, body, backend="test", model="m1")
+
+    rl = err(429, {"message": "Too many tokens"}, {"retry-after": "2", "x-ratelimit-reset-tokens-minute": "2.5", "x-request-id": "abc"})
+    assert isinstance(rl, errors.RateLimited) and rl.status == 429 and rl.code == "rate_limit_exceeded"
+    assert rl.retry_after == 2.0 and rl.headers["retry-after"] == "2" and rl.headers["x-ratelimit-reset-tokens-minute"] == "2.5"
+    assert "x-request-id" not in rl.headers and "Too many tokens" not in rl.message
+    ctx = err(400, {"message": "Please reduce the length of the messages or completion.", "type": "invalid_request_error", "code": "context_length_exceeded"})
+    assert isinstance(ctx, errors.ContextLengthExceeded) and ctx.code == "context_length_exceeded" and ctx.status == 400
+    assert isinstance(err(400, {"error": {"message": "This model's maximum context length is 8192 tokens."}}), errors.ContextLengthExceeded)
+    bad = err(400, {"error": {"message": "tools[0]: bad\x00 schema", "type": "invalid_request_error"}})
+    assert type(bad) is errors.InvalidRequest and bad.message == "The model backend rejected the request: tools[0]: bad  schema"
+    long = err(422, {"message": "x" * 5000})
+    assert type(long) is errors.InvalidRequest and len(long.message) < 400
+    auth = err(401, {"message": "Wrong API Key sk-secret"})
+    assert type(auth) is errors.BackendError and auth.status == 502 and "sk-secret" not in auth.message
+    assert type(err(403, "forbidden")) is errors.BackendError
+    assert isinstance(err(404, {"message": "Model m1 does not exist"}), errors.ModelNotFound)
+    assert type(err(404, "<html>nope</html>")) is errors.BackendError
+    assert isinstance(err(500, "boom"), TransientBackendError) and err(500, "boom").status == 502
+    assert isinstance(err(503, None), errors.BackendUnavailable)
+    assert isinstance(err(504, None), errors.BackendTimeout)
+    for e in (err(500, {"message": "internal trace at /srv/x.py"}), err(503, "db down")):
+        assert "/srv" not in e.message and "db down" not in e.message
