@@ -9,6 +9,8 @@ Scenarios:
 
 * ``stream``: one WebSocket response of ``--tokens`` tokens at ``--rate`` tokens/s. Reports the
   delivered rate, server CPU per delta event and the server's share of a core while streaming.
+* ``stream-cerebras``: the same through hotloop's Cerebras backend, against a paced
+  chat-completions mock in its own process (:mod:`hotloop.bench.mockchat`).
 * ``ws-loop``: ``--turns`` WebSocket turns chained with ``previous_response_id``, each adding
   ``--new-bytes`` of new input (the history grows to turns x new-bytes). Reports per-turn server
   CPU (p50, p90) and the ratio of the last turns to the first.
@@ -98,9 +100,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _stream_once(ws: Any, sim: str) -> tuple[int, float]:
+def _stream_once(ws: Any, model: str, sim: str | None = None) -> tuple[int, float]:
     """One response over an open WebSocket; (delta events, seconds from first to last delta)."""
-    ws.send(json.dumps({"type": ev.CLIENT_CREATE, "model": "hotloop-sim", "input": "go", "store": False, "metadata": {"sim": sim}}))
+    frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "input": "go", "store": False}
+    if sim is not None:
+        frame["metadata"] = {"sim": sim}
+    ws.send(json.dumps(frame))
     deltas = 0
     first = last = 0.0
     while True:
@@ -117,29 +122,64 @@ def _stream_once(ws: Any, sim: str) -> tuple[int, float]:
             raise RuntimeError(f"stream failed: {e}")
 
 
-def bench_stream(tokens: int, rate: float) -> dict[str, Any]:
-    """At the model's rate (core share) and unpaced (CPU per chunk-in/frame-out), one run."""
+@contextlib.contextmanager
+def mock_chat() -> Iterator[str]:
+    """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the mock chat server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[str, Any]:
+    """At the model's rate (core share) and unpaced (CPU per chunk-in/frame-out), one run.
+
+    ``backend="cerebras"`` runs hotloop's Cerebras backend against the paced mock instead of the
+    simulator: the SDK client, request rendering and SSE parsing are then part of the measure.
+    """
     from websockets.sync.client import connect
 
-    with server("--sim-rate", str(rate)) as (base, pid):
+    with contextlib.ExitStack() as stack:
+        if backend == "cerebras":
+            url = stack.enter_context(mock_chat())
+            os.environ.setdefault("CEREBRAS_API_KEY", "bench")
+            base, pid = stack.enter_context(server("--backend", "cerebras", "--base-url", url))
+            paced = (f"bench-{rate:g}-{tokens}", None)
+            unpaced = (f"bench-0-{tokens}", None)
+            warm = ("bench-0-200", None)
+        else:
+            base, pid = stack.enter_context(server("--sim-rate", str(rate)))
+            paced = ("hotloop-sim", f"tokens:{tokens}")
+            unpaced = ("hotloop-sim", f"tokens:{tokens},rate:0")
+            warm = ("hotloop-sim", "tokens:200,rate:0")
         ws_url = base.replace("http", "ws", 1) + "/v1/responses"
         with connect(ws_url, max_size=None, compression=None) as ws:
-            _stream_once(ws, "tokens:200,rate:0")  # warm-up
+            _stream_once(ws, *warm)
             cpu0 = _proc_cpu_seconds(pid)
-            deltas, wall = _stream_once(ws, f"tokens:{tokens}")
+            deltas, wall = _stream_once(ws, *paced)
             proc_cpu = _proc_cpu_seconds(pid) - cpu0
-            paced = _stats(base)[-1]
-            _stream_once(ws, f"tokens:{tokens},rate:0")
-            unpaced = _stats(base)[-1]
+            at_rate = _stats(base)[-1]
+            _stream_once(ws, *unpaced)
+            fast = _stats(base)[-1]
     return {
-        "scenario": "stream",
+        "scenario": "stream" if backend == "simulator" else f"stream-{backend}",
         "tokens": deltas,
         "target_rate": rate,
         "delivered_rate": round((deltas - 1) / wall, 1),
-        "server_loop_core_share": round(paced["cpu_us"] / 1e6 / wall, 4),
+        "server_loop_core_share": round(at_rate["cpu_us"] / 1e6 / wall, 4),
         "server_process_core_share": round(proc_cpu / wall, 4),
-        "cpu_per_event_at_rate_us": round(paced["cpu_us"] / paced["events"], 2),
-        "cpu_per_event_unpaced_us": round(unpaced["cpu_us"] / unpaced["events"], 2),
+        "cpu_per_event_at_rate_us": round(at_rate["cpu_us"] / at_rate["events"], 2),
+        "cpu_per_event_unpaced_us": round(fast["cpu_us"] / fast["events"], 2),
     }
 
 
@@ -203,7 +243,7 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "ws-loop", "http-loop"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -213,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     if args.scenario in ("all", "stream"):
         results.append(bench_stream(args.tokens, args.rate))
+    if args.scenario in ("all", "stream-cerebras"):
+        results.append(bench_stream(args.tokens, args.rate, backend="cerebras"))
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
             results.append(bench_loop(kind, args.turns, args.new_bytes))

@@ -1,0 +1,124 @@
+"""A paced chat-completions server for benchmarks: ``python -m hotloop.bench.mockchat --port P``.
+
+It streams Cerebras-shaped ``chat.completion.chunk`` SSE events, one token per chunk, paced by
+absolute deadlines, so ``hotloop bench --backend cerebras`` measures hotloop's Cerebras path
+(SDK client, request rendering, SSE parsing, turn machine, WebSocket frames) against a model that
+behaves like Cerebras at a chosen rate. It runs in its own process so its CPU is not counted as
+the server's.
+
+The model id selects the behaviour: ``bench-<rate>-<tokens>`` streams ``tokens`` chunks at
+``rate`` tokens/s (rate 0: unpaced), e.g. ``bench-4000-4000``. Any other id gets 16 tokens
+unpaced. Raw asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+_WORDS = [" alpha", " beta", " gamma", " delta", " kappa", " sigma"]
+
+
+def _params(model: str) -> tuple[float, int]:
+    parts = model.split("-")
+    if len(parts) == 3 and parts[0] == "bench":
+        try:
+            return float(parts[1]), int(parts[2])
+        except ValueError:
+            pass
+    return 0.0, 16
+
+
+def _chunk(i: int, created: int, model: str, content: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    obj: dict = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "fp_bench",
+        "choices": [] if usage is not None else [{"index": 0, "delta": {} if content is None else {"content": content}, "finish_reason": finish}],
+    }
+    if usage is not None:
+        obj["usage"] = usage
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int) -> None:
+    rate, tokens = _params(model)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+        b"x-ratelimit-remaining-tokens-minute: 1000000\r\n\r\n"
+    )
+    loop = asyncio.get_running_loop()
+    created = int(time.time())
+    t0 = loop.time()
+    interval = 1.0 / rate if rate > 0 else 0.0
+    writer.write(_chunk(0, created, model, ""))
+    for i in range(tokens):
+        if interval:
+            due = t0 + i * interval
+            now = loop.time()
+            if due > now:
+                await writer.drain()
+                await asyncio.sleep(due - now)
+        writer.write(_chunk(i, created, model, _WORDS[i % len(_WORDS)]))
+    writer.write(_chunk(tokens, created, model, None, "stop"))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    writer.write(_chunk(tokens, created, model, None, usage=usage))
+    done = b"data: [DONE]\n\n"
+    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+    await writer.drain()
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            length = 0
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value.strip())
+            body = await reader.readexactly(length) if length else b""
+            if method == "POST" and path.endswith("/chat/completions"):
+                req = json.loads(body)
+                await _stream(writer, str(req.get("model", "")), len(body) // 4)
+            elif path.endswith("/models"):
+                data = json.dumps({"object": "list", "data": [{"id": "bench-4000-4000", "object": "model", "created": 0, "owned_by": "bench"}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(host: str, port: int) -> None:
+    server = await asyncio.start_server(_handle, host, port)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.run(serve(args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
