@@ -149,3 +149,23 @@ def test_sqlite_store_survives_restart(tmp_path) -> None:
         assert got.output_text == r1.output_text
         r2 = client.responses.create(model="hotloop-sim", input="again", previous_response_id=r1.id)
         assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.total_tokens
+
+
+def test_large_input_counted_off_loop_matches_input_tokens_endpoint(server) -> None:
+    """Inputs above the inline threshold are tokenized in a worker thread: same counts.
+
+    Each input is new to the server when first sent (the token cache would otherwise answer).
+    """
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    big = ["lorem ipsum dolor sit amet %d " % i * 400 for i in range(3)]  # ~12 KB each, above INLINE_TOKENIZE_CHARS
+    with client.responses.connect() as conn:
+        conn.response.create(model="hotloop-sim", input=big[0], store=False)
+        first = until_terminal(conn)[-1].response
+        conn.response.create(model="hotloop-sim", input=big[1], previous_response_id=first.id, store=False, generate=False)
+        warm = until_terminal(conn)[-1].response
+    r = client.responses.create(model="hotloop-sim", input=big[2], store=False)
+    expected = [client.responses.input_tokens.count(model="hotloop-sim", input=b).input_tokens for b in big]
+    assert first.usage.input_tokens == expected[0]
+    assert r.usage.input_tokens == expected[2]
+    # the chained context: first input + first output (+ per-item framing) + the new input
+    assert 0 <= warm.usage.input_tokens - (first.usage.total_tokens + expected[1]) <= 4

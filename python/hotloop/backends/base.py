@@ -32,7 +32,6 @@ class BackendRequest(msgspec.Struct, kw_only=True):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     metadata: dict[str, Any] = {}
-    input_tokens: int = 0
     user: str | None = None
 
 

@@ -141,21 +141,44 @@ class TokenCache:
             d.popitem(last=False)
 
 
-def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int]]:
-    """Fingerprints and token counts of ``items`` (tokenizing only what the cache lacks)."""
+def split(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int], list[tuple[int, str]]]:
+    """Fingerprints, cached token counts (0 where unknown) and the ``(index, text)`` still to count."""
     fps: list[int] = []
     toks: list[int] = []
-    per_item = tokenizer.TOKENS_PER_ITEM
-    for item in items:
+    missing: list[tuple[int, str]] = []
+    for i, item in enumerate(items):
         fp = fingerprint(item)
         n = cache.get(fp) if cache is not None else None
         if n is None:
-            n = tokenizer.count(item_text(item)) + per_item
-            if cache is not None:
-                cache.misses += 1
-                cache.put(fp, n)
+            missing.append((i, item_text(item)))
+            n = 0
         fps.append(fp)
         toks.append(n)
+    return fps, toks, missing
+
+
+def count_texts(texts: list[str]) -> list[int]:
+    """Token counts of item texts, per-item overhead included. Thread-safe (tokenizer only)."""
+    per_item = tokenizer.TOKENS_PER_ITEM
+    return [tokenizer.count(t) + per_item for t in texts]
+
+
+def fill(
+    fps: list[int], toks: list[int], missing: list[tuple[int, str]], counts: list[int], cache: TokenCache | None
+) -> None:
+    """Put ``counts`` (for ``missing``) into ``toks`` and the cache."""
+    for (i, _), n in zip(missing, counts):
+        toks[i] = n
+        if cache is not None:
+            cache.misses += 1
+            cache.put(fps[i], n)
+
+
+def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int]]:
+    """Fingerprints and token counts of ``items`` (tokenizing only what the cache lacks)."""
+    fps, toks, missing = split(items, cache)
+    if missing:
+        fill(fps, toks, missing, count_texts([t for _, t in missing]), cache)
     return fps, toks
 
 

@@ -102,6 +102,7 @@ class HotloopApp:
         self.persistence.start()
 
     async def shutdown(self) -> None:
+        self.engine.close()
         await self.backend.close()
         await self.persistence.close()
 

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from hotloop import errors
@@ -25,7 +26,7 @@ from hotloop.config import Config
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import Plan, finished, prepare
-from hotloop.protocol.chunks import Chunk, Finish
+from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Prepared, validate
@@ -51,6 +52,8 @@ class Engine:
         self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
         self.active = 0
         self.completed = 0
+        # One thread counts the tokens of large new inputs while the backend generates.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
         # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
         self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
@@ -58,7 +61,7 @@ class Engine:
     def record(self, run: "Run", mark: float) -> None:
         now = time.thread_time()
         self.turn_stats.append(
-            (run.turn.transport, (now - mark) * 1e6, (run.started_cpu - mark) * 1e6, run.turn.events, len(run.plan.context))
+            (run.turn.transport, (now - mark) * 1e6, (run.started_cpu - mark) * 1e6, run.turn.events, len(run.plan.items))
         )
 
     # -- resolving the parent ------------------------------------------------------------------
@@ -87,7 +90,7 @@ class Engine:
         return BackendRequest(
             model=req.model or self.backend.default_model,
             instructions=req.instructions,
-            items=plan.context.items,
+            items=plan.items,
             tools=list(p.function_tools.values()),
             tool_choice=p.tool_choice,
             parallel_tool_calls=p.parallel_tool_calls,
@@ -99,7 +102,6 @@ class Engine:
             prompt_cache_key=req.prompt_cache_key,
             service_tier=req.service_tier,
             metadata=req.metadata or {},
-            input_tokens=plan.input_tokens,
             user=req.safety_identifier or req.user,
         )
 
@@ -115,7 +117,8 @@ class Engine:
         try:
             p = validate(req, websocket=websocket)
             parent = await self.resolve(req.previous_response_id, conn)
-            plan = prepare(p, parent, self.ids, self.tokens)
+            plan = prepare(p, parent, self.ids, self.tokens, defer=True)
+            counts = self._count_later(plan)
             if req.generate is False:
                 stream: AsyncIterator[Chunk] = _warmup()
             else:
@@ -129,12 +132,26 @@ class Engine:
             response,
             ids=self.ids,
             transport=transport,
-            input_tokens=plan.input_tokens,
+            input_tokens=plan.input_tokens if plan.settled else 0,  # completed by Run._settle
             cached_tokens=plan.cached_tokens,
             max_tool_calls=req.max_tool_calls,
             clock=self.clock,
         )
-        return Run(self, plan, p, turn, first, stream, conn)
+        return Run(self, plan, p, turn, first, stream, conn, counts)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _count_later(self, plan: Plan) -> "asyncio.Future[list[int]] | None":
+        """Tokenize a large new input in the tokenizer thread, overlapping the backend's work.
+
+        tiktoken releases the GIL, so counting runs on another core while the event loop streams;
+        the counts are awaited only before the terminal event (for ``usage``).
+        """
+        if plan.settled:
+            return None
+        texts = [t for _, t in plan.pending]
+        return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_texts, texts)
 
     async def _first(self, stream: AsyncIterator[Chunk]) -> Chunk:
         try:
@@ -180,6 +197,9 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
             await aclose()
         except Exception:  # closing a broken backend stream must not mask the real error
             log.debug("closing the backend stream failed", exc_info=True)
+
+
+_TERMINAL_CHUNKS = (Finish, Failure)
 
 
 class _Watchdog:
@@ -232,7 +252,9 @@ class Run:
         first: Chunk,
         stream: AsyncIterator[Chunk],
         conn: ConnectionCache | None,
+        counts: "asyncio.Future[list[int]] | None" = None,
     ) -> None:
+        self._counts = counts
         self.engine = engine
         self.plan = plan
         self.prepared = prepared
@@ -246,11 +268,21 @@ class Run:
     def response(self) -> dict[str, Any]:
         return self.turn.response
 
+    async def _settle(self) -> None:
+        """Make the input token counts final (before any terminal event reports usage)."""
+        plan = self.plan
+        if not plan.settled:
+            counts = await self._counts if self._counts is not None else None
+            plan.settle(counts)
+            self.turn.input_tokens = plan.input_tokens
+
     async def frames(self) -> AsyncIterator[list[Frame]]:
         turn = self.turn
         engine = self.engine
         engine.active += 1
         try:
+            if type(self._first) in _TERMINAL_CHUNKS:
+                await self._settle()
             yield turn.start() + turn.feed(self._first)
             if not turn.done:
                 loop = asyncio.get_running_loop()
@@ -266,6 +298,8 @@ class Run:
                             except StopAsyncIteration:
                                 break
                             watchdog.since = None
+                            if type(chunk) in _TERMINAL_CHUNKS:
+                                await self._settle()
                             out = turn.feed(chunk)
                             if out:
                                 yield out
@@ -273,16 +307,20 @@ class Run:
                                 break
                     watchdog.disarm()
                 except TimeoutError:
+                    await self._settle()
                     yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
                 except errors.HotloopError as exc:
+                    await self._settle()
                     yield turn.fail(exc)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("backend stream failed")
+                    await self._settle()
                     yield turn.fail(errors.BackendError("The model backend failed."))
                 else:
                     if not turn.done:
+                        await self._settle()
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
                     watchdog.disarm()

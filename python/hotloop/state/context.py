@@ -43,13 +43,13 @@ class Context:
     def tokens(self) -> int:
         return int(self.chain.total_tokens)
 
-    def derive(self) -> "Context":
-        """A copy that can be extended without touching this one (O(items), no re-analysis)."""
-        return Context(list(self.items), self.chain.copy(), set(self.call_ids))
-
     def extend(self, items: list[Item], fps: list[int], toks: list[int]) -> None:
-        self.chain.extend(fps, toks)
         self.items.extend(items)
+        self.extend_chain(items, fps, toks)
+
+    def extend_chain(self, items: list[Item], fps: list[int], toks: list[int]) -> None:
+        """Record ``items`` (already appended to ``self.items``) in the chain and call ids."""
+        self.chain.extend(fps, toks)
         for it in items:
             if type(it) is FunctionCall:
                 self.call_ids.add(it.call_id)
