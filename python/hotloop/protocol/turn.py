@@ -242,6 +242,12 @@ class Turn:
             )
         return item
 
+    def _close_content(self, item: _OpenItem, done: str, part: dict[str, Any], out: list[Frame], **extra: Any) -> None:
+        """The ``*.done`` event of the item's one content part, then ``content_part.done``."""
+        ids = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
+        out.append(ev.event(done, self._next(), **ids, text=part["text"], **extra))
+        out.append(ev.event(ev.CONTENT_PART_DONE, self._next(), **ids, part=part))
+
     def _close_item(self, status: str, out: list[Frame]) -> None:
         item = self._open
         if item is None:
@@ -251,20 +257,7 @@ class Turn:
         idx = item.output_index
         if item.key == _MESSAGE:
             part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-            out.append(
-                ev.event(
-                    ev.OUTPUT_TEXT_DONE,
-                    self._next(),
-                    item_id=item.item_id,
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            )
-            out.append(
-                ev.event(ev.CONTENT_PART_DONE, self._next(), item_id=item.item_id, output_index=idx, content_index=0, part=part)
-            )
+            self._close_content(item, ev.OUTPUT_TEXT_DONE, part, out, logprobs=[])
             obj = {
                 "id": item.item_id,
                 "type": "message",
@@ -274,19 +267,7 @@ class Turn:
             }
         elif item.key == _REASONING:
             part = {"type": "reasoning_text", "text": text}
-            out.append(
-                ev.event(
-                    ev.REASONING_TEXT_DONE,
-                    self._next(),
-                    item_id=item.item_id,
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                )
-            )
-            out.append(
-                ev.event(ev.CONTENT_PART_DONE, self._next(), item_id=item.item_id, output_index=idx, content_index=0, part=part)
-            )
+            self._close_content(item, ev.REASONING_TEXT_DONE, part, out)
             obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [part]}
         else:
             index = int(item.key[5:])
