@@ -47,7 +47,7 @@ class HotloopError(Exception):
 class InvalidRequest(HotloopError):
     status = 400
     type = "invalid_request_error"
-    code = None
+    code: str | None = None
 
 
 class InvalidJSON(InvalidRequest):
@@ -104,7 +104,7 @@ class AuthenticationFailed(HotloopError):
 class NotFound(HotloopError):
     status = 404
     type = "invalid_request_error"
-    code = None
+    code: str | None = None
 
 
 class ModelNotFound(NotFound):

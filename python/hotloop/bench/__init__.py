@@ -149,6 +149,9 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[s
     """
     from websockets.sync.client import connect
 
+    paced: tuple[str, str | None]
+    unpaced: tuple[str, str | None]
+    warm: tuple[str, str | None]
     with contextlib.ExitStack() as stack:
         if backend == "cerebras":
             url = stack.enter_context(mock_chat())

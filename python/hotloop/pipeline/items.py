@@ -60,7 +60,7 @@ def semantic_view(item: Item) -> list[Any]:
     """What identifies an item for prefix matching (ids and statuses are not part of it)."""
     t = type(item)
     if t is Message:
-        return ["m", item.role, _content_view(item.content)]  # type: ignore[union-attr]
+        return ["m", item.role, _content_view(item.content)]  # type: ignore[union-attr,arg-type]
     if t is FunctionCall:
         return ["fc", item.call_id, item.name, item.arguments]  # type: ignore[union-attr]
     if t is FunctionCallOutput:
@@ -97,7 +97,7 @@ def item_text(item: Item) -> str:
     """The text a chat template would render for this item (its token count is what we bill)."""
     t = type(item)
     if t is Message:
-        return _content_text(item.content)  # type: ignore[union-attr]
+        return _content_text(item.content)  # type: ignore[union-attr,arg-type]
     if t is FunctionCall:
         return f"{item.name}({item.arguments})"  # type: ignore[union-attr]
     if t is FunctionCallOutput:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from hotloop import errors
 from hotloop.backends.base import Backend, BackendRequest
@@ -276,7 +276,7 @@ class Run:
             plan.settle(counts)
             self.turn.input_tokens = plan.input_tokens
 
-    async def frames(self) -> AsyncIterator[list[Frame]]:
+    async def frames(self) -> AsyncGenerator[list[Frame], None]:
         turn = self.turn
         engine = self.engine
         engine.active += 1

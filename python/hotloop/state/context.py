@@ -67,8 +67,8 @@ class Context:
                 if iid:
                     ids[iid] = i
             self._ids = ids
-        i = ids.get(item_id)
-        return None if i is None else self.items[i]
+        pos = ids.get(item_id)
+        return None if pos is None else self.items[pos]
 
 
 class CachedResponse:
