@@ -16,6 +16,8 @@ Scenarios:
   CPU (p50, p90) and the ratio of the last turns to the first.
 * ``http-loop``: the same conversation over HTTP, the client resending the full history each turn
   (no ``previous_response_id``): prefix reuse through the token cache.
+* ``overhead``: a 20-turn agent loop at 1,000 tokens/s through hotloop (Cerebras backend, paced
+  mock) against the same loop talking to the mock directly: the end-to-end cost of hotloop.
 """
 
 from __future__ import annotations
@@ -244,9 +246,64 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
     }
 
 
+def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
+    """An agent loop through hotloop vs the same client talking to the model server directly.
+
+    Both sides stream ``turns`` responses of ``tokens`` tokens at ``rate`` tokens/s from the paced
+    chat-completions mock: directly (raw chat completions over one keep-alive connection, as a
+    client without hotloop would) and through hotloop's Cerebras backend over one WebSocket with
+    ``previous_response_id`` chaining. The ratio of the wall times is hotloop's end-to-end cost.
+    """
+    from websockets.sync.client import connect
+
+    model = f"bench-{rate:g}-{tokens}"
+    with mock_chat() as url:
+        messages: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for i in range(turns):
+                messages.append({"role": "user", "content": f"step {i}"})
+                text = []
+                with http.stream("POST", "/v1/chat/completions", json={"model": model, "messages": messages, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            for choice in json.loads(line[6:]).get("choices", ()):
+                                text.append(choice.get("delta", {}).get("content") or "")
+                messages.append({"role": "assistant", "content": "".join(text)})
+        direct = time.perf_counter() - t0
+        os.environ.setdefault("CEREBRAS_API_KEY", "bench")
+        with server("--backend", "cerebras", "--base-url", url) as (base, _pid):
+            with connect(base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
+                _stream_once(ws, "bench-0-8")  # warm-up (connection, tokenizer)
+                prev = None
+                t0 = time.perf_counter()
+                for i in range(turns):
+                    frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "store": False, "input": f"step {i}"}
+                    if prev:
+                        frame["previous_response_id"] = prev
+                    ws.send(json.dumps(frame))
+                    while True:
+                        e = json.loads(ws.recv(timeout=120))
+                        if e["type"] == ev.COMPLETED:
+                            prev = e["response"]["id"]
+                            break
+                        if e["type"] in (ev.ERROR, ev.FAILED):
+                            raise RuntimeError(f"turn failed: {e}")
+                via = time.perf_counter() - t0
+    return {
+        "scenario": "overhead",
+        "turns": turns,
+        "tokens_per_turn": tokens,
+        "rate": rate,
+        "direct_seconds": round(direct, 3),
+        "via_hotloop_seconds": round(via, 3),
+        "via_over_direct": round(via / direct, 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -261,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
             results.append(bench_loop(kind, args.turns, args.new_bytes))
+    if args.scenario in ("all", "overhead"):
+        results.append(bench_overhead(20, 1000.0, 200))
     for r in results:
         if args.json:
             print(json.dumps(r))
