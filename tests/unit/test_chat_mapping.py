@@ -513,3 +513,48 @@ def test_status_errors() -> None:
     assert isinstance(err(504, None), errors.BackendTimeout)
     for e in (err(500, {"message": "internal trace at /srv/x.py"}), err(503, "db down")):
         assert "/srv" not in e.message and "db down" not in e.message
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental rendering (RenderCache) gives the same bytes as rendering from scratch
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hotloop.backends.chat import RenderCache  # noqa: E402
+
+_raw_item = st.one_of(
+    st.builds(lambda r, t: {"role": r, "content": t}, st.sampled_from(["user", "system", "developer", "assistant"]), st.text(max_size=12)),
+    st.builds(lambda c, a: {"type": "function_call", "call_id": f"call_{c}", "name": "f", "arguments": a}, st.integers(0, 3), st.text(max_size=8)),
+    st.builds(lambda c, o: {"type": "function_call_output", "call_id": f"call_{c}", "output": o}, st.integers(0, 3), st.text(max_size=8)),
+    st.builds(lambda t: {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": t}]}, st.text(max_size=8)),
+    st.builds(lambda t: {"type": "custom_tool_call_output", "call_id": "c", "output": t}, st.text(max_size=8)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_raw_item, min_size=1, max_size=4), min_size=1, max_size=5), st.sampled_from(DIALECTS), st.booleans())
+def test_render_cache_gives_identical_bytes(turns: list[list[dict[str, Any]]], dialect, instructions: bool) -> None:
+    cache = RenderCache(dialect)
+    chained: list[Item] = []
+    for k, raw in enumerate(turns):
+        chained = chained + items(raw)  # the same item objects carry over, as in a chained turn
+        req = request([], instructions="Be brief." if instructions else None)
+        req = msgspec.structs.replace(req, items=chained)
+        assert encode_request(req, dialect, cache) == encode_request(req, dialect)
+    assert cache.hits == len(turns) - 1
+
+
+def test_render_cache_forks_and_bounds() -> None:
+    cache = RenderCache(CEREBRAS, max_entries=2)
+    root = items([{"role": "user", "content": "a"}])
+    a = root + items([{"role": "assistant", "content": "b"}])
+    b = root + items([{"role": "assistant", "content": "c"}])
+    for conv in (a, b, b + items([{"role": "user", "content": "d"}])):
+        req = msgspec.structs.replace(request([]), items=conv)
+        assert encode_request(req, CEREBRAS, cache) == encode_request(req, CEREBRAS)
+    assert cache.hits == 1  # b forks from a (re-rendered); b + d extends b
+    for i in range(5):
+        cache.render(items([{"role": "user", "content": str(i)}]))
+    assert len(cache._d) == 2

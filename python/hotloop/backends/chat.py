@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import email.utils
 import logging
+import operator
 import re
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Union
@@ -125,6 +126,9 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # ---------------------------------------------------------------------------------------------
 
 
+_encoder = msgspec.json.Encoder()
+
+
 def _unsupported(what: str, dialect: Dialect, param: str = "input") -> errors.UnsupportedParameter:
     return errors.UnsupportedParameter(f"{what} are not supported by the {dialect.name} backend.", param=param)
 
@@ -177,13 +181,22 @@ def _reasoning_text(item: Reasoning) -> str:
     return "".join(p.text for p in item.content) if item.content else ""
 
 
-def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any]]:
-    """The ``messages`` array for the conversation in ``req``."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    reasoning = ""  # raw reasoning waiting for the assistant message it preceded
-    for item in req.items:
+def _render_items(
+    items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str
+) -> str:
+    """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``).
+
+    Messages already in the lists are never mutated (a merge replaces the last one), so a cached
+    rendering can be extended safely. Returns the raw reasoning still waiting for the assistant
+    message it preceded.
+    """
+    enc = _encoder.encode
+
+    def add(msg: dict[str, Any]) -> None:
+        messages.append(msg)
+        encoded.append(enc(msg))
+
+    for item in items:
         if isinstance(item, Message):
             if item.role == "assistant":
                 text = _text_only(item.content, dialect, "assistant messages")
@@ -191,10 +204,10 @@ def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any
                 if reasoning:
                     msg["reasoning"] = reasoning
                     reasoning = ""
-                messages.append(msg)
+                add(msg)
             else:
                 role = dialect.developer_role if item.role == "developer" else item.role
-                messages.append({"role": role, "content": _content(item.content, dialect)})
+                add({"role": role, "content": _content(item.content, dialect)})
                 reasoning = ""
         elif isinstance(item, FunctionCall):
             fn = {"name": item.name, "arguments": item.arguments}
@@ -202,19 +215,21 @@ def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 # Consecutive assistant output (text, then calls) is one chat message.
-                last.setdefault("tool_calls", []).append(call)
-                if reasoning and "reasoning" not in last:
-                    last["reasoning"] = reasoning
+                merged = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
+                if reasoning and "reasoning" not in merged:
+                    merged["reasoning"] = reasoning
                 reasoning = ""
+                messages[-1] = merged
+                encoded[-1] = enc(merged)
             else:
                 msg = {"role": "assistant"}
                 if reasoning:
                     msg["reasoning"] = reasoning
                     reasoning = ""
                 msg["tool_calls"] = [call]
-                messages.append(msg)
+                add(msg)
         elif isinstance(item, FunctionCallOutput):
-            messages.append(
+            add(
                 {
                     "role": "tool",
                     "tool_call_id": item.call_id,
@@ -232,12 +247,68 @@ def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any
             # user turns, everything else as the assistant's own. The JSON keeps the client's key
             # order, so the rendering is as stable as the item.
             role = "user" if item.type.endswith("_output") else "assistant"
-            text = msgspec.json.encode(item.data).decode("utf-8")
-            messages.append({"role": role, "content": text})
+            add({"role": role, "content": enc(item.data).decode("utf-8")})
             reasoning = ""
         elif isinstance(item, ItemReference):
             # The server resolves references before calling a backend; one left here is a bug.
             raise errors.ServerError()
+    return reasoning
+
+
+class _Rendered:
+    __slots__ = ("items", "messages", "encoded", "reasoning")
+
+    def __init__(self, items: list[Any], messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str) -> None:
+        self.items = items
+        self.messages = messages
+        self.encoded = encoded
+        self.reasoning = reasoning
+
+
+class RenderCache:
+    """Renderings of recent conversations, so a continuation renders only its new items.
+
+    A chained request's items are its parent's item *objects* followed by new ones (items are
+    immutable), so an entry whose items are, by identity, a prefix of the request's items is
+    reused and only the rest is rendered and encoded. Entries are keyed by the identity of the
+    conversation's first item and hold references to their items, so an id cannot be recycled
+    while cached. Bounded: ``max_entries`` conversations (default 32), least recently used out.
+    """
+
+    def __init__(self, dialect: Dialect, max_entries: int = 32) -> None:
+        self.dialect = dialect
+        self.max_entries = max_entries
+        self._d: dict[int, _Rendered] = {}
+        self.hits = 0
+
+    def render(self, items: list[Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """The messages of ``items`` and their JSON, reusing a cached prefix when there is one."""
+        if not items:
+            return [], []
+        key = id(items[0])
+        hit = self._d.pop(key, None)
+        n = len(hit.items) if hit is not None else 0
+        if hit is not None and n <= len(items) and all(map(operator.is_, hit.items, items)):
+            self.hits += 1
+            messages, encoded, reasoning = list(hit.messages), list(hit.encoded), hit.reasoning
+            rest = items[n:]
+        else:
+            messages, encoded, reasoning, rest = [], [], "", items
+        reasoning = _render_items(rest, self.dialect, messages, encoded, reasoning)
+        self._d[key] = _Rendered(list(items), messages, encoded, reasoning)
+        while len(self._d) > self.max_entries:
+            del self._d[next(iter(self._d))]
+        return messages, encoded
+
+
+def _system(req: BackendRequest) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": req.instructions}] if req.instructions else []
+
+
+def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any]]:
+    """The ``messages`` array for the conversation in ``req``."""
+    messages = _system(req)
+    _render_items(req.items, dialect, messages, [_encoder.encode(m) for m in messages], "")
     return messages
 
 
@@ -284,9 +355,12 @@ def _tools_and_choice(
     return tools, None
 
 
-def render(req: BackendRequest, dialect: Dialect) -> dict[str, Any]:
-    """The chat-completions request body (a streaming request with usage)."""
-    body: dict[str, Any] = {"model": req.model, "messages": render_messages(req, dialect)}
+def render(req: BackendRequest, dialect: Dialect, messages: Any = None) -> dict[str, Any]:
+    """The chat-completions request body (a streaming request with usage).
+
+    ``messages`` may be given pre-encoded (a ``msgspec.Raw``; see :func:`encode_request`).
+    """
+    body: dict[str, Any] = {"model": req.model, "messages": render_messages(req, dialect) if messages is None else messages}
     tools, choice = _tools_and_choice(req, dialect)
     if tools:
         body["tools"] = [_tool(t) for t in tools]
@@ -324,12 +398,18 @@ def render(req: BackendRequest, dialect: Dialect) -> dict[str, Any]:
     return body
 
 
-_encoder = msgspec.json.Encoder()
+def encode_request(req: BackendRequest, dialect: Dialect, cache: RenderCache | None = None) -> bytes:
+    """:func:`render`, serialised (msgspec keeps insertion order: byte-stable).
 
-
-def encode_request(req: BackendRequest, dialect: Dialect) -> bytes:
-    """:func:`render`, serialised once (msgspec keeps insertion order: byte-stable)."""
-    return _encoder.encode(render(req, dialect))
+    With a :class:`RenderCache`, the messages of a continued conversation are rendered and
+    encoded only for its new items; the bytes are identical either way.
+    """
+    if cache is None:
+        return _encoder.encode(render(req, dialect))
+    system = [_encoder.encode(m) for m in _system(req)]
+    _, encoded = cache.render(req.items)
+    raw = msgspec.Raw(b"[" + b",".join(system + encoded) + b"]")
+    return _encoder.encode(render(req, dialect, raw))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,6 +878,7 @@ class ChatBackend:
         self.retries = max(0, retries)
         self._models: list[dict[str, Any]] = []
         self._models_at = -MODELS_TTL
+        self._renders = RenderCache(self.dialect)
 
     async def _open(self, body: bytes, model: str) -> httpx.Response:
         raise NotImplementedError
@@ -835,7 +916,7 @@ class ChatBackend:
     # -- streaming -----------------------------------------------------------------------------
 
     async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
-        body = encode_request(req, self.dialect)
+        body = encode_request(req, self.dialect, self._renders)
         attempt = 0
         while True:
             yielded = False
