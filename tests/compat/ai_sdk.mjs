@@ -1,5 +1,5 @@
 // The Vercel AI SDK (@ai-sdk/openai, Responses API) against a hotloop server:
-// streamText, and a generateText tool loop (call -> execute -> answer).
+// streamText, a generateText tool loop (call -> execute -> answer) and a multi-turn chat.
 // Usage: node ai_sdk.mjs http://127.0.0.1:PORT/v1   Prints one JSON summary line; exits 1 on failure.
 import { createOpenAI } from '@ai-sdk/openai';
 import { generateText, streamText, tool, jsonSchema, stepCountIs } from 'ai';
@@ -33,4 +33,11 @@ const g = await generateText({
   stopWhen: stepCountIs(3),
 });
 out.tools = { executed, steps: g.steps.length, finalText: g.text.length > 0, finish: g.finishReason };
+
+// A multi-turn chat: from the second turn on the SDK sends earlier assistant output as
+// item_reference items (store defaults to true) without previous_response_id.
+const history = [{ role: 'user', content: 'Hello there.' }];
+const t1 = await generateText({ model, messages: history });
+const t2 = await generateText({ model, messages: [...history, ...t1.response.messages, { role: 'user', content: 'And again?' }] });
+out.chat = { first: t1.text.length > 0, second: t2.text.length > 0, grew: t2.usage.inputTokens > t1.usage.inputTokens };
 console.log(JSON.stringify(out));

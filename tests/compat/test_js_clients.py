@@ -50,3 +50,4 @@ def test_vercel_ai_sdk(node_modules, server) -> None:
     assert out["stream"]["inputTokens"] > 0 and out["stream"]["outputTokens"] > 0
     assert out["tools"]["executed"] == "example city"
     assert out["tools"]["steps"] == 2 and out["tools"]["finalText"] and out["tools"]["finish"] == "stop"
+    assert out["chat"] == {"first": True, "second": True, "grew": True}

@@ -199,3 +199,19 @@ def test_usage_ledger_counts_every_response(server) -> None:
     prev = before.get("ledger-model", {"responses": 0, "output_tokens": 0})
     assert row["responses"] - prev["responses"] == 3
     assert row["output_tokens"] - prev["output_tokens"] == sum(r.usage.output_tokens for r in made)
+
+
+def test_item_reference_without_previous_response_id(client: OpenAI) -> None:
+    """The Vercel AI SDK's second turn: earlier output as item_reference, no previous_response_id."""
+    stored = client.responses.create(model="hotloop-sim", input="first")
+    unstored = client.responses.create(model="hotloop-sim", input="first", store=False)
+    r = client.responses.create(
+        model="hotloop-sim",
+        input=[{"role": "user", "content": "first"}, {"type": "item_reference", "id": stored.output[0].id}, {"role": "user", "content": "next"}],
+    )
+    assert r.status == "completed"
+    items = client.responses.input_items.list(r.id, order="asc").data
+    assert items[1].id == stored.output[0].id and items[1].content[0].text == stored.output_text
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": unstored.output[0].id}])
+    assert ei.value.code == "item_not_found"

@@ -147,6 +147,10 @@ def test_sqlite_store_survives_restart(tmp_path) -> None:
         client = OpenAI(api_key="k", base_url=srv.v1, max_retries=0)
         got = client.responses.retrieve(r1.id)
         assert got.output_text == r1.output_text
+        # items of stored responses are found by id in SQLite (item_reference), before anything
+        # loaded the response into memory
+        r3 = client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": r1.output[0].id}])
+        assert r3.status == "completed"
         r2 = client.responses.create(model="hotloop-sim", input="again", previous_response_id=r1.id)
         assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.total_tokens
 

@@ -83,3 +83,11 @@ def test_page_items() -> None:
     assert page_items(items, "i1", 10, "asc") == ([{"id": "i2"}, {"id": "i3"}, {"id": "i4"}], False)
     assert page_items(items, None, 2, "desc") == ([{"id": "i4"}, {"id": "i3"}], True)
     assert page_items(items, "nope", 2, "asc") is None
+
+
+def test_memory_store_item_bound() -> None:
+    m = MemoryStore(max_items=10)
+    for i in range(5):
+        m.put(rec(f"resp_{i}", n=3))
+    assert m.items <= 10 and m.get("resp_0") is None and m.get("resp_4") is not None
+    assert m.delete("resp_4") and m.items == 3 * (len(m._d))

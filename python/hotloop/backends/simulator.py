@@ -58,8 +58,14 @@ class Directives(msgspec.Struct, kw_only=True):
     rate: float | None = None  # tokens/s for this response (overrides the server's --sim-rate)
 
 
+# Bounds on what a request may ask of the simulator (a directive past them is a 400).
+MAX_TOKENS = 100_000
+MAX_TOOLS = 64
+MAX_STALL = 600.0
+
+
 def parse_directives(spec: str) -> Directives:
-    """``"reasoning,tools:2,tokens:40"`` -> :class:`Directives`. Unknown words are a 400."""
+    """``"reasoning,tools:2,tokens:40"`` -> :class:`Directives`. Unknown or out-of-range words are a 400."""
     d = Directives()
     for raw in spec.split(","):
         word = raw.strip()
@@ -88,6 +94,10 @@ def parse_directives(spec: str) -> Directives:
             elif name == "rate":
                 d.rate = float(arg)
             else:
+                raise ValueError(word)
+            if not (0 <= (d.tokens or 0) <= MAX_TOKENS and 0 <= d.tools <= MAX_TOOLS and 0 <= d.stall <= MAX_STALL):
+                raise ValueError(word)
+            if d.rate is not None and not d.rate >= 0:
                 raise ValueError(word)
         except ValueError:
             raise errors.InvalidValue(
@@ -178,7 +188,7 @@ def example_value(schema: dict[str, Any], name: str = "value", depth: int = 0) -
         return {k: example_value(props[k], k, depth + 1) for k in props if k in required}
     if typ == "array":
         items = schema.get("items", {"type": "string"})
-        n = max(1, int(schema.get("minItems", 1)))
+        n = min(16, max(1, int(schema.get("minItems", 1))))
         return [example_value(items, name, depth + 1) for _ in range(n)]
     if typ == "integer":
         return int(schema.get("minimum", 1))
@@ -191,6 +201,18 @@ def example_value(schema: dict[str, Any], name: str = "value", depth: int = 0) -
     if schema.get("format") == "date":
         return "2026-01-01"
     return f"example {name}"
+
+
+def _example_arguments(tool: FunctionTool) -> str:
+    """JSON arguments valid for the tool's schema; a schema the simulator cannot read is a 400."""
+    try:
+        value = example_value(tool.parameters or {"type": "object", "properties": {}})
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError):
+        raise errors.InvalidValue(
+            f"The simulator cannot build arguments from the parameters schema of tool '{tool.name}'.",
+            param="tools",
+        ) from None
 
 
 class SimulatorBackend:
@@ -287,6 +309,8 @@ class SimulatorBackend:
         rng = random.Random(seed)
         budget = req.max_output_tokens
         n_answer = d.tokens if d.tokens is not None else self.output_tokens
+        if budget is not None:
+            n_answer = min(n_answer, budget + 1)  # one past the budget is enough to hit it
         plan: list[tuple[str, Any]] = []  # (kind, payload)
         if d.reasoning:
             for piece in self._corpus.take(rng.randrange(1 << 16), max(4, n_answer // 2)):
@@ -296,7 +320,7 @@ class SimulatorBackend:
                 plan.append(("t", piece))
         for k in range(d.tools):
             tool = self._tool_for(req, k)
-            args = json.dumps(example_value(tool.parameters or {"type": "object", "properties": {}}), separators=(",", ":"))
+            args = _example_arguments(tool)
             call_id = f"call_{seed & 0xFFFFFFFF:08x}{k:02d}"
             pieces = _pieces(args)
             plan.append(("c", ToolCallDelta(index=k, call_id=call_id, name=tool.name)))

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from hotloop import _accel, tokenizer
+from hotloop import _accel, errors, tokenizer
 from hotloop.protocol.request import (
     FunctionCall,
     FunctionCallOutput,
@@ -110,8 +110,14 @@ def item_text(item: Item) -> str:
     return ""
 
 
-def fingerprint(item: Item) -> int:
-    return _fingerprint(_canonical(semantic_view(item)))
+_TOO_DEEP = "nested too deeply (at most 256 levels of arrays and objects)"
+
+
+def fingerprint(item: Item, param: str = "input") -> int:
+    try:
+        return _fingerprint(_canonical(semantic_view(item)))
+    except ValueError:  # canonical_json bounds nesting depth
+        raise errors.InvalidValue(f"Invalid '{param}': an item is {_TOO_DEEP}.", param=param) from None
 
 
 class TokenCache:
@@ -147,7 +153,7 @@ def split(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[
     toks: list[int] = []
     missing: list[tuple[int, str]] = []
     for i, item in enumerate(items):
-        fp = fingerprint(item)
+        fp = fingerprint(item, f"input[{i}]")
         n = cache.get(fp) if cache is not None else None
         if n is None:
             missing.append((i, item_text(item)))
@@ -182,17 +188,20 @@ def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[lis
     return fps, toks
 
 
-def blob_tokens(obj: Any, cache: TokenCache | None = None) -> int:
-    """Token count of a setting the model sees each turn (instructions text, one tool's schema).
-
-    Cached by fingerprint like items, so resent instructions and tools are tokenized once.
-    """
-    data = obj.encode() if isinstance(obj, str) else _canonical(obj)
+def blob_split(obj: Any, cache: TokenCache | None = None) -> tuple[int, str | None, int]:
+    """A setting the model sees each turn (instructions text, one tool's schema): its cached token
+    count, or the text still to count; and its fingerprint. -> ``(count, text_or_None, fp)``."""
+    try:
+        data = obj.encode() if isinstance(obj, str) else _canonical(obj)
+    except ValueError:  # canonical_json bounds nesting depth
+        raise errors.InvalidValue(f"Invalid 'tools': a tool definition is {_TOO_DEEP}.", param="tools") from None
     fp = _fingerprint(data)
     n = cache.get(fp) if cache is not None else None
     if n is None:
-        n = tokenizer.count(data.decode())
-        if cache is not None:
-            cache.misses += 1
-            cache.put(fp, n)
-    return n
+        return 0, data.decode(), fp
+    return n, None, fp
+
+
+def count_pending(item_texts: list[str], blob_texts: list[str]) -> tuple[list[int], list[int]]:
+    """Counts for pending item texts and setting texts. Thread-safe (tokenizer only)."""
+    return count_texts(item_texts), [tokenizer.count(t) for t in blob_texts]

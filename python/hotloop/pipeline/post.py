@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hotloop.protocol.request import item_from_dict, item_to_dict
+from hotloop.protocol.request import Item, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
 from hotloop.state.store import ResponseStore, StoredResponse, UsageRecord, page_items
 
@@ -68,7 +68,6 @@ class Persistence:
         self.store = store
         self.max_pending = max_pending
         self.pending: dict[str, CachedResponse] = {}
-        self.deleted: set[str] = set()
         self._queue: asyncio.Queue[tuple[str, Any]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
@@ -168,6 +167,15 @@ class Persistence:
             return entry
         rec = await self._call(self.store.get, response_id)
         return None if rec is None else from_record(rec)
+
+    async def find_item(self, item_id: str) -> Item | None:
+        """An item of a stored response, by id (for ``item_reference``)."""
+        for entry in self.pending.values():
+            found = entry.context.find(item_id)
+            if found is not None:
+                return found
+        raw = await self._call(self.store.get_item, item_id)
+        return None if raw is None else item_from_dict(raw)
 
     async def get_response(self, response_id: str) -> dict[str, Any] | None:
         entry = self.pending.get(response_id)

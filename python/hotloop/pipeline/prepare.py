@@ -46,7 +46,7 @@ class Plan:
     """
 
     __slots__ = (
-        "prepared", "items", "new_items", "parent", "cached_tokens", "pending",
+        "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
         "_fps", "_toks", "_settings", "_context", "_cache",
     )
 
@@ -58,6 +58,7 @@ class Plan:
         fps: list[int],
         toks: list[int],
         pending: list[tuple[int, str]],
+        pending_blobs: list[tuple[int, str]],
         settings: int,
         cached_tokens: int,
         cache: itemlib.TokenCache | None,
@@ -70,6 +71,7 @@ class Plan:
         self._fps = fps
         self._toks = toks
         self.pending = pending
+        self.pending_blobs = pending_blobs  # (fingerprint, text) of settings not yet counted
         self._settings = settings
         self.cached_tokens = cached_tokens
         self._cache = cache
@@ -79,15 +81,30 @@ class Plan:
     def settled(self) -> bool:
         return self._context is not None
 
-    def settle(self, counts: list[int] | None = None) -> None:
-        """Fill pending counts (``None``: count them here) and build the context."""
+    @property
+    def pending_chars(self) -> int:
+        return sum(len(t) for _, t in self.pending) + sum(len(t) for _, t in self.pending_blobs)
+
+    def pending_texts(self) -> tuple[list[str], list[str]]:
+        return [t for _, t in self.pending], [t for _, t in self.pending_blobs]
+
+    def settle(self, counts: tuple[list[int], list[int]] | None = None) -> None:
+        """Fill pending counts (``None``: count them here; else :func:`itemlib.count_pending`'s
+        result) and build the context."""
         if self._context is not None:
             return
-        if self.pending:
+        if self.pending or self.pending_blobs:
             if counts is None:
-                counts = itemlib.count_texts([t for _, t in self.pending])
-            itemlib.fill(self._fps, self._toks, self.pending, counts, self._cache)
+                counts = itemlib.count_pending(*self.pending_texts())
+            item_counts, blob_counts = counts
+            itemlib.fill(self._fps, self._toks, self.pending, item_counts, self._cache)
+            for (fp, _), n in zip(self.pending_blobs, blob_counts):
+                self._settings += n
+                if self._cache is not None:
+                    self._cache.misses += 1
+                    self._cache.put(fp, n)
             self.pending = []
+            self.pending_blobs = []
         base = self.parent.context if self.parent is not None else None
         ctx = Context(self.items, base.chain.copy(), set(base.call_ids)) if base is not None else Context(self.items)
         ctx.extend_chain(self.new_items, self._fps, self._toks)
@@ -111,11 +128,15 @@ def _with_id(item: Item, ids: IdGen) -> Item:
     return item
 
 
-def _resolve_reference(ref: ItemReference, index: int, base: Context | None, seen: list[Item]) -> Item:
+def _resolve_reference(
+    ref: ItemReference, index: int, base: Context | None, seen: list[Item], stored: dict[str, Item] | None
+) -> Item:
     for it in seen:
         if getattr(it, "id", None) == ref.id:
             return it
     found = base.find(ref.id) if base is not None else None
+    if found is None and stored:
+        found = stored.get(ref.id)
     if found is None:
         raise errors.ItemNotFound(
             f"Item with id '{ref.id}' not found. Items are not persisted when `store` is set to false.",
@@ -124,14 +145,21 @@ def _resolve_reference(ref: ItemReference, index: int, base: Context | None, see
     return found
 
 
-def settings_tokens(p: Prepared, cache: itemlib.TokenCache | None) -> int:
-    """Tokens of what the model sees besides items: instructions and tool definitions."""
+def settings_tokens(p: Prepared, cache: itemlib.TokenCache | None) -> tuple[int, list[tuple[int, str]]]:
+    """Tokens of what the model sees besides items (instructions, tool definitions): the known
+    count, and the ``(fingerprint, text)`` of settings still to be counted."""
     n = tokenizer.TOKENS_PER_REQUEST
+    missing: list[tuple[int, str]] = []
+    blobs: list[Any] = list(p.tools)
     if p.req.instructions:
-        n += itemlib.blob_tokens(p.req.instructions, cache) + tokenizer.TOKENS_PER_ITEM
-    for tool in p.tools:
-        n += itemlib.blob_tokens(tool, cache)
-    return n
+        n += tokenizer.TOKENS_PER_ITEM
+        blobs.insert(0, p.req.instructions)
+    for blob in blobs:
+        count, text, fp = itemlib.blob_split(blob, cache)
+        n += count
+        if text is not None:
+            missing.append((fp, text))
+    return n, missing
 
 
 def prepare(
@@ -141,11 +169,14 @@ def prepare(
     cache: itemlib.TokenCache | None = None,
     *,
     defer: bool = False,
+    stored: dict[str, Item] | None = None,
 ) -> Plan:
     """Resolve references, check function-call outputs, analyze only the new items.
 
     With ``defer``, a large new input's token counting is left ``pending`` for the caller to run
     off the event loop (then :meth:`Plan.settle` with the counts); otherwise the plan is settled.
+    ``stored`` holds items of stored responses that ``item_reference`` items may name (looked up
+    by the caller, which does the I/O; see :func:`unresolved_references`).
     """
     base = parent.context if parent is not None else None
     new: list[Item] = []
@@ -153,7 +184,7 @@ def prepare(
     pending_calls: set[str] = set()
     for i, item in enumerate(p.items):
         if type(item) is ItemReference:
-            item = _resolve_reference(item, i, base, new)  # type: ignore[arg-type]
+            item = _resolve_reference(item, i, base, new, stored)  # type: ignore[arg-type]
         t = type(item)
         if t is FunctionCall:
             pending_calls.add(item.call_id)  # type: ignore[union-attr]
@@ -166,7 +197,7 @@ def prepare(
                 )
         new.append(_with_id(item, ids))
     fps, toks, missing = itemlib.split(new, cache)
-    settings = settings_tokens(p, cache)
+    settings, missing_blobs = settings_tokens(p, cache)
     cached = 0
     if parent is not None and base is not None:
         # What a prompt cache would hold: the parent's whole conversation, plus the settings
@@ -174,11 +205,23 @@ def prepare(
         cached = base.tokens
         prev = parent.response
         if prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools:
+            # unchanged settings were counted when the parent ran, so they are cached: known
             cached += settings
-    plan = Plan(p, parent, new, fps, toks, missing, settings, cached, cache)
-    if not defer or sum(len(t) for _, t in missing) < INLINE_TOKENIZE_CHARS:
+    plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache)
+    if not defer or plan.pending_chars < INLINE_TOKENIZE_CHARS:
         plan.settle()
     return plan
+
+
+def unresolved_references(p: Prepared, parent: CachedResponse | None) -> list[str]:
+    """Ids of ``item_reference`` items that neither the chain nor the request itself holds."""
+    base = parent.context if parent is not None else None
+    own = {getattr(it, "id", None) for it in p.items if type(it) is not ItemReference}
+    return [
+        it.id
+        for it in p.items
+        if type(it) is ItemReference and it.id not in own and (base is None or base.find(it.id) is None)
+    ]
 
 
 def output_items(response: dict[str, Any]) -> list[Item]:

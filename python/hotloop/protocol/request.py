@@ -251,18 +251,24 @@ def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> er
     return errors.InvalidValue(f"Invalid value for '{param}': {detail}.", param=param)
 
 
+TOO_DEEP = "The JSON is nested too deeply."
+
+
 def decode_body(body: bytes | str) -> CreateRequest:
     """Decode a JSON body. Raises :class:`errors.InvalidRequest` (never anything else)."""
     try:
         return _decoder.decode(body)
     except msgspec.ValidationError as exc:
-        if str(exc).startswith("Expected `object`"):
+        msg = str(exc)
+        if msg.startswith("Expected `object`") and " - at `" not in msg:  # the body itself
             raise errors.InvalidJSON("The request body must be a JSON object.") from None
         raise _from_validation_error(exc) from None
     except msgspec.DecodeError:
         raise errors.InvalidJSON(
             "We could not parse the JSON body of your request. The body must be valid JSON."
         ) from None
+    except RecursionError:
+        raise errors.InvalidJSON(TOO_DEEP) from None
 
 
 def convert_body(obj: dict[str, Any]) -> CreateRequest:
@@ -271,6 +277,8 @@ def convert_body(obj: dict[str, Any]) -> CreateRequest:
         return msgspec.convert(obj, CreateRequest)
     except msgspec.ValidationError as exc:
         raise _from_validation_error(exc) from None
+    except RecursionError:
+        raise errors.InvalidJSON(TOO_DEEP) from None
 
 
 def decode_item(raw: Any, index: int, field: str = "input") -> Item:
@@ -302,6 +310,8 @@ def decode_item(raw: Any, index: int, field: str = "input") -> Item:
         return msgspec.convert(raw, cls)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
         raise _from_validation_error(exc, prefix=where) from None
+    except RecursionError:
+        raise errors.InvalidValue(f"Invalid '{where}': {TOO_DEEP}", param=where) from None
 
 
 def decode_items(raw: str | list[Any] | None, field: str = "input") -> list[Item]:

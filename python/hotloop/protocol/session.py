@@ -29,6 +29,7 @@ class RunCreate(msgspec.Struct):
 class SendError(msgspec.Struct):
     error: errors.HotloopError
     stream_id: str | None = None
+    evict: str | None = None  # the parent a failed continuation names: the cache drops it
 
 
 class Close(msgspec.Struct):
@@ -91,6 +92,8 @@ class Session:
             frame = _decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return [SendError(errors.InvalidJSON("The frame is not a valid JSON object."))]
+        except RecursionError:
+            return [SendError(errors.InvalidJSON("The frame's JSON is nested too deeply."))]
         kind = frame.get("type")
         if kind == ev.CLIENT_PROCESSED:
             return []  # Codex's acknowledgement expects no reply
@@ -136,7 +139,8 @@ class Session:
         try:
             req = convert_body(frame)
         except errors.HotloopError as exc:
-            return [SendError(exc, stream_id)]
+            prev = frame.get("previous_response_id")
+            return [SendError(exc, stream_id, prev if isinstance(prev, str) else None)]
         self.queued += 1
         return [RunCreate(req)]
 

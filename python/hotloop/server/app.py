@@ -149,6 +149,8 @@ class HotloopApp:
 
         try:
             await self._route(scope, receive, send, respond, rid)
+        except _ClientGone:
+            return  # nobody to answer
         except errors.HotloopError as exc:
             if not started:
                 hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
@@ -228,7 +230,7 @@ class HotloopApp:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise asyncio.CancelledError()
+                raise _ClientGone()
             body = msg.get("body", b"")
             size += len(body)
             if size > limit:
@@ -240,6 +242,27 @@ class HotloopApp:
     async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
         mark = time.thread_time()
         req = decode_body(await self._body(receive))
+        # The response runs while another task waits for the client to go away: a client that
+        # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
+        # the backend stops producing tokens nobody will read.
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark))
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (gone, work):
+                if not task.done():
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        try:
+            await work
+        except asyncio.CancelledError:
+            if gone.cancelled() or not gone.done():
+                raise  # we were cancelled ourselves
+            raise _ClientGone() from None
+
+    async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float) -> None:
         if not req.stream:
             run = await self.engine.start(req, transport="json")
             response = await run.drain()
@@ -276,7 +299,6 @@ class HotloopApp:
 
     async def _delete(self, response_id: str, respond: Any) -> None:
         self.engine.responses.evict(response_id)
-        self.persistence.deleted.add(response_id)
         if not await self.persistence.delete(response_id):
             raise errors.NotFound(f"Response with id '{response_id}' not found.")
         await respond(200, _encode({"id": response_id, "object": "response", "deleted": True}))
@@ -329,8 +351,10 @@ class HotloopApp:
         req = decode_body(await self._body(receive))
         p = validate(req)
         parent = await self.engine.resolve(req.previous_response_id, None)
-        plan = prepare(p, parent, self.engine.ids, self.engine.tokens)
-        await respond(200, _encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": plan.input_tokens}))
+        stored = await self.engine.stored_items(p, parent)
+        plan = prepare(p, parent, self.engine.ids, self.engine.tokens, defer=True, stored=stored)
+        n = await self.engine.count_input(plan)
+        await respond(200, _encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": n}))
 
     # -- WebSocket mode ------------------------------------------------------------------------
 
@@ -378,6 +402,7 @@ class _Connection:
         # Bounded: a client that floods frames stops being read until the worker catches up.
         self.actions: asyncio.Queue[Any] = asyncio.Queue(cfg.ws_max_queued + 8)
         self.closed = False
+        self.expired = False
 
     async def send_frame(self, payload: bytes) -> None:
         await self._send({"type": "websocket.send", "text": payload.decode()})
@@ -422,18 +447,26 @@ class _Connection:
             idle_deadline.cancel()
 
     def _expire(self) -> None:
-        # The connection reached its age limit: tell the client once the queue is empty.
-        if not self.session.closing:
-            self.session.closing = True
-            with contextlib.suppress(asyncio.QueueFull):
-                self.actions.put_nowait(SendError(self.session.limit_error()))
-                self.actions.put_nowait(Close(1001, "connection limit reached"))
+        # The connection reached its age limit. The worker says so and closes as soon as the
+        # response in flight (if any) is done; the wake-up is only needed when it is idle, so a
+        # full queue (it is then busy) loses nothing.
+        self.expired = True
+        with contextlib.suppress(asyncio.QueueFull):
+            self.actions.put_nowait(None)
 
     async def _work(self) -> None:
         engine = self.app.engine
         while True:
             action = await self.actions.get()
+            if self.expired:
+                # queued, unstarted responses are dropped: the client reconnects with context
+                await self.send_frame(ev.ws_error(self.session.limit_error())[1])
+                await self._send({"type": "websocket.close", "code": 1001, "reason": "connection limit reached"})
+                raise _Disconnected()
             if isinstance(action, SendError):
+                if action.evict is not None:
+                    # a continuation that failed validation evicts its parent, like any failure
+                    self.cache.evict(action.evict, action.stream_id)
                 await self.send_frame(ev.ws_error(action.error, action.stream_id)[1])
             elif isinstance(action, Close):
                 await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
@@ -476,3 +509,14 @@ def _stream_id_suffix(stream_id: str | None) -> bytes:
 
 class _Disconnected(Exception):
     pass
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected; there is nobody to answer."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the HTTP client has gone away (the request body was already read)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return

@@ -14,6 +14,7 @@ off the critical path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -25,11 +26,11 @@ from hotloop.backends.base import Backend, BackendRequest
 from hotloop.config import Config
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.post import Persistence
-from hotloop.pipeline.prepare import Plan, finished, prepare
+from hotloop.pipeline.prepare import Plan, finished, prepare, unresolved_references
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
-from hotloop.protocol.request import CreateRequest, Prepared, validate
+from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache
 
@@ -74,7 +75,7 @@ class Engine:
             if hit is not None:
                 return hit
         hit = self.responses.get(response_id)
-        if hit is None and response_id not in self.persistence.deleted:
+        if hit is None:
             hit = await self.persistence.load(response_id)
             if hit is not None:
                 self.responses.put(hit)
@@ -117,14 +118,14 @@ class Engine:
         try:
             p = validate(req, websocket=websocket)
             parent = await self.resolve(req.previous_response_id, conn)
-            plan = prepare(p, parent, self.ids, self.tokens, defer=True)
+            plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent))
             counts = self._count_later(plan)
             if req.generate is False:
                 stream: AsyncIterator[Chunk] = _warmup()
             else:
                 stream = self.backend.stream(self.backend_request(plan))
             first = await self._first(stream)
-        except errors.HotloopError:
+        except Exception:  # any failure of a continuation evicts its parent (not only 4xx)
             self._evict(req, conn)
             raise
         response = response_object(p, self.ids.new("resp"), int(self.clock()), model=req.model)
@@ -139,10 +140,23 @@ class Engine:
         )
         return Run(self, plan, p, turn, first, stream, conn, counts)
 
+    async def stored_items(self, p: Prepared, parent: CachedResponse | None) -> dict[str, Item] | None:
+        """Items of stored responses named by ``item_reference`` (the Vercel AI SDK sends these
+        without ``previous_response_id``). Only stored (``store: true``) responses are searched."""
+        ids = unresolved_references(p, parent)
+        if not ids:
+            return None
+        found: dict[str, Item] = {}
+        for item_id in ids[:MAX_REFERENCE_LOOKUPS]:
+            item = self.responses.find_item(item_id) or await self.persistence.find_item(item_id)
+            if item is not None:
+                found[item_id] = item
+        return found
+
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _count_later(self, plan: Plan) -> "asyncio.Future[list[int]] | None":
+    def _count_later(self, plan: Plan) -> "asyncio.Future[tuple[list[int], list[int]]] | None":
         """Tokenize a large new input in the tokenizer thread, overlapping the backend's work.
 
         tiktoken releases the GIL, so counting runs on another core while the event loop streams;
@@ -150,8 +164,13 @@ class Engine:
         """
         if plan.settled:
             return None
-        texts = [t for _, t in plan.pending]
-        return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_texts, texts)
+        return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
+
+    async def count_input(self, plan: Plan) -> int:
+        """Settle a plan's counts off the event loop (``POST /v1/responses/input_tokens``)."""
+        counts = self._count_later(plan)
+        plan.settle(await counts if counts is not None else None)
+        return plan.input_tokens
 
     async def _first(self, stream: AsyncIterator[Chunk]) -> Chunk:
         try:
@@ -200,6 +219,7 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
 
 
 _TERMINAL_CHUNKS = (Finish, Failure)
+MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
 
 
 class _Watchdog:
@@ -252,7 +272,7 @@ class Run:
         first: Chunk,
         stream: AsyncIterator[Chunk],
         conn: ConnectionCache | None,
-        counts: "asyncio.Future[list[int]] | None" = None,
+        counts: "asyncio.Future[tuple[list[int], list[int]]] | None" = None,
     ) -> None:
         self._counts = counts
         self.engine = engine
@@ -331,6 +351,7 @@ class Run:
 
     async def drain(self) -> dict[str, Any]:
         """Run to the end without streaming (non-streaming HTTP); the final Response."""
-        async for _ in self.frames():
-            pass
+        async with contextlib.aclosing(self.frames()) as frames:
+            async for _ in frames:
+                pass
         return self.turn.response

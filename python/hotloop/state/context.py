@@ -186,3 +186,11 @@ class ResponseCache:
         e = self._d.pop(response_id, None)
         if e is not None:
             self._items -= len(e.context)
+
+    def find_item(self, item_id: str) -> Item | None:
+        """An item of any cached stored response, by id (newest responses first)."""
+        for entry in reversed(self._d.values()):
+            found = entry.context.find(item_id)
+            if found is not None:
+                return found
+        return None

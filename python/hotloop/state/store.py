@@ -68,9 +68,15 @@ def page_items(
     return page, start + limit < len(seq)
 
 
+def _item_id(item: dict[str, Any]) -> str | None:
+    iid = item.get("id")
+    return iid if isinstance(iid, str) else None
+
+
 class ResponseStore(Protocol):
     def put(self, rec: StoredResponse) -> None: ...
     def get(self, response_id: str) -> StoredResponse | None: ...
+    def get_item(self, item_id: str) -> dict[str, Any] | None: ...
     def get_response(self, response_id: str) -> dict[str, Any] | None: ...
     def delete(self, response_id: str) -> bool: ...
     def record_usage(self, recs: list[UsageRecord]) -> None: ...
@@ -78,23 +84,62 @@ class ResponseStore(Protocol):
     def close(self) -> None: ...
 
 
-class MemoryStore:
-    """Bounded in-memory store (LRU by count, plus TTL). Nothing survives a restart."""
+DEFAULT_MAX_ITEMS = 1_000_000
 
-    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, ttl_seconds: float = DEFAULT_TTL_SECONDS) -> None:
+
+class MemoryStore:
+    """Bounded in-memory store: LRU by count and by total stored items (each record holds its
+    whole effective history), plus TTL. Nothing survives a restart."""
+
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        max_items: int = DEFAULT_MAX_ITEMS,
+    ) -> None:
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
+        self.max_items = max_items
+        self.items = 0
         self._d: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self._item_index: dict[str, str] = {}  # item id -> response id (entries of stored records only)
         self._usage: dict[tuple[str, str], list[int]] = {}
         self._lock = threading.Lock()
 
     def put(self, rec: StoredResponse) -> None:
         with self._lock:
             rid = rec.response["id"]
+            old = self._d.pop(rid, None)
+            if old is not None:
+                self._forget(old[1])
             self._d[rid] = (time.time(), rec)
-            self._d.move_to_end(rid)
-            while len(self._d) > self.max_responses:
-                self._d.popitem(last=False)
+            self.items += len(rec.items)
+            for it in rec.items:
+                iid = _item_id(it)
+                if iid is not None:
+                    self._item_index[iid] = rid
+            while self._d and (len(self._d) > self.max_responses or self.items > self.max_items):
+                _, (_, gone) = self._d.popitem(last=False)
+                self._forget(gone)
+
+    def _forget(self, rec: StoredResponse) -> None:
+        self.items -= len(rec.items)
+        rid = rec.response["id"]
+        for it in rec.items:
+            iid = _item_id(it)
+            if iid is not None and self._item_index.get(iid) == rid:
+                del self._item_index[iid]
+
+    def get_item(self, item_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            rid = self._item_index.get(item_id)
+        rec = self.get(rid) if rid is not None else None
+        if rec is None:
+            return None
+        for it in rec.items:
+            if it.get("id") == item_id:
+                return it
+        return None
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -103,6 +148,7 @@ class MemoryStore:
                 return None
             if time.time() - v[0] > self.ttl_seconds:
                 del self._d[response_id]
+                self._forget(v[1])
                 return None
             return v[1]
 
@@ -112,7 +158,11 @@ class MemoryStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._d.pop(response_id, None) is not None
+            v = self._d.pop(response_id, None)
+            if v is None:
+                return False
+            self._forget(v[1])
+            return True
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         with self._lock:
@@ -162,6 +212,7 @@ CREATE TABLE IF NOT EXISTS response_items (
     hash BLOB NOT NULL,
     fp INTEGER NOT NULL,
     tokens INTEGER NOT NULL,
+    item_id TEXT,
     PRIMARY KEY (response_id, pos)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash);
@@ -215,6 +266,10 @@ class SQLiteStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")
             self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(response_items)")}
+            if "item_id" not in cols:  # databases written before item references were indexed
+                self._db.execute("ALTER TABLE response_items ADD COLUMN item_id TEXT")
+            self._db.execute("CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id)")
 
     def put(self, rec: StoredResponse) -> None:
         rid = rec.response["id"]
@@ -231,8 +286,11 @@ class SQLiteStore:
                 )
                 db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
                 db.executemany(
-                    "INSERT INTO response_items(response_id, pos, hash, fp, tokens) VALUES (?,?,?,?,?)",
-                    [(rid, i, h, _signed(fp), tk) for i, (h, fp, tk) in enumerate(zip(hashes, rec.fps, rec.toks))],
+                    "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id) VALUES (?,?,?,?,?,?)",
+                    [
+                        (rid, i, h, _signed(fp), tk, _item_id(it))
+                        for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
+                    ],
                 )
                 db.execute("COMMIT")
             except BaseException:
@@ -293,6 +351,15 @@ class SQLiteStore:
             toks=[r[2] for r in rows],
             input_len=row[1],
         )
+
+    def get_item(self, item_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT b.body FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
+                "JOIN responses r ON r.id = ri.response_id WHERE ri.item_id=? AND r.created_at >= ? LIMIT 1",
+                (item_id, time.time() - self.ttl_seconds),
+            ).fetchone()
+        return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
     def get_response(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:
