@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import run_server
@@ -115,7 +116,7 @@ def test_connection_age_limit_closes_with_1001(tmp_path) -> None:
             time.sleep(1.2)
             err = json.loads(ws.recv(timeout=10))
             assert err["type"] == "error" and err["error"]["code"] == "websocket_connection_limit_reached"
-            with pytest.raises(Exception):
+            with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
             assert ws.close_code == 1001
 
@@ -128,10 +129,11 @@ def test_api_key_required_on_http_and_upgrade(tmp_path) -> None:
         assert ei.value.code == "invalid_api_key"
         r = httpx.get(srv.v1.replace("/v1", "") + "/healthz")
         assert r.status_code == 200  # probes need no key
-        with pytest.raises(Exception) as wi:
+        with pytest.raises(InvalidStatus) as wi:
             with ws_connect(srv.ws + "/responses", open_timeout=10, additional_headers={"Authorization": "Bearer sk-wrong"}):
                 pass
-        assert "401" in str(wi.value)
+        assert wi.value.response.status_code == 401
+        assert json.loads(wi.value.response.body)["error"]["code"] == "invalid_api_key"
         good = OpenAI(api_key="sk-right", base_url=srv.v1, max_retries=0)
         with good.responses.connect() as conn:
             conn.response.create(model="hotloop-sim", input="x", store=False)
