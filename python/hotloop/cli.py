@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_env(**overrides)
         from hotloop.server.runner import serve
 
-        serve(config)
-        return 0
+        return serve(config)
     return 2
 
 

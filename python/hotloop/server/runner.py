@@ -57,10 +57,15 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
     )
 
 
-def serve(config: Config) -> None:
+STARTUP_FAILURE = 3  # uvicorn's exit code when the application failed to start
+
+
+def serve(config: Config) -> int:
+    """Run until stopped; the process exit code (non-zero when start-up failed)."""
     import uvicorn
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_app(config)
     server = uvicorn.Server(uvicorn_config(app, config))
     server.run()
+    return 0 if server.started else STARTUP_FAILURE

@@ -1,0 +1,36 @@
+"""The installed ``hotloop`` command: version, help, start-up failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import hotloop
+
+HOTLOOP = shutil.which("hotloop") or os.path.join(os.path.dirname(sys.executable), "hotloop")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_version_both_ways() -> None:
+    assert run(HOTLOOP, "--version").stdout.strip() == f"hotloop {hotloop.__version__}"
+    assert run(sys.executable, "-m", "hotloop", "--version").stdout.strip() == f"hotloop {hotloop.__version__}"
+
+
+def test_no_command_prints_help_and_fails() -> None:
+    p = run(HOTLOOP)
+    assert p.returncode == 2 and "serve" in p.stdout and "bench" in p.stdout
+
+
+def test_misconfigured_backend_fails_clearly(tmp_path) -> None:
+    p = run(HOTLOOP, "serve", "--backend", "openai-compat", "--port", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path)})
+    assert p.returncode == 3
+    assert "needs --base-url" in p.stderr and "Traceback" not in p.stderr
+    env = {k: v for k, v in os.environ.items() if k != "CEREBRAS_API_KEY"}
+    env["HOTLOOP_DATA_DIR"] = str(tmp_path)
+    p = subprocess.run([HOTLOOP, "serve", "--backend", "cerebras", "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 3 and "CEREBRAS_API_KEY" in p.stderr and "Traceback" not in p.stderr
