@@ -152,6 +152,13 @@ class _Corpus:
         return out
 
 
+def _sentence(pieces: list[str]) -> list[str]:
+    """Corpus tokens read as text: no leading space on the first one (still one token each)."""
+    if pieces:
+        pieces[0] = pieces[0].lstrip() or pieces[0]
+    return pieces
+
+
 def _pieces(text: str) -> list[str]:
     enc = tokenizer.encoding()
     out: list[str] = []
@@ -313,10 +320,10 @@ class SimulatorBackend:
             n_answer = min(n_answer, budget + 1)  # one past the budget is enough to hit it
         plan: list[tuple[str, Any]] = []  # (kind, payload)
         if d.reasoning:
-            for piece in self._corpus.take(rng.randrange(1 << 16), max(4, n_answer // 2)):
+            for piece in _sentence(self._corpus.take(rng.randrange(1 << 16), max(4, n_answer // 2))):
                 plan.append(("r", piece))
         if d.text or not d.tools:
-            for piece in self._corpus.take(rng.randrange(1 << 16), n_answer):
+            for piece in _sentence(self._corpus.take(rng.randrange(1 << 16), n_answer)):
                 plan.append(("t", piece))
         for k in range(d.tools):
             tool = self._tool_for(req, k)
