@@ -113,14 +113,3 @@ def response_object(
         "user": req.user,
         "metadata": req.metadata or {},
     }
-
-
-def output_text(response: dict[str, Any]) -> str:
-    """Concatenated ``output_text`` of a Response (what the SDK's ``output_text`` property gives)."""
-    parts: list[str] = []
-    for item in response.get("output", ()):
-        if item.get("type") == "message":
-            for c in item.get("content", ()):
-                if c.get("type") == "output_text":
-                    parts.append(c.get("text", ""))
-    return "".join(parts)

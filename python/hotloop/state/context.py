@@ -121,12 +121,6 @@ class ConnectionCache:
                 return e
         return None
 
-    def lane_of(self, response_id: str) -> str | None | bool:
-        for lane, d in self._lanes.items():
-            if response_id in d:
-                return lane
-        return False
-
     def put(self, entry: CachedResponse, lane: str | None = None) -> None:
         d = self._lanes.get(lane)
         if d is None:
