@@ -150,3 +150,11 @@ def test_age_limit_reached_with_a_full_queue(tmp_path) -> None:
                 pass
             assert "websocket_connection_limit_reached" in codes
             assert ws.close_code == 1001
+
+
+def test_client_chosen_item_ids_are_not_resolvable_by_others(server) -> None:
+    secret = {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "A's secret"}]}
+    r = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": [secret]}, timeout=30)
+    assert r.status_code == 200
+    r = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": [{"type": "item_reference", "id": "msg_1"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found"

@@ -558,3 +558,12 @@ def test_render_cache_forks_and_bounds() -> None:
     for i in range(5):
         cache.render(items([{"role": "user", "content": str(i)}]))
     assert len(cache._d) == 2
+
+
+def test_render_cache_byte_budget() -> None:
+    cache = RenderCache(CEREBRAS, max_entries=100, max_bytes=40_000)
+    for i in range(20):
+        cache.render(items([{"role": "user", "content": "x" * 3000 + str(i)}]))
+    assert cache.bytes <= 40_000 and len(cache._d) < 20
+    cache.render(items([{"role": "user", "content": "y" * 20_000}]))  # over a quarter: not cached
+    assert cache.bytes <= 40_000 and all(e.size <= 10_000 for e in cache._d.values())

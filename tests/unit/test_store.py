@@ -91,3 +91,14 @@ def test_memory_store_item_bound() -> None:
         m.put(rec(f"resp_{i}", n=3))
     assert m.items <= 10 and m.get("resp_0") is None and m.get("resp_4") is not None
     assert m.delete("resp_4") and m.items == 3 * (len(m._d))
+
+
+def test_memory_item_index_survives_deleting_a_continuation() -> None:
+    m = MemoryStore()
+    a = rec("resp_a")
+    b = StoredResponse({"id": "resp_b", "object": "response", "output": []}, a.items + a.items[:1], a.fps + a.fps[:1], a.toks + a.toks[:1], 3)
+    m.put(a)
+    m.put(b)
+    assert m.delete("resp_b")
+    assert m.get_item(a.items[0]["id"]) == a.items[0]
+    assert m.delete("resp_a") and m.get_item(a.items[0]["id"]) is None

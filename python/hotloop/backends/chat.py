@@ -256,13 +256,14 @@ def _render_items(
 
 
 class _Rendered:
-    __slots__ = ("items", "messages", "encoded", "reasoning")
+    __slots__ = ("items", "messages", "encoded", "reasoning", "size")
 
     def __init__(self, items: list[Any], messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str) -> None:
         self.items = items
         self.messages = messages
         self.encoded = encoded
         self.reasoning = reasoning
+        self.size = sum(map(len, encoded))
 
 
 class RenderCache:
@@ -272,12 +273,16 @@ class RenderCache:
     immutable), so an entry whose items are, by identity, a prefix of the request's items is
     reused and only the rest is rendered and encoded. Entries are keyed by the identity of the
     conversation's first item and hold references to their items, so an id cannot be recycled
-    while cached. Bounded: ``max_entries`` conversations (default 32), least recently used out.
+    while cached. Bounded: ``max_entries`` conversations (default 32) and ``max_bytes`` of encoded
+    messages (default 64 MiB; an entry holds about twice that in objects), least recently used
+    out; a conversation larger than a quarter of the budget is not cached.
     """
 
-    def __init__(self, dialect: Dialect, max_entries: int = 32) -> None:
+    def __init__(self, dialect: Dialect, max_entries: int = 32, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.dialect = dialect
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._d: dict[int, _Rendered] = {}
         self.hits = 0
 
@@ -287,6 +292,8 @@ class RenderCache:
             return [], []
         key = id(items[0])
         hit = self._d.pop(key, None)
+        if hit is not None:
+            self.bytes -= hit.size
         n = len(hit.items) if hit is not None else 0
         if hit is not None and n <= len(items) and all(map(operator.is_, hit.items, items)):
             self.hits += 1
@@ -295,9 +302,12 @@ class RenderCache:
         else:
             messages, encoded, reasoning, rest = [], [], "", items
         reasoning = _render_items(rest, self.dialect, messages, encoded, reasoning)
-        self._d[key] = _Rendered(list(items), messages, encoded, reasoning)
-        while len(self._d) > self.max_entries:
-            del self._d[next(iter(self._d))]
+        entry = _Rendered(list(items), messages, encoded, reasoning)
+        if entry.size <= self.max_bytes // 4:
+            self._d[key] = entry
+            self.bytes += entry.size
+            while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
+                self.bytes -= self._d.pop(next(iter(self._d))).size
         return messages, encoded
 
 

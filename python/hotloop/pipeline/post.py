@@ -153,7 +153,11 @@ class Persistence:
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
         if entry.store:
             self.pending[entry.id] = entry
-            await self._queue.put(("put", entry))
+            try:
+                await self._queue.put(("put", entry))
+            except BaseException:
+                self.pending.pop(entry.id, None)
+                raise
 
     # -- reads ---------------------------------------------------------------------------------
 

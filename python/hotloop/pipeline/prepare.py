@@ -47,7 +47,7 @@ class Plan:
 
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
-        "_fps", "_toks", "_settings", "_context", "_cache",
+        "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached",
     )
 
     def __init__(
@@ -62,6 +62,7 @@ class Plan:
         settings: int,
         cached_tokens: int,
         cache: itemlib.TokenCache | None,
+        settings_cached: bool = False,
     ) -> None:
         self.prepared = prepared
         self.parent = parent
@@ -75,6 +76,7 @@ class Plan:
         self._settings = settings
         self.cached_tokens = cached_tokens
         self._cache = cache
+        self._settings_cached = settings_cached  # unchanged settings count as cached prefix
         self._context: Context | None = None
 
     @property
@@ -100,6 +102,8 @@ class Plan:
             itemlib.fill(self._fps, self._toks, self.pending, item_counts, self._cache)
             for (fp, _), n in zip(self.pending_blobs, blob_counts):
                 self._settings += n
+                if self._settings_cached:
+                    self.cached_tokens += n
                 if self._cache is not None:
                     self._cache.misses += 1
                     self._cache.put(fp, n)
@@ -199,15 +203,16 @@ def prepare(
     fps, toks, missing = itemlib.split(new, cache)
     settings, missing_blobs = settings_tokens(p, cache)
     cached = 0
+    unchanged = False
     if parent is not None and base is not None:
         # What a prompt cache would hold: the parent's whole conversation, plus the settings
         # rendered before it (instructions, tools) when they did not change.
         cached = base.tokens
         prev = parent.response
-        if prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools:
-            # unchanged settings were counted when the parent ran, so they are cached: known
-            cached += settings
-    plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache)
+        unchanged = prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools
+        if unchanged:
+            cached += settings  # the part already counted; settle() adds the rest
+    plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged)
     if not defer or plan.pending_chars < INLINE_TOKENIZE_CHARS:
         plan.settle()
     return plan

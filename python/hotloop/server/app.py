@@ -249,18 +249,18 @@ class HotloopApp:
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (gone, work):
-                if not task.done():
-                    task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gone
-        try:
-            await work
-        except asyncio.CancelledError:
-            if gone.cancelled() or not gone.done():
-                raise  # we were cancelled ourselves
-            raise _ClientGone() from None
+        except asyncio.CancelledError:  # the server is stopping
+            work.cancel()
+            gone.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+            raise
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        if not work.done():  # the client went away first
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise _ClientGone()
+        await work  # its result, or the error to answer with
 
     async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float) -> None:
         if not req.stream:

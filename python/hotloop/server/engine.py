@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ class Engine:
         self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
         self.active = 0
         self.completed = 0
+        self._background: set[asyncio.Future[Any]] = set()
         # One thread counts the tokens of large new inputs while the backend generates.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
@@ -115,18 +117,23 @@ class Engine:
         websocket: bool = False,
     ) -> "Run":
         """Everything before the first event. Raises ``HotloopError``; evicts on failure."""
+        started: list[Any] = []
         try:
             p = validate(req, websocket=websocket)
             parent = await self.resolve(req.previous_response_id, conn)
             plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent))
             counts = self._count_later(plan)
+            started.append(counts)
             if req.generate is False:
                 stream: AsyncIterator[Chunk] = _warmup()
             else:
                 stream = self.backend.stream(self.backend_request(plan))
             first = await self._first(stream)
-        except Exception:  # any failure of a continuation evicts its parent (not only 4xx)
+        except BaseException:  # any failure of a continuation evicts its parent (not only 4xx)
             self._evict(req, conn)
+            for fut in started:
+                if fut is not None:
+                    fut.cancel()  # nobody will read these counts
             raise
         response = response_object(p, self.ids.new("resp"), int(self.clock()), model=req.model)
         turn = Turn(
@@ -147,11 +154,23 @@ class Engine:
         if not ids:
             return None
         found: dict[str, Item] = {}
-        for item_id in ids[:MAX_REFERENCE_LOOKUPS]:
-            item = self.responses.find_item(item_id) or await self.persistence.find_item(item_id)
-            if item is not None:
-                found[item_id] = item
+        for item_id in dict.fromkeys(ids[:MAX_REFERENCE_LOOKUPS]):
+            # Only ids the server mints (192 random bits) are resolved across requests: a
+            # client-chosen id such as "msg_1" must not reach another client's stored items.
+            item = None
+            if MINTED_ID.fullmatch(item_id):
+                item = self.responses.find_item(item_id) or await self.persistence.find_item(item_id)
+            if item is None:
+                break  # prepare() reports the first unresolved reference
+            found[item_id] = item
         return found
+
+    async def detach(self, work: Any) -> None:
+        """Run ``work`` to completion even if the caller is cancelled (the task is kept alive)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await asyncio.shield(task)
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -220,6 +239,7 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
 
 _TERMINAL_CHUNKS = (Finish, Failure)
 MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
+MINTED_ID = re.compile(r"[a-z]{2,4}_[0-9a-f]{48}")  # the shape of ids IdGen makes
 
 
 class _Watchdog:
@@ -295,6 +315,7 @@ class Run:
             counts = await self._counts if self._counts is not None else None
             plan.settle(counts)
             self.turn.input_tokens = plan.input_tokens
+            self.turn.cached_tokens = plan.cached_tokens
 
     async def frames(self) -> AsyncGenerator[list[Frame], None]:
         turn = self.turn
@@ -346,8 +367,15 @@ class Run:
                     watchdog.disarm()
         finally:
             engine.active -= 1
-            await _aclose(self._stream)
-        await engine.complete(self)
+            # Once the terminal event exists the response is real: a client that leaves right
+            # after reading it must not cancel its caching and storage, so that work runs in its
+            # own task, shielded from the consumer's cancellation.
+            await engine.detach(self._finish())
+
+    async def _finish(self) -> None:
+        await _aclose(self._stream)
+        if self.turn.done:
+            await self.engine.complete(self)
 
     async def drain(self) -> dict[str, Any]:
         """Run to the end without streaming (non-streaming HTTP); the final Response."""

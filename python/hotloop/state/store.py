@@ -102,7 +102,7 @@ class MemoryStore:
         self.max_items = max_items
         self.items = 0
         self._d: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
-        self._item_index: dict[str, str] = {}  # item id -> response id (entries of stored records only)
+        self._item_index: dict[str, set[str]] = {}  # item id -> ids of the stored responses holding it
         self._usage: dict[tuple[str, str], list[int]] = {}
         self._lock = threading.Lock()
 
@@ -117,7 +117,7 @@ class MemoryStore:
             for it in rec.items:
                 iid = _item_id(it)
                 if iid is not None:
-                    self._item_index[iid] = rid
+                    self._item_index.setdefault(iid, set()).add(rid)
             while self._d and (len(self._d) > self.max_responses or self.items > self.max_items):
                 _, (_, gone) = self._d.popitem(last=False)
                 self._forget(gone)
@@ -127,18 +127,20 @@ class MemoryStore:
         rid = rec.response["id"]
         for it in rec.items:
             iid = _item_id(it)
-            if iid is not None and self._item_index.get(iid) == rid:
-                del self._item_index[iid]
+            holders = self._item_index.get(iid) if iid is not None else None
+            if holders is not None:
+                holders.discard(rid)
+                if not holders:
+                    del self._item_index[iid]  # type: ignore[arg-type]
 
     def get_item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
-            rid = self._item_index.get(item_id)
-        rec = self.get(rid) if rid is not None else None
-        if rec is None:
-            return None
-        for it in rec.items:
-            if it.get("id") == item_id:
-                return it
+            holders = list(self._item_index.get(item_id, ()))
+        for rid in holders:
+            rec = self.get(rid)
+            for it in rec.items if rec is not None else ():
+                if it.get("id") == item_id:
+                    return it
         return None
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -268,7 +270,10 @@ class SQLiteStore:
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(response_items)")}
             if "item_id" not in cols:  # databases written before item references were indexed
-                self._db.execute("ALTER TABLE response_items ADD COLUMN item_id TEXT")
+                try:
+                    self._db.execute("ALTER TABLE response_items ADD COLUMN item_id TEXT")
+                except sqlite3.OperationalError:  # another process added it first
+                    pass
             self._db.execute("CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id)")
 
     def put(self, rec: StoredResponse) -> None:
