@@ -188,12 +188,25 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[s
     }
 
 
+def _chained_turn(ws: Any, frame: dict[str, Any], prev: str | None) -> str:
+    """Send one ``response.create`` continuing ``prev``; wait for completion; the new id."""
+    if prev:
+        frame["previous_response_id"] = prev
+    ws.send(json.dumps(frame))
+    while True:
+        e = json.loads(ws.recv(timeout=120))
+        if e["type"] == ev.COMPLETED:
+            return str(e["response"]["id"])
+        if e["type"] in (ev.ERROR, ev.FAILED):
+            raise RuntimeError(f"turn failed: {e}")
+
+
 def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
     from websockets.sync.client import connect
 
     rng = random.Random(seed)
     ws_url = base.replace("http", "ws", 1) + "/v1/responses"
-    prev = None
+    prev: str | None = None
     with connect(ws_url, max_size=None, compression=None) as ws:
         for _ in range(turns):
             frame = {
@@ -203,16 +216,7 @@ def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
                 "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]}],
                 "metadata": {"sim": "text,tokens:16"},
             }
-            if prev:
-                frame["previous_response_id"] = prev
-            ws.send(json.dumps(frame))
-            while True:
-                e = json.loads(ws.recv(timeout=60))
-                if e["type"] == ev.COMPLETED:
-                    prev = e["response"]["id"]
-                    break
-                if e["type"] in (ev.ERROR, ev.FAILED):
-                    raise RuntimeError(f"turn failed: {e}")
+            prev = _chained_turn(ws, frame, prev)
 
 
 def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
@@ -275,20 +279,11 @@ def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
         with server("--backend", "cerebras", "--base-url", url) as (base, _pid):
             with connect(base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
                 _stream_once(ws, "bench-0-8")  # warm-up (connection, tokenizer)
-                prev = None
+                prev: str | None = None
                 t0 = time.perf_counter()
                 for i in range(turns):
                     frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "store": False, "input": f"step {i}"}
-                    if prev:
-                        frame["previous_response_id"] = prev
-                    ws.send(json.dumps(frame))
-                    while True:
-                        e = json.loads(ws.recv(timeout=120))
-                        if e["type"] == ev.COMPLETED:
-                            prev = e["response"]["id"]
-                            break
-                        if e["type"] in (ev.ERROR, ev.FAILED):
-                            raise RuntimeError(f"turn failed: {e}")
+                    prev = _chained_turn(ws, frame, prev)
                 via = time.perf_counter() - t0
     return {
         "scenario": "overhead",
