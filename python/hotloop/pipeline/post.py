@@ -74,6 +74,7 @@ class Persistence:
         self.written = 0
         self.failed = 0
         self._usage: list[UsageRecord] = []
+        self._waiting: set[asyncio.Future[None]] = set()  # shielded puts into a full queue
         self._usage_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -148,16 +149,28 @@ class Persistence:
         if rec is not None:
             self._usage.append(rec)
             if len(self._usage) >= self.USAGE_BATCH:
-                await self._queue.put(("usage", self._take_usage()))
+                await self._enqueue(("usage", self._take_usage()))
             elif self._usage_timer is None:
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
         if entry.store:
             self.pending[entry.id] = entry
-            try:
-                await self._queue.put(("put", entry))
-            except BaseException:
-                self.pending.pop(entry.id, None)
-                raise
+            await self._enqueue(("put", entry))
+
+    async def _enqueue(self, job: tuple[str, Any]) -> None:
+        """Queue a job without ever losing it to the caller's cancellation.
+
+        The common case does not suspend at all. When the queue is full the caller waits (the
+        back-pressure), but on a task of its own, shielded: a caller cancelled meanwhile (a
+        client that left) does not take the job with it.
+        """
+        assert self._queue is not None
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            task = asyncio.ensure_future(self._queue.put(job))
+            self._waiting.add(task)
+            task.add_done_callback(self._waiting.discard)
+            await asyncio.shield(task)
 
     # -- reads ---------------------------------------------------------------------------------
 

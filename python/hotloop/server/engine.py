@@ -54,7 +54,6 @@ class Engine:
         self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
         self.active = 0
         self.completed = 0
-        self._background: set[asyncio.Future[Any]] = set()
         # One thread counts the tokens of large new inputs while the backend generates.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
@@ -164,13 +163,6 @@ class Engine:
                 break  # prepare() reports the first unresolved reference
             found[item_id] = item
         return found
-
-    async def detach(self, work: Any) -> None:
-        """Run ``work`` to completion even if the caller is cancelled (the task is kept alive)."""
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        await asyncio.shield(task)
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -367,15 +359,14 @@ class Run:
                     watchdog.disarm()
         finally:
             engine.active -= 1
-            # Once the terminal event exists the response is real: a client that leaves right
-            # after reading it must not cancel its caching and storage, so that work runs in its
-            # own task, shielded from the consumer's cancellation.
-            await engine.detach(self._finish())
-
-    async def _finish(self) -> None:
-        await _aclose(self._stream)
-        if self.turn.done:
-            await self.engine.complete(self)
+            # Once the terminal event exists the response is real: its caching and storage come
+            # before anything that may suspend (closing the backend stream), and never suspend
+            # themselves in a way a leaving client's cancellation could interrupt (see
+            # Persistence.submit), so a client that closes right after the terminal event cannot
+            # lose them.
+            if turn.done:
+                await engine.complete(self)
+            await _aclose(self._stream)
 
     async def drain(self) -> dict[str, Any]:
         """Run to the end without streaming (non-streaming HTTP); the final Response."""
