@@ -12,26 +12,9 @@ from typing import Any
 
 import msgspec
 
-from hotloop import _canon, _frames, _native, _pure
+from hotloop import _accel, _pure
 
-IMPLS: dict[str, dict[str, Any]] = {
-    "native": {
-        "fingerprint": _native.fingerprint,
-        "ItemChain": _native.ItemChain,
-        "SseDecoder": _native.SseDecoder,
-        "canonical_json": _canon.canonical_json,
-        "encode_delta": _frames.encode_delta,
-        "encode_sse": _frames.encode_sse,
-    },
-    "pure": {
-        "fingerprint": _pure.fingerprint,
-        "ItemChain": _pure.ItemChain,
-        "SseDecoder": _pure.SseDecoder,
-        "canonical_json": _pure.canonical_json,
-        "encode_delta": _pure.encode_delta,
-        "encode_sse": _pure.encode_sse,
-    },
-}
+IMPLS: dict[str, dict[str, Any]] = _accel.implementations()  # raises if the build is broken
 IMPL_NAMES = ["native", "pure"]
 
 

@@ -104,6 +104,20 @@ else:
     encode_sse = _IMPLS["encode_sse"]
 
 
+def implementations() -> dict[str, dict[str, Any]]:
+    """Both implementations of every accelerated name: ``{"native": {...}, "pure": {...}}``.
+
+    For tests and benchmarks that compare the two. The native modules are imported here and now,
+    so a missing or broken build raises ``ImportError`` instead of falling back silently.
+    """
+    native: dict[str, Any] = {}
+    for module_name, provided in _PROVIDERS.items():
+        module = importlib.import_module(module_name)
+        for name in provided:
+            native[name] = getattr(module, name)
+    return {"native": native, "pure": {name: getattr(_pure, name) for name in native}}
+
+
 def item_fingerprint(item: object) -> int:
     """Fingerprint of one conversation item: ``fingerprint(canonical_json(item))``."""
     return fingerprint(canonical_json(item))

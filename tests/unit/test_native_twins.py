@@ -15,31 +15,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from hotloop import _pure
-
-# Imported directly (not through _accel): a missing or broken build must fail here.
-from hotloop import _canon, _frames
-from hotloop import _native as native
+# implementations() imports the extensions directly: a missing or broken build fails here.
+from hotloop import _accel
 
 Impl = dict[str, Any]
-IMPLS: dict[str, Impl] = {
-    "native": {
-        "fingerprint": native.fingerprint,
-        "ItemChain": native.ItemChain,
-        "SseDecoder": native.SseDecoder,
-        "canonical_json": _canon.canonical_json,
-        "encode_delta": _frames.encode_delta,
-        "encode_sse": _frames.encode_sse,
-    },
-    "pure": {
-        "fingerprint": _pure.fingerprint,
-        "ItemChain": _pure.ItemChain,
-        "SseDecoder": _pure.SseDecoder,
-        "canonical_json": _pure.canonical_json,
-        "encode_delta": _pure.encode_delta,
-        "encode_sse": _pure.encode_sse,
-    },
-}
+IMPLS: dict[str, dict[str, Any]] = _accel.implementations()  # raises if the build is broken
 
 
 @pytest.fixture(params=["native", "pure"])

@@ -63,5 +63,3 @@ class Failure(msgspec.Struct, frozen=True, gc=False):
 
 
 Chunk = Union[TextDelta, ReasoningDelta, ToolCallDelta, Usage, Finish, Failure]
-
-FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})

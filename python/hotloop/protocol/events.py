@@ -35,8 +35,6 @@ FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
 
-TERMINAL = frozenset({COMPLETED, INCOMPLETE, FAILED})
-
 # --- client -> server WebSocket frame types --------------------------------------------------
 CLIENT_CREATE = "response.create"
 CLIENT_PROCESSED = "response.processed"  # Codex acknowledgement: accepted, never answered

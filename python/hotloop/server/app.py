@@ -61,7 +61,6 @@ class HotloopApp:
         self.engine = Engine(config, backend, persistence)
         self.started_at = time.time()
         self._api_key = config.api_key.encode() if config.api_key else None
-        self._connections: set[asyncio.Task[Any]] = set()
 
     # -- ASGI entry ----------------------------------------------------------------------------
 
@@ -401,7 +400,6 @@ class _Connection:
         self.cache = ConnectionCache(cfg.ws_cache_entries)
         # Bounded: a client that floods frames stops being read until the worker catches up.
         self.actions: asyncio.Queue[Any] = asyncio.Queue(cfg.ws_max_queued + 8)
-        self.closed = False
         self.expired = False
 
     async def send_frame(self, payload: bytes) -> None:
@@ -416,7 +414,6 @@ class _Connection:
                 if t.exception() is not None and not isinstance(t.exception(), _Disconnected):
                     log.error("websocket connection task failed", exc_info=t.exception())
         finally:
-            self.closed = True
             for t in (worker, reader):
                 t.cancel()
             for t in (worker, reader):
