@@ -47,9 +47,11 @@ class Config:
     max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
     ws_max_queued: int = 64  # response.create frames waiting on one connection
-    ws_cache_entries: int = 1  # responses cached per connection (OpenAI: the most recent)
+    ws_cache_entries: int = 1  # responses cached per connection and lane (OpenAI: the most recent)
+    ws_cache_bytes: int = 64 * 1024 * 1024  # all lanes of one connection; a larger response is not cached
     response_cache_entries: int = 256  # process-wide cache of stored responses
     response_cache_items: int = 200_000
+    response_cache_bytes: int = 128 * 1024 * 1024  # one entry at most a quarter (larger: from the store)
     token_cache_entries: int = 100_000  # fingerprint -> token count
     max_pending_writes: int = 1024
 

@@ -32,6 +32,7 @@ from hotloop.protocol.request import (
     Refusal,
     SummaryText,
 )
+from hotloop.state.context import ITEM_OVERHEAD
 
 _canonical = _accel.canonical_json
 _fingerprint = _accel.fingerprint
@@ -113,15 +114,25 @@ def item_text(item: Item) -> str:
 _TOO_DEEP = "nested too deeply (at most 256 levels of arrays and objects)"
 
 
-def fingerprint(item: Item, param: str = "input") -> int:
+def canonical(item: Item, param: str = "input") -> bytes:
+    """The canonical JSON of an item's semantic view: what its fingerprint hashes, and (by its
+    length) the approximate size in bytes of its content (:attr:`Context.nbytes`)."""
     try:
-        return _fingerprint(_canonical(semantic_view(item)))
+        return _canonical(semantic_view(item))
     except ValueError:  # canonical_json bounds nesting depth
         raise errors.InvalidValue(f"Invalid '{param}': an item is {_TOO_DEEP}.", param=param) from None
 
 
+def fingerprint(item: Item, param: str = "input") -> int:
+    return _fingerprint(canonical(item, param))
+
+
 class TokenCache:
-    """fingerprint -> token count, LRU-bounded by entries (default 100,000 items, ~10 MB)."""
+    """fingerprint -> token count, LRU-bounded by entries (default 100,000 items).
+
+    Not bounded by bytes because every entry has the same small size (an int key and an int value
+    in an ordered dict, about 100 bytes): 100,000 entries are about 10 MB whatever the items held.
+    """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
@@ -147,20 +158,28 @@ class TokenCache:
             d.popitem(last=False)
 
 
-def split(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int], list[tuple[int, str]]]:
-    """Fingerprints, cached token counts (0 where unknown) and the ``(index, text)`` still to count."""
+def split(
+    items: Iterable[Item], cache: TokenCache | None = None
+) -> tuple[list[int], list[int], list[tuple[int, str]], list[int]]:
+    """Fingerprints, cached token counts (0 where unknown), the ``(index, text)`` still to count,
+    and item sizes in bytes for :attr:`Context.nbytes` (the length of the canonical JSON the
+    fingerprint hashes, plus ``ITEM_OVERHEAD``: no second encoding)."""
     fps: list[int] = []
     toks: list[int] = []
+    sizes: list[int] = []
     missing: list[tuple[int, str]] = []
+    overhead = ITEM_OVERHEAD
     for i, item in enumerate(items):
-        fp = fingerprint(item, f"input[{i}]")
+        data = canonical(item, f"input[{i}]")
+        fp = _fingerprint(data)
         n = cache.get(fp) if cache is not None else None
         if n is None:
             missing.append((i, item_text(item)))
             n = 0
         fps.append(fp)
         toks.append(n)
-    return fps, toks, missing
+        sizes.append(len(data) + overhead)
+    return fps, toks, missing, sizes
 
 
 def count_texts(texts: list[str]) -> list[int]:
@@ -180,12 +199,12 @@ def fill(
             cache.put(fps[i], n)
 
 
-def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int]]:
-    """Fingerprints and token counts of ``items`` (tokenizing only what the cache lacks)."""
-    fps, toks, missing = split(items, cache)
+def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Fingerprints, token counts and sizes of ``items`` (tokenizing only what the cache lacks)."""
+    fps, toks, missing, sizes = split(items, cache)
     if missing:
         fill(fps, toks, missing, count_texts([t for _, t in missing]), cache)
-    return fps, toks
+    return fps, toks, sizes
 
 
 def blob_split(obj: Any, cache: TokenCache | None = None) -> tuple[int, str | None, int]:

@@ -47,7 +47,7 @@ class Plan:
 
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
-        "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached",
+        "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes",
     )
 
     def __init__(
@@ -63,6 +63,7 @@ class Plan:
         cached_tokens: int,
         cache: itemlib.TokenCache | None,
         settings_cached: bool = False,
+        sizes: list[int] | None = None,
     ) -> None:
         self.prepared = prepared
         self.parent = parent
@@ -77,6 +78,7 @@ class Plan:
         self.cached_tokens = cached_tokens
         self._cache = cache
         self._settings_cached = settings_cached  # unchanged settings count as cached prefix
+        self._sizes = sizes  # bytes of the new items (None: Context estimates them)
         self._context: Context | None = None
 
     @property
@@ -110,8 +112,12 @@ class Plan:
             self.pending = []
             self.pending_blobs = []
         base = self.parent.context if self.parent is not None else None
-        ctx = Context(self.items, base.chain.copy(), set(base.call_ids)) if base is not None else Context(self.items)
-        ctx.extend_chain(self.new_items, self._fps, self._toks)
+        ctx = (
+            Context(self.items, base.chain.copy(), set(base.call_ids), base.nbytes)
+            if base is not None
+            else Context(self.items)
+        )
+        ctx.extend_chain(self.new_items, self._fps, self._toks, self._sizes)
         self._context = ctx
 
     @property
@@ -200,7 +206,7 @@ def prepare(
                     param=f"input[{i}].call_id",
                 )
         new.append(_with_id(item, ids))
-    fps, toks, missing = itemlib.split(new, cache)
+    fps, toks, missing, sizes = itemlib.split(new, cache)
     settings, missing_blobs = settings_tokens(p, cache)
     cached = 0
     unchanged = False
@@ -212,7 +218,7 @@ def prepare(
         unchanged = prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools
         if unchanged:
             cached += settings  # the part already counted; settle() adds the rest
-    plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged)
+    plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
     if not defer or plan.pending_chars < INLINE_TOKENIZE_CHARS:
         plan.settle()
     return plan
@@ -246,6 +252,6 @@ def finished(plan: Plan, response: dict[str, Any], cache: itemlib.TokenCache | N
     input_len = len(ctx)
     outs = output_items(response)
     if outs:
-        fps, toks = itemlib.analyze(outs, cache)
-        ctx.extend(outs, fps, toks)
+        fps, toks, sizes = itemlib.analyze(outs, cache)
+        ctx.extend(outs, fps, toks, sizes)
     return CachedResponse(response, ctx, input_len, bool(response.get("store", True)))

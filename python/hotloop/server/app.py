@@ -112,7 +112,10 @@ class HotloopApp:
             "active_responses": eng.active,
             "completed_responses": eng.completed,
             "token_cache": {"entries": len(eng.tokens), "hits": eng.tokens.hits, "misses": eng.tokens.misses},
-            "response_cache": {"entries": len(eng.responses), "items": eng.responses.items},
+            "response_cache": {
+                "entries": len(eng.responses), "items": eng.responses.items, "bytes": eng.responses.nbytes,
+                "max_bytes": eng.responses.max_bytes,
+            },
             "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
             "turns": [
                 {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}
@@ -397,7 +400,7 @@ class _Connection:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.session = Session(opened_at=loop.time(), max_age=cfg.ws_connection_max_age, max_queued=cfg.ws_max_queued)
-        self.cache = ConnectionCache(cfg.ws_cache_entries)
+        self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         # Bounded: a client that floods frames stops being read until the worker catches up.
         self.actions: asyncio.Queue[Any] = asyncio.Queue(cfg.ws_max_queued + 8)
         self.expired = False

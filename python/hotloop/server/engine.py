@@ -33,7 +33,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import Turn
-from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache
+from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
 
 log = logging.getLogger("hotloop.engine")
 
@@ -51,7 +51,9 @@ class Engine:
         self.ids = IdGen()
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
-        self.responses = ResponseCache(config.response_cache_entries, config.response_cache_items)
+        self.responses = ResponseCache(
+            config.response_cache_entries, config.response_cache_items, config.response_cache_bytes
+        )
         self.active = 0
         self.completed = 0
         # One thread counts the tokens of large new inputs while the backend generates.
@@ -210,10 +212,11 @@ class Engine:
         r = run.turn.response
         if r["status"] in ("completed", "incomplete"):
             entry = finished(run.plan, r, self.tokens)
+            nbytes = entry_nbytes(entry)
             if run.conn is not None:
-                run.conn.put(entry, run.prepared.req.stream_id)
+                run.conn.put(entry, run.prepared.req.stream_id, nbytes)
             if entry.store:
-                self.responses.put(entry)
+                self.responses.put(entry, nbytes)
             await self.persistence.submit(entry)
             self.completed += 1
         else:

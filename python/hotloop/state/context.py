@@ -7,11 +7,16 @@ continuation only appends the new input: nothing before it is re-validated or re
 
 Bounds (DESIGN principle 8):
 
-* :class:`ConnectionCache`: per WebSocket connection, ``max_entries`` responses (default 1: the
-  most recent, as OpenAI's WebSocket mode documents; configurable).
+* :class:`ConnectionCache`: per WebSocket connection, ``max_entries`` responses per lane
+  (default 1: the most recent, as OpenAI's WebSocket mode documents; configurable), at most 32
+  named lanes, and at most ``max_bytes`` for all lanes together (default 64 MiB).
 * :class:`ResponseCache`: process-wide, for stored (``store: true``) responses, LRU bounded by
-  entries (default 256) and by the total number of cached items (default 200,000), so chained
-  HTTP requests resolve ``previous_response_id`` without a database round trip.
+  entries (default 256), by the total number of cached items (default 200,000) and by bytes
+  (default 128 MiB; one entry at most a quarter of it), so chained HTTP requests resolve
+  ``previous_response_id`` without a database round trip.
+
+Sizes are estimates (:attr:`Context.nbytes`, :func:`entry_nbytes`): the canonical JSON of each
+item plus a fixed per-item overhead, and the JSON of the Response object.
 """
 
 from __future__ import annotations
@@ -19,22 +24,55 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 from hotloop import _accel
 from hotloop.protocol.request import FunctionCall, Item
 
 
-class Context:
-    """Effective items plus their native chain (fingerprints and token counts) and call ids."""
+# Per-item bytes beyond its content that an item costs in a cached context (the item and part
+# objects, the list slot, its fingerprint and count in the chain): an estimate on the high side.
+ITEM_OVERHEAD = 256
 
-    __slots__ = ("items", "chain", "call_ids", "_ids")
+
+def item_nbytes(item: Item) -> int:
+    """Approximate bytes an item holds (its wire JSON plus ``ITEM_OVERHEAD``), for items whose
+    size nobody computed (loaded from the store). Slightly above the size
+    :func:`hotloop.pipeline.items.split` reports for the same item (ids and type tags count)."""
+    try:
+        return len(msgspec.json.encode(item)) + ITEM_OVERHEAD
+    except (TypeError, ValueError, OverflowError):  # not JSON-encodable: count the overhead only
+        return ITEM_OVERHEAD
+
+
+def response_nbytes(response: dict[str, Any]) -> int:
+    """Approximate bytes a Response object holds (its JSON; a few microseconds for a turn)."""
+    try:
+        return len(msgspec.json.encode(response))
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+class Context:
+    """Effective items plus their native chain (fingerprints and token counts) and call ids.
+
+    ``nbytes`` approximates the bytes of all items (content plus ``ITEM_OVERHEAD`` each). It is
+    kept incrementally: a continuation starts from its parent's ``nbytes`` (it shares the
+    parent's item objects) and adds only its new items' sizes.
+    """
+
+    __slots__ = ("items", "chain", "call_ids", "_ids", "nbytes")
 
     MAX_ITEMS = 100_000
 
-    def __init__(self, items: list[Item] | None = None, chain: Any = None, call_ids: set[str] | None = None) -> None:
+    def __init__(
+        self, items: list[Item] | None = None, chain: Any = None, call_ids: set[str] | None = None, nbytes: int = 0
+    ) -> None:
         self.items: list[Item] = items if items is not None else []
         self.chain = chain if chain is not None else _accel.ItemChain(self.MAX_ITEMS)
         self.call_ids: set[str] = call_ids if call_ids is not None else set()
         self._ids: dict[str, int] | None = None
+        self.nbytes = nbytes
 
     def __len__(self) -> int:
         return len(self.items)
@@ -43,13 +81,18 @@ class Context:
     def tokens(self) -> int:
         return int(self.chain.total_tokens)
 
-    def extend(self, items: list[Item], fps: list[int], toks: list[int]) -> None:
+    def extend(self, items: list[Item], fps: list[int], toks: list[int], sizes: list[int] | None = None) -> None:
         self.items.extend(items)
-        self.extend_chain(items, fps, toks)
+        self.extend_chain(items, fps, toks, sizes)
 
-    def extend_chain(self, items: list[Item], fps: list[int], toks: list[int]) -> None:
-        """Record ``items`` (already appended to ``self.items``) in the chain and call ids."""
+    def extend_chain(
+        self, items: list[Item], fps: list[int], toks: list[int], sizes: list[int] | None = None
+    ) -> None:
+        """Record ``items`` (already appended to ``self.items``) in the chain, call ids and
+        ``nbytes``. ``sizes`` are the items' sizes when known (:func:`hotloop.pipeline.items.split`
+        has them), else they are estimated with :func:`item_nbytes`."""
         self.chain.extend(fps, toks)
+        self.nbytes += sum(sizes) if sizes is not None else sum(map(item_nbytes, items))
         for it in items:
             if type(it) is FunctionCall:
                 self.call_ids.add(it.call_id)
@@ -95,21 +138,41 @@ class CachedResponse:
         return self.context.items[: self.input_len]
 
 
+def entry_nbytes(entry: CachedResponse) -> int:
+    """Approximate bytes a cached response holds: its context's items plus its Response object.
+
+    Entries of one chain share their item objects, so summing this over a cache's entries
+    over-counts what the cache really holds: the safe direction for a bound."""
+    return entry.context.nbytes + response_nbytes(entry.response)
+
+
 class ConnectionCache:
     """The WebSocket connection's own cache of its most recent response(s), per lane.
 
     Each lane (the default lane ``None`` or a named ``stream_id``) keeps its own ``max_entries``
     most recent responses; lookups search every lane, so another lane's response can be forked.
     At most ``max_lanes`` named lanes exist per connection (OpenAI allows 32).
+
+    All lanes together hold at most ``max_bytes`` (:func:`entry_nbytes`, default 64 MiB): past it
+    the oldest entries of any lane go first, and a response larger than ``max_bytes`` is not
+    cached at all. A continuation of a response that is not cached here falls back to the
+    process-wide cache and the store like any miss (so only a ``store: false`` response is lost).
     """
 
-    def __init__(self, max_entries: int = 1, max_lanes: int = 32) -> None:
+    def __init__(self, max_entries: int = 1, max_lanes: int = 32, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_entries = max(1, max_entries)
         self.max_lanes = max_lanes
+        self.max_bytes = max_bytes
         self._lanes: dict[str | None, OrderedDict[str, CachedResponse]] = {None: OrderedDict()}
+        self._order: OrderedDict[str, tuple[str | None, int]] = OrderedDict()  # id -> (lane, bytes), oldest first
+        self._bytes = 0
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self._lanes.values())
+        return len(self._order)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def lane_allowed(self, lane: str | None) -> bool:
         return lane in self._lanes or len(self._lanes) - 1 < self.max_lanes
@@ -121,35 +184,63 @@ class ConnectionCache:
                 return e
         return None
 
-    def put(self, entry: CachedResponse, lane: str | None = None) -> None:
+    def put(self, entry: CachedResponse, lane: str | None = None, nbytes: int | None = None) -> None:
+        """Cache ``entry`` as ``lane``'s most recent response (``nbytes``: its size if known)."""
         d = self._lanes.get(lane)
         if d is None:
             if not self.lane_allowed(lane):
                 return
             d = self._lanes[lane] = OrderedDict()
-        d[entry.id] = entry
-        d.move_to_end(entry.id)
+        rid = entry.id
+        self._drop(rid)
+        n = entry_nbytes(entry) if nbytes is None else nbytes
+        d[rid] = entry
+        self._order[rid] = (lane, n)
+        self._bytes += n
         while len(d) > self.max_entries:
-            d.popitem(last=False)
+            self._drop(next(iter(d)))
+        if n > self.max_bytes:
+            self._drop(rid)  # too large to keep; the lane's older responses were still superseded
+            return
+        while self._bytes > self.max_bytes:
+            self._drop(next(iter(self._order)))
+
+    def _drop(self, response_id: str) -> None:
+        found = self._order.pop(response_id, None)
+        if found is not None:
+            lane, n = found
+            self._bytes -= n
+            del self._lanes[lane][response_id]
 
     def evict(self, response_id: str, lane: str | None = None) -> None:
         """Drop ``response_id`` if it belongs to ``lane`` (a failed fork from another lane keeps it)."""
         d = self._lanes.get(lane)
-        if d is not None:
-            d.pop(response_id, None)
+        if d is not None and response_id in d:
+            self._drop(response_id)
 
     def clear(self) -> None:
         self._lanes = {None: OrderedDict()}
+        self._order.clear()
+        self._bytes = 0
 
 
 class ResponseCache:
-    """Process-wide LRU of stored responses, bounded by entries and by total items."""
+    """Process-wide LRU of stored responses, bounded by entries, total items and total bytes.
 
-    def __init__(self, max_entries: int = 256, max_items: int = 200_000) -> None:
+    Defaults: 256 entries, 200,000 items, 128 MiB (:func:`entry_nbytes`). An entry with more than
+    ``max_items`` items or larger than a quarter of ``max_bytes`` is not cached: it is served
+    from the store. Entries of one chain share their item objects and each counts its whole
+    context, so the byte total over-counts what is held (the safe direction).
+    """
+
+    def __init__(self, max_entries: int = 256, max_items: int = 200_000, max_bytes: int = 128 * 1024 * 1024) -> None:
         self.max_entries = max_entries
         self.max_items = max_items
+        self.max_bytes = max_bytes
         self._d: OrderedDict[str, CachedResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}
         self._items = 0
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._d)
@@ -158,28 +249,34 @@ class ResponseCache:
     def items(self) -> int:
         return self._items
 
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
     def get(self, response_id: str) -> CachedResponse | None:
         e = self._d.get(response_id)
         if e is not None:
             self._d.move_to_end(response_id)
         return e
 
-    def put(self, entry: CachedResponse) -> None:
-        old = self._d.pop(entry.id, None)
-        if old is not None:
-            self._items -= len(old.context)
-        if len(entry.context) > self.max_items:
+    def put(self, entry: CachedResponse, nbytes: int | None = None) -> None:
+        """Cache ``entry`` as the most recently used (``nbytes``: its size if known)."""
+        self.evict(entry.id)
+        n = entry_nbytes(entry) if nbytes is None else nbytes
+        if len(entry.context) > self.max_items or n > self.max_bytes // 4:
             return
         self._d[entry.id] = entry
+        self._sizes[entry.id] = n
         self._items += len(entry.context)
-        while len(self._d) > self.max_entries or self._items > self.max_items:
-            _, e = self._d.popitem(last=False)
-            self._items -= len(e.context)
+        self._bytes += n
+        while len(self._d) > self.max_entries or self._items > self.max_items or self._bytes > self.max_bytes:
+            self.evict(next(iter(self._d)))
 
     def evict(self, response_id: str) -> None:
         e = self._d.pop(response_id, None)
         if e is not None:
             self._items -= len(e.context)
+            self._bytes -= self._sizes.pop(response_id)
 
     def find_item(self, item_id: str) -> Item | None:
         """An item of any cached stored response, by id (newest responses first)."""

@@ -1,0 +1,222 @@
+"""Byte bounds of the response caches and the sizes they count (Context.nbytes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+from hotloop.config import Config
+from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.post import from_record, to_record
+from hotloop.pipeline.prepare import finished, prepare
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import FunctionCall, Message, OutputText, decode_body, validate
+from hotloop.server.runner import make_app
+from hotloop.state.context import (
+    ITEM_OVERHEAD,
+    CachedResponse,
+    ConnectionCache,
+    Context,
+    ResponseCache,
+    entry_nbytes,
+    item_nbytes,
+)
+
+IDS = IdGen(deterministic=True)
+
+
+def _plan(body: dict[str, Any], parent: CachedResponse | None = None):
+    return prepare(validate(decode_body(json.dumps(body))), parent, IDS, itemlib.TokenCache())
+
+
+def _entry(rid: str, text: str = "hi", parent: CachedResponse | None = None, answer: str = "ok") -> CachedResponse:
+    body: dict[str, Any] = {"model": "m", "input": text}
+    if parent is not None:
+        body["previous_response_id"] = parent.id
+    plan = _plan(body, parent)
+    response = response_object(plan.prepared, rid, 0)
+    response["output"] = [
+        {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": answer, "annotations": []}]}
+    ]
+    return finished(plan, response)
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+
+def test_split_and_analyze_report_the_same_sizes() -> None:
+    items = [
+        Message(role="user", content="x" * 1000),
+        Message(role="assistant", content=[OutputText(text="é" * 300)]),
+        FunctionCall(call_id="c1", name="f", arguments='{"a": 1}'),
+    ]
+    _, _, _, split_sizes = itemlib.split(items, itemlib.TokenCache())
+    _, _, analyze_sizes = itemlib.analyze(items, itemlib.TokenCache())
+    assert split_sizes == analyze_sizes == [len(itemlib.canonical(it)) + ITEM_OVERHEAD for it in items]
+    assert split_sizes[0] >= 1000 + ITEM_OVERHEAD
+    assert split_sizes[1] >= 600 + ITEM_OVERHEAD  # UTF-8 bytes, not characters
+    # the estimate for items of unknown size (loaded from the store) is never below the exact one
+    assert all(item_nbytes(it) >= n for it, n in zip(items, split_sizes))
+
+
+def test_context_nbytes_of_a_continuation_is_parent_plus_new() -> None:
+    parent = _entry("resp_a", "a" * 5000, answer="b" * 700)
+    ctx = parent.context
+    assert ctx.nbytes == sum(itemlib.split(ctx.items)[3])  # input and output items
+    assert ctx.nbytes > 5700
+
+    plan = _plan({"model": "m", "input": "c" * 3000, "previous_response_id": "resp_a"}, parent)
+    new_sizes = itemlib.split(plan.new_items)[3]
+    assert plan.context.nbytes == ctx.nbytes + sum(new_sizes)
+    assert parent.context.nbytes == sum(itemlib.split(parent.context.items)[3])  # parent unchanged
+
+    child = _entry("resp_b", "c" * 3000, parent=parent, answer="d" * 10)
+    assert child.context.nbytes == sum(itemlib.split(child.context.items)[3])
+
+
+def test_context_from_the_store_estimates_sizes() -> None:
+    entry = _entry("resp_s", "s" * 4000)
+    loaded = from_record(to_record(entry))
+    assert loaded.context.nbytes == sum(item_nbytes(it) for it in loaded.context.items)
+    assert loaded.context.nbytes >= entry.context.nbytes
+    assert loaded.context.nbytes < entry.context.nbytes + 1000
+    ctx = Context()
+    ctx.extend([Message(role="user", content="q")], [1], [2], [77])
+    assert ctx.nbytes == 77
+
+
+def test_entry_nbytes_counts_context_and_response() -> None:
+    entry = _entry("resp_e", "e" * 2000, answer="f" * 3000)
+    assert entry_nbytes(entry) > entry.context.nbytes + 3000  # the Response object holds the output too
+
+
+# -- ResponseCache -----------------------------------------------------------------------------
+
+
+def test_response_cache_evicts_least_recently_used_by_bytes() -> None:
+    cache = ResponseCache(max_entries=100, max_items=10_000, max_bytes=1000)
+    for i in range(5):
+        cache.put(_entry(f"r{i}"), nbytes=200)
+    assert (len(cache), cache.nbytes) == (5, 1000)
+    assert cache.get("r0") is not None  # r0 is now the most recently used
+    cache.put(_entry("r5"), nbytes=250)
+    assert cache.get("r1") is None and cache.get("r2") is None  # 1250 -> 850: two evicted
+    assert [cache.get(f"r{i}") is not None for i in (0, 3, 4, 5)] == [True] * 4
+    assert cache.nbytes == 850
+
+
+def test_response_cache_refuses_entries_over_a_quarter_of_the_budget() -> None:
+    cache = ResponseCache(max_bytes=1000)
+    cache.put(_entry("small"), nbytes=250)
+    assert cache.get("small") is not None
+    cache.put(_entry("big"), nbytes=251)
+    assert cache.get("big") is None
+    assert (len(cache), cache.nbytes) == (1, 250)
+    # replacing a cached entry by an oversize version removes it, counters follow
+    cache.put(_entry("small"), nbytes=400)
+    assert (len(cache), cache.nbytes, cache.items) == (0, 0, 0)
+
+
+def test_response_cache_sizes_entries_itself() -> None:
+    cache = ResponseCache(max_bytes=4 * 1024 * 1024)
+    cache.put(_entry("x", "x" * 2_000_000))
+    assert cache.get("x") is None  # ~2 MB > a quarter of 4 MiB
+    e = _entry("y", "y" * 500_000)
+    cache.put(e)
+    assert cache.nbytes == entry_nbytes(e) > 500_000
+
+
+def test_response_cache_counters_match_contents() -> None:
+    rng = random.Random(7)
+    entries = {f"r{i}": _entry(f"r{i}", "z" * rng.randrange(1, 50)) for i in range(12)}
+    cache = ResponseCache(max_entries=6, max_items=14, max_bytes=4000)
+    model: dict[str, tuple[int, int]] = {}
+    for _ in range(500):
+        rid = rng.choice(list(entries))
+        op = rng.random()
+        if op < 0.6:
+            cache.put(entries[rid], nbytes=rng.randrange(1, 1200))
+        elif op < 0.8:
+            cache.evict(rid)
+        else:
+            cache.get(rid)
+        held = [cache.get(k) for k in list(cache._d)]  # noqa: SLF001 - checking the invariant
+        model = {e.id: (len(e.context), cache._sizes[e.id]) for e in held if e is not None}  # noqa: SLF001
+        assert cache.items == sum(n for n, _ in model.values()) <= 14
+        assert cache.nbytes == sum(b for _, b in model.values()) <= 4000
+        assert len(cache) == len(model) <= 6
+
+
+# -- ConnectionCache ---------------------------------------------------------------------------
+
+
+def test_connection_cache_keeps_the_latest_per_lane_as_before() -> None:
+    conn = ConnectionCache()
+    a, b = _entry("a"), _entry("b")
+    conn.put(a)
+    conn.put(b)
+    assert conn.get("a") is None and conn.get("b") is b
+    conn.put(_entry("c"), "lane1")
+    assert len(conn) == 2 and conn.get("b") is b
+    assert conn.nbytes == entry_nbytes(b) + entry_nbytes(conn.get("c"))  # type: ignore[arg-type]
+
+
+def test_connection_cache_byte_cap_evicts_oldest_entries_of_any_lane() -> None:
+    conn = ConnectionCache(max_entries=2, max_bytes=1000)
+    conn.put(_entry("a1"), "a", nbytes=300)
+    conn.put(_entry("b1"), "b", nbytes=300)
+    conn.put(_entry("a2"), "a", nbytes=300)
+    assert conn.nbytes == 900
+    conn.put(_entry("c1"), "c", nbytes=300)  # 1200 > 1000: the oldest (a1) goes
+    assert conn.get("a1") is None
+    assert all(conn.get(r) is not None for r in ("b1", "a2", "c1"))
+    assert (len(conn), conn.nbytes) == (3, 900)
+    conn.evict("b1", "b")
+    assert (len(conn), conn.nbytes) == (2, 600)
+    conn.evict("a2", "other-lane")  # not its lane: kept
+    assert conn.get("a2") is not None
+
+
+def test_connection_cache_does_not_keep_an_oversize_response() -> None:
+    conn = ConnectionCache(max_bytes=1000)
+    conn.put(_entry("a1"), None, nbytes=100)
+    conn.put(_entry("b1"), "b", nbytes=100)
+    conn.put(_entry("a2"), None, nbytes=1001)
+    assert conn.get("a2") is None
+    assert conn.get("a1") is None  # superseded in its lane all the same
+    assert conn.get("b1") is not None and conn.nbytes == 100
+    conn.clear()
+    assert (len(conn), conn.nbytes) == (0, 0)
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+async def _continue_after_eviction() -> None:
+    cfg = Config(store="memory", sim_rate=0, response_cache_bytes=400_000, ws_cache_bytes=200_000)
+    app = make_app(cfg)
+    await app.startup()
+    try:
+        eng = app.engine
+        conn = ConnectionCache(max_bytes=cfg.ws_cache_bytes)
+        big = {"model": "m", "input": "w " * 150_000, "metadata": {"sim": "text,tokens:3"}}
+        run = await eng.start(decode_body(json.dumps(big)), transport="ws", conn=conn, websocket=True)
+        first = await run.drain()
+        assert first["status"] == "completed"
+        assert conn.get(first["id"]) is None and eng.responses.get(first["id"]) is None
+        assert conn.nbytes == 0 and eng.responses.nbytes == 0
+        nxt = {"model": "m", "input": "more", "previous_response_id": first["id"], "metadata": {"sim": "text,tokens:3"}}
+        run = await eng.start(decode_body(json.dumps(nxt)), transport="ws", conn=conn, websocket=True)
+        second = await run.drain()
+        assert second["status"] == "completed"
+        assert second["usage"]["input_tokens"] > 150_000  # the whole history came back from the store
+        assert app.stats()["response_cache"]["bytes"] == eng.responses.nbytes
+    finally:
+        await app.shutdown()
+
+
+def test_a_response_too_large_for_the_caches_is_continued_from_the_store() -> None:
+    asyncio.run(_continue_after_eviction())
