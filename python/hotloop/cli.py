@@ -17,6 +17,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (env HOTLOOP_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (env HOTLOOP_PORT, default 8000)")
     s.add_argument("--backend", choices=["simulator", "cerebras", "openai-compat"], help="model backend (env HOTLOOP_BACKEND)")
+    s.add_argument(
+        "--backend-transport",
+        dest="backend_transport",
+        choices=["lean", "sdk"],
+        help="HTTP client for chat backends: lean (keep-alive HTTP/1.1 on asyncio) or sdk (cerebras-cloud-sdk / httpx); "
+        "env HOTLOOP_BACKEND_TRANSPORT, default lean",
+    )
     s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
     s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")
     s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="env HOTLOOP_LOG_LEVEL")

@@ -32,6 +32,9 @@ class Config:
     backend_timeout: float = 300.0  # seconds to the first chunk
     backend_idle_timeout: float = 120.0  # seconds of silence allowed between chunks
     backend_retries: int = 0  # retries of a 429/5xx before the first token
+    backend_transport: str = "lean"  # lean | sdk: the chat backends' streaming HTTP client
+    backend_max_connections: int = 100  # open connections to the backend (lean transport)
+    backend_max_idle: int = 20  # keep-alive connections kept open while idle (lean transport)
     # simulator
     sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)
     sim_ttft: float = 0.0  # seconds to the first token

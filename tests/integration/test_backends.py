@@ -39,9 +39,16 @@ def _fresh_mock(mock: MockChatServer) -> None:
     mock.reset()
 
 
+@pytest.fixture(scope="module", params=["lean", "sdk"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every backend test runs over both HTTP transports."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def cerebras(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+def cerebras(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer, transport: str) -> Iterator[Server]:
     env = {
+        "HOTLOOP_BACKEND_TRANSPORT": transport,
         "CEREBRAS_API_KEY": "test",
         "CEREBRAS_BASE_URL": mock.url,  # without /v1: the SDK adds it
         "HOTLOOP_BACKEND_IDLE_TIMEOUT": "1",
@@ -53,8 +60,9 @@ def cerebras(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> 
 
 
 @pytest.fixture(scope="module")
-def compat(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+def compat(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer, transport: str) -> Iterator[Server]:
     env = {
+        "HOTLOOP_BACKEND_TRANSPORT": transport,
         "HOTLOOP_BACKEND_API_KEY": "compat-key",
         "HOTLOOP_BACKEND_IDLE_TIMEOUT": "1",
         "HOTLOOP_BACKEND_TIMEOUT": "10",
@@ -66,7 +74,7 @@ def compat(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> It
 
 
 @pytest.fixture(params=["cerebras", "compat"])
-def server(request: pytest.FixtureRequest) -> Server:
+def server(request: pytest.FixtureRequest, transport: str) -> Server:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 

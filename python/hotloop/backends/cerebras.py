@@ -1,12 +1,17 @@
-"""The Cerebras Cloud backend: ``AsyncCerebras`` from cerebras-cloud-sdk as the HTTP client.
+"""The Cerebras Cloud backend, configured by cerebras-cloud-sdk.
 
-The SDK stays the client (API key and ``CEREBRAS_*`` environment, base URL, custom headers,
-connection pool, typed status errors), but hotloop uses its cheapest path: the request body is
-rendered and serialised once by :mod:`hotloop.backends.chat` (byte-stable across turns) and sent
-as raw content with ``client.post(..., cast_to=httpx.Response, stream=True)``, and the SSE stream
-is parsed by hotloop (SseDecoder + msgspec) instead of the SDK's pydantic chunk models. Measured
-against a local mock: ~2 us per chunk instead of ~10 us, and no per-request transform of the
-whole message history (see the README).
+``AsyncCerebras`` is the source of configuration (API key and ``CEREBRAS_*`` environment, base
+URL, its default and custom headers) and the client for everything but the hot path (model
+listing, typed errors). The request body is rendered and serialised once by
+:mod:`hotloop.backends.chat` (byte-stable across turns) and its SSE stream is parsed by hotloop
+(SseDecoder + msgspec), never by the SDK's pydantic chunk models.
+
+Two transports carry the streaming ``POST``:
+
+* ``lean`` (the default): :mod:`hotloop.backends.chat.http1`, keep-alive HTTP/1.1 on asyncio
+  protocols with the SDK's URL and headers. A proxy configured for the origin makes the backend
+  fall back to ``sdk`` (logged).
+* ``sdk``: ``client.post(..., cast_to=httpx.Response, stream=True)`` through the SDK's httpx stack.
 
 The client is created once, in :meth:`CerebrasBackend.start`, with ``warm_tcp_connection=False``
 (the SDK's warm-up builds a *sync* client and blocks the event loop) and ``max_retries=0``
@@ -23,7 +28,9 @@ import httpx
 from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutError, AsyncCerebras
 
 from hotloop import errors
-from hotloop.backends.chat import CEREBRAS, ChatBackend, http_timeout, quiet_http_logs, status_error
+from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
+from hotloop.backends.chat.http1 import Pool, lean_pool, open_chat_stream
+from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -56,7 +63,14 @@ class CerebrasBackend(ChatBackend):
         self._api_key = config.backend_api_key or os.environ.get("CEREBRAS_API_KEY")
         self._base_url = sdk_base_url(config.base_url or os.environ.get("CEREBRAS_BASE_URL"))
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
+        self._config = config
         self._client: AsyncCerebras | None = None
+        self._pool: Pool | None = None
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``lean`` or ``sdk``."""
+        return "lean" if self._pool is not None else "sdk"
 
     async def start(self) -> None:
         if not self._api_key:
@@ -71,8 +85,17 @@ class CerebrasBackend(ChatBackend):
             max_retries=0,
             warm_tcp_connection=False,
         )
+        if self._config.backend_transport == "lean":
+            client = self._client
+            headers = {k: v for k, v in client.default_headers.items() if isinstance(v, str)}
+            headers["Accept"] = "text/event-stream"
+            self._pool = lean_pool(str(client.base_url), headers, self._config, self.name)
+        log.info("cerebras backend: %s transport to %s", self.transport, self._client.base_url)
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -82,10 +105,12 @@ class CerebrasBackend(ChatBackend):
             raise errors.BackendUnavailable("The model backend is not started.")
         return self._client
 
-    async def _open(self, body: bytes, model: str) -> httpx.Response:
+    async def _open(self, body: bytes, model: str) -> Body:
+        if self._pool is not None:
+            return await open_chat_stream(self._pool, CHAT_PATH, body, backend=self.name, model=model)
         client = self._require_client()
         try:
-            return await client.post(
+            resp = await client.post(
                 CHAT_PATH,
                 cast_to=httpx.Response,
                 content=body,
@@ -99,6 +124,7 @@ class CerebrasBackend(ChatBackend):
         except APIConnectionError:
             log.warning("cerebras backend: connection failed")
             raise errors.BackendUnavailable("Could not connect to the model backend.") from None
+        return HttpxBody(resp, self.name)
 
     async def _get_models(self) -> bytes:
         client = self._require_client()

@@ -2,9 +2,11 @@
 
 ``--base-url`` *includes* the API prefix, as with OpenAI clients: ``http://localhost:8000/v1``
 (vLLM), ``http://localhost:11434/v1`` (Ollama); hotloop appends ``/chat/completions`` and
-``/models``. One ``httpx.AsyncClient`` (one connection pool) serves the whole process. The API
-key is ``--backend-api-key``/``HOTLOOP_BACKEND_API_KEY``, else ``OPENAI_API_KEY``; without one no
-``Authorization`` header is sent (local servers rarely need it).
+``/models``. The streaming ``POST`` goes over the ``lean`` transport
+(:mod:`hotloop.backends.chat.http1`) by default, or over the process's one ``httpx.AsyncClient``
+with ``--backend-transport sdk`` (or when a proxy is configured for the server); model listing
+always uses httpx. The API key is ``--backend-api-key``/``HOTLOOP_BACKEND_API_KEY``, else
+``OPENAI_API_KEY``; without one no ``Authorization`` header is sent (local servers rarely need it).
 
 The mapping and the stream parsing are shared with the Cerebras backend
 (:mod:`hotloop.backends.chat`, dialect ``OPENAI_COMPAT``).
@@ -18,14 +20,9 @@ import os
 import httpx
 
 from hotloop import __version__, errors
-from hotloop.backends.chat import (
-    OPENAI_COMPAT,
-    ChatBackend,
-    http_timeout,
-    quiet_http_logs,
-    read_error_body,
-    status_error,
-)
+from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
+from hotloop.backends.chat.http1 import Pool, lean_pool, open_chat_stream
+from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -44,7 +41,14 @@ class OpenAICompatBackend(ChatBackend):
         self._base_url = config.base_url
         self._api_key = config.backend_api_key or os.environ.get("OPENAI_API_KEY")
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
+        self._config = config
         self._client: httpx.AsyncClient | None = None
+        self._pool: Pool | None = None
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``lean`` or ``sdk``."""
+        return "lean" if self._pool is not None else "sdk"
 
     async def start(self) -> None:
         if not self._base_url:
@@ -63,6 +67,10 @@ class OpenAICompatBackend(ChatBackend):
             timeout=self._timeout,
             limits=_LIMITS,
         )
+        if self._config.backend_transport == "lean":
+            lean_headers = {**headers, **_POST_HEADERS}
+            self._pool = lean_pool(self._base_url, lean_headers, self._config, self.name)
+        log.info("openai-compat backend: %s transport to %s", self.transport, self._base_url)
         if not self.default_model:
             # No --model: offer the server's first model (list_models falls back to it).
             models = await self.list_models()
@@ -71,6 +79,9 @@ class OpenAICompatBackend(ChatBackend):
                 log.info("openai-compat backend: default model %s", self.default_model)
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -89,13 +100,15 @@ class OpenAICompatBackend(ChatBackend):
             log.warning("openai-compat backend: connection to %s failed", request.url)
             raise errors.BackendUnavailable("Could not connect to the model backend.") from None
 
-    async def _open(self, body: bytes, model: str) -> httpx.Response:
+    async def _open(self, body: bytes, model: str) -> Body:
+        if self._pool is not None:
+            return await open_chat_stream(self._pool, "/chat/completions", body, backend=self.name, model=model)
         client = self._require_client()
         resp = await self._send(client.build_request("POST", "chat/completions", content=body, headers=_POST_HEADERS))
         if resp.status_code >= 400:
             payload = await read_error_body(resp)
             raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=model)
-        return resp
+        return HttpxBody(resp, self.name)
 
     async def _get_models(self) -> bytes:
         client = self._require_client()

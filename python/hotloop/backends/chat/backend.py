@@ -1,0 +1,181 @@
+"""The request and stream loop both chat backends share, over any :class:`Body` transport.
+
+A transport opens one streaming ``POST`` and hands back a :class:`Body`: the 2xx response's bytes
+as they arrive, with transport failures already mapped to typed hotloop errors. The bytes go
+straight into the native SSE decoder; each event's JSON is decoded with msgspec and assembled
+into the chunk vocabulary. Nothing here imports an HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Protocol
+
+import msgspec
+
+from hotloop import errors
+from hotloop._accel import SseDecoder
+from hotloop.backends.base import BackendRequest, model_object
+from hotloop.backends.chat.assemble import ChunkAssembler, chunk_decoder
+from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
+from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
+from hotloop.protocol.chunks import Chunk
+
+log = logging.getLogger("hotloop.backends")
+
+MAX_SSE_EVENT_BYTES = 4 * 1024 * 1024  # one SSE line / event from the backend
+MODELS_TTL = 60.0  # seconds a backend's model list is cached
+
+
+class Body(Protocol):
+    """A 2xx streaming response body.
+
+    Iterating yields the body's bytes as they arrive and raises only :class:`hotloop.errors`
+    (``BackendTimeout`` when the backend goes silent, ``TransientBackendError`` when the
+    connection breaks). :meth:`release` says the caller has read all it needs (``[DONE]`` seen):
+    the transport may keep the connection if the rest of the body follows promptly.
+    :meth:`aclose` abandons the body (the connection is then never reused unless it was
+    complete). Both are idempotent.
+    """
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def release(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _Models(msgspec.Struct):
+    data: list[dict[str, Any]] = []
+
+
+_models_decoder = msgspec.json.Decoder(_Models)
+_MALFORMED = "The model backend sent a malformed stream."
+
+
+class ChatBackend:
+    """The request and stream loop for a chat-completions backend.
+
+    Subclasses set ``name``, ``dialect`` and ``owned_by`` and implement :meth:`_open` (send the
+    body; return the streaming :class:`Body`, or raise a typed error: :func:`status_error` for a
+    non-2xx answer) and :meth:`_get_models` (the raw ``/models`` body).
+    """
+
+    name = "chat"
+    dialect: Dialect = OPENAI_COMPAT
+    owned_by = "backend"
+
+    def __init__(self, *, model: str, retries: int) -> None:
+        self.default_model = model
+        self.retries = max(0, retries)
+        self._models: list[dict[str, Any]] = []
+        self._models_at = -MODELS_TTL
+        self._renders = RenderCache(self.dialect)
+
+    async def _open(self, body: bytes, model: str) -> Body:
+        raise NotImplementedError
+
+    async def _get_models(self) -> bytes:
+        raise NotImplementedError
+
+    # -- models --------------------------------------------------------------------------------
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """The backend's ``/models``, cached for ``MODELS_TTL`` seconds; the default model on error."""
+        now = time.monotonic()
+        if now - self._models_at < MODELS_TTL:
+            return self._models
+        try:
+            raw = await self._get_models()
+            listed = _models_decoder.decode(raw).data
+            models = [
+                model_object(
+                    str(m["id"]),
+                    str(m.get("owned_by") or self.owned_by),
+                    int(m["created"]) if isinstance(m.get("created"), int) else 1_700_000_000,
+                )
+                for m in listed
+                if isinstance(m.get("id"), str)
+            ]
+        except (errors.HotloopError, msgspec.DecodeError, ValueError):
+            log.warning("%s backend: could not list models; offering the default model", self.name)
+            models = []
+        if not models and self.default_model:
+            models = [model_object(self.default_model, self.owned_by)]
+        self._models, self._models_at = models, now
+        return models
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
+        """One response as chunks. The body loop is inlined (one async generator per response,
+        not one per layer): each network read costs one resumption of this generator."""
+        body = encode_request(req, self.dialect, self._renders)
+        model = req.model
+        attempt = 0
+        while True:
+            yielded = False
+            try:
+                resp = await self._open(body, model)
+                try:
+                    assembler = ChunkAssembler()
+                    feed = SseDecoder(MAX_SSE_EVENT_BYTES).feed
+                    decode = chunk_decoder.decode
+                    done = False
+                    async for raw in resp:
+                        try:
+                            events = feed(raw)
+                        except ValueError:
+                            raise errors.BackendError(_MALFORMED) from None
+                        for event, data in events:
+                            if data == "[DONE]":
+                                done = True
+                                break
+                            try:
+                                chunk = decode(data)
+                            except msgspec.DecodeError:
+                                if not data.strip():
+                                    continue
+                                raise errors.BackendError(_MALFORMED) from None
+                            if chunk.error is not None or event == "error":
+                                status = chunk.status_code or _error_status(chunk.error)
+                                raise status_error(status, {}, {"error": chunk.error}, backend=self.name, model=model)
+                            for out in assembler.feed(chunk):
+                                yielded = True
+                                yield out
+                        if done:
+                            break
+                    if done:
+                        await resp.release()
+                    elif assembler.finish_reason is None:
+                        raise errors.BackendError("The model backend closed the stream before finishing.")
+                    for out in assembler.end():
+                        yielded = True
+                        yield out
+                finally:
+                    await resp.aclose()
+                return
+            except errors.HotloopError as exc:
+                # Retried only before anything reached the client, and only for transient errors.
+                delay = None if yielded or attempt >= self.retries else retry_delay(exc, attempt)
+                if delay is None:
+                    raise
+                attempt += 1
+                log.warning(
+                    "%s backend: retrying in %.3gs (%s, attempt %d)", self.name, delay, type(exc).__name__, attempt
+                )
+                await asyncio.sleep(delay)
+
+
+def _error_status(error: object) -> int:
+    if isinstance(error, dict):
+        for key in ("status_code", "code", "status"):
+            v = error.get(key)
+            if isinstance(v, int) and 400 <= v <= 599:
+                return v
+    return 500
+
+
+__all__ = ["Body", "ChatBackend", "TransientBackendError", "MAX_SSE_EVENT_BYTES", "MODELS_TTL"]

@@ -1,0 +1,656 @@
+"""The ``lean`` transport: streaming HTTP/1.1 requests over a pool of keep-alive connections.
+
+Built for one job, a chat backend's streaming ``POST``, the way uvicorn serves HTTP: an
+``asyncio.Protocol`` per connection (uvloop's when installed), ``httptools`` parsing the response,
+the request head and body written with one ``write``, and each network read handed to the caller
+as one ``bytes`` (straight into the native SSE decoder). Measured on a 2-vCPU machine, one
+streaming request costs about 0.2 ms of client CPU this way against 2.2 ms through an SDK over
+httpx (see the README's performance section).
+
+What it does, and its bounds:
+
+* **Pool.** One :class:`Pool` per backend origin: at most ``max_connections`` open (default 100;
+  further requests wait for a free one, at most ``connect_timeout``), at most ``max_idle`` kept
+  (default 20, most recently used first), an idle connection is closed after ``keepalive_expiry``
+  seconds (default 30, or the server's ``Keep-Alive: timeout`` minus one second when shorter).
+* **Reuse.** A connection goes back to the pool only when its response was read to the end and
+  both sides allow keep-alive. A cancelled, failed or abandoned stream closes its connection.
+  An idle connection the server closed is noticed (the pool keeps reading idle sockets) and
+  dropped before use; a request is retried on a fresh connection only when no byte of it was
+  sent (the connection was found closed before the write). Once written, a request is never
+  replayed by the transport.
+* **Timeouts.** ``connect_timeout`` (TCP + TLS), ``first_byte_timeout`` (write to the response
+  head) and ``idle_timeout`` (silence while reading the body). One timer per request, re-armed
+  lazily: a read costs one float store, not a timer.
+* **TLS.** ``https`` origins use certifi's CA bundle (or ``SSL_CERT_FILE``/``SSL_CERT_DIR`` when
+  set, as httpx does), with SNI and hostname checks.
+* **Bodies.** ``Content-Length``, chunked and read-until-close bodies (httptools decodes chunked
+  framing). A response head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256)
+  fields; a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket
+  stops being read (back-pressure); a non-2xx body is read up to ``MAX_ERROR_BODY_BYTES``.
+* **Proxies.** This transport does not speak to proxies: :func:`proxy_for` tells the backend
+  when ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY`` (minus ``NO_PROXY``) apply to the origin, and
+  the backend then uses its SDK transport and logs that it does.
+
+Failures are typed hotloop errors: could not connect -> ``BackendUnavailable``; timeouts ->
+``BackendTimeout``; a connection broken mid-response -> ``TransientBackendError``; a response
+that is not HTTP -> ``BackendError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+import urllib.request
+from collections import deque
+from typing import Any, AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from hotloop import errors
+from hotloop.backends.chat.statuses import TransientBackendError, parse_body, status_error
+
+log = logging.getLogger("hotloop.backends")
+
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 256
+MAX_PENDING_BYTES = 1024 * 1024
+MAX_ERROR_BODY_BYTES = 64 * 1024
+DRAIN_TIMEOUT = 1.0  # after the caller's release, how long the rest of a body may take to arrive
+
+_UNAVAILABLE = "Could not connect to the model backend."
+_BROKEN = "The model backend closed the connection mid-stream."
+_SILENT = "The model backend stopped sending output."
+_NO_ANSWER = "The model backend did not answer in time."
+_NOT_HTTP = "The model backend sent a response that is not valid HTTP."
+_TOO_LARGE = "The model backend sent oversized response headers."
+
+# Response states
+_HEAD, _BODY, _DONE, _FAILED = 0, 1, 2, 3
+
+
+def ssl_context() -> ssl.SSLContext:
+    """Verification against certifi's CA bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR`` when set."""
+    cafile = os.environ.get("SSL_CERT_FILE")
+    capath = os.environ.get("SSL_CERT_DIR")
+    if cafile or capath:
+        ctx = ssl.create_default_context(cafile=cafile or None, capath=capath or None)
+    else:
+        import certifi
+
+        ctx = ssl.create_default_context(cafile=certifi.where())
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy the environment configures for ``url`` (``None``: connect directly)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy:
+        return None
+    if urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):  # type: ignore[attr-defined]
+        return None
+    return proxy
+
+
+class Origin:
+    """Where requests go: scheme, host, port, the path prefix, and the TLS settings."""
+
+    __slots__ = ("scheme", "host", "port", "prefix", "ssl", "host_header")
+
+    def __init__(self, url: str, ssl_ctx: ssl.SSLContext | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        default = 443 if parts.scheme == "https" else 80
+        self.port = parts.port or default
+        self.prefix = parts.path.rstrip("/")
+        self.ssl = (ssl_ctx or ssl_context()) if parts.scheme == "https" else None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if self.port == default else f"{host}:{self.port}"
+
+
+class Response:
+    """One response: status and headers once :meth:`Pool.stream` returns, then the body.
+
+    Iterating yields the body as it arrives (every read since the last one, joined). Implements
+    :class:`hotloop.backends.chat.backend.Body`.
+    """
+
+    __slots__ = (
+        "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
+        "_head_bytes", "_released",
+    )
+
+    def __init__(self, conn: "_Conn") -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._conn: _Conn | None = conn
+        self._state = _HEAD
+        self._chunks: list[bytes] = []
+        self._pending = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._head_bytes = 0
+        self._released = False
+
+    # -- parser callbacks (called by _Conn) ----------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES or len(self.headers) >= MAX_HEADERS:
+            raise _TooLarge()
+        key = name.decode("latin-1").lower()
+        prev = self.headers.get(key)
+        text = value.decode("latin-1")
+        self.headers[key] = text if prev is None else f"{prev}, {text}"
+
+    def on_headers_complete(self, status: int) -> None:
+        self.status = status
+        self._state = _BODY
+        self._wake()
+
+    def on_body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._pending += len(data)
+        if self._waiter is not None:
+            self._wake()
+        if self._pending > MAX_PENDING_BYTES and self._conn is not None:
+            self._conn.pause()
+
+    def on_message_complete(self) -> None:
+        self._state = _DONE
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self._state in (_DONE, _FAILED):
+            return
+        self._state = _FAILED
+        self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- the caller's side ---------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        self._waiter = w = asyncio.get_running_loop().create_future()
+        try:
+            await w
+        finally:
+            self._waiter = None
+
+    async def head(self) -> None:
+        while self._state == _HEAD:
+            await self._wait()
+        if self._state == _FAILED and self.status == 0:
+            raise self._error  # type: ignore[misc]
+
+    def __aiter__(self) -> "Response":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                if self._pending > MAX_PENDING_BYTES and self._conn is not None:
+                    self._conn.resume()
+                self._pending = 0
+                return data
+            state = self._state
+            if state == _DONE:
+                raise StopAsyncIteration
+            if state == _FAILED:
+                raise self._error  # type: ignore[misc]
+            await self._wait()
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes (the connection is dropped if it is longer)."""
+        buf = bytearray()
+        async for data in self:
+            buf += data
+            if len(buf) > limit:
+                await self.aclose()
+                break
+        return bytes(buf[:limit])
+
+    async def release(self) -> None:
+        """The caller read what it needs: keep the connection if the body ends soon, without
+        making the caller wait for it."""
+        if self._released:
+            return
+        self._released = True
+        self._chunks = []
+        conn = self._conn
+        if conn is None or self._state == _DONE:
+            return
+        if self._state == _FAILED:
+            conn.drop()
+            return
+        conn.resume()
+        conn.discard_after(DRAIN_TIMEOUT)
+
+    async def aclose(self) -> None:
+        """Abandon the response: an unfinished body closes its connection."""
+        self._released = True
+        self._chunks = []
+        conn = self._conn
+        if conn is not None and self._state != _DONE and not conn.draining:
+            conn.drop()
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection. Reads stay on while idle, so a close by the server is seen."""
+
+    __slots__ = (
+        "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "deadline",
+        "keep_alive", "draining", "expiry", "counted_out",
+    )
+
+    def __init__(self, pool: "Pool") -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser: Any = None
+        self.resp: Response | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.paused = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0  # the loop time at which the current wait times out
+        self.keep_alive = True
+        self.draining = False
+        self.expiry = pool.keepalive_expiry
+        self.counted_out = False  # the pool no longer counts it as open
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is None:  # bytes nobody asked for: the connection cannot be trusted any more
+            self.drop()
+            return
+        if self.timer is not None and not self.draining:
+            self.deadline = self.pool.loop.time() + self.pool.idle_timeout
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:  # includes errors raised by the callbacks
+            too_large = isinstance(exc.__context__, _TooLarge)
+            resp.fail(errors.BackendError(_TOO_LARGE if too_large else _NOT_HTTP))
+            self.drop()
+        except httptools.HttpParserUpgrade:
+            resp.fail(errors.BackendError(_NOT_HTTP))
+            self.drop()
+
+    def eof_received(self) -> bool:
+        resp = self.resp
+        if resp is not None and resp._state == _BODY and not self._framed():
+            self.on_message_complete()  # a body delimited by the connection's end
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        self.pool._lost(self)
+        resp = self.resp
+        if resp is not None:
+            self.resp = None
+            resp.fail(TransientBackendError(_BROKEN))
+
+    def pause_writing(self) -> None:  # the request body is written once; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks -------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.resp.on_header(name, value)  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        self.keep_alive = parser.should_keep_alive()
+        resp = self.resp
+        assert resp is not None
+        ka = resp.headers.get("keep-alive")
+        if ka:
+            self.expiry = min(self.pool.keepalive_expiry, _keepalive_timeout(ka, self.pool.keepalive_expiry))
+        loop = self.pool.loop
+        self.deadline = loop.time() + self.pool.idle_timeout
+        timer = self.timer
+        if timer is not None and timer.when() > self.deadline:  # the idle bound is the tighter one
+            timer.cancel()
+            self.timer = loop.call_at(self.deadline, self._check)
+        resp.on_headers_complete(parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        self.resp.on_body(body)  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        resp = self.resp
+        self.resp = None
+        self._cancel_timer()
+        if resp is not None:
+            resp._conn = None
+            resp.on_message_complete()
+        if self.keep_alive and not self.closed:
+            self.draining = False
+            self.pool._release(self)
+        else:
+            self.drop()
+
+    # -- the pool's side -----------------------------------------------------------------------
+
+    def _framed(self) -> bool:
+        h = self.resp.headers if self.resp is not None else {}
+        return "content-length" in h or "chunked" in h.get("transfer-encoding", "").lower()
+
+    def usable(self, now: float) -> bool:
+        t = self.transport
+        return not self.closed and t is not None and not t.is_closing() and now - self.idle_since < self.expiry
+
+    def send(self, data: bytes, resp: Response) -> None:
+        self.resp = resp
+        self.parser = httptools.HttpResponseParser(self)
+        self.keep_alive = True
+        self.draining = False
+        loop = self.pool.loop
+        self.deadline = loop.time() + self.pool.first_byte_timeout
+        self.timer = loop.call_at(self.deadline, self._check)
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def _check(self) -> None:
+        """The request's one timer: re-armed to the current deadline until it passes."""
+        self.timer = None
+        resp = self.resp
+        if resp is None:
+            return
+        loop = self.pool.loop
+        if loop.time() < self.deadline:
+            self.timer = loop.call_at(self.deadline, self._check)
+            return
+        if self.draining:
+            self.drop()
+            return
+        log.warning("%s: %s", self.pool.origin.host_header, "no response head in time" if resp._state == _HEAD else "silent stream")
+        resp.fail(errors.BackendTimeout(_NO_ANSWER if resp._state == _HEAD else _SILENT))
+        self.drop()
+
+    def discard_after(self, seconds: float) -> None:
+        """Keep reading the rest of the body in the background; close if it takes longer."""
+        self.draining = True
+        loop = self.pool.loop
+        self.deadline = loop.time() + seconds
+        if self.timer is None or self.timer.when() > self.deadline:
+            self._cancel_timer()
+            self.timer = loop.call_at(self.deadline, self._check)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def drop(self) -> None:
+        """Close now; never reused."""
+        self._cancel_timer()
+        resp = self.resp
+        if resp is not None:
+            self.resp = None
+            resp._conn = None
+            resp.fail(TransientBackendError(_BROKEN))
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            self.pool._lost(self)
+
+
+def _keepalive_timeout(header: str, default: float) -> float:
+    for part in header.split(","):
+        k, _, v = part.strip().partition("=")
+        if k.strip().lower() == "timeout":
+            try:
+                return max(0.0, float(v) - 1.0)
+            except ValueError:
+                return default
+    return default
+
+
+class Pool:
+    """Keep-alive connections to one origin, and the requests sent over them."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str] = {},
+        ssl_ctx: ssl.SSLContext | None = None,
+        max_connections: int = 100,
+        max_idle: int = 20,
+        connect_timeout: float = 10.0,
+        first_byte_timeout: float = 300.0,
+        idle_timeout: float = 120.0,
+        keepalive_expiry: float = 30.0,
+    ) -> None:
+        self.origin = Origin(url, ssl_ctx)
+        self.max_connections = max(1, max_connections)
+        self.max_idle = max(0, max_idle)
+        self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        self.keepalive_expiry = keepalive_expiry
+        self._idle: list[_Conn] = []
+        self._open = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        fixed = {"host": self.origin.host_header}
+        for k, v in headers.items():
+            if k.lower() not in ("host", "content-length", "transfer-encoding", "connection"):
+                fixed[k.lower()] = v
+        self._head_fields = "".join(f"{k}: {v}\r\n" for k, v in fixed.items())
+        self.opened = 0  # connections opened since start (tests and stats)
+        self.reused = 0  # requests sent over a kept-alive connection
+        self.closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    def _head(self, method: str, path: str, length: int | None, extra: str) -> bytes:
+        head = f"{method} {self.origin.prefix}{path} HTTP/1.1\r\n{self._head_fields}{extra}"
+        if length is not None:
+            head += f"content-length: {length}\r\n"
+        return (head + "\r\n").encode("latin-1")
+
+    async def stream(self, method: str, path: str, body: bytes | None = None, headers: str = "") -> Response:
+        """Send one request; return once the response head has arrived (any status).
+
+        ``headers`` are extra header lines, pre-formatted (``"name: value\\r\\n"``). Raises
+        ``BackendUnavailable`` (no connection), ``BackendTimeout`` or ``TransientBackendError``.
+        """
+        data = self._head(method, path, len(body) if body is not None else None, headers)
+        if body:
+            data += body
+        conn = await self._acquire()
+        resp = Response(conn)
+        conn.send(data, resp)
+        try:
+            await resp.head()
+        except BaseException:
+            if resp._state != _DONE:
+                conn.drop()
+            raise
+        return resp
+
+    async def request(self, method: str, path: str, body: bytes | None = None, limit: int = 8 * 1024 * 1024) -> tuple[int, dict[str, str], bytes]:
+        """A whole small request: status, headers and the body (at most ``limit`` bytes)."""
+        resp = await self.stream(method, path, body)
+        try:
+            return resp.status, resp.headers, await resp.read(limit)
+        finally:
+            await resp.aclose()
+
+    async def error_body(self, resp: Response) -> object:
+        """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON."""
+        try:
+            raw = await resp.read(MAX_ERROR_BODY_BYTES)
+        except errors.HotloopError:
+            raw = b""
+        finally:
+            await resp.aclose()
+        return parse_body(raw)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _acquire(self) -> _Conn:
+        if self.closed:
+            raise errors.BackendUnavailable("The model backend is not started.")
+        now = self.loop.time()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                self.reused += 1
+                return conn
+            conn.drop()  # closed by the server, or idle too long: found before any byte was sent
+        while self._open >= self.max_connections:
+            fut = self.loop.create_future()
+            self._waiters.append(fut)
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    await fut
+            except TimeoutError:
+                raise errors.BackendUnavailable("Too many connections to the model backend are busy.") from None
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+            if idle:
+                return await self._acquire()
+        return await self._connect()
+
+    async def _connect(self) -> _Conn:
+        o = self.origin
+        self._open += 1
+        conn = _Conn(self)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await self.loop.create_connection(
+                    lambda: conn, o.host, o.port, ssl=o.ssl, server_hostname=o.host if o.ssl else None
+                )
+        except TimeoutError:
+            self._lost(conn)
+            log.warning("%s: connect timed out", o.host_header)
+            raise errors.BackendUnavailable(_UNAVAILABLE) from None
+        except (OSError, ssl.SSLError) as exc:
+            self._lost(conn)
+            log.warning("%s: could not connect (%s)", o.host_header, type(exc).__name__)
+            raise errors.BackendUnavailable(_UNAVAILABLE) from None
+        except BaseException:
+            self._lost(conn)
+            if conn.transport is not None:
+                conn.transport.abort()
+            raise
+        self.opened += 1
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        """A connection whose response ended cleanly: back to the pool, or closed."""
+        if self.closed or len(self._idle) >= self.max_idle:
+            conn.drop()
+            return
+        conn.idle_since = self.loop.time()
+        conn.resume()
+        self._idle.append(conn)
+        self._wake_waiter()
+
+    def _lost(self, conn: _Conn) -> None:
+        """Called once per connection when it closes (or fails to open)."""
+        if conn.counted_out:
+            return
+        conn.counted_out = True
+        self._open -= 1
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+        self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def aclose(self) -> None:
+        self.closed = True
+        for conn in list(self._idle):
+            conn.drop()
+        self._idle.clear()
+
+
+
+
+async def open_chat_stream(pool: Pool, path: str, body: bytes, *, backend: str, model: str) -> Response:
+    """``POST`` a streaming chat-completions body; a non-2xx answer becomes its typed error."""
+    resp = await pool.stream("POST", path, body)
+    if resp.status >= 300:
+        payload = await pool.error_body(resp)
+        raise status_error(resp.status, resp.headers, payload, backend=backend, model=model)
+    return resp
+
+
+def lean_pool(url: str, headers: Mapping[str, str], config: Any, backend: str) -> Pool | None:
+    """The lean transport's pool for ``url``, or ``None`` when a proxy applies to it (the caller
+    then keeps its SDK transport; the log says why)."""
+    proxy = proxy_for(url)
+    if proxy is not None:
+        log.info("%s backend: a proxy is configured for %s; using the sdk transport", backend, urlsplit(url).hostname)
+        return None
+    return Pool(
+        url,
+        headers=headers,
+        max_connections=config.backend_max_connections,
+        max_idle=config.backend_max_idle,
+        first_byte_timeout=config.backend_timeout,
+        idle_timeout=config.backend_idle_timeout,
+    )

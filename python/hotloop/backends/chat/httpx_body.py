@@ -1,0 +1,94 @@
+"""The ``sdk`` transport's glue: an ``httpx.Response`` as a :class:`~hotloop.backends.chat.backend.Body`.
+
+Used when ``--backend-transport sdk`` is chosen, and by the ``lean`` transport's fallback when a
+proxy is configured for the backend's origin. Also the httpx settings both chat backends share
+for their non-streaming calls (model listing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import httpx
+
+from hotloop import errors
+from hotloop.backends.chat.statuses import TransientBackendError, parse_body
+
+log = logging.getLogger("hotloop.backends")
+
+MAX_ERROR_BODY_BYTES = 64 * 1024  # read of a non-2xx body
+DRAIN_TIMEOUT = 1.0  # after [DONE], how long to wait for the body's end (keeps the connection)
+
+
+def quiet_http_logs() -> None:
+    """httpx logs every request at INFO: one line per turn is noise for a server (and costs
+    time on the hot path). Left alone when logging is configured for debugging or explicitly."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    for name in ("httpx", "httpcore"):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
+def http_timeout(first: float, idle: float) -> httpx.Timeout:
+    """The HTTP client's own limits: a backstop behind the engine's first-chunk and idle timers.
+
+    The read timeout covers both the wait for the response head and every gap between body reads,
+    so it is the larger of the two engine timeouts (which fire first, with clearer messages).
+    """
+    return httpx.Timeout(connect=10.0, read=max(first, idle), write=30.0, pool=10.0)
+
+
+class HttpxBody:
+    """A streaming ``httpx.Response`` whose failures are hotloop errors."""
+
+    __slots__ = ("_resp", "_it", "_backend")
+
+    def __init__(self, resp: httpx.Response, backend: str) -> None:
+        self._resp = resp
+        self._it = resp.aiter_bytes()
+        self._backend = backend
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._read()
+
+    async def _read(self) -> AsyncIterator[bytes]:
+        try:
+            async for raw in self._it:
+                yield raw
+        except httpx.TimeoutException:
+            raise errors.BackendTimeout("The model backend stopped sending output.") from None
+        except httpx.HTTPError:
+            log.warning("%s backend: the connection broke mid-stream", self._backend)
+            raise TransientBackendError("The model backend closed the connection mid-stream.") from None
+
+    async def release(self) -> None:
+        """Read the rest of a finished body (normally nothing) so the connection can be reused."""
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                async for _ in self._it:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the connection is closed instead of reused; the response itself is complete
+        await self._resp.aclose()
+
+    async def aclose(self) -> None:
+        await self._resp.aclose()
+
+
+async def read_error_body(resp: httpx.Response) -> object:
+    """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON."""
+    buf = bytearray()
+    try:
+        async for raw in resp.aiter_bytes():
+            buf += raw
+            if len(buf) >= MAX_ERROR_BODY_BYTES:
+                break
+    except httpx.HTTPError:
+        pass
+    finally:
+        await resp.aclose()
+    return parse_body(bytes(buf[:MAX_ERROR_BODY_BYTES]))

@@ -1,0 +1,382 @@
+"""A :class:`BackendRequest` -> a chat-completions request body (a dict, then bytes). I/O-free.
+
+Pure and deterministic: the same history always gives the same bytes (the body is built in a fixed
+key order, user-supplied objects such as tool schemas keep the order the client sent, nothing
+time- or random-dependent goes in), so a backend's prompt cache sees a stable prefix turn after
+turn. Rendering a history H and then H + new items gives the messages of H unchanged, followed by
+the new ones; :class:`RenderCache` uses that to render and encode only a continuation's new items.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Union
+
+import msgspec
+
+from hotloop import errors
+from hotloop.backends.base import BackendRequest
+from hotloop.protocol.request import (
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    InputAudio,
+    InputFile,
+    InputImage,
+    InputText,
+    ItemReference,
+    Message,
+    OtherItem,
+    OutputText,
+    Reasoning,
+    Refusal,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Dialects: what differs between the chat-completions servers we talk to
+# ---------------------------------------------------------------------------------------------
+
+
+class Dialect(msgspec.Struct, frozen=True, kw_only=True):
+    """The handful of places where chat-completions servers disagree."""
+
+    name: str  # used in client-visible messages ("the cerebras backend")
+    images: bool  # input_image parts may be sent as image_url parts
+    developer_role: str  # the role developer messages are sent with
+    named_tool_choice: bool  # {"type": "function", ...} tool_choice is accepted as such
+    reasoning_history: bool  # earlier reasoning goes back on assistant messages ("reasoning")
+    max_tokens_field: str  # where max_output_tokens goes
+    service_tiers: frozenset[str]  # service_tier values passed through (others are dropped)
+
+
+CEREBRAS = Dialect(
+    name="cerebras",
+    images=False,
+    developer_role="developer",
+    # Cerebras documents only "none"/"auto"/"required"; a named function is emulated by sending
+    # only that tool with tool_choice "required" (see _tools_and_choice).
+    named_tool_choice=False,
+    reasoning_history=True,
+    max_tokens_field="max_completion_tokens",
+    service_tiers=frozenset({"auto", "default", "flex", "priority"}),
+)
+
+OPENAI_COMPAT = Dialect(
+    name="openai-compat",
+    images=True,
+    # llama.cpp, Ollama and older vLLM chat templates know only system/user/assistant/tool.
+    developer_role="system",
+    named_tool_choice=True,
+    # There is no portable field for earlier reasoning (vLLM, llama.cpp and Ollama each read a
+    # different one, OpenAI rejects unknown ones), so it is not sent back.
+    reasoning_history=False,
+    # max_completion_tokens is ignored by Ollama and older llama.cpp; every server reads max_tokens.
+    max_tokens_field="max_tokens",
+    service_tiers=frozenset(),
+)
+
+# Responses efforts -> the chat-completions set (none|low|medium|high).
+_EFFORT = {"minimal": "low", "xhigh": "high"}
+
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering a request
+# ---------------------------------------------------------------------------------------------
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def _unsupported(what: str, dialect: Dialect, param: str = "input") -> errors.UnsupportedParameter:
+    return errors.UnsupportedParameter(f"{what} are not supported by the {dialect.name} backend.", param=param)
+
+
+def _content(content: Union[str, list[Any]], dialect: Dialect) -> Union[str, list[dict[str, Any]]]:
+    """User/system/developer content: a string, or chat content parts."""
+    if isinstance(content, str):
+        return content
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        kind = type(p)
+        if kind is InputText or kind is OutputText:
+            parts.append({"type": "text", "text": p.text})
+        elif kind is Refusal:
+            parts.append({"type": "text", "text": p.refusal})
+        elif kind is InputImage:
+            if not dialect.images:
+                raise _unsupported("Image inputs (input_image)", dialect)
+            if p.image_url is None:
+                raise _unsupported("Images given by file_id", dialect)
+            parts.append({"type": "image_url", "image_url": {"url": p.image_url, "detail": p.detail}})
+        elif kind is InputFile:
+            raise _unsupported("File inputs (input_file)", dialect)
+        elif kind is InputAudio:
+            raise _unsupported("Audio inputs (input_audio)", dialect)
+        # reasoning_text / summary_text parts carry no message content: skipped
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return parts
+
+
+def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> str:
+    """Assistant and tool content: chat servers widely accept only a string there."""
+    if isinstance(content, str):
+        return content
+    out: list[str] = []
+    for p in content:
+        kind = type(p)
+        if kind is InputText or kind is OutputText:
+            out.append(p.text)
+        elif kind is Refusal:
+            out.append(p.refusal)
+        elif kind is InputImage or kind is InputFile or kind is InputAudio:
+            raise _unsupported(f"Images, files and audio in {what}", dialect)
+    return "".join(out)
+
+
+def _reasoning_text(item: Reasoning) -> str:
+    # Raw reasoning only: summaries are not what the model wrote, encrypted content is opaque.
+    return "".join(p.text for p in item.content) if item.content else ""
+
+
+def _render_items(
+    items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str
+) -> str:
+    """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``).
+
+    Messages already in the lists are never mutated (a merge replaces the last one), so a cached
+    rendering can be extended safely. Returns the raw reasoning still waiting for the assistant
+    message it preceded.
+    """
+    enc = _encoder.encode
+
+    def add(msg: dict[str, Any]) -> None:
+        messages.append(msg)
+        encoded.append(enc(msg))
+
+    for item in items:
+        if isinstance(item, Message):
+            if item.role == "assistant":
+                text = _text_only(item.content, dialect, "assistant messages")
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if reasoning:
+                    msg["reasoning"] = reasoning
+                    reasoning = ""
+                add(msg)
+            else:
+                role = dialect.developer_role if item.role == "developer" else item.role
+                add({"role": role, "content": _content(item.content, dialect)})
+                reasoning = ""
+        elif isinstance(item, FunctionCall):
+            fn = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": fn}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                # Consecutive assistant output (text, then calls) is one chat message.
+                merged = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
+                if reasoning and "reasoning" not in merged:
+                    merged["reasoning"] = reasoning
+                reasoning = ""
+                messages[-1] = merged
+                encoded[-1] = enc(merged)
+            else:
+                msg = {"role": "assistant"}
+                if reasoning:
+                    msg["reasoning"] = reasoning
+                    reasoning = ""
+                msg["tool_calls"] = [call]
+                add(msg)
+        elif isinstance(item, FunctionCallOutput):
+            add(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.call_id,
+                    "content": _text_only(item.output, dialect, "function_call_output"),
+                }
+            )
+            reasoning = ""
+        elif isinstance(item, Reasoning):
+            if dialect.reasoning_history:
+                reasoning += _reasoning_text(item)
+        elif isinstance(item, OtherItem):
+            # Item types hotloop does not model (custom tool calls and their outputs, hosted tool
+            # calls...) are rendered as text holding the item's JSON rather than dropped: the
+            # model then still sees what happened earlier in the conversation. Outputs read as
+            # user turns, everything else as the assistant's own. The JSON keeps the client's key
+            # order, so the rendering is as stable as the item.
+            role = "user" if item.type.endswith("_output") else "assistant"
+            add({"role": role, "content": enc(item.data).decode("utf-8")})
+            reasoning = ""
+        elif isinstance(item, ItemReference):
+            # The server resolves references before calling a backend; one left here is a bug.
+            raise errors.ServerError()
+    return reasoning
+
+
+class _Rendered:
+    __slots__ = ("items", "messages", "encoded", "reasoning", "size")
+
+    def __init__(self, items: list[Any], messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str) -> None:
+        self.items = items
+        self.messages = messages
+        self.encoded = encoded
+        self.reasoning = reasoning
+        self.size = sum(map(len, encoded))
+
+
+class RenderCache:
+    """Renderings of recent conversations, so a continuation renders only its new items.
+
+    A chained request's items are its parent's item *objects* followed by new ones (items are
+    immutable), so an entry whose items are, by identity, a prefix of the request's items is
+    reused and only the rest is rendered and encoded. Entries are keyed by the identity of the
+    conversation's first item and hold references to their items, so an id cannot be recycled
+    while cached. Bounded: ``max_entries`` conversations (default 32) and ``max_bytes`` of encoded
+    messages (default 64 MiB; an entry holds about twice that in objects), least recently used
+    out; a conversation larger than a quarter of the budget is not cached.
+    """
+
+    def __init__(self, dialect: Dialect, max_entries: int = 32, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.dialect = dialect
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._d: dict[int, _Rendered] = {}
+        self.hits = 0
+
+    def render(self, items: list[Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """The messages of ``items`` and their JSON, reusing a cached prefix when there is one."""
+        if not items:
+            return [], []
+        key = id(items[0])
+        hit = self._d.pop(key, None)
+        if hit is not None:
+            self.bytes -= hit.size
+        n = len(hit.items) if hit is not None else 0
+        if hit is not None and n <= len(items) and all(map(operator.is_, hit.items, items)):
+            self.hits += 1
+            messages, encoded, reasoning = list(hit.messages), list(hit.encoded), hit.reasoning
+            rest = items[n:]
+        else:
+            messages, encoded, reasoning, rest = [], [], "", items
+        reasoning = _render_items(rest, self.dialect, messages, encoded, reasoning)
+        entry = _Rendered(list(items), messages, encoded, reasoning)
+        if entry.size <= self.max_bytes // 4:
+            self._d[key] = entry
+            self.bytes += entry.size
+            while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
+                self.bytes -= self._d.pop(next(iter(self._d))).size
+        return messages, encoded
+
+
+def _system(req: BackendRequest) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": req.instructions}] if req.instructions else []
+
+
+def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any]]:
+    """The ``messages`` array for the conversation in ``req``."""
+    messages = _system(req)
+    _render_items(req.items, dialect, messages, [_encoder.encode(m) for m in messages], "")
+    return messages
+
+
+def _tool(t: FunctionTool) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": t.name}
+    if t.description is not None:
+        fn["description"] = t.description
+    fn["parameters"] = t.parameters if t.parameters is not None else _EMPTY_PARAMETERS
+    fn["strict"] = t.strict
+    return {"type": "function", "function": fn}
+
+
+def _tools_and_choice(
+    req: BackendRequest, dialect: Dialect
+) -> tuple[list[FunctionTool], Union[str, dict[str, Any], None]]:
+    """The tools to send and the chat ``tool_choice`` (``None``: omit it, the default is auto)."""
+    tools = req.tools
+    choice = req.tool_choice
+    if not tools:
+        return [], None
+    if isinstance(choice, str):
+        return tools, None if choice == "auto" else choice
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if dialect.named_tool_choice:
+            return tools, {"type": "function", "function": {"name": name}}
+        # Emulation: only the named tool, and a call is required. This changes the rendered
+        # tools (and so the prompt prefix) for this request only.
+        return [t for t in tools if t.name == name], "required"
+    if kind == "allowed_tools":
+        names = {t.get("name") for t in choice.get("tools", ()) if isinstance(t, dict) and t.get("type") == "function"}
+        allowed = [t for t in tools if t.name in names]
+        mode = choice.get("mode", "auto")
+        if not allowed:
+            if mode == "required":
+                raise errors.UnsupportedParameter(
+                    "Invalid 'tool_choice': the allowed tools name no function tool this backend can call.",
+                    param="tool_choice",
+                )
+            return [], None
+        return allowed, None if mode == "auto" else mode
+    # Validation rejects every other form before a backend is called.
+    return tools, None
+
+
+def render(req: BackendRequest, dialect: Dialect, messages: Any = None) -> dict[str, Any]:
+    """The chat-completions request body (a streaming request with usage).
+
+    ``messages`` may be given pre-encoded (a ``msgspec.Raw``; see :func:`encode_request`).
+    """
+    body: dict[str, Any] = {"model": req.model, "messages": render_messages(req, dialect) if messages is None else messages}
+    tools, choice = _tools_and_choice(req, dialect)
+    if tools:
+        body["tools"] = [_tool(t) for t in tools]
+        if choice is not None:
+            body["tool_choice"] = choice
+        if not req.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
+    fmt = req.text_format
+    if fmt is not None and fmt.type == "json_schema":
+        schema: dict[str, Any] = {"name": fmt.name}
+        if fmt.description is not None:
+            schema["description"] = fmt.description
+        schema["schema"] = fmt.schema
+        if fmt.strict is not None:
+            schema["strict"] = fmt.strict
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    if req.reasoning_effort is not None:
+        body["reasoning_effort"] = _EFFORT.get(req.reasoning_effort, req.reasoning_effort)
+    if req.max_output_tokens is not None:
+        body[dialect.max_tokens_field] = req.max_output_tokens
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.prompt_cache_key is not None:
+        body["prompt_cache_key"] = req.prompt_cache_key
+    if req.service_tier is not None and req.service_tier in dialect.service_tiers:
+        body["service_tier"] = req.service_tier
+    if req.user is not None:
+        body["user"] = req.user
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def encode_request(req: BackendRequest, dialect: Dialect, cache: RenderCache | None = None) -> bytes:
+    """:func:`render`, serialised (msgspec keeps insertion order: byte-stable).
+
+    With a :class:`RenderCache`, the messages of a continued conversation are rendered and
+    encoded only for its new items; the bytes are identical either way.
+    """
+    if cache is None:
+        return _encoder.encode(render(req, dialect))
+    system = [_encoder.encode(m) for m in _system(req)]
+    _, encoded = cache.render(req.items)
+    raw = msgspec.Raw(b"[" + b",".join(system + encoded) + b"]")
+    return _encoder.encode(render(req, dialect, raw))

@@ -1,0 +1,189 @@
+"""A chat backend's non-2xx answers and mid-stream error objects -> typed hotloop errors. I/O-free.
+
+Written for *our* client: the errors say what the client of hotloop should do, never what
+hotloop's own backend account looks like (its rate-limit headers are read for the delay, not
+forwarded).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import re
+import time
+from typing import Mapping
+
+import msgspec
+
+from hotloop import errors
+
+log = logging.getLogger("hotloop.backends")
+
+MAX_RETRY_DELAY = 20.0  # never wait longer than this for one retry; surface the 429 instead
+MAX_UPSTREAM_MESSAGE = 300  # characters of a backend's 400 message shown to clients
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+_CONTEXT_PATTERNS = (
+    "context length",
+    "context_length",
+    "context window",
+    "maximum context",
+    "too many tokens",
+    "prompt is too long",
+    "reduce the length",
+)
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _seconds(value: str) -> float | None:
+    """``"1.5"`` (seconds), ``"6m0s"`` / ``"250ms"`` (OpenAI's durations) -> seconds."""
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    total, pos = 0.0, 0
+    for m in _DURATION_RE.finditer(value):
+        if m.start() != pos:
+            return None
+        total += float(m.group(1)) * _DURATION_UNIT[m.group(2)]
+        pos = m.end()
+    return total if pos and pos == len(value) else None
+
+
+def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The delay a 429 asks for, in seconds (``None``: the backend did not say).
+
+    ``retry-after-ms``, then ``retry-after`` (seconds or an HTTP date), then the
+    ``x-ratelimit-reset-*`` headers (Cerebras: seconds as floats; OpenAI-style servers:
+    durations). Of those, the resets whose matching ``x-ratelimit-remaining-*`` is 0 decide (the
+    longest wins); without that information the shortest reset is used.
+    """
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        v = _seconds(ms)
+        if v is not None:
+            return v / 1000.0
+    ra = headers.get("retry-after")
+    if ra is not None:
+        v = _seconds(ra)
+        if v is not None:
+            return v
+        try:
+            when = email.utils.parsedate_to_datetime(ra)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    exhausted: list[float] = []
+    resets: list[float] = []
+    for name, value in headers.items():
+        name = name.lower()
+        if not name.startswith("x-ratelimit-reset-"):
+            continue
+        v = _seconds(value)
+        if v is None:
+            continue
+        resets.append(v)
+        remaining = headers.get("x-ratelimit-remaining-" + name[len("x-ratelimit-reset-") :])
+        if remaining is not None and _seconds(remaining) == 0:
+            exhausted.append(v)
+    if exhausted:
+        return max(exhausted)
+    return min(resets) if resets else None
+
+
+def _error_fields(body: object) -> tuple[str, str]:
+    """(message, code) of an OpenAI-style ``{"error": {...}}`` or Cerebras' flat error body."""
+    if isinstance(body, dict):
+        inner = body.get("error")
+        if isinstance(inner, dict):
+            body = inner
+        elif isinstance(inner, str):
+            return inner, ""
+        msg = body.get("message")
+        code = body.get("code")
+        return (msg if isinstance(msg, str) else ""), (code if isinstance(code, str) else "")
+    if isinstance(body, str):
+        return body, ""
+    return "", ""
+
+
+def _safe(message: str) -> str:
+    """A backend's 400 message, bounded and reduced to printable characters."""
+    text = "".join(ch if ch.isprintable() else " " for ch in message).strip()
+    if len(text) > MAX_UPSTREAM_MESSAGE:
+        text = text[: MAX_UPSTREAM_MESSAGE - 3] + "..."
+    return text
+
+
+def parse_body(raw: bytes) -> object:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw.decode("utf-8", "replace")
+
+
+class TransientBackendError(errors.BackendError):
+    """A backend failure worth retrying (5xx, a broken connection); same wire meaning as its base."""
+
+
+def status_error(
+    status: int, headers: Mapping[str, str], body: object, *, backend: str, model: str
+) -> errors.HotloopError:
+    """The client-visible error for a backend's non-2xx answer (or a mid-stream error object).
+
+    Written for *our* client: 401/403 mean the backend rejected hotloop's own credentials, which
+    is a server-side fault (502), not the client's (whose key hotloop accepted). Only a 400's
+    ``message`` is passed on (bounded, printable), because it tells the client what to fix.
+    """
+    message, code = _error_fields(body)
+    log.warning("%s backend answered HTTP %d: %s", backend, status, _safe(message) or "(no message)")
+    if status == 429:
+        delay = retry_after(headers)
+        rate = {k: v for k, v in headers.items() if k.lower().startswith("x-ratelimit-")}
+        hint = f" Please try again in {delay:.3g}s." if delay is not None else ""
+        return errors.RateLimited(
+            f"Rate limit reached for model '{model}' on the model backend.{hint}", retry_after=delay, headers=rate
+        )
+    lowered = message.lower()
+    if status in (400, 413, 422):
+        if code == "context_length_exceeded" or any(p in lowered for p in _CONTEXT_PATTERNS):
+            return errors.ContextLengthExceeded(
+                "The input exceeds the context window of this model. Please shorten the input.", param="input"
+            )
+        detail = _safe(message)
+        return errors.InvalidRequest(
+            f"The model backend rejected the request: {detail}" if detail else "The model backend rejected the request."
+        )
+    if status == 404:
+        if "model" in lowered or code == "model_not_found":
+            return errors.ModelNotFound(
+                f"The model '{model}' does not exist or is not served by the model backend.", param="model"
+            )
+        return errors.BackendError("The model backend has no chat-completions endpoint at its configured URL.")
+    if status in (401, 403):
+        return errors.BackendError("The model backend rejected hotloop's credentials for it.")
+    if status in (408, 504):
+        return errors.BackendTimeout("The model backend timed out.")
+    if status == 503:
+        return errors.BackendUnavailable("The model backend is unavailable. Please try again later.")
+    if status >= 500:
+        return TransientBackendError(f"The model backend failed (HTTP {status}).")
+    return errors.BackendError(f"The model backend failed (HTTP {status}).")
+
+
+def retry_delay(exc: errors.HotloopError, attempt: int) -> float | None:
+    """How long to wait before retrying after ``exc`` (``None``: do not retry)."""
+    if isinstance(exc, errors.RateLimited):
+        delay = exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt
+    elif isinstance(exc, (TransientBackendError, errors.BackendUnavailable, errors.BackendTimeout)):
+        delay = min(0.25 * 2**attempt, 4.0)
+    else:
+        return None
+    return delay if delay <= MAX_RETRY_DELAY else None
+

@@ -1,0 +1,388 @@
+"""The lean HTTP/1.1 transport against real loopback servers, plain and TLS (trustme certificates).
+
+Each test runs a small asyncio server whose handler scripts the exact bytes it answers with, so
+the client's behaviour on keep-alive, closes, stalls, garbage and oversized heads is pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any, Awaitable, Callable
+
+import pytest
+import trustme
+
+from hotloop import errors
+from hotloop.backends.chat import TransientBackendError
+from hotloop.backends.chat.http1 import Pool, open_chat_stream, proxy_for
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUT = 10.0
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and body (Content-Length bodies only: what the client sends)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await reader.readexactly(length) if length else b""
+    return head, body
+
+
+def sse_reply(*events: bytes, chunked: bool = True, extra: bytes = b"") -> bytes:
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    if chunked:
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body,) if p) + b"0\r\n\r\n"
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + extra + b"\r\n" + framed
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+class Served:
+    """A loopback server running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler, ssl_ctx: ssl.SSLContext | None = None) -> None:
+        self.handler = handler
+        self.ssl_ctx = ssl_ctx
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> "Served":
+        async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(on_conn, "127.0.0.1", 0, ssl=self.ssl_ctx)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def url(self, scheme: str = "http") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}/v1"
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, TIMEOUT))  # type: ignore[arg-type]
+
+
+async def collect(resp: Any) -> bytes:
+    out = b""
+    async for data in resp:
+        out += data
+    return out
+
+
+async def keepalive_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        head, body = await read_request(reader)
+        assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        writer.write(sse_reply(b'{"n":1}', body or b"{}", b"[DONE]"))
+        await writer.drain()
+
+
+def test_streams_and_reuses_one_connection() -> None:
+    async def main() -> None:
+        async with Served(keepalive_handler) as srv:
+            pool = Pool(srv.url(), headers={"Authorization": "Bearer k", "Accept": "text/event-stream"})
+            for i in range(3):
+                resp = await pool.stream("POST", "/chat/completions", b'{"i":%d}' % i)
+                assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
+                assert await collect(resp) == b'data: {"n":1}\n\ndata: {"i":%d}\n\ndata: [DONE]\n\n' % i
+                await resp.aclose()
+            assert srv.connections == 1 and pool.opened == 1 and pool.reused == 2 and pool.idle == 1
+            await pool.aclose()
+
+    run(main())
+
+
+def test_release_after_done_keeps_the_connection() -> None:
+    """[DONE] arrives before the chunked terminator: release() must not wait for it, and the
+    connection still goes back to the pool once the terminator arrives."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            payload = b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            for _ in range(2):
+                resp = await pool.stream("POST", "/chat/completions", b"{}")
+                first = await resp.__anext__()
+                assert first == b"data: [DONE]\n\n"
+                await resp.release()
+                await resp.aclose()
+                for _ in range(100):
+                    if pool.idle:
+                        break
+                    await asyncio.sleep(0.01)
+            assert srv.connections == 1 and pool.reused == 1
+            await pool.aclose()
+
+    run(main())
+
+
+def test_content_length_and_close_delimited_bodies() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, body = await read_request(reader)
+        if body == b"cl":
+            writer.write(sse_reply(b"[DONE]", chunked=False))
+            _, body = await read_request(reader)
+        # read-until-close body: no length, no chunking, then EOF
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\ndata: x\n\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            resp = await pool.stream("POST", "/chat/completions", b"cl")
+            assert await collect(resp) == b"data: [DONE]\n\n"
+            resp = await pool.stream("POST", "/chat/completions", b"eof")
+            assert await collect(resp) == b"data: x\n\n"
+            await resp.aclose()
+            assert pool.reused == 1
+            for _ in range(100):
+                if pool.open == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.open == 0 and pool.idle == 0  # connection: close is never kept
+            await pool.aclose()
+
+    run(main())
+
+
+def test_server_closing_idle_connections_is_not_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(sse_reply(b"[DONE]"))
+        await writer.drain()
+        # then close the kept-alive connection while the client holds it idle
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            for _ in range(3):
+                resp = await pool.stream("POST", "/chat/completions", b"{}")
+                assert await collect(resp) == b"data: [DONE]\n\n"
+                await asyncio.sleep(0.05)  # the server's close reaches the idle connection
+            assert srv.connections == 3 and pool.reused == 0 and pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_dropped_connection_mid_stream() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: x\n\n\r\n")
+        await writer.drain()
+        writer.transport.abort()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            with pytest.raises(TransientBackendError):
+                await collect(resp)
+            assert pool.open == 0 and pool.idle == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_server_that_never_answers_times_out() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=0.2)
+            with pytest.raises(errors.BackendTimeout):
+                await pool.stream("POST", "/chat/completions", b"{}")
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_silence_mid_body_times_out() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: x\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), idle_timeout=0.2)
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            assert await resp.__anext__() == b"data: x\n\n"
+            with pytest.raises(errors.BackendTimeout):
+                await resp.__anext__()
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"garbage\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (70 * 1024) + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(300)) + b"\r\n",
+    ],
+    ids=["garbage-status-line", "oversized-header", "too-many-headers"],
+)
+def test_invalid_answers_are_backend_errors(answer: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            with pytest.raises(errors.BackendError) as info:
+                await pool.stream("POST", "/chat/completions", b"{}")
+            assert type(info.value) is errors.BackendError
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_non_2xx_json_error_maps_to_typed_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            body = b'{"error": {"message": "slow down", "code": "rate_limit"}}'
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 3\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            for _ in range(2):
+                with pytest.raises(errors.RateLimited) as info:
+                    await open_chat_stream(pool, "/chat/completions", b"{}", backend="test", model="m")
+                assert info.value.retry_after == 3.0
+            assert srv.connections == 1  # a fully read error body keeps the connection
+            await pool.aclose()
+
+    run(main())
+
+
+def test_cancelling_mid_stream_closes_the_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(200):
+            writer.write(b"9\r\ndata: x\n\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+
+            async def consume() -> None:
+                async for _ in resp:
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await resp.aclose()
+            assert pool.open == 0 and pool.idle == 0
+            resp2 = await asyncio.wait_for(pool.stream("POST", "/chat/completions", b"{}"), 2)
+            assert srv.connections == 2  # never reused
+            await resp2.aclose()
+            await pool.aclose()
+
+    run(main())
+
+
+def test_unreachable_origin_is_unavailable() -> None:
+    async def main() -> None:
+        async with Served(keepalive_handler) as srv:
+            url = srv.url()
+        pool = Pool(url, connect_timeout=2)
+        with pytest.raises(errors.BackendUnavailable):
+            await pool.stream("POST", "/chat/completions", b"{}")
+        assert pool.open == 0
+
+    run(main())
+
+
+def test_tls_with_a_trusted_ca_and_sni(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_ctx)
+    seen: list[str | None] = []
+    server_ctx.sni_callback = lambda sock, name, ctx: seen.append(name)  # type: ignore[assignment,misc]
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+
+    async def main() -> None:
+        async with Served(keepalive_handler, server_ctx) as srv:
+            url = f"https://localhost:{srv.port}/v1"
+            # Not trusted: certifi's bundle does not hold the test CA.
+            monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+            monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+            untrusted = Pool(url)
+            with pytest.raises(errors.BackendUnavailable):
+                await untrusted.stream("POST", "/chat/completions", b"{}")
+            # Trusted through SSL_CERT_FILE, as httpx honours it.
+            monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+            pool = Pool(url)
+            for _ in range(2):
+                resp = await pool.stream("POST", "/chat/completions", b"{}")
+                assert (await collect(resp)).endswith(b"data: [DONE]\n\n")
+            assert pool.opened == 1 and pool.reused == 1
+            assert "localhost" in seen
+            await pool.aclose()
+
+    run(main())
+
+
+def test_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert proxy_for("https://api.example.com") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    assert proxy_for("https://api.example.com") == "http://proxy.internal:3128"
+    assert proxy_for("http://api.example.com") is None
+    monkeypatch.setenv("NO_PROXY", "example.com")
+    assert proxy_for("https://api.example.com") is None
