@@ -90,7 +90,7 @@ def test_memory_store_item_bound() -> None:
     for i in range(5):
         m.put(rec(f"resp_{i}", n=3))
     assert m.items <= 10 and m.get("resp_0") is None and m.get("resp_4") is not None
-    assert m.delete("resp_4") and m.items == 3 * (len(m._d))
+    assert m.delete("resp_4") and m.items == 3 * len(m._live)
 
 
 def test_memory_item_index_survives_deleting_a_continuation() -> None:

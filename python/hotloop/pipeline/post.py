@@ -4,13 +4,26 @@
 record and returns at once; the writer stores it while the connection already serves the next
 turn. Until a record is written it sits in ``pending``, so reads see their own writes.
 
+What a submission costs the event loop is proportional to what the response added, never to the
+length of its conversation: it takes the slice of the response's own item objects (items are
+immutable, and a finished context is only ever copied, never changed) and an estimate of their
+size. Everything else (item dicts, fingerprints and token counts from the native chain, JSON
+encoding, hashing, SQL) runs in the writer thread. A record holds its parent's id and only its
+own items (see :mod:`hotloop.state.store`); when the parent is not stored (``store: false``, or
+removed meanwhile) the writer stores the whole history instead.
+
 Usage records are batched: they accumulate in memory and go to the store as one write every
 ``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
 append for its ledger entry, not a thread hand-off.
 
-Bounds: the submission queue holds at most ``max_pending`` records (default 1,024). When it is
-full, ``submit`` waits (backpressure on the turn that finished, never on one in flight): records
-are never dropped. The usage buffer holds at most ``USAGE_BATCH`` records before it is queued.
+Bounds: the write queue holds at most ``max_pending`` jobs (default 1,024) and at most
+``max_pending_bytes`` of estimated record bytes (default 256 MiB; one record larger than that is
+still admitted into an empty queue). When either is reached, ``submit`` waits, in FIFO order
+(back-pressure on the turn that finished, never on one in flight): records are never dropped.
+The usage buffer holds at most ``USAGE_BATCH`` records before it is queued.
+
+:meth:`Persistence.flush` is a barrier: every job gets a sequence number and ``flush`` waits until
+the writer has finished the jobs submitted before the call, however many arrive after it.
 """
 
 from __future__ import annotations
@@ -18,32 +31,94 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from hotloop.protocol.request import Item, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
-from hotloop.state.store import ResponseStore, StoredResponse, UsageRecord, page_items
+from hotloop.state.store import History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
 
 log = logging.getLogger("hotloop.post")
 
+DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
+ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
 
-def to_record(entry: CachedResponse) -> StoredResponse:
-    ctx = entry.context
+
+class Snapshot(NamedTuple):
+    """What the event loop takes of a finished response for the writer: O(its own items)."""
+
+    entry: CachedResponse
+    own: list[Item]  # context.items[base_len:end]
+    base_len: int
+    end: int  # len(context) when submitted
+
+
+def snapshot(entry: CachedResponse) -> Snapshot:
+    items = entry.context.items
+    base = entry.base_len if entry.parent_id is not None else 0
+    return Snapshot(entry, items[base:], base, len(items))
+
+
+def _nbytes(obj: Any, depth: int = 0) -> int:
+    """Approximate bytes of an item's strings (nested at most 4 levels; deeper values count 16)."""
+    t = type(obj)
+    if t is str:
+        return len(obj)  # type: ignore[arg-type]
+    if depth > 3:
+        return 16
+    if t is list or t is tuple:
+        return sum(_nbytes(v, depth + 1) for v in obj)
+    if t is dict:
+        return sum(len(k) + _nbytes(v, depth + 1) for k, v in obj.items())
+    fields = getattr(t, "__struct_fields__", None)
+    if fields is not None:
+        return sum(_nbytes(getattr(obj, f), depth + 1) for f in fields)
+    return 8
+
+
+def approx_nbytes(items: list[Item]) -> int:
+    """Estimated bytes a stored record of ``items`` holds (no encoding: a walk over the strings)."""
+    return sum(_nbytes(it) + ITEM_OVERHEAD for it in items)
+
+
+def _record(entry: CachedResponse, items: list[Item], start: int, end: int, parent_id: str | None) -> StoredResponse:
+    chain = entry.context.chain
+    upto = [int(chain.tokens_upto(i)) for i in range(start, end + 1)]
     return StoredResponse(
         response=entry.response,
-        items=[item_to_dict(it) for it in ctx.items],
-        fps=list(ctx.chain.fingerprints()),
-        toks=[int(ctx.chain.tokens_upto(i + 1) - ctx.chain.tokens_upto(i)) for i in range(len(ctx))],
+        items=[item_to_dict(it) for it in items],
+        fps=list(chain.fingerprints()[start:end]),
+        toks=[b - a for a, b in zip(upto, upto[1:])],
         input_len=entry.input_len,
+        parent_id=parent_id,
+        base_len=start,
     )
 
 
-def from_record(rec: StoredResponse) -> CachedResponse:
+def own_record(snap: Snapshot) -> StoredResponse:
+    """The record of ``snap``: its parent's id and its own items (writer thread)."""
+    parent = snap.entry.parent_id if snap.base_len else None
+    return _record(snap.entry, snap.own, snap.base_len, snap.end, parent)
+
+
+def whole_record(snap: Snapshot) -> StoredResponse:
+    """The record of ``snap`` with its whole history and no parent (writer thread)."""
+    items = snap.entry.context.items[: snap.base_len] + snap.own
+    return _record(snap.entry, items, 0, snap.end, None)
+
+
+def to_record(entry: CachedResponse) -> StoredResponse:
+    """``entry`` as one self-contained record (its whole history, no parent)."""
+    return whole_record(snapshot(entry))
+
+
+def from_record(rec: History | StoredResponse) -> CachedResponse:
+    """A loaded history (or a self-contained record) as a continuable cache entry."""
     items = [item_from_dict(d) for d in rec.items]
     ctx = Context()
     ctx.extend(items, rec.fps, rec.toks)
-    return CachedResponse(rec.response, ctx, rec.input_len, True)
+    return CachedResponse(rec.response, ctx, rec.input_len, True, rec.parent_id, rec.base_len)
 
 
 def usage_record(response: dict[str, Any]) -> UsageRecord | None:
@@ -60,35 +135,59 @@ def usage_record(response: dict[str, Any]) -> UsageRecord | None:
     )
 
 
+class _Job(NamedTuple):
+    seq: int
+    kind: str  # "put" (payload: Snapshot) or "usage" (payload: list[UsageRecord])
+    payload: Any
+    nbytes: int
+
+
 class Persistence:
     USAGE_FLUSH_SECONDS = 1.0
     USAGE_BATCH = 512
 
-    def __init__(self, store: ResponseStore, max_pending: int = 1024) -> None:
+    def __init__(
+        self, store: ResponseStore, max_pending: int = 1024, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> None:
         self.store = store
-        self.max_pending = max_pending
+        self.max_pending = max(1, max_pending)
+        self.max_pending_bytes = max_pending_bytes
         self.pending: dict[str, CachedResponse] = {}
-        self._queue: asyncio.Queue[tuple[str, Any]] | None = None
+        self._jobs: deque[_Job] = deque()  # queued, in sequence order
+        self._jobs_bytes = 0
+        self._blocked: deque[tuple[_Job, asyncio.Future[None]]] = deque()  # waiting for room, FIFO
+        self._barriers: deque[tuple[int, asyncio.Future[None]]] = deque()  # flush() calls, by target
+        self._seq = 0  # last sequence number handed out
+        self._done = 0  # last sequence number the writer finished (jobs finish in order)
+        self._wakeup: asyncio.Future[None] | None = None  # the idle writer waits on it
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
         self.written = 0
         self.failed = 0
         self._usage: list[UsageRecord] = []
-        self._waiting: set[asyncio.Future[None]] = set()  # shielded puts into a full queue
         self._usage_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._jobs_bytes
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._task is None:
-            self._queue = asyncio.Queue(self.max_pending)
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hotloop-writer")
 
     async def flush(self) -> None:
-        if self._queue is not None:
-            if self._usage:
-                await self._queue.put(("usage", self._take_usage()))
-            await self._queue.join()
+        """Wait until every job submitted before this call is written (a barrier: later jobs
+        do not delay it)."""
+        if self._usage:
+            await self._enqueue("usage", self._take_usage(), 0)
+        target = self._seq
+        if self._done >= target or self._task is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._barriers.append((target, fut))
+        await fut
 
     def _take_usage(self) -> list[UsageRecord]:
         batch, self._usage = self._usage, []
@@ -99,10 +198,10 @@ class Persistence:
 
     def _usage_due(self) -> None:
         self._usage_timer = None
-        if self._usage and self._queue is not None:
-            try:
-                self._queue.put_nowait(("usage", self._take_usage()))
-            except asyncio.QueueFull:  # busy writer: try again later, the buffer stays bounded
+        if self._usage:
+            if not self._blocked and self._has_room(0):
+                self._push(self._job("usage", self._take_usage(), 0))
+            else:  # busy writer: try again later, the buffer stays bounded
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
     async def close(self) -> None:
@@ -117,60 +216,110 @@ class Persistence:
         await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
         self._pool.shutdown(wait=True)
 
+    # -- the queue -----------------------------------------------------------------------------
+
+    def _job(self, kind: str, payload: Any, nbytes: int) -> _Job:
+        self._seq += 1
+        return _Job(self._seq, kind, payload, nbytes)
+
+    def _has_room(self, nbytes: int) -> bool:
+        jobs = self._jobs
+        return len(jobs) < self.max_pending and (not jobs or self._jobs_bytes + nbytes <= self.max_pending_bytes)
+
+    def _push(self, job: _Job) -> None:
+        self._jobs.append(job)
+        self._jobs_bytes += job.nbytes
+        wake = self._wakeup
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def _admit(self) -> None:
+        """Move waiting jobs into the queue, in order, while there is room."""
+        blocked = self._blocked
+        while blocked and self._has_room(blocked[0][0].nbytes):
+            job, fut = blocked.popleft()
+            self._push(job)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _enqueue(self, kind: str, payload: Any, nbytes: int) -> None:
+        """Queue a job without ever losing it to the caller's cancellation.
+
+        The common case does not suspend at all. When the queue is full the caller waits in
+        line (the back-pressure), shielded: a caller cancelled meanwhile (a client that left)
+        does not take the job with it, and the job keeps its place in the order.
+        """
+        if self._task is None:
+            self.start()
+        job = self._job(kind, payload, nbytes)
+        if not self._blocked and self._has_room(nbytes):
+            self._push(job)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._blocked.append((job, fut))
+        await asyncio.shield(fut)
+
+    def _finished(self, seq: int) -> None:
+        self._done = seq
+        barriers = self._barriers
+        while barriers and barriers[0][0] <= seq:
+            _, fut = barriers.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
     async def _run(self) -> None:
-        assert self._queue is not None
         loop = asyncio.get_running_loop()
         while True:
-            kind, payload = await self._queue.get()
+            if not self._jobs:
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+                continue
+            job = self._jobs.popleft()
+            self._jobs_bytes -= job.nbytes
+            self._admit()
             try:
-                if kind == "put":
-                    entry: CachedResponse = payload
-                    await loop.run_in_executor(self._pool, self.store.put, to_record(entry))
-                    self.pending.pop(entry.id, None)
+                if job.kind == "put":
+                    await loop.run_in_executor(self._pool, self._write, job.payload)
                     self.written += 1
-                elif kind == "usage":
-                    await loop.run_in_executor(self._pool, self.store.record_usage, payload)
+                elif job.kind == "usage":
+                    await loop.run_in_executor(self._pool, self.store.record_usage, job.payload)
             except Exception:  # a storage failure must not kill the writer; it is logged
                 self.failed += 1
                 log.exception("store write failed")
-                if kind == "put":
-                    self.pending.pop(payload.id, None)
             finally:
-                self._queue.task_done()
+                if job.kind == "put":
+                    self.pending.pop(job.payload.entry.id, None)
+                self._finished(job.seq)
+
+    def _write(self, snap: Snapshot) -> None:
+        """Store one response (writer thread): its own items, or its whole history when its
+        parent is not in the store."""
+        if snap.base_len:
+            try:
+                self.store.put(own_record(snap))
+                return
+            except MissingParent:
+                log.debug("parent of %s is not stored; storing its whole history", snap.entry.id)
+        self.store.put(whole_record(snap))
 
     # -- writes --------------------------------------------------------------------------------
 
     async def submit(self, entry: CachedResponse) -> None:
         """Queue a finished response: the usage ledger always, the response if it is stored."""
-        if self._queue is None:
+        if self._task is None:
             self.start()
-        assert self._queue is not None
         rec = usage_record(entry.response)
         if rec is not None:
             self._usage.append(rec)
             if len(self._usage) >= self.USAGE_BATCH:
-                await self._enqueue(("usage", self._take_usage()))
+                await self._enqueue("usage", self._take_usage(), 0)
             elif self._usage_timer is None:
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
         if entry.store:
+            snap = snapshot(entry)
             self.pending[entry.id] = entry
-            await self._enqueue(("put", entry))
-
-    async def _enqueue(self, job: tuple[str, Any]) -> None:
-        """Queue a job without ever losing it to the caller's cancellation.
-
-        The common case does not suspend at all. When the queue is full the caller waits (the
-        back-pressure), but on a task of its own, shielded: a caller cancelled meanwhile (a
-        client that left) does not take the job with it.
-        """
-        assert self._queue is not None
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            task = asyncio.ensure_future(self._queue.put(job))
-            self._waiting.add(task)
-            task.add_done_callback(self._waiting.discard)
-            await asyncio.shield(task)
+            await self._enqueue("put", snap, approx_nbytes(snap.own))
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -216,10 +365,9 @@ class Persistence:
         return False if page is None else page
 
     async def delete(self, response_id: str) -> bool:
-        await self.flush()  # a pending write must not resurrect what is deleted now
+        await self.flush()  # a write submitted earlier must not resurrect what is deleted now
         return bool(await self._call(self.store.delete, response_id))
 
     async def usage(self) -> list[dict[str, Any]]:
         await self.flush()
         return await self._call(self.store.usage)  # type: ignore[no-any-return]
-

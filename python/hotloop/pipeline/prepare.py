@@ -254,4 +254,12 @@ def finished(plan: Plan, response: dict[str, Any], cache: itemlib.TokenCache | N
     if outs:
         fps, toks, sizes = itemlib.analyze(outs, cache)
         ctx.extend(outs, fps, toks, sizes)
-    return CachedResponse(response, ctx, input_len, bool(response.get("store", True)))
+    parent = plan.parent
+    return CachedResponse(
+        response,
+        ctx,
+        input_len,
+        bool(response.get("store", True)),
+        parent.id if parent is not None else None,
+        len(parent.context) if parent is not None else 0,
+    )

@@ -118,16 +118,28 @@ class CachedResponse:
     """A finished response, ready to be continued.
 
     ``context`` holds the effective input followed by the output items; ``input_len`` says where
-    the input ends (what ``GET /input_items`` lists).
+    the input ends (what ``GET /input_items`` lists). ``parent_id`` names the response this one
+    continues and ``base_len`` counts the leading context items inherited from it (0 without a
+    parent): ``context.items[base_len:]`` are this response's own items.
     """
 
-    __slots__ = ("response", "context", "input_len", "store")
+    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len")
 
-    def __init__(self, response: dict[str, Any], context: Context, input_len: int, store: bool) -> None:
+    def __init__(
+        self,
+        response: dict[str, Any],
+        context: Context,
+        input_len: int,
+        store: bool,
+        parent_id: str | None = None,
+        base_len: int = 0,
+    ) -> None:
         self.response = response
         self.context = context
         self.input_len = input_len
         self.store = store
+        self.parent_id = parent_id
+        self.base_len = base_len
 
     @property
     def id(self) -> str:

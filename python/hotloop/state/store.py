@@ -1,15 +1,37 @@
 """Persistent storage of responses: an interface, an in-memory store and a SQLite store.
 
-What is stored for each ``store: true`` response: the final Response object and its *effective*
-input items (the parent chain's input and output plus the request's own items) followed by its
-output items, each with its fingerprint and token count, so a later ``previous_response_id``
-hydrates a ready :class:`~hotloop.state.context.Context` without re-tokenizing anything.
+What is stored for each ``store: true`` response: the final Response object, the id of the
+response it continues (``parent_id``) and only its *own* items: the request's new input followed
+by its output, each with its fingerprint and token count. A response's effective history is its
+ancestors' own items followed by its own, so storage grows with what is new, never with the
+length of the conversation. Loading (:meth:`ResponseStore.get`) walks the parent chain and returns
+the whole history, ready to hydrate a :class:`~hotloop.state.context.Context` without
+re-tokenizing anything. A response whose parent is not stored (``store: false``, or removed
+before the child was written) is stored with its whole history and no parent
+(:class:`MissingParent` tells the writer to do so). The chain of one response is at most
+``MAX_CHAIN_DEPTH`` deep; a deeper or broken chain loads as not found (and is logged).
 
-The SQLite store keeps item bodies content-addressed (``blobs``), so a long chain stores each item
-once; ``response_items`` lists, per response, the positions of its items. Retention is bounded by
-age (``ttl_seconds``, default 30 days) and by count (``max_responses``, default 10,000): the
-oldest responses are pruned first, then unreferenced blobs. A usage ledger aggregates tokens per
-model and UTC day.
+Deleting, and tombstones. ``delete`` (and retention pruning) of a response that has stored
+children turns it into a hidden *tombstone*: reads (``get``, ``get_response``, ``get_item``)
+treat it as not found, exactly like a removed response, but its own items stay so its
+descendants still load. A response (or tombstone) without children is removed physically with
+its items; removing it may leave its parent a tombstone without children, which is then removed
+too, and so on up the chain. So every tombstone holds exactly history a live descendant needs,
+and every leaf of the stored forest is a live response.
+
+``item_reference`` look-ups (``get_item``) search the own items of live responses only, newest
+response first.
+
+The SQLite store keeps item bodies content-addressed (``blobs``); ``response_items`` lists, per
+response, its own items at their absolute positions in the effective history, so one ordered
+query over a response's ancestors yields the history (one query for the response and its chain's
+integrity, one for the items, whatever the depth). Files written before parents were recorded
+still open: their rows hold whole histories and load as responses without a parent.
+
+Retention is bounded by age (``ttl_seconds``, default 30 days) and by the number of live
+responses (``max_responses``, default 10,000): the oldest live responses are pruned first (by the
+rule above), then unreferenced blobs. The memory store also bounds the items it holds
+(``max_items``, tombstones included). A usage ledger aggregates tokens per model and UTC day.
 
 Store methods are synchronous and called from one writer thread
 (:class:`hotloop.pipeline.post.Persistence`); SQLite runs in WAL mode.
@@ -18,10 +40,12 @@ Store methods are synchronous and called from one writer thread
 from __future__ import annotations
 
 import hashlib
+import logging
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
+from itertools import count
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -30,16 +54,44 @@ import msgspec
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 
+log = logging.getLogger("hotloop.store")
+
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600
 DEFAULT_MAX_RESPONSES = 10_000
+DEFAULT_MAX_ITEMS = 1_000_000
+# Ancestors one load may walk: a context holds at most Context.MAX_ITEMS (100,000) items and a
+# stored turn normally adds at least one, so no real chain is deeper.
+MAX_CHAIN_DEPTH = 100_000
 
 
 class StoredResponse(NamedTuple):
+    """What :meth:`ResponseStore.put` takes: a response and only its own items.
+
+    ``items[0]`` sits at position ``base_len`` of the effective history; the first ``base_len``
+    items are ``parent_id``'s effective history. ``input_len`` is the length of the *effective*
+    input (what ``input_items`` lists). Without a parent, ``items`` is the whole history.
+    """
+
     response: dict[str, Any]
-    items: list[dict[str, Any]]  # effective input, then output
+    items: list[dict[str, Any]]  # own items: the new input, then the output
     fps: list[int]
     toks: list[int]
     input_len: int
+    parent_id: str | None = None
+    base_len: int = 0
+
+
+class History(StoredResponse):
+    """What :meth:`ResponseStore.get` returns: the same fields, but ``items`` (with ``fps`` and
+    ``toks``) is the whole effective history: the ancestors' items, then the response's own,
+    which start at ``base_len``."""
+
+    __slots__ = ()
+
+
+class MissingParent(LookupError):
+    """``put`` of a record whose parent is not stored (or whose ``base_len`` is not the parent's
+    history length): store the record with its whole history instead."""
 
 
 class UsageRecord(NamedTuple):
@@ -75,7 +127,7 @@ def _item_id(item: dict[str, Any]) -> str | None:
 
 class ResponseStore(Protocol):
     def put(self, rec: StoredResponse) -> None: ...
-    def get(self, response_id: str) -> StoredResponse | None: ...
+    def get(self, response_id: str) -> History | None: ...
     def get_item(self, item_id: str) -> dict[str, Any] | None: ...
     def get_response(self, response_id: str) -> dict[str, Any] | None: ...
     def delete(self, response_id: str) -> bool: ...
@@ -84,12 +136,27 @@ class ResponseStore(Protocol):
     def close(self) -> None: ...
 
 
-DEFAULT_MAX_ITEMS = 1_000_000
+class _Node:
+    """One stored response of the memory store (live, or a tombstone kept for its children)."""
+
+    __slots__ = ("rec", "at", "seq", "live", "children")
+
+    def __init__(self, rec: StoredResponse, at: float, seq: int) -> None:
+        self.rec = rec
+        self.at = at
+        self.seq = seq  # put order: ties of ``at`` resolve newest-first deterministically
+        self.live = True
+        self.children = 0
+
+    @property
+    def end(self) -> int:
+        return self.rec.base_len + len(self.rec.items)
 
 
 class MemoryStore:
-    """Bounded in-memory store: LRU by count and by total stored items (each record holds its
-    whole effective history), plus TTL. Nothing survives a restart."""
+    """Bounded in-memory store with the SQLite store's model (parent pointers, own items,
+    tombstones). Bounded by live responses (oldest pruned first), by items held (tombstones
+    included) and by age. Nothing survives a restart."""
 
     def __init__(
         self,
@@ -100,32 +167,54 @@ class MemoryStore:
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         self.max_items = max_items
-        self.items = 0
-        self._d: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
-        self._item_index: dict[str, set[str]] = {}  # item id -> ids of the stored responses holding it
+        self.items = 0  # own items of every node, tombstones included
+        self._nodes: dict[str, _Node] = {}
+        self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
+        self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
+        self._seq = count()
         self._usage: dict[tuple[str, str], list[int]] = {}
         self._lock = threading.Lock()
 
     def put(self, rec: StoredResponse) -> None:
+        """Store ``rec`` (replacing a record of the same id, whose children it keeps).
+
+        :raises MissingParent: ``rec.parent_id`` is not stored or its history is not ``base_len`` long.
+        """
         with self._lock:
             rid = rec.response["id"]
-            old = self._d.pop(rid, None)
+            parent = self._nodes.get(rec.parent_id) if rec.parent_id is not None else None
+            if rec.parent_id is not None and (parent is None or parent.end != rec.base_len):
+                raise MissingParent(rec.parent_id)
+            node = _Node(rec, time.time(), next(self._seq))
+            old = self._nodes.get(rid)
             if old is not None:
-                self._forget(old[1])
-            self._d[rid] = (time.time(), rec)
+                node.children = old.children
+                self.items -= len(old.rec.items)
+                if old.live:
+                    self._unindex(rid, old)
+                    del self._live[rid]
+                if old.rec.parent_id is not None and old.rec.parent_id in self._nodes:
+                    self._nodes[old.rec.parent_id].children -= 1
+            if parent is not None:
+                parent.children += 1
+            self._nodes[rid] = node
+            self._live[rid] = None
             self.items += len(rec.items)
             for it in rec.items:
                 iid = _item_id(it)
                 if iid is not None:
                     self._item_index.setdefault(iid, set()).add(rid)
-            while self._d and (len(self._d) > self.max_responses or self.items > self.max_items):
-                _, (_, gone) = self._d.popitem(last=False)
-                self._forget(gone)
+            cutoff = node.at - self.ttl_seconds
+            while self._live:
+                oldest = next(iter(self._live))
+                n = self._nodes[oldest]
+                if len(self._live) > self.max_responses or self.items > self.max_items or n.at < cutoff:
+                    self._kill(oldest, n)
+                else:
+                    break
 
-    def _forget(self, rec: StoredResponse) -> None:
-        self.items -= len(rec.items)
-        rid = rec.response["id"]
-        for it in rec.items:
+    def _unindex(self, rid: str, node: _Node) -> None:
+        for it in node.rec.items:
             iid = _item_id(it)
             holders = self._item_index.get(iid) if iid is not None else None
             if holders is not None:
@@ -133,37 +222,74 @@ class MemoryStore:
                 if not holders:
                     del self._item_index[iid]  # type: ignore[arg-type]
 
+    def _kill(self, rid: str, node: _Node) -> None:
+        """A live response leaves: a tombstone if it has children, else removed (cascading)."""
+        node.live = False
+        del self._live[rid]
+        self._unindex(rid, node)
+        while not node.live and node.children == 0:
+            del self._nodes[rid]
+            self.items -= len(node.rec.items)
+            pid = node.rec.parent_id
+            parent = self._nodes.get(pid) if pid is not None else None
+            if parent is None:
+                return
+            parent.children -= 1
+            rid, node = pid, parent  # type: ignore[assignment]
+
+    def _live_node(self, response_id: str) -> _Node | None:
+        node = self._nodes.get(response_id)
+        if node is None or not node.live:
+            return None
+        if time.time() - node.at > self.ttl_seconds:
+            self._kill(response_id, node)
+            return None
+        return node
+
+    def get(self, response_id: str) -> History | None:
+        with self._lock:
+            node = self._live_node(response_id)
+            if node is None:
+                return None
+            recs = [node.rec]
+            while recs[-1].parent_id is not None and len(recs) <= MAX_CHAIN_DEPTH:
+                up = self._nodes.get(recs[-1].parent_id)
+                if up is None:
+                    break
+                recs.append(up.rec)
+        if recs[-1].parent_id is not None:
+            log.warning("stored response %s has a broken or too deep chain; treated as not found", response_id)
+            return None
+        items: list[dict[str, Any]] = []
+        fps: list[int] = []
+        toks: list[int] = []
+        for r in reversed(recs):
+            items += r.items
+            fps += r.fps
+            toks += r.toks
+        rec = node.rec
+        return History(rec.response, items, fps, toks, rec.input_len, rec.parent_id, rec.base_len)
+
     def get_item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
-            holders = list(self._item_index.get(item_id, ()))
-        for rid in holders:
-            rec = self.get(rid)
-            for it in rec.items if rec is not None else ():
+            nodes = [self._live_node(rid) for rid in list(self._item_index.get(item_id, ()))]
+        for node in sorted([n for n in nodes if n is not None], key=lambda n: (n.at, n.seq), reverse=True):
+            for it in node.rec.items:
                 if it.get("id") == item_id:
                     return it
         return None
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            v = self._d.get(response_id)
-            if v is None:
-                return None
-            if time.time() - v[0] > self.ttl_seconds:
-                del self._d[response_id]
-                self._forget(v[1])
-                return None
-            return v[1]
-
     def get_response(self, response_id: str) -> dict[str, Any] | None:
-        rec = self.get(response_id)
-        return None if rec is None else rec.response
+        with self._lock:
+            node = self._live_node(response_id)
+        return None if node is None else node.rec.response
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            v = self._d.pop(response_id, None)
-            if v is None:
+            node = self._nodes.get(response_id)
+            if node is None or not node.live:
                 return False
-            self._forget(v[1])
+            self._kill(response_id, node)
             return True
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
@@ -201,7 +327,10 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
     body BLOB NOT NULL,
-    input_len INTEGER NOT NULL
+    input_len INTEGER NOT NULL,
+    parent_id TEXT,
+    base_len INTEGER NOT NULL DEFAULT 0,
+    live INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses(created_at);
 CREATE TABLE IF NOT EXISTS blobs (
@@ -229,6 +358,37 @@ CREATE TABLE IF NOT EXISTS usage (
     PRIMARY KEY (day, model)
 );
 """
+
+# Columns added since the first schema: (table, column, definition). Older files get them with
+# ALTER TABLE; their rows (whole histories, no parent) keep loading unchanged.
+_ADDED_COLUMNS = (
+    ("response_items", "item_id", "TEXT"),
+    ("responses", "parent_id", "TEXT"),
+    ("responses", "base_len", "INTEGER NOT NULL DEFAULT 0"),
+    ("responses", "live", "INTEGER NOT NULL DEFAULT 1"),
+)
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
+CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
+"""
+
+# The ancestors of ?1 (itself at depth 0), at most MAX_CHAIN_DEPTH (?2) levels up.
+_CHAIN = (
+    "WITH RECURSIVE chain(id, parent_id, depth) AS ("
+    " SELECT id, parent_id, 0 FROM responses WHERE id = ?1"
+    " UNION ALL SELECT r.id, r.parent_id, c.depth + 1 FROM chain c JOIN responses r ON r.id = c.parent_id"
+    " WHERE c.depth < ?2) "
+)
+# The live, unexpired response ?1 and whether its chain reaches a root (a response without parent).
+_LOAD_HEAD = _CHAIN + (
+    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL FROM responses t,"
+    " (SELECT parent_id FROM chain ORDER BY depth DESC LIMIT 1) root"
+    " WHERE t.id = ?1 AND t.live = 1 AND t.created_at >= ?3"
+)
+_LOAD_ITEMS = _CHAIN + (
+    "SELECT b.body, ri.fp, ri.tokens, ri.pos FROM chain c JOIN response_items ri ON ri.response_id = c.id"
+    " JOIN blobs b ON b.hash = ri.hash ORDER BY ri.pos"
+)
 
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -263,37 +423,53 @@ class SQLiteStore:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         self._writes = 0
+        self._deleted = False  # deletes since the last blob collection (which runs on prune)
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")
             self._db.executescript(_SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(response_items)")}
-            if "item_id" not in cols:  # databases written before item references were indexed
-                try:
-                    self._db.execute("ALTER TABLE response_items ADD COLUMN item_id TEXT")
-                except sqlite3.OperationalError:  # another process added it first
-                    pass
-            self._db.execute("CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id)")
+            for table, column, decl in _ADDED_COLUMNS:
+                cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if column not in cols:  # a file written by an earlier schema
+                    try:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+                    except sqlite3.OperationalError:  # another process added it first
+                        pass
+            self._db.executescript(_INDEXES)
 
     def put(self, rec: StoredResponse) -> None:
+        """Store ``rec`` (replacing a record of the same id; its children keep pointing at it).
+
+        :raises MissingParent: ``rec.parent_id`` is not stored or its history is not ``base_len`` long.
+        """
         rid = rec.response["id"]
         bodies = [_enc.encode(it) for it in rec.items]
         hashes = [hashlib.blake2b(b, digest_size=16).digest() for b in bodies]
+        base = rec.base_len if rec.parent_id is not None else 0
         with self._lock:
             db = self._db
             db.execute("BEGIN")
             try:
+                if rec.parent_id is not None:
+                    row = db.execute(
+                        "SELECT base_len + (SELECT COUNT(*) FROM response_items WHERE response_id = ?1)"
+                        " FROM responses WHERE id = ?1",
+                        (rec.parent_id,),
+                    ).fetchone()
+                    if row is None or row[0] != base:
+                        raise MissingParent(rec.parent_id)
                 db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
                 db.execute(
-                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len) VALUES (?,?,?,?)",
-                    (rid, time.time(), _enc.encode(rec.response), rec.input_len),
+                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live)"
+                    " VALUES (?,?,?,?,?,?,1)",
+                    (rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base),
                 )
                 db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
                 db.executemany(
                     "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id) VALUES (?,?,?,?,?,?)",
                     [
-                        (rid, i, h, _signed(fp), tk, _item_id(it))
+                        (rid, base + i, h, _signed(fp), tk, _item_id(it))
                         for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
                     ],
                 )
@@ -306,79 +482,117 @@ class SQLiteStore:
                 self._prune_locked()
 
     def prune(self) -> int:
+        """Apply the age and count bounds now; the number of live responses pruned."""
         with self._lock:
             return self._prune_locked()
 
     def _prune_locked(self) -> int:
         db = self._db
         cutoff = time.time() - self.ttl_seconds
-        ids = [r[0] for r in db.execute("SELECT id FROM responses WHERE created_at < ?", (cutoff,))]
-        (count,) = db.execute("SELECT COUNT(*) FROM responses").fetchone()
-        excess = count - len(ids) - self.max_responses
+        ids = [r[0] for r in db.execute("SELECT id FROM responses WHERE live = 1 AND created_at < ?", (cutoff,))]
+        (live,) = db.execute("SELECT COUNT(*) FROM responses WHERE live = 1").fetchone()
+        excess = live - len(ids) - self.max_responses
         if excess > 0:
             ids += [
                 r[0]
                 for r in db.execute(
-                    "SELECT id FROM responses WHERE created_at >= ? ORDER BY created_at LIMIT ?",
+                    "SELECT id FROM responses WHERE live = 1 AND created_at >= ? ORDER BY created_at LIMIT ?",
                     (cutoff, excess),
                 )
             ]
-        if not ids:
+        if not ids and not self._deleted:
             return 0
         db.execute("BEGIN")
-        db.executemany("DELETE FROM responses WHERE id=?", [(i,) for i in ids])
-        db.executemany("DELETE FROM response_items WHERE response_id=?", [(i,) for i in ids])
-        db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
-        db.execute("COMMIT")
+        try:
+            for rid in ids:
+                self._kill_locked(rid)
+            self._deleted = False
+            db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
         return len(ids)
 
-    def _row(self, response_id: str) -> tuple[bytes, int] | None:
-        row = self._db.execute(
-            "SELECT body, input_len FROM responses WHERE id=? AND created_at >= ?",
-            (response_id, time.time() - self.ttl_seconds),
-        ).fetchone()
-        return row
+    def _kill_locked(self, rid: str) -> None:
+        """A live response leaves: a tombstone if it has children, else removed with its items,
+        and then its tombstoned ancestors that are left without children (inside a transaction)."""
+        db = self._db
+        db.execute("UPDATE responses SET live = 0 WHERE id = ?", (rid,))
+        cur: str | None = rid
+        while cur is not None:
+            row = db.execute(
+                "SELECT parent_id FROM responses WHERE id = ?1 AND live = 0"
+                " AND NOT EXISTS (SELECT 1 FROM responses WHERE parent_id = ?1)",
+                (cur,),
+            ).fetchone()
+            if row is None:  # live, still needed by a child, or already gone
+                return
+            db.execute("DELETE FROM responses WHERE id = ?", (cur,))
+            db.execute("DELETE FROM response_items WHERE response_id = ?", (cur,))
+            cur = row[0]
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str) -> History | None:
+        args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds)
         with self._lock:
-            row = self._row(response_id)
-            if row is None:
+            head = self._db.execute(_LOAD_HEAD, args).fetchone()
+            if head is None:
                 return None
-            rows = self._db.execute(
-                "SELECT b.body, ri.fp, ri.tokens FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
-                "WHERE ri.response_id=? ORDER BY ri.pos",
-                (response_id,),
-            ).fetchall()
-        return StoredResponse(
-            response=_dec.decode(row[0]),
+            body, input_len, parent_id, base_len, rooted = head
+            rows: list[Any] = []
+            if parent_id is None:
+                rows = self._db.execute(
+                    "SELECT b.body, ri.fp, ri.tokens, ri.pos FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
+                    "WHERE ri.response_id=? ORDER BY ri.pos",
+                    (response_id,),
+                ).fetchall()
+            elif rooted:
+                rows = self._db.execute(_LOAD_ITEMS, args[:2]).fetchall()
+        if not rooted or any(r[3] != i for i, r in enumerate(rows)):
+            log.warning("stored response %s has a broken or too deep chain; treated as not found", response_id)
+            return None
+        return History(
+            response=_dec.decode(body),
             items=[_dec.decode(r[0]) for r in rows],
             fps=[_unsigned(r[1]) for r in rows],
             toks=[r[2] for r in rows],
-            input_len=row[1],
+            input_len=input_len,
+            parent_id=parent_id,
+            base_len=base_len,
         )
 
     def get_item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
             row = self._db.execute(
                 "SELECT b.body FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
-                "JOIN responses r ON r.id = ri.response_id WHERE ri.item_id=? AND r.created_at >= ? LIMIT 1",
+                "JOIN responses r ON r.id = ri.response_id WHERE ri.item_id=? AND r.live = 1 AND r.created_at >= ? "
+                "ORDER BY r.created_at DESC, r.rowid DESC LIMIT 1",
                 (item_id, time.time() - self.ttl_seconds),
             ).fetchone()
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
     def get_response(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:
-            row = self._row(response_id)
+            row = self._db.execute(
+                "SELECT body FROM responses WHERE id=? AND live = 1 AND created_at >= ?",
+                (response_id, time.time() - self.ttl_seconds),
+            ).fetchone()
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             db = self._db
             db.execute("BEGIN")
-            cur = db.execute("DELETE FROM responses WHERE id=?", (response_id,))
-            db.execute("DELETE FROM response_items WHERE response_id=?", (response_id,))
-            db.execute("COMMIT")
-            return cur.rowcount > 0
+            try:
+                found = db.execute("SELECT 1 FROM responses WHERE id = ? AND live = 1", (response_id,)).fetchone()
+                if found is not None:
+                    self._kill_locked(response_id)
+                    self._deleted = True
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return found is not None
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         rows = [

@@ -1,0 +1,229 @@
+"""Persistence: records hold only what is new, flush is a barrier, pending writes are bounded by
+count and bytes (back-pressure, never dropped), continuations of unstored parents stay loadable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.post import Persistence, approx_nbytes, snapshot
+from hotloop.pipeline.prepare import finished, prepare
+from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.request import decode_body, item_to_dict, validate
+from hotloop.state.context import CachedResponse
+from hotloop.state.store import MemoryStore, SQLiteStore
+
+IDS = IdGen(deterministic=True)
+
+
+def _entry(rid: str, text: str = "hi", parent: CachedResponse | None = None, store: bool = True) -> CachedResponse:
+    body: dict[str, Any] = {"model": "m", "input": text, "store": store}
+    if parent is not None:
+        body["previous_response_id"] = parent.id
+    plan = prepare(validate(decode_body(json.dumps(body))), parent, IDS, itemlib.TokenCache())
+    response = response_object(plan.prepared, rid, 0)
+    response["output"] = [
+        {"type": "message", "id": f"msg_out_{rid}", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": f"answer {rid}", "annotations": []}]}
+    ]
+    return finished(plan, response)
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose ``put`` of a gated id blocks until its gate opens; records put order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, threading.Event] = {}
+        self.order: list[str] = []
+        self.entered: dict[str, threading.Event] = {}
+
+    def put(self, rec: Any) -> None:
+        rid = rec.response["id"]
+        self.entered.setdefault(rid, threading.Event()).set()
+        gate = self.gates.get(rid)
+        if gate is not None:
+            gate.wait(30)
+        self.order.append(rid)
+        super().put(rec)
+
+
+def _history(entry: CachedResponse) -> list[dict[str, Any]]:
+    return [item_to_dict(it) for it in entry.context.items]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_a_stored_continuation_holds_only_its_own_items(kind, tmp_path) -> None:
+    store: Any = SQLiteStore(tmp_path / "h.sqlite3") if kind == "sqlite" else MemoryStore()
+
+    async def main() -> list[CachedResponse]:
+        p = Persistence(store)
+        entries = [_entry("resp_0", "first")]
+        for i in range(1, 20):
+            entries.append(_entry(f"resp_{i}", f"turn {i} " + "y" * 50, entries[-1]))
+        for e in entries:
+            await p.submit(e)
+        await p.flush()
+        for e in entries:
+            loaded = await p.load(e.id)
+            assert loaded is not None and loaded.parent_id == e.parent_id and loaded.base_len == e.base_len
+            assert _history(loaded) == _history(e)
+            assert loaded.context.chain.fingerprints() == e.context.chain.fingerprints()
+            assert loaded.context.tokens == e.context.tokens and loaded.input_len == e.input_len
+        await p.close()
+        return entries
+
+    entries = asyncio.run(main())
+    own = sum(len(e.context) - e.base_len for e in entries)
+    assert own == 2 * 20
+    if kind == "sqlite":
+        s2 = SQLiteStore(tmp_path / "h.sqlite3")
+        (rows,) = s2._db.execute("SELECT COUNT(*) FROM response_items").fetchone()
+        assert rows == own
+        assert s2.get("resp_19").items == _history(entries[-1])
+        s2.close()
+    else:
+        assert store.items == own
+
+
+def test_the_parent_is_recorded_by_finished() -> None:
+    a = _entry("resp_a")
+    b = _entry("resp_b", "more", a)
+    assert (a.parent_id, a.base_len) == (None, 0)
+    assert (b.parent_id, b.base_len) == ("resp_a", len(a.context))
+    snap = snapshot(b)
+    assert snap.own == b.context.items[len(a.context):] and len(snap.own) == 2
+    assert approx_nbytes(snap.own) >= len("more") + len("answer resp_b")
+
+
+def test_a_continuation_of_an_unstored_parent_stores_its_whole_history() -> None:
+    store = MemoryStore()
+
+    async def main() -> None:
+        p = Persistence(store)
+        a = _entry("resp_a", "not stored", store=False)
+        b = _entry("resp_b", "stored", a)
+        await p.submit(a)
+        await p.submit(b)
+        await p.flush()
+        rec = store.get("resp_b")
+        assert rec is not None and rec.parent_id is None and rec.items == _history(b)
+        assert store.get("resp_a") is None
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_flush_is_a_barrier_under_a_stream_of_writes() -> None:
+    store = GatedStore()
+
+    async def main() -> None:
+        p = Persistence(store)
+        first = [_entry(f"resp_f{i}") for i in range(3)]
+        later = [_entry(f"resp_l{i}") for i in range(50)]
+        gate_first = threading.Event()
+        gate_later = threading.Event()
+        for e in first:
+            store.gates[e.id] = gate_first
+        for e in later:
+            store.gates[e.id] = gate_later
+        for e in first:
+            await p.submit(e)
+        barrier = asyncio.ensure_future(p.flush())
+        submitted = 0
+
+        async def stream() -> None:  # writes keep arriving while the barrier waits
+            nonlocal submitted
+            for e in later:
+                await p.submit(e)
+                submitted += 1
+                await asyncio.sleep(0)
+
+        writer = asyncio.ensure_future(stream())
+        await asyncio.sleep(0)
+        assert not barrier.done()
+        gate_first.set()
+        await asyncio.wait_for(barrier, 30)  # a guard against hanging, not a timing assertion
+        assert store.order == [e.id for e in first]
+        assert all(store.get(e.id) is not None for e in first)
+        gate_later.set()
+        await writer
+        await p.flush()
+        assert store.order == [e.id for e in first + later] and not p.pending
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_pending_writes_are_bounded_by_bytes_and_never_dropped() -> None:
+    store = GatedStore()
+
+    async def main() -> None:
+        entries = [_entry(f"resp_{i}", "z" * 600) for i in range(4)]
+        size = approx_nbytes(snapshot(entries[0]).own)
+        p = Persistence(store, max_pending=100, max_pending_bytes=size + size // 2)
+        gate = threading.Event()
+        for e in entries:
+            store.gates[e.id] = gate
+        await p.submit(entries[0])
+        await asyncio.to_thread(store.entered.setdefault("resp_0", threading.Event()).wait, 30)
+        await p.submit(entries[1])  # queued: one record's bytes
+        third = asyncio.ensure_future(p.submit(entries[2]))  # would exceed the byte bound
+        fourth = asyncio.ensure_future(p.submit(entries[3]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not third.done() and not fourth.done()
+        assert p.queued_bytes == size
+        third.cancel()  # a client that left: its record is still written
+        gate.set()
+        await asyncio.wait_for(fourth, 30)
+        await p.flush()
+        assert store.order == [e.id for e in entries]
+        assert p.queued_bytes == 0 and not p.pending
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_a_record_larger_than_the_byte_bound_is_admitted_alone() -> None:
+    store = MemoryStore()
+
+    async def main() -> None:
+        p = Persistence(store, max_pending_bytes=10)
+        for i in range(3):
+            await asyncio.wait_for(p.submit(_entry(f"resp_{i}", "w" * 1000)), 30)
+        await p.flush()
+        assert all(store.get(f"resp_{i}") is not None for i in range(3))
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_delete_waits_for_earlier_writes_only() -> None:
+    store = GatedStore()
+
+    async def main() -> None:
+        p = Persistence(store)
+        a = _entry("resp_a")
+        await p.submit(a)
+        await p.flush()
+        later = _entry("resp_later")
+        gate = threading.Event()
+        store.gates[later.id] = gate
+        await p.submit(later)  # submitted before the delete: the delete waits for it
+        deleting = asyncio.ensure_future(p.delete("resp_a"))
+        await p.submit(_entry("resp_after"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not deleting.done()
+        gate.set()
+        assert await asyncio.wait_for(deleting, 30) is True
+        assert store.get("resp_a") is None and store.get("resp_later") is not None
+        await p.close()
+
+    asyncio.run(main())

@@ -1,0 +1,300 @@
+"""Chained storage: parents and own items, loads equal to whole histories, tombstones, pruning,
+restarts and files written by the earlier schema (real SQLite in tmp_path, and the memory store)."""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+from typing import Any
+
+import msgspec
+import pytest
+
+from hotloop.state.store import History, MemoryStore, MissingParent, SQLiteStore, StoredResponse
+
+
+def _item(rid: str, k: int, text: str) -> dict[str, Any]:
+    role = "user" if k == 0 else "assistant"
+    part = "input_text" if k == 0 else "output_text"
+    return {"type": "message", "id": f"msg_{rid}_{k}", "role": role, "content": [{"type": part, "text": text}]}
+
+
+class Chain:
+    """A conversation stored turn by turn, with the whole-history model built beside it."""
+
+    def __init__(self, store: Any, prefix: str = "resp") -> None:
+        self.store = store
+        self.prefix = prefix
+        self.ids: list[str] = []
+        self.whole: dict[str, History] = {}  # id -> the history the whole-history model stores
+        self._items: list[dict[str, Any]] = []
+        self._fps: list[int] = []
+        self._toks: list[int] = []
+
+    def add(self, n_own: int = 2, parent: str | None = "last") -> str:
+        rid = f"{self.prefix}_{len(self.ids)}"
+        pid = (self.ids[-1] if self.ids else None) if parent == "last" else parent
+        if pid in self.whole:
+            h = self.whole[pid]
+            self._items, self._fps, self._toks = list(h.items), list(h.fps), list(h.toks)
+        base = len(self._items) if pid is not None else 0
+        own = [_item(rid, k, f"{rid} says {k} " + "x" * (k * 7)) for k in range(n_own)]
+        fps = [(hash((rid, k)) % (1 << 64)) for k in range(n_own)]
+        fps[0] = (1 << 64) - 1 - len(self.ids)  # fingerprints use all 64 bits
+        toks = [3 + k + len(self.ids) for k in range(n_own)]
+        response = {"id": rid, "object": "response", "output": own[1:]}
+        self.store.put(StoredResponse(response, own, fps, toks, base + 1, pid, base))
+        self._items = self._items[:base] + own
+        self._fps = self._fps[:base] + fps
+        self._toks = self._toks[:base] + toks
+        self.whole[rid] = History(response, list(self._items), list(self._fps), list(self._toks), base + 1, pid, base)
+        self.ids.append(rid)
+        return rid
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def store(request, tmp_path):
+    s = SQLiteStore(tmp_path / "db" / "h.sqlite3") if request.param == "sqlite" else MemoryStore()
+    yield s
+    s.close()
+
+
+def _rows(store: Any) -> tuple[int, int]:
+    """(stored responses including tombstones, stored item rows)."""
+    if isinstance(store, SQLiteStore):
+        (n,) = store._db.execute("SELECT COUNT(*) FROM responses").fetchone()
+        (items,) = store._db.execute("SELECT COUNT(*) FROM response_items").fetchone()
+        return n, items
+    return len(store._nodes), store.items
+
+
+def _age(store: Any, rid: str, seconds: float) -> None:
+    if isinstance(store, SQLiteStore):
+        store._db.execute("UPDATE responses SET created_at = created_at - ? WHERE id = ?", (seconds, rid))
+    else:
+        store._nodes[rid].at -= seconds
+
+
+def test_a_chain_of_200_loads_its_whole_history(store) -> None:
+    c = Chain(store)
+    for i in range(200):
+        c.add(n_own=1 + i % 3)
+    for rid in c.ids:
+        assert store.get(rid) == c.whole[rid]
+    # storage is proportional to what is new: one item row per own item
+    assert _rows(store) == (200, sum(1 + i % 3 for i in range(200)))
+
+
+def test_loads_equal_the_whole_history_model(store, tmp_path) -> None:
+    whole = SQLiteStore(tmp_path / "whole.sqlite3")
+    c = Chain(store)
+    for i in range(30):
+        rid = c.add(n_own=2)
+        h = c.whole[rid]
+        whole.put(StoredResponse(h.response, h.items, h.fps, h.toks, h.input_len))
+    for rid in c.ids:
+        got, ref = store.get(rid), whole.get(rid)
+        assert got is not None and ref is not None
+        assert (got.response, got.items, got.fps, got.toks, got.input_len) == tuple(ref)[:5]
+    whole.close()
+
+
+def test_a_fork_shares_its_parents_items(store) -> None:
+    c = Chain(store)
+    a, b = c.add(), c.add()
+    fork = Chain(store, "fork")
+    fork._items, fork._fps, fork._toks = list(c.whole[a].items), list(c.whole[a].fps), list(c.whole[a].toks)
+    f = fork.add(parent=a)
+    assert store.get(f) == fork.whole[f] and store.get(b) == c.whole[b]
+    assert store.delete(a)
+    assert store.get(f) == fork.whole[f] and store.get(b) == c.whole[b]
+    assert store.delete(b) and store.get(f) == fork.whole[f]
+    assert store.delete(f) and _rows(store) == (0, 0)
+
+
+def test_put_needs_its_parent(store) -> None:
+    c = Chain(store)
+    a = c.add()
+    own = [_item("resp_x", 0, "x")]
+    with pytest.raises(MissingParent):
+        store.put(StoredResponse({"id": "resp_x"}, own, [1], [1], 3, "resp_unknown", 2))
+    with pytest.raises(MissingParent):  # the parent's history is 2 items long, not 5
+        store.put(StoredResponse({"id": "resp_x"}, own, [1], [1], 6, a, 5))
+    assert store.get("resp_x") is None and _rows(store) == (1, 2)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+def test_deletes_in_every_position(store, order) -> None:
+    c = Chain(store)
+    for _ in range(4):
+        c.add()
+    gone: set[str] = set()
+    for k in order:
+        rid = c.ids[k]
+        item_id = c.whole[rid].items[-1]["id"]
+        assert store.get_item(item_id) is not None
+        assert store.delete(rid) is True
+        assert store.delete(rid) is False
+        gone.add(rid)
+        assert store.get(rid) is None and store.get_response(rid) is None
+        assert store.get_item(item_id) is None  # a tombstone's items are not referenceable
+        for other in c.ids:
+            if other not in gone:
+                assert store.get(other) == c.whole[other]
+        # tombstones are exactly the deleted ancestors of a live response
+        live_max = max((i for i, r in enumerate(c.ids) if r not in gone), default=-1)
+        assert _rows(store) == (live_max + 1, 2 * (live_max + 1))
+    assert _rows(store) == (0, 0)
+
+
+def test_ttl_expiry_of_a_parent(store) -> None:
+    c = Chain(store)
+    a, b = c.add(), c.add()
+    _age(store, a, 10 * store.ttl_seconds)
+    assert store.get(a) is None and store.get_response(a) is None
+    assert store.get(b) == c.whole[b]
+    if isinstance(store, SQLiteStore):
+        assert store.prune() == 1
+    else:
+        c.add(parent=None)  # the memory store prunes on put
+    assert store.get(b) == c.whole[b]
+    assert _rows(store)[0] == (2 if isinstance(store, SQLiteStore) else 3)  # a is a tombstone
+    assert store.delete(b)
+    assert store.get(a) is None and store.delete(a) is False
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_count_pruning_keeps_histories_of_live_responses(kind, tmp_path) -> None:
+    s: Any = SQLiteStore(tmp_path / "h.sqlite3", max_responses=3) if kind == "sqlite" else MemoryStore(max_responses=3)
+    if kind == "sqlite":
+        s.PRUNE_EVERY = 1
+    c = Chain(s)
+    for _ in range(6):
+        c.add()
+    other = Chain(s, "other")
+    o = other.add()  # a separate conversation: prunes resp_3, a tombstone now
+    assert [s.get(r) is not None for r in c.ids] == [False] * 4 + [True] * 2
+    assert s.get(o) == other.whole[o]
+    for rid in c.ids[4:]:
+        assert s.get(rid) == c.whole[rid]
+    assert _rows(s) == (7, 14)  # 4 tombstones + 3 live
+    assert s.delete(c.ids[5]) and s.get(c.ids[4]) == c.whole[c.ids[4]]
+    assert s.delete(c.ids[4]) and _rows(s) == (1, 2)  # the tombstones went with the last child
+    if kind == "sqlite":
+        (blobs,) = s._db.execute("SELECT COUNT(*) FROM blobs").fetchone()
+        s.prune()
+        (blobs_after,) = s._db.execute("SELECT COUNT(*) FROM blobs").fetchone()
+        assert blobs >= blobs_after == 2
+    s.close()
+
+
+def test_memory_item_bound_counts_tombstones() -> None:
+    m = MemoryStore(max_items=7)
+    c = Chain(m)
+    for _ in range(3):
+        c.add()  # 6 items
+    assert m.delete(c.ids[0]) and m.items == 6  # a tombstone still holds its items
+    c.add()  # 8 items > 7: the oldest live responses leave until the chain is freed
+    assert m.items <= 7
+
+
+def test_reload_after_restart(tmp_path) -> None:
+    path = tmp_path / "h.sqlite3"
+    s = SQLiteStore(path)
+    c = Chain(s)
+    for _ in range(10):
+        c.add()
+    assert s.delete(c.ids[3]) and s.delete(c.ids[9])
+    s.close()
+    s2 = SQLiteStore(path)
+    for i, rid in enumerate(c.ids):
+        assert s2.get(rid) == (None if i in (3, 9) else c.whole[rid])
+    assert s2.get_response(c.ids[3]) is None
+    c.store = s2
+    rid = c.add(parent=c.ids[8])
+    assert s2.get(rid) == c.whole[rid]
+    s2.close()
+
+
+def test_a_broken_chain_loads_as_not_found(store, caplog) -> None:
+    c = Chain(store)
+    a, b, d = c.add(), c.add(), c.add()
+    if isinstance(store, SQLiteStore):
+        store._db.execute("DELETE FROM responses WHERE id = ?", (b,))
+    else:
+        del store._nodes[b]
+    assert store.get(d) is None
+    assert "broken" in caplog.text
+    assert store.get(a) == c.whole[a]
+
+
+def test_a_cycle_is_bounded(tmp_path, monkeypatch) -> None:
+    import hotloop.state.store as mod
+
+    monkeypatch.setattr(mod, "MAX_CHAIN_DEPTH", 50)
+    s = SQLiteStore(tmp_path / "h.sqlite3")
+    c = Chain(s)
+    a, b = c.add(), c.add()
+    s._db.execute("UPDATE responses SET parent_id = ?, base_len = 2 WHERE id = ?", (b, a))
+    assert s.get(b) is None and s.get(a) is None
+    s.close()
+
+
+def test_item_references_resolve_to_the_newest_live_response(store) -> None:
+    same = "msg_shared"
+    for i, text in enumerate(["old", "new"]):
+        item = {"type": "message", "id": same, "role": "user", "content": [{"type": "input_text", "text": text}]}
+        store.put(StoredResponse({"id": f"resp_{i}"}, [item], [i], [1], 1))
+        if isinstance(store, SQLiteStore):  # the same second: the later write still wins
+            store._db.execute("UPDATE responses SET created_at = 1e12")
+    assert store.get_item(same)["content"][0]["text"] == "new"
+    assert store.delete("resp_1")
+    assert store.get_item(same)["content"][0]["text"] == "old"
+
+
+_OLD_SCHEMA = """
+CREATE TABLE responses (id TEXT PRIMARY KEY, created_at REAL NOT NULL, body BLOB NOT NULL, input_len INTEGER NOT NULL);
+CREATE INDEX responses_created ON responses(created_at);
+CREATE TABLE blobs (hash BLOB PRIMARY KEY, body BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE response_items (response_id TEXT NOT NULL, pos INTEGER NOT NULL, hash BLOB NOT NULL,
+    fp INTEGER NOT NULL, tokens INTEGER NOT NULL{item_id}, PRIMARY KEY (response_id, pos)) WITHOUT ROWID;
+CREATE INDEX response_items_hash ON response_items(hash);
+CREATE TABLE usage (day TEXT NOT NULL, model TEXT NOT NULL, responses INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL, PRIMARY KEY (day, model));
+"""
+
+
+@pytest.mark.parametrize("with_item_id", [True, False])
+def test_files_of_the_earlier_schema_open(tmp_path, with_item_id) -> None:
+    import hashlib
+    import time
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_OLD_SCHEMA.format(item_id=", item_id TEXT" if with_item_id else ""))
+    items = [_item("resp_old", 0, "hello"), _item("resp_old", 1, "hi there")]
+    response = {"id": "resp_old", "object": "response", "output": items[1:]}
+    db.execute("INSERT INTO responses VALUES (?,?,?,?)", ("resp_old", time.time(), msgspec.json.encode(response), 1))
+    for pos, it in enumerate(items):
+        body = msgspec.json.encode(it)
+        h = hashlib.blake2b(body, digest_size=16).digest()
+        db.execute("INSERT INTO blobs VALUES (?,?)", (h, body))
+        cols = "(response_id, pos, hash, fp, tokens" + (", item_id)" if with_item_id else ")")
+        vals = (("resp_old", pos, h, -1 - pos, 5 + pos) + ((it["id"],) if with_item_id else ()))
+        db.execute(f"INSERT INTO response_items {cols} VALUES ({','.join('?' * len(vals))})", vals)
+    db.commit()
+    db.close()
+
+    s = SQLiteStore(path)
+    expected = History(response, items, [(1 << 64) - 1, (1 << 64) - 2], [5, 6], 1, None, 0)
+    assert s.get("resp_old") == expected
+    c = Chain(s, "new")
+    c._items, c._fps, c._toks = list(items), list(expected.fps), list(expected.toks)
+    child = c.add(parent="resp_old")
+    assert s.get(child) == c.whole[child]
+    assert s.delete("resp_old") and s.get(child) == c.whole[child]
+    s.close()
+    s = SQLiteStore(path)  # opens again once migrated
+    assert s.get(child) == c.whole[child] and s.get("resp_old") is None
+    s.close()
