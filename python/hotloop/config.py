@@ -57,6 +57,7 @@ class Config:
     response_cache_bytes: int = 128 * 1024 * 1024  # one entry at most a quarter (larger: from the store)
     token_cache_entries: int = 100_000  # fingerprint -> token count
     max_pending_writes: int = 1024
+    max_pending_write_bytes: int = 256 * 1024 * 1024  # estimated bytes of queued store writes
 
     @property
     def db_path(self) -> Path:

@@ -27,7 +27,7 @@ def make_store(config: Config) -> ResponseStore:
 
 def make_app(config: Config) -> HotloopApp:
     backend = backends.create(config)
-    persistence = Persistence(make_store(config), config.max_pending_writes)
+    persistence = Persistence(make_store(config), config.max_pending_writes, config.max_pending_write_bytes)
     return HotloopApp(config, backend, persistence)
 
 
