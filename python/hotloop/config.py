@@ -50,6 +50,7 @@ class Config:
     max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
     ws_max_queued: int = 64  # response.create frames waiting on one connection
+    ws_max_queued_bytes: int = 64 * 1024 * 1024  # their bytes (past it the connection is not read)
     ws_cache_entries: int = 1  # responses cached per connection and lane (OpenAI: the most recent)
     ws_cache_bytes: int = 64 * 1024 * 1024  # all lanes of one connection; a larger response is not cached
     response_cache_entries: int = 256  # process-wide cache of stored responses

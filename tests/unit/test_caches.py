@@ -220,3 +220,57 @@ async def _continue_after_eviction() -> None:
 
 def test_a_response_too_large_for_the_caches_is_continued_from_the_store() -> None:
     asyncio.run(_continue_after_eviction())
+
+
+# -- WebSocket frames waiting on a connection --------------------------------------------------
+
+
+async def _flood(max_queued_bytes: int, frames: int, frame_chars: int) -> tuple[int, int]:
+    """Frames the server had read when the first response completed, and responses completed."""
+    app = make_app(Config(store="memory", sim_rate=0, ws_max_queued_bytes=max_queued_bytes))
+    await app.startup()
+    body = {"type": "response.create", "model": "m", "store": False, "input": "q" * frame_chars,
+            "metadata": {"sim": "text,tokens:2,rate:20"}}
+    pending = [json.dumps(body) for _ in range(frames)]
+    read = 0
+    read_at_first = -1
+    completed = 0
+    done = asyncio.Event()
+    connected = False
+
+    async def receive() -> dict:
+        nonlocal read, connected
+        if not connected:
+            connected = True
+            return {"type": "websocket.connect"}
+        if pending:
+            read += 1
+            return {"type": "websocket.receive", "text": pending.pop()}
+        await done.wait()
+        return {"type": "websocket.disconnect", "code": 1000}
+
+    async def send(msg: dict) -> None:
+        nonlocal completed, read_at_first
+        if '"response.completed"' in msg.get("text", ""):
+            completed += 1
+            if read_at_first < 0:
+                read_at_first = read
+            if completed == frames:
+                done.set()
+
+    scope = {"type": "websocket", "path": "/v1/responses", "headers": [], "query_string": b"", "subprotocols": []}
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 60)
+    finally:
+        await app.shutdown()
+    return read_at_first, completed
+
+
+def test_queued_websocket_frames_are_bounded_by_bytes() -> None:
+    # 300,000-character frames, 1,000,000 bytes of queue: one running, three queued, one read and
+    # waiting; the rest stay unread until the worker catches up
+    read, completed = asyncio.run(_flood(1_000_000, 10, 300_000))
+    assert completed == 10
+    assert read <= 5
+    read, completed = asyncio.run(_flood(64 * 1024 * 1024, 10, 300_000))
+    assert completed == 10 and read == 10  # within the budget nothing waits

@@ -16,6 +16,7 @@ import hmac
 import logging
 import secrets
 import time
+from collections import deque
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qs
 
@@ -403,6 +404,12 @@ class _Connection:
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         # Bounded: a client that floods frames stops being read until the worker catches up.
         self.actions: asyncio.Queue[Any] = asyncio.Queue(cfg.ws_max_queued + 8)
+        # ... and bounded by bytes: frames of queued responses hold at most ws_max_queued_bytes
+        # (any one frame is accepted when nothing is queued).
+        self.max_queued_bytes = cfg.ws_max_queued_bytes
+        self.queued_bytes = 0
+        self._queued_sizes: deque[int] = deque()  # of the queued RunCreate actions, oldest first
+        self._dequeued = asyncio.Event()
         self.expired = False
 
     async def send_frame(self, payload: bytes) -> None:
@@ -438,10 +445,16 @@ class _Connection:
                 data = msg.get("text")
                 if data is None:
                     data = msg.get("bytes", b"")
+                size = len(data)
+                while self.queued_bytes and self.queued_bytes + size > self.max_queued_bytes:
+                    self._dequeued.clear()
+                    await self._dequeued.wait()
                 mark = time.thread_time()
                 for action in session.receive(data, self.loop.time()):
                     if isinstance(action, RunCreate):
                         action.mark = mark
+                        self.queued_bytes += size
+                        self._queued_sizes.append(size)
                     await self.actions.put(action)
         finally:
             idle_deadline.cancel()
@@ -472,6 +485,8 @@ class _Connection:
                 await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
                 raise _Disconnected()
             elif isinstance(action, RunCreate):
+                self.queued_bytes -= self._queued_sizes.popleft()
+                self._dequeued.set()
                 try:
                     await self._run(engine, action)
                 finally:
