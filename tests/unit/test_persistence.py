@@ -227,3 +227,17 @@ def test_delete_waits_for_earlier_writes_only() -> None:
         await p.close()
 
     asyncio.run(main())
+
+
+def test_size_estimates_cover_every_item_kind() -> None:
+    from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputImage, Message, OtherItem
+
+    items = [
+        Message(role="user", content=[InputImage(image_url="data:image/png;base64," + "A" * 5000)]),
+        FunctionCall(call_id="c", name="f", arguments="x" * 700),
+        FunctionCallOutput(call_id="c", output="o" * 900),
+        OtherItem(type="custom_tool_call", data={"type": "custom_tool_call", "input": "i" * 1100}),
+    ]
+    sizes = [approx_nbytes([it]) for it in items]
+    assert [s > n for s, n in zip(sizes, (5000, 700, 900, 1100))] == [True] * 4
+    assert approx_nbytes(items) == sum(sizes)

@@ -35,7 +35,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from hotloop.protocol.request import Item, item_from_dict, item_to_dict
+import msgspec
+
+from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
 from hotloop.state.store import History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
 
@@ -60,26 +62,38 @@ def snapshot(entry: CachedResponse) -> Snapshot:
     return Snapshot(entry, items[base:], base, len(items))
 
 
-def _nbytes(obj: Any, depth: int = 0) -> int:
-    """Approximate bytes of an item's strings (nested at most 4 levels; deeper values count 16)."""
-    t = type(obj)
-    if t is str:
-        return len(obj)  # type: ignore[arg-type]
-    if depth > 3:
-        return 16
-    if t is list or t is tuple:
-        return sum(_nbytes(v, depth + 1) for v in obj)
-    if t is dict:
-        return sum(len(k) + _nbytes(v, depth + 1) for k, v in obj.items())
-    fields = getattr(t, "__struct_fields__", None)
-    if fields is not None:
-        return sum(_nbytes(getattr(obj, f), depth + 1) for f in fields)
-    return 8
+_enc = msgspec.json.Encoder()
+_TEXT_FIELDS = ("text", "refusal", "image_url", "file_data", "file_url")
+
+
+def _parts_nbytes(parts: Any) -> int:
+    if type(parts) is str:
+        return len(parts)
+    n = 0
+    for p in parts or ():
+        for f in _TEXT_FIELDS:
+            v = getattr(p, f, None)
+            if type(v) is str:
+                n += len(v)
+        if type(p) is InputAudio:
+            n += len(_enc.encode(p.input_audio))
+    return n
 
 
 def approx_nbytes(items: list[Item]) -> int:
-    """Estimated bytes a stored record of ``items`` holds (no encoding: a walk over the strings)."""
-    return sum(_nbytes(it) + ITEM_OVERHEAD for it in items)
+    """Estimated bytes a stored record of ``items`` holds: their strings plus ``ITEM_OVERHEAD``
+    each (no encoding, except for item types kept verbatim, which are rare)."""
+    n = ITEM_OVERHEAD * len(items)
+    for it in items:
+        t = type(it)
+        if t is OtherItem:
+            n += len(_enc.encode(it.data))  # type: ignore[union-attr]
+            continue
+        n += _parts_nbytes(getattr(it, "content", None)) + _parts_nbytes(getattr(it, "output", None))
+        n += _parts_nbytes(getattr(it, "summary", None))
+        if t is FunctionCall:
+            n += len(it.arguments) + len(it.name)  # type: ignore[union-attr]
+    return n
 
 
 def _record(entry: CachedResponse, items: list[Item], start: int, end: int, parent_id: str | None) -> StoredResponse:
