@@ -18,6 +18,8 @@ Scenarios:
   (no ``previous_response_id``): prefix reuse through the token cache.
 * ``overhead``: a 20-turn agent loop at 1,000 tokens/s through hotloop (Cerebras backend, paced
   mock) against the same loop talking to the mock directly: the end-to-end cost of hotloop.
+* ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
+  connection, and server CPU per delta event with many concurrent WebSocket streams.
 """
 
 from __future__ import annotations
@@ -56,12 +58,19 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def server(*args: str) -> Iterator[tuple[str, int]]:
-    """A ``hotloop serve`` subprocess; yields (base_url, pid)."""
+def server(*args: str, pythonpath: str | None = None) -> Iterator[tuple[str, int]]:
+    """A ``hotloop serve`` subprocess; yields (base_url, pid).
+
+    ``pythonpath``: a directory put first on the server's ``PYTHONPATH`` (another source tree's
+    ``python/`` directory, to compare two versions of the server in one run).
+    """
     port = _free_port()
     data = tempfile.mkdtemp(prefix="hotloop-bench-")
     cmd = [sys.executable, "-m", "hotloop", "serve", "--port", str(port), "--store", "memory", "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HOTLOOP_DATA_DIR": data})
+    env = {**os.environ, "HOTLOOP_DATA_DIR": data}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -298,11 +307,17 @@ def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
     p.add_argument("--new-bytes", type=int, default=2048, help="loops: new input per turn")
+    p.add_argument("--connections", type=int, default=1000, help="idle-ws: idle connections to open")
+    p.add_argument("--streams", type=int, default=50, help="ws-fanout: concurrent WebSocket streams")
+    p.add_argument("--stream-tokens", type=int, default=400, help="ws-fanout: tokens per stream and round")
+    p.add_argument("--stream-rate", type=float, default=1000.0, help="ws-fanout: simulator tokens/s per stream")
+    p.add_argument("--rounds", type=int, default=3, help="ws-fanout: responses per stream")
+    p.add_argument("--server-path", help="idle-ws, ws-fanout: a python/ directory first on the server's PYTHONPATH")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = p.parse_args(argv)
     results = []
@@ -315,6 +330,15 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_loop(kind, args.turns, args.new_bytes))
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
+    if args.scenario in ("all", "idle-ws", "ws-fanout"):
+        from hotloop.bench import wsload
+
+        if args.scenario in ("all", "idle-ws"):
+            results.append(wsload.bench_idle(args.connections, server_path=args.server_path))
+        if args.scenario in ("all", "ws-fanout"):
+            results.append(
+                wsload.bench_fanout(args.streams, args.stream_tokens, args.stream_rate, args.rounds, server_path=args.server_path)
+            )
     for r in results:
         if args.json:
             print(json.dumps(r))
