@@ -1,36 +1,171 @@
-"""uvicorn's websockets sans-I/O protocol with *corked* writes.
+"""uvicorn's websockets sans-I/O protocol with *corked* writes, a batch send and a lean idle state.
 
-A streamed response sends one WebSocket message per token. uvicorn writes each message to the
-socket at once, one ``send()`` syscall per event, which costs more than building the event. This
-subclass appends each outgoing data frame to a buffer and flushes the buffer with a single
-``transport.write`` from a ``call_soon`` callback, i.e. as soon as the sending task yields to the
-event loop. Every event produced in one loop iteration (several tokens due at once, several SSE
-chunks in one network read) leaves in one write; no event waits for a later one, so latency is
-unchanged. Control messages (accept, close) flush the buffer first, keeping the order.
+Corked writes. A streamed response sends one WebSocket message per token. uvicorn writes each
+message to the socket at once, one ``send()`` syscall per event, which costs more than building
+the event. This subclass appends each outgoing data frame to a buffer and flushes the buffer with
+a single ``transport.write`` from a ``call_soon`` callback, i.e. as soon as the sending task
+yields to the event loop. Every event produced in one loop iteration (several tokens due at once,
+several SSE chunks in one network read) leaves in one write; no event waits for a later one, so
+latency is unchanged. Control messages (accept, close) flush the buffer first, keeping the order.
 
-Bounds: the buffer only holds what one loop iteration produced; ``send`` still awaits
-``writable`` (paused when the transport's own buffer is above its high-water mark), so a slow
-client applies back-pressure exactly as before.
+Batch send. :meth:`CorkedWebSocketProtocol.send_texts` frames a list of UTF-8 payloads as text
+messages without an ASGI message dict, a ``str`` round trip or an ``await`` per event; the
+application finds it in ``scope["extensions"]`` under :data:`SEND_TEXTS` (other servers, and
+tests driving the ASGI app directly, do not offer it and get ``websocket.send`` messages). Data
+frames from the server are unmasked and never fragmented, so the frame header is two, four or ten
+bytes in front of the payload: the fast path writes it itself, and leaves everything else
+(extensions, debug logging, a connection that is no longer open) to ``websockets``.
+
+Lean idle state. An accepted connection that has not sent a frame yet should cost little: the
+receive queue and the ``writable`` flag are small classes (``asyncio.Queue`` and ``asyncio.Event``
+each carry deques of about 700 bytes), and the handshake's request and response headers are
+dropped once the scope holds its own copy.
+
+Bounds: the cork only holds what one loop iteration produced; senders wait on ``writable``
+(cleared while the transport's own buffer is above its high-water mark), so a slow client applies
+back-pressure exactly as before. The receive queue holds at most one data message and a
+disconnect: uvicorn stops reading after each message until the application has taken it.
 
 Relies on ``WebSocketsSansIOProtocol`` internals (``conn``, ``transport``, ``writable``,
-``handshake_complete``, ``close_sent``, ``initial_response``): the uvicorn version range is pinned
-in ``pyproject.toml`` and the integration tests run through this class.
+``queue``, ``handshake_complete``, ``close_sent``, ``initial_response``, ``request``,
+``response``) and on ``websockets.protocol.Protocol`` attributes (``state``, ``extensions``,
+``expect_continuation_frame``, ``debug``): the uvicorn and websockets version ranges are pinned in
+``pyproject.toml`` and the integration tests run through this class.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
+from websockets.protocol import State
+
+SEND_TEXTS = "hotloop.websocket.send_texts"
+"""Scope extension: ``send_texts(payloads: list[bytes]) -> bool``; see
+:meth:`CorkedWebSocketProtocol.send_texts`. With it comes :data:`WAIT_WRITABLE`."""
+WAIT_WRITABLE = "hotloop.websocket.wait_writable"
+"""Scope extension: ``async wait_writable()``, returns once the client may be sent more, raises
+``ClientDisconnected`` if it has gone."""
+
+_OPEN = State.OPEN
+
+
+def frame_text(payload: bytes) -> bytes:
+    """One unmasked, unfragmented server text frame (RFC 6455 5.2) carrying ``payload``."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x81, n)) + payload
+    if n < 0x10000:
+        return bytes((0x81, 126, n >> 8, n & 0xFF)) + payload
+    return b"\x81\x7f" + n.to_bytes(8, "big") + payload
+
+
+class _Waiters:
+    """Futures of the tasks waiting on a :class:`_Flag` or an :class:`_Inbox` (made on demand)."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self) -> None:
+        self._futures: list[asyncio.Future[None]] | None = None
+
+    async def _wait(self) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        futures = self._futures
+        if futures is None:
+            futures = self._futures = []
+        futures.append(fut)
+        try:
+            await fut
+        finally:
+            futures.remove(fut)
+
+    def _wake(self) -> None:
+        if self._futures:
+            for fut in self._futures:
+                if not fut.done():
+                    fut.set_result(None)
+
+
+class _Flag(_Waiters):
+    """``asyncio.Event`` without its deque: ``set``, ``clear``, ``is_set``, ``wait``."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._set = True  # the transport starts writable
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._wake()
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> bool:
+        while not self._set:
+            await self._wait()
+        return True
+
+
+class _Inbox(_Waiters):
+    """uvicorn's receive queue for one connection: ``put_nowait``, ``get``, ``empty``.
+
+    Unbounded like the ``asyncio.Queue`` it replaces, and bounded the same way: the protocol
+    pauses reading after each message until the application has taken it, so the inbox holds at
+    most one data message and a disconnect.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._items: list[Any] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        if self._items is None:
+            self._items = [item]
+        else:
+            self._items.append(item)
+        self._wake()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items) if self._items else 0
+
+    async def get(self) -> Any:
+        while not self._items:
+            await self._wait()
+        return self._items.pop(0)
 
 
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.queue = _Inbox()  # type: ignore[assignment]
+        self._writable = _Flag()
+        self.writable = self._writable  # type: ignore[assignment]
         self._cork: list[bytes] = []
         self._flush_scheduled = False
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        if self.handshake_complete:  # refused during the handshake: the transport is closing
+            return
+        self.request = None  # type: ignore[assignment]
+        event.headers.clear()  # the scope holds its own copy; the parser's frame keeps the request
+        extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
+        extensions[SEND_TEXTS] = self.send_texts
+        extensions[WAIT_WRITABLE] = self.wait_writable
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -39,6 +174,39 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._cork.clear()
             if not self.transport.is_closing():
                 self.transport.write(data)
+
+    def _corked(self, data: list[bytes]) -> None:
+        self._cork.extend(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def send_texts(self, payloads: list[bytes]) -> bool:
+        """Send each UTF-8 payload as one text message; whether the client can take more now.
+
+        Raises ``ClientDisconnected`` once the connection is gone or closing. After ``False``
+        the caller awaits :meth:`wait_writable` before sending again (back-pressure).
+        """
+        if self.disconnected or self.close_sent or not self.handshake_complete or self.initial_response is not None:
+            raise ClientDisconnected()
+        conn = self.conn
+        if conn.state is _OPEN and not (conn.extensions or conn.debug or conn.expect_continuation_frame):
+            if conn.writes:  # keep the order of anything websockets queued itself
+                self._cork.extend(conn.data_to_send())
+            self._corked([frame_text(p) for p in payloads])
+        else:
+            try:
+                for p in payloads:
+                    conn.send_text(p)
+            except InvalidState:
+                raise ClientDisconnected() from None
+            self._corked(conn.data_to_send())
+        return self._writable._set
+
+    async def wait_writable(self) -> None:
+        await self.writable.wait()
+        if self.disconnected:
+            raise ClientDisconnected()
 
     async def send(self, message: Any) -> None:
         if (
@@ -58,10 +226,10 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                     self.conn.send_binary(message.get("bytes") or b"")
             except InvalidState:
                 raise ClientDisconnected() from None
-            self._cork.extend(self.conn.data_to_send())
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self.loop.call_soon(self._flush)
+            self._corked(self.conn.data_to_send())
             return
         self._flush()
         await super().send(message)
+        if message["type"] == "websocket.accept":
+            self.response = None  # type: ignore[assignment]
+
