@@ -175,3 +175,17 @@ def test_large_input_counted_off_loop_matches_input_tokens_endpoint(server) -> N
     assert r.usage.input_tokens == expected[2]
     # the chained context: first input + first output (+ per-item framing) + the new input
     assert 0 <= warm.usage.input_tokens - (first.usage.total_tokens + expected[1]) <= 4
+
+
+def test_large_and_small_frames_through_the_batch_send(server) -> None:
+    # response.completed of a 20,000-token answer needs the 8-byte frame length; deltas need 1
+    with ws_connect(server.ws + "/responses", open_timeout=10, max_size=None) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x", "store": False,
+                            "stream_id": "lane_big", "metadata": {"sim": "text,tokens:20000,rate:0"}}))
+        evs = raw_until_terminal(ws)
+        deltas = [e["delta"] for e in evs if e["type"] == "response.output_text.delta"]
+        final = evs[-1]
+        assert final["type"] == "response.completed" and len(deltas) == 20000
+        assert all(e["stream_id"] == "lane_big" for e in evs)
+        assert final["response"]["output"][0]["content"][0]["text"] == "".join(deltas)
+        assert len(json.dumps(final)) > 65536
