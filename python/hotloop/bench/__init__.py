@@ -18,6 +18,10 @@ Scenarios:
   (no ``previous_response_id``): prefix reuse through the token cache.
 * ``overhead``: a 20-turn agent loop at 1,000 tokens/s through hotloop (Cerebras backend, paced
   mock) against the same loop talking to the mock directly: the end-to-end cost of hotloop.
+* ``agent-turns`` (:mod:`hotloop.bench.turns`): server CPU and added wall time per tool-call turn
+  through the Cerebras backend, per transport (WebSocket continuation, HTTP full history, HTTP
+  ``previous_response_id`` on SQLite), beside the same loop against the model directly and
+  through a naive one-hop proxy (:mod:`hotloop.bench.naive`, needs ``hotloop[bench]``).
 * ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
   connection, and server CPU per delta event with many concurrent WebSocket streams.
 """
@@ -134,8 +138,9 @@ def _stream_once(ws: Any, model: str, sim: str | None = None) -> tuple[int, floa
 
 
 @contextlib.contextmanager
-def mock_chat() -> Iterator[str]:
-    """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process."""
+def mock_process() -> Iterator[tuple[str, int]]:
+    """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process:
+    (base URL without /v1, pid)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)])
     try:
@@ -146,10 +151,17 @@ def mock_chat() -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the mock chat server did not start")
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def mock_chat() -> Iterator[str]:
+    """:func:`mock_process`, its URL only."""
+    with mock_process() as (url, _pid):
+        yield url
 
 
 def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[str, Any]:
@@ -307,7 +319,7 @@ def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -318,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-rate", type=float, default=1000.0, help="ws-fanout: simulator tokens/s per stream")
     p.add_argument("--rounds", type=int, default=3, help="ws-fanout: responses per stream")
     p.add_argument("--server-path", help="idle-ws, ws-fanout: a python/ directory first on the server's PYTHONPATH")
+    p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
+    p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
+    p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = p.parse_args(argv)
     results = []
@@ -330,6 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_loop(kind, args.turns, args.new_bytes))
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
+    if args.scenario in ("all", "agent-turns"):
+        from hotloop.bench.turns import bench_agent_turns
+
+        results.append(
+            bench_agent_turns(
+                args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive
+            )
+        )
     if args.scenario in ("all", "idle-ws", "ws-fanout"):
         from hotloop.bench import wsload
 
@@ -345,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(r["scenario"])
             for k, v in r.items():
-                if k != "scenario":
+                if k == "scenario":
+                    continue
+                if isinstance(v, list):
+                    print(f"  {k}")
+                    for entry in v:
+                        print(f"    {json.dumps(entry)}")
+                else:
                     print(f"  {k:28s} {v}")
     return 0

@@ -6,9 +6,11 @@ absolute deadlines, so ``hotloop bench --backend cerebras`` measures hotloop's C
 behaves like Cerebras at a chosen rate. It runs in its own process so its CPU is not counted as
 the server's.
 
-The model id selects the behaviour: ``bench-<rate>-<tokens>`` streams ``tokens`` chunks at
-``rate`` tokens/s (rate 0: unpaced), e.g. ``bench-4000-4000``. Any other id gets 16 tokens
-unpaced. Raw asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server.
+The model id selects the behaviour: ``bench-<rate>-<tokens>[-tool][-ttft<ms>]`` streams ``tokens``
+chunks at ``rate`` tokens/s (rate 0: unpaced) after ``ms`` milliseconds, as text or, with
+``-tool``, as one function call (``run``) whose arguments arrive over the chunks, e.g.
+``bench-4000-4000`` or ``bench-1000-40-tool-ttft20``. Any other id gets 16 tokens unpaced. Raw
+asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server.
 """
 
 from __future__ import annotations
@@ -21,24 +23,40 @@ import time
 _WORDS = [" alpha", " beta", " gamma", " delta", " kappa", " sigma"]
 
 
-def _params(model: str) -> tuple[float, int]:
+def _params(model: str) -> tuple[float, int, bool, float]:
+    """(rate, tokens, tool call?, seconds to the first token) of a model id."""
     parts = model.split("-")
-    if len(parts) == 3 and parts[0] == "bench":
+    if len(parts) >= 3 and parts[0] == "bench":
         try:
-            return float(parts[1]), int(parts[2])
+            rate, tokens = float(parts[1]), int(parts[2])
+            tool = "tool" in parts[3:]
+            ttft = next((float(p[4:]) / 1000 for p in parts[3:] if p.startswith("ttft")), 0.0)
+            return rate, tokens, tool, ttft
         except ValueError:
             pass
-    return 0.0, 16
+    return 0.0, 16, False, 0.0
 
 
-def _chunk(i: int, created: int, model: str, content: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+def _delta(i: int, content: str | None, tool: bool) -> dict:
+    if content is None:
+        return {}
+    if not tool:
+        return {"content": content}
+    fn = {"name": "run", "arguments": content} if i == 0 else {"arguments": content}
+    call = {"index": 0, "id": "call_bench", "type": "function", "function": fn} if i == 0 else {"index": 0, "function": fn}
+    return {"tool_calls": [call]}
+
+
+def _chunk(
+    i: int, created: int, model: str, content: str | None, finish: str | None = None, usage: dict | None = None, tool: bool = False
+) -> bytes:
     obj: dict = {
         "id": "chatcmpl-bench",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "system_fingerprint": "fp_bench",
-        "choices": [] if usage is not None else [{"index": 0, "delta": {} if content is None else {"content": content}, "finish_reason": finish}],
+        "choices": [] if usage is not None else [{"index": 0, "delta": _delta(i, content, tool), "finish_reason": finish}],
     }
     if usage is not None:
         obj["usage"] = usage
@@ -46,26 +64,37 @@ def _chunk(i: int, created: int, model: str, content: str | None, finish: str | 
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def _arguments(tokens: int) -> list[str]:
+    """A JSON object ``{"cmd": "..."}`` split into ``tokens`` pieces (at least 3)."""
+    words = [_WORDS[i % len(_WORDS)] for i in range(max(1, tokens - 2))]
+    return ['{"cmd": "', *words, '"}']
+
+
 async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int) -> None:
-    rate, tokens = _params(model)
+    rate, tokens, tool, ttft = _params(model)
     writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
         b"x-ratelimit-remaining-tokens-minute: 1000000\r\n\r\n"
     )
     loop = asyncio.get_running_loop()
     created = int(time.time())
+    await writer.drain()
+    if ttft:
+        await asyncio.sleep(ttft)
     t0 = loop.time()
     interval = 1.0 / rate if rate > 0 else 0.0
-    writer.write(_chunk(0, created, model, ""))
-    for i in range(tokens):
+    pieces = _arguments(tokens) if tool else [_WORDS[i % len(_WORDS)] for i in range(tokens)]
+    if not tool:
+        writer.write(_chunk(0, created, model, ""))
+    for i, piece in enumerate(pieces):
         if interval:
             due = t0 + i * interval
             now = loop.time()
             if due > now:
                 await writer.drain()
                 await asyncio.sleep(due - now)
-        writer.write(_chunk(i, created, model, _WORDS[i % len(_WORDS)]))
-    writer.write(_chunk(tokens, created, model, None, "stop"))
+        writer.write(_chunk(i, created, model, piece, tool=tool))
+    writer.write(_chunk(tokens, created, model, None, "tool_calls" if tool else "stop"))
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
              "prompt_tokens_details": {"cached_tokens": 0}}
     writer.write(_chunk(tokens, created, model, None, usage=usage))

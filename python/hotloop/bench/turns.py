@@ -1,0 +1,288 @@
+"""``hotloop bench agent-turns``: server CPU and added wall time per tool-call turn, per transport.
+
+The loop is a coding agent's: every turn the model answers with one function call and the client
+sends back its output (``--new-bytes`` of text, default 2 KB). The model is the paced
+chat-completions mock (:mod:`hotloop.bench.mockchat`, its own process), reached by hotloop's
+Cerebras backend. Measured side by side in one run:
+
+* ``direct``: the same loop against the mock with no Responses layer (raw HTTP/1.1 keep-alive,
+  the whole chat history each turn): the floor every transport is compared with. Its wall time
+  per turn is the baseline, and the mock's own CPU per turn is a yardstick for "one process
+  streaming these chunks".
+* ``ws-prev``: one WebSocket, ``previous_response_id``, only the new tool output, ``store: false``.
+* ``http-full``: ``POST`` with SSE, the whole history each turn, ``store: false``.
+* ``http-prev``: ``POST`` with SSE, ``previous_response_id``, ``store: true`` on SQLite.
+
+Server CPU is the whole server process (every thread: event loop, tokenizer, store writer), read
+with nanosecond resolution from ``/proc/<pid>/task/*/schedstat`` after each turn. Reported per
+transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 (growth with history), and
+wall time per turn against direct (p50 of the per-turn differences).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+
+from hotloop.bench import _free_port, _pct, _text, mock_process, server
+from hotloop.protocol import events as ev
+
+TOOL = {
+    "type": "function",
+    "name": "run",
+    "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"], "additionalProperties": False},
+    "strict": True,
+}
+CHAT_TOOL = {"type": "function", "function": {"name": "run", "description": TOOL["description"], "parameters": TOOL["parameters"], "strict": True}}
+_COMPLETED = ('"' + ev.COMPLETED + '"').encode()  # matched near the start of an event's JSON
+_FAILED = [('"' + t + '"').encode() for t in (ev.ERROR, ev.FAILED)]
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in nanoseconds (Linux schedstat)."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        with contextlib.suppress(OSError), open(f"{base}/{tid}/schedstat") as fh:
+            total += int(fh.read().split()[0])
+    return total
+
+
+@contextlib.contextmanager
+def naive_process(upstream: str) -> Iterator[tuple[str, int]]:
+    """The naive one-hop proxy (:mod:`hotloop.bench.naive`) in its own process: (base URL, pid)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hotloop.bench.naive", "--port", str(port), "--upstream", upstream]
+    proc = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the naive proxy did not start (is aiohttp installed? pip install 'hotloop[bench]')")
+            time.sleep(0.05)
+        yield base, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+class _RawClient:
+    """A minimal keep-alive HTTP/1.1 client: what an efficient direct caller would cost."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def post_stream(self, path: str, body: bytes) -> bytes:
+        head = f"POST {path} HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        self.sock.sendall(head.encode() + body)
+        buf = b""
+        while not (buf.endswith(b"\r\n0\r\n\r\n") and b"data: [DONE]" in buf):
+            data = self.sock.recv(65536)
+            if not data:
+                raise RuntimeError("the mock closed the connection")
+            buf += data
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _output(rng: random.Random, nbytes: int) -> str:
+    return _text(rng, nbytes)
+
+
+def _direct(url: str, model: str, turns: int, new_bytes: int, seed: int) -> list[float]:
+    """The loop against the mock directly; wall seconds per turn."""
+    rng = random.Random(seed)
+    port = int(url.rsplit(":", 1)[1])
+    client = _RawClient(port)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
+    walls = []
+    try:
+        for i in range(turns):
+            body = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            t0 = time.perf_counter()
+            raw = client.post_stream("/v1/chat/completions", body)
+            walls.append(time.perf_counter() - t0)
+            if b'"tool_calls"' not in raw:
+                raise RuntimeError("the mock did not answer with a tool call")
+            call_id = f"call_{i}"
+            messages.append({"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "run", "arguments": "{}"}}]})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _output(rng, new_bytes)})
+    finally:
+        client.close()
+    return walls
+
+
+def _call_of(response: dict[str, Any]) -> str:
+    calls = [o for o in response["output"] if o.get("type") == "function_call"]
+    if len(calls) != 1 or json.loads(calls[0]["arguments"]).get("cmd") is None:
+        raise RuntimeError(f"expected one function call, got {response['output']!r}")
+    return str(calls[0]["call_id"])
+
+
+def _ws_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+    from websockets.sync.client import connect
+
+    rng = random.Random(seed)
+    prev: str | None = None
+    call_id = ""
+    with connect(base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
+        for i in range(turns):
+            frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "store": False, "tools": [TOOL]}
+            if prev is None:
+                frame["input"] = "Fix the failing test."
+            else:
+                frame["previous_response_id"] = prev
+                frame["input"] = [{"type": "function_call_output", "call_id": call_id, "output": _output(rng, new_bytes)}]
+            payload = json.dumps(frame)
+            sent = time.perf_counter()
+            ws.send(payload)
+            while True:
+                raw = ws.recv(timeout=120)
+                data = raw.encode() if isinstance(raw, str) else raw
+                head = data[:64]
+                if _COMPLETED in head:
+                    response = json.loads(data)["response"]
+                    break
+                if any(f in head for f in _FAILED):
+                    raise RuntimeError(f"turn {i} failed: {data[:300]!r}")
+            tick(sent)
+            prev, call_id = response["id"], _call_of(response)
+
+
+def _sse_completed(raw: bytes) -> dict[str, Any]:
+    for block in reversed(raw.split(b"\n\n")):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: ") and _COMPLETED in line[:72]:
+                return json.loads(line[6:])["response"]  # type: ignore[no-any-return]
+    raise RuntimeError(f"no {ev.COMPLETED} in the stream: {raw[-300:]!r}")
+
+
+def _http_full(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+    _http(base, model, turns, new_bytes, seed, tick, False)
+
+
+def _http_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+    _http(base, model, turns, new_bytes, seed, tick, True)
+
+
+def _http(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], chained: bool) -> None:
+    rng = random.Random(seed)
+    history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
+    prev: str | None = None
+    new: list[dict[str, Any]] = list(history)
+    with httpx.Client(base_url=base + "/v1", timeout=120) as client:
+        for i in range(turns):
+            body: dict[str, Any] = {"model": model, "tools": [TOOL], "stream": True}
+            if chained:
+                body.update(store=True, input=new)
+                if prev is not None:
+                    body["previous_response_id"] = prev
+            else:
+                body.update(store=False, input=history)
+            payload = json.dumps(body).encode()
+            sent = time.perf_counter()
+            with client.stream("POST", "/responses", content=payload, headers={"content-type": "application/json"}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.read()[:300]!r}")
+                raw = r.read()
+            tick(sent)
+            response = _sse_completed(raw)
+            call_id = _call_of(response)
+            prev = response["id"]
+            out = {"type": "function_call_output", "call_id": call_id, "output": _output(rng, new_bytes)}
+            history.extend(response["output"])
+            history.append(out)
+            new = [out]
+
+
+def _summary(name: str, cpu_ns: list[int], walls: list[float], direct: list[float]) -> dict[str, Any]:
+    cpu_ms = [c / 1e6 for c in cpu_ns]
+    early = statistics.mean(cpu_ms[5:15]) if len(cpu_ms) >= 15 else statistics.mean(cpu_ms)
+    late = statistics.mean(cpu_ms[-10:])
+    added = [w - d for w, d in zip(walls, direct)]
+    return {
+        "server": name,
+        "turns": len(cpu_ms),
+        "cpu_per_turn_p50_ms": round(_pct(cpu_ms, 0.5), 3),
+        "cpu_per_turn_mean_ms": round(statistics.mean(cpu_ms), 3),
+        "cpu_turns_6_15_ms": round(early, 3),
+        "cpu_last_10_ms": round(late, 3),
+        "last_over_early": round(late / early, 3) if early else None,
+        "wall_per_turn_p50_ms": round(_pct(walls, 0.5) * 1e3, 2),
+        "added_over_direct_p50_ms": round(_pct(added, 0.5) * 1e3, 3),
+    }
+
+
+def _measure(base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int) -> tuple[list[int], list[float]]:
+    loop(base, model, 3, new_bytes, seed + 1, lambda sent: None)  # warm-up: connections, tokenizer
+    cpu: list[int] = []
+    walls: list[float] = []
+    mark = [process_cpu_ns(pid)]
+
+    def tick(sent: float) -> None:
+        walls.append(time.perf_counter() - sent)
+        now_cpu = process_cpu_ns(pid)
+        cpu.append(now_cpu - mark[0])
+        mark[0] = now_cpu
+
+    loop(base, model, turns, new_bytes, seed, tick)
+    return cpu, walls
+
+
+def bench_agent_turns(
+    turns: int = 100, new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20,
+    transport: str = "lean", seed: int = 0, naive: bool = True,
+) -> dict[str, Any]:
+    """Every transport through hotloop, and (``naive``) through the naive proxy, in one run."""
+    model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
+    results: list[dict[str, Any]] = []
+    with mock_process() as (url, mock_pid):
+        _direct(url, model, 3, new_bytes, seed + 1)  # warm-up
+        m0 = process_cpu_ns(mock_pid)
+        direct = _direct(url, model, turns, new_bytes, seed)
+        mock_cpu_ms = (process_cpu_ns(mock_pid) - m0) / 1e6 / turns
+        os.environ.setdefault("CEREBRAS_API_KEY", "bench")
+        runs: list[tuple[str, tuple[str, ...], Callable[..., None]]] = [
+            ("ws-prev", (), _ws_prev),
+            ("http-full", (), _http_full),
+            ("http-prev", ("--store", "sqlite"), _http_prev),
+        ]
+        for name, extra, loop in runs:
+            row: dict[str, Any] = {"transport": name}
+            args = ("--backend", "cerebras", "--base-url", url, "--backend-transport", transport, *extra)
+            with server(*args) as (base, pid):
+                row["hotloop"] = _summary("hotloop", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+            if naive:
+                with naive_process(url) as (base, pid):
+                    row["naive"] = _summary("naive", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+                h, n = row["hotloop"], row["naive"]
+                row["cpu_p50_hotloop_over_naive"] = round(h["cpu_per_turn_p50_ms"] / n["cpu_per_turn_p50_ms"], 3)
+            results.append(row)
+    return {
+        "scenario": "agent-turns",
+        "backend_transport": transport,
+        "model": model,
+        "new_bytes": new_bytes,
+        "direct_wall_per_turn_p50_ms": round(_pct(direct, 0.5) * 1e3, 2),
+        "mock_cpu_per_turn_ms": round(mock_cpu_ms, 3),
+        "transports": results,
+    }
