@@ -88,8 +88,8 @@ class _Client:
             self.closed = msg["code"]
             self.inbox.put_nowait({"type": "websocket.disconnect", "code": msg["code"]})
 
-    def send_texts(self, payloads: list[bytes]) -> bool:
-        self.sent.extend(payloads)
+    def send_texts(self, events: list[tuple[str, bytes]]) -> bool:
+        self.sent.extend(p for _, p in events)
         self.batches += 1
         return self.batches % 3 != 0 or self.writable_after == 0  # every third batch: "paused"
 

@@ -29,6 +29,7 @@ from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
+from hotloop.protocol.events import Frame
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.protocol.session import Close, RunCreate, SendError, Session
 from hotloop.server.engine import Engine, Run
@@ -426,7 +427,7 @@ class _Connection:
         self.app = app
         self._send = send
         ext = extensions or {}
-        self._send_texts: Callable[[list[bytes]], bool] | None = ext.get(SEND_TEXTS)
+        self._send_texts: Callable[[list[Frame]], bool] | None = ext.get(SEND_TEXTS)
         self._wait_writable: Callable[[], Awaitable[None]] | None = ext.get(WAIT_WRITABLE)
         self.opened_at = asyncio.get_running_loop().time()
         self.session: Session | None = None
@@ -598,10 +599,8 @@ class _Connection:
                 # The server's batch send: one call per batch, awaiting only under back-pressure.
                 async for batch in frames:
                     if suffix:
-                        payloads = [p[:-1] + suffix for _, p in batch]
-                    else:
-                        payloads = [p for _, p in batch]
-                    if not send_texts(payloads):
+                        batch = [(t, p[:-1] + suffix) for t, p in batch]
+                    if not send_texts(batch):
                         await wait_writable()
             else:
                 send = self._send
