@@ -37,6 +37,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, usage_object
 
 _MESSAGE = "message"
+_text_delta = ev.text_delta
 _REASONING = "reasoning"
 
 # Phases of the whole response (a table: which calls are legal in which phase).
@@ -138,10 +139,20 @@ class Turn:
 
     def feed(self, chunk: Chunk) -> list[Frame]:
         """Events for one backend chunk (usually exactly one delta event)."""
-        self._check("feed")
+        if self._phase is not _STREAMING:
+            self._check("feed")
         kind = type(chunk)
         if kind is TextDelta:
-            return self._delta(_MESSAGE, chunk.text)  # type: ignore[union-attr]
+            item = self._open
+            text = chunk.text  # type: ignore[union-attr]
+            if item is not None and text and item.key == _MESSAGE:
+                # the common case, one more token of the open message: exactly one event
+                item.parts.append(text)
+                self._output_tokens_seen += 1
+                seq = self._seq
+                self._seq = seq + 1
+                return [_text_delta(seq, item.item_id, item.output_index, 0, text)]
+            return self._delta(_MESSAGE, text)
         if kind is ToolCallDelta:
             return self._call_delta(chunk)  # type: ignore[arg-type]
         if kind is ReasoningDelta:
