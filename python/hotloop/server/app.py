@@ -462,7 +462,36 @@ class _Connection:
         deadlines = self.app.ws_deadlines
         deadlines.add(self, self.opened_at)
         try:
-            await self._read(receive)
+            # the reader runs in the ASGI task itself (an idle connection has no other task)
+            cfg = self.app.config
+            max_actions = cfg.ws_max_queued + 8
+            max_bytes = cfg.ws_max_queued_bytes
+            loop = asyncio.get_running_loop()
+            while True:
+                msg = await receive()
+                kind = msg["type"]
+                if kind == "websocket.disconnect":
+                    return
+                if kind != "websocket.receive":
+                    continue
+                data = msg.get("text")
+                if data is None:
+                    data = msg.get("bytes", b"")
+                session = self.session or self._open()
+                actions = self.actions
+                assert actions is not None and self._queued_sizes is not None
+                size = len(data)
+                while self.queued_bytes and self.queued_bytes + size > max_bytes:
+                    await self._wait_room()
+                mark = time.thread_time()
+                for action in session.receive(data, loop.time()):
+                    if isinstance(action, RunCreate):
+                        action.mark = mark
+                        self.queued_bytes += size
+                        self._queued_sizes.append(size)
+                    while len(actions) >= max_actions:
+                        await self._wait_room()
+                    self._dispatch(action)
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
@@ -471,6 +500,7 @@ class _Connection:
         except Exception as exc:
             log.error("websocket connection task failed", exc_info=exc)
         finally:
+            self._stopping = True  # the reader is done: the worker must not cancel this task now
             deadlines.remove(self)
             worker = self._worker
             if worker is not None:
@@ -499,37 +529,6 @@ class _Connection:
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
-    async def _read(self, receive: Receive) -> None:
-        cfg = self.app.config
-        max_actions = cfg.ws_max_queued + 8
-        max_bytes = cfg.ws_max_queued_bytes
-        loop = asyncio.get_running_loop()
-        while True:
-            msg = await receive()
-            kind = msg["type"]
-            if kind == "websocket.disconnect":
-                return
-            if kind != "websocket.receive":
-                continue
-            data = msg.get("text")
-            if data is None:
-                data = msg.get("bytes", b"")
-            session = self.session or self._open()
-            actions = self.actions
-            assert actions is not None and self._queued_sizes is not None
-            size = len(data)
-            while self.queued_bytes and self.queued_bytes + size > max_bytes:
-                await self._wait_room()
-            mark = time.thread_time()
-            for action in session.receive(data, loop.time()):
-                if isinstance(action, RunCreate):
-                    action.mark = mark
-                    self.queued_bytes += size
-                    self._queued_sizes.append(size)
-                while len(actions) >= max_actions:
-                    await self._wait_room()
-                self._dispatch(action)
-
     def expire(self) -> None:
         # The connection reached its age limit. The worker says so and closes as soon as the
         # response in flight (if any) is done; the wake-up is only needed when it is idle.
@@ -539,8 +538,36 @@ class _Connection:
         self._dispatch(None)
 
     async def _work(self) -> None:
+        """Run the queued actions in order; the task ends when there are none left."""
         try:
-            await self._work_queue()
+            engine = self.app.engine
+            actions = self.actions
+            session = self.session
+            assert actions is not None and session is not None and self._queued_sizes is not None
+            while actions:
+                action = actions.popleft()
+                if self._room is not None and not self._room.done():
+                    self._room.set_result(None)
+                if self.expired:
+                    # queued, unstarted responses are dropped: the client reconnects with context
+                    await self.send_frame(ev.ws_error(session.limit_error())[1])
+                    await self._send({"type": "websocket.close", "code": 1001, "reason": "connection limit reached"})
+                    raise _Disconnected()
+                if isinstance(action, SendError):
+                    if action.evict is not None:
+                        # a continuation that failed validation evicts its parent, like any failure
+                        assert self.cache is not None
+                        self.cache.evict(action.evict, action.stream_id)
+                    await self.send_frame(ev.ws_error(action.error, action.stream_id)[1])
+                elif isinstance(action, Close):
+                    await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
+                    raise _Disconnected()
+                elif isinstance(action, RunCreate):
+                    self.queued_bytes -= self._queued_sizes.popleft()
+                    try:
+                        await self._run(engine, action)
+                    finally:
+                        session.done()
         except (_Disconnected, ClientDisconnected):
             self._stop()
         except Exception as exc:
@@ -548,36 +575,6 @@ class _Connection:
             self._stop()
         finally:
             self._worker = None
-
-    async def _work_queue(self) -> None:
-        engine = self.app.engine
-        actions = self.actions
-        session = self.session
-        assert actions is not None and session is not None and self._queued_sizes is not None
-        while actions:
-            action = actions.popleft()
-            if self._room is not None and not self._room.done():
-                self._room.set_result(None)
-            if self.expired:
-                # queued, unstarted responses are dropped: the client reconnects with context
-                await self.send_frame(ev.ws_error(session.limit_error())[1])
-                await self._send({"type": "websocket.close", "code": 1001, "reason": "connection limit reached"})
-                raise _Disconnected()
-            if isinstance(action, SendError):
-                if action.evict is not None:
-                    # a continuation that failed validation evicts its parent, like any failure
-                    assert self.cache is not None
-                    self.cache.evict(action.evict, action.stream_id)
-                await self.send_frame(ev.ws_error(action.error, action.stream_id)[1])
-            elif isinstance(action, Close):
-                await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
-                raise _Disconnected()
-            elif isinstance(action, RunCreate):
-                self.queued_bytes -= self._queued_sizes.popleft()
-                try:
-                    await self._run(engine, action)
-                finally:
-                    session.done()
 
     async def _run(self, engine: Engine, action: RunCreate) -> None:
         req = action.request
