@@ -81,16 +81,18 @@ class _Waiters:
     def __init__(self) -> None:
         self._futures: list[asyncio.Future[None]] | None = None
 
-    async def _wait(self) -> None:
+    def _park(self) -> asyncio.Future[None]:
+        """A future for the caller to await (no coroutine of its own); :meth:`_unpark` it after."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         futures = self._futures
         if futures is None:
             futures = self._futures = []
         futures.append(fut)
-        try:
-            await fut
-        finally:
-            futures.remove(fut)
+        return fut
+
+    def _unpark(self, fut: asyncio.Future[None]) -> None:
+        assert self._futures is not None
+        self._futures.remove(fut)
 
     def _wake(self) -> None:
         if self._futures:
@@ -121,7 +123,11 @@ class _Flag(_Waiters):
 
     async def wait(self) -> bool:
         while not self._set:
-            await self._wait()
+            fut = self._park()
+            try:
+                await fut
+            finally:
+                self._unpark(fut)
         return True
 
 
@@ -153,17 +159,12 @@ class _Inbox(_Waiters):
         return len(self._items) if self._items else 0
 
     async def get(self) -> Any:
-        # _Waiters._wait inlined: an idle connection waits here, one coroutine frame less
         while not self._items:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            futures = self._futures
-            if futures is None:
-                futures = self._futures = []
-            futures.append(fut)
+            fut = self._park()
             try:
                 await fut
             finally:
-                futures.remove(fut)
+                self._unpark(fut)
         return self._items.pop(0)
 
 
