@@ -329,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-tokens", type=int, default=400, help="ws-fanout: tokens per stream and round")
     p.add_argument("--stream-rate", type=float, default=1000.0, help="ws-fanout: simulator tokens/s per stream")
     p.add_argument("--rounds", type=int, default=3, help="ws-fanout: responses per stream")
+    p.add_argument(
+        "--fanout-backend", choices=["simulator", "cerebras"], default="simulator",
+        help="ws-fanout: the simulator, or the Cerebras backend against the paced mock",
+    )
     p.add_argument("--server-path", help="idle-ws, ws-fanout: a python/ directory first on the server's PYTHONPATH")
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
@@ -360,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(wsload.bench_idle(args.connections, server_path=args.server_path))
         if args.scenario in ("all", "ws-fanout"):
             results.append(
-                wsload.bench_fanout(args.streams, args.stream_tokens, args.stream_rate, args.rounds, server_path=args.server_path)
+                wsload.bench_fanout(
+                    args.streams, args.stream_tokens, args.stream_rate, args.rounds,
+                    server_path=args.server_path, backend=args.fanout_backend,
+                )
             )
     for r in results:
         if args.json:

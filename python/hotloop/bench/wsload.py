@@ -18,6 +18,7 @@ source tree first on the server's ``PYTHONPATH``, to compare two versions in one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import os
 import resource
@@ -25,7 +26,7 @@ import struct
 import time
 from typing import Any
 
-from hotloop.bench import _proc_cpu_seconds, server
+from hotloop.bench import _proc_cpu_seconds, mock_process, server
 from hotloop.protocol import events as ev
 
 _DELTA_PREFIX = b'{"type":"' + ev.OUTPUT_TEXT_DELTA.encode() + b'"'
@@ -176,11 +177,19 @@ def _port(base: str) -> int:
     return int(base.rsplit(":", 1)[1])
 
 
-async def _stream_all(clients: list[_Client], tokens: int, timeout: float = 120.0) -> None:
-    frame = (
-        b'{"type":"' + ev.CLIENT_CREATE.encode() + b'","model":"hotloop-sim","input":"go","store":false,'
-        b'"metadata":{"sim":"text,tokens:' + str(tokens).encode() + b'"}}'
-    )
+async def _stream_all(clients: list[_Client], tokens: int, timeout: float = 120.0, rate: float | None = None) -> None:
+    """One response of ``tokens`` deltas on every client: from the simulator, or (``rate`` given)
+    from the paced mock behind the Cerebras backend (model ``bench-<rate>-<tokens>``)."""
+    if rate is None:
+        frame = (
+            b'{"type":"' + ev.CLIENT_CREATE.encode() + b'","model":"hotloop-sim","input":"go","store":false,'
+            b'"metadata":{"sim":"text,tokens:' + str(tokens).encode() + b'"}}'
+        )
+    else:
+        frame = (
+            b'{"type":"' + ev.CLIENT_CREATE.encode() + b'","model":"bench-' + f"{rate:g}-{tokens}".encode()
+            + b'","input":"go","store":false}'
+        )
     loop = asyncio.get_running_loop()
     for c in clients:
         c.turn_done = loop.create_future()
@@ -224,15 +233,15 @@ async def _idle(base: str, pid: int, connections: int, idle_seconds: float) -> d
     }
 
 
-async def _fanout(base: str, pid: int, streams: int, tokens: int, rounds: int) -> dict[str, Any]:
+async def _fanout(base: str, pid: int, streams: int, tokens: int, rounds: int, rate: float | None = None) -> dict[str, Any]:
     clients = await _connect(_port(base), streams)
-    await _stream_all(clients, 16)  # warm-up
+    await _stream_all(clients, 16, rate=rate)  # warm-up
     for c in clients:
         c.deltas = c.frames = 0
     cpu0 = _proc_cpu_seconds(pid)
     t0 = time.perf_counter()
     for _ in range(rounds):
-        await _stream_all(clients, tokens)
+        await _stream_all(clients, tokens, rate=rate)
     wall = time.perf_counter() - t0
     cpu = _proc_cpu_seconds(pid) - cpu0
     deltas = sum(c.deltas for c in clients)
@@ -272,9 +281,21 @@ def bench_idle(connections: int, idle_seconds: float = 3.0, server_path: str | N
         return _run(_idle(base, pid, connections, idle_seconds))
 
 
-def bench_fanout(streams: int, tokens: int, rate: float, rounds: int = 3, server_path: str | None = None) -> dict[str, Any]:
-    _raise_nofile(streams * 2 + 256)
-    with server("--sim-rate", f"{rate:g}", pythonpath=server_path) as (base, pid):
-        r = _run(_fanout(base, pid, streams, tokens, rounds))
+def bench_fanout(
+    streams: int, tokens: int, rate: float, rounds: int = 3, server_path: str | None = None, backend: str = "simulator"
+) -> dict[str, Any]:
+    """``backend="cerebras"``: the streams come from the paced mock through the Cerebras backend
+    (its HTTP transport, SSE parsing and chunk assembly are then part of the measure)."""
+    _raise_nofile(streams * 4 + 256)
+    with contextlib.ExitStack() as stack:
+        if backend == "cerebras":
+            url, _mock_pid = stack.enter_context(mock_process())
+            os.environ.setdefault("CEREBRAS_API_KEY", "bench")
+            base, pid = stack.enter_context(server("--backend", "cerebras", "--base-url", url, pythonpath=server_path))
+            r = _run(_fanout(base, pid, streams, tokens, rounds, rate))
+        else:
+            base, pid = stack.enter_context(server("--sim-rate", f"{rate:g}", pythonpath=server_path))
+            r = _run(_fanout(base, pid, streams, tokens, rounds))
+    r["backend"] = backend
     r["target_rate"] = rate
     return r

@@ -21,7 +21,9 @@ What it does, and its bounds:
   replayed by the transport.
 * **Timeouts.** ``connect_timeout`` (TCP + TLS), ``first_byte_timeout`` (write to the response
   head) and ``idle_timeout`` (silence while reading the body). One timer per request, re-armed
-  lazily: a read costs one float store, not a timer.
+  lazily: a read costs one integer increment, not a timer or a clock read (so silence is
+  detected between ``idle_timeout`` and twice that after the last read: a backstop behind the
+  engine's own idle watchdog).
 * **TLS.** ``https`` origins use certifi's CA bundle (or ``SSL_CERT_FILE``/``SSL_CERT_DIR`` when
   set, as httpx does), with SNI and hostname checks.
 * **Bodies.** ``Content-Length``, chunked and read-until-close bodies (httptools decodes chunked
@@ -126,7 +128,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
-        "_head_bytes", "_released",
+        "_head_bytes", "_released", "_loop",
     )
 
     def __init__(self, conn: "_Conn") -> None:
@@ -137,6 +139,7 @@ class Response:
         self._chunks: list[bytes] = []
         self._pending = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = conn.pool.loop
         self._error: BaseException | None = None
         self._head_bytes = 0
         self._released = False
@@ -157,14 +160,6 @@ class Response:
         self._state = _BODY
         self._wake()
 
-    def on_body(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._pending += len(data)
-        if self._waiter is not None:
-            self._wake()
-        if self._pending > MAX_PENDING_BYTES and self._conn is not None:
-            self._conn.pause()
-
     def on_message_complete(self) -> None:
         self._state = _DONE
         self._wake()
@@ -183,16 +178,13 @@ class Response:
 
     # -- the caller's side ---------------------------------------------------------------------
 
-    async def _wait(self) -> None:
-        self._waiter = w = asyncio.get_running_loop().create_future()
-        try:
-            await w
-        finally:
-            self._waiter = None
-
     async def head(self) -> None:
         while self._state == _HEAD:
-            await self._wait()
+            self._waiter = w = self._loop.create_future()
+            try:
+                await w
+            finally:
+                self._waiter = None
         if self._state == _FAILED and self.status == 0:
             raise self._error  # type: ignore[misc]
 
@@ -214,7 +206,11 @@ class Response:
                 raise StopAsyncIteration
             if state == _FAILED:
                 raise self._error  # type: ignore[misc]
-            await self._wait()
+            self._waiter = w = self._loop.create_future()  # inline: no coroutine per wait
+            try:
+                await w
+            finally:
+                self._waiter = None
 
     async def read(self, limit: int) -> bytes:
         """The whole body, at most ``limit`` bytes (the connection is dropped if it is longer)."""
@@ -259,7 +255,7 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection. Reads stay on while idle, so a close by the server is seen."""
 
     __slots__ = (
-        "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "deadline",
+        "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "reads", "mark",
         "keep_alive", "draining", "expiry", "counted_out",
     )
 
@@ -272,7 +268,8 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.paused = False
         self.timer: asyncio.TimerHandle | None = None
-        self.deadline = 0.0  # the loop time at which the current wait times out
+        self.reads = 0  # reads so far; the timer compares it with ``mark`` to see activity
+        self.mark = 0
         self.keep_alive = True
         self.draining = False
         self.expiry = pool.keepalive_expiry
@@ -288,8 +285,7 @@ class _Conn(asyncio.Protocol):
         if resp is None:  # bytes nobody asked for: the connection cannot be trusted any more
             self.drop()
             return
-        if self.timer is not None and not self.draining:
-            self.deadline = self.pool.loop.time() + self.pool.idle_timeout
+        self.reads += 1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:  # includes errors raised by the callbacks
@@ -334,16 +330,19 @@ class _Conn(asyncio.Protocol):
         ka = resp.headers.get("keep-alive")
         if ka:
             self.expiry = min(self.pool.keepalive_expiry, _keepalive_timeout(ka, self.pool.keepalive_expiry))
-        loop = self.pool.loop
-        self.deadline = loop.time() + self.pool.idle_timeout
-        timer = self.timer
-        if timer is not None and timer.when() > self.deadline:  # the idle bound is the tighter one
-            timer.cancel()
-            self.timer = loop.call_at(self.deadline, self._check)
+        self._arm(self.pool.idle_timeout)
         resp.on_headers_complete(parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        self.resp.on_body(body)  # type: ignore[union-attr]
+        resp = self.resp
+        assert resp is not None
+        resp._chunks.append(body)  # written here, not in a Response method: one call per read
+        resp._pending += len(body)
+        w = resp._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        if resp._pending > MAX_PENDING_BYTES:
+            self.pause()
 
     def on_message_complete(self) -> None:
         resp = self.resp
@@ -373,23 +372,27 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.keep_alive = True
         self.draining = False
-        loop = self.pool.loop
-        self.deadline = loop.time() + self.pool.first_byte_timeout
-        self.timer = loop.call_at(self.deadline, self._check)
+        self._arm(self.pool.first_byte_timeout)
         self.transport.write(data)  # type: ignore[union-attr]
 
+    def _arm(self, seconds: float) -> None:
+        """(Re)start the request's one timer: ``_check`` in ``seconds``."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.mark = self.reads
+        self.timer = self.pool.loop.call_later(seconds, self._check)
+
     def _check(self) -> None:
-        """The request's one timer: re-armed to the current deadline until it passes."""
+        """The timer: no head yet, no read since the last check, or a drain that took too long."""
         self.timer = None
         resp = self.resp
         if resp is None:
             return
-        loop = self.pool.loop
-        if loop.time() < self.deadline:
-            self.timer = loop.call_at(self.deadline, self._check)
-            return
         if self.draining:
             self.drop()
+            return
+        if resp._state != _HEAD and self.reads != self.mark:
+            self._arm(self.pool.idle_timeout)  # data arrived meanwhile: wait another period
             return
         log.warning("%s: %s", self.pool.origin.host_header, "no response head in time" if resp._state == _HEAD else "silent stream")
         resp.fail(errors.BackendTimeout(_NO_ANSWER if resp._state == _HEAD else _SILENT))
@@ -398,11 +401,7 @@ class _Conn(asyncio.Protocol):
     def discard_after(self, seconds: float) -> None:
         """Keep reading the rest of the body in the background; close if it takes longer."""
         self.draining = True
-        loop = self.pool.loop
-        self.deadline = loop.time() + seconds
-        if self.timer is None or self.timer.when() > self.deadline:
-            self._cancel_timer()
-            self.timer = loop.call_at(self.deadline, self._check)
+        self._arm(seconds)
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:
