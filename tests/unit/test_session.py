@@ -60,3 +60,13 @@ def test_stream_id_lane_limit() -> None:
     assert isinstance(sess.receive(mk("a"), 1)[0], RunCreate)
     [a] = sess.receive(mk("c"), 1)
     assert isinstance(a, SendError) and a.error.code == "websocket_stream_limit_reached" and a.stream_id == "c"
+
+
+def test_expire_says_why_then_closes_once() -> None:
+    s = Session(opened_at=0.0, max_age=60.0)
+    actions = s.expire()
+    assert [type(a) for a in actions] == [SendError, Close]
+    assert actions[0].error.code == "websocket_connection_limit_reached"  # type: ignore[union-attr]
+    assert actions[1].code == 1001  # type: ignore[union-attr]
+    assert s.expire() == []  # decided once
+    assert s.receive('{"type": "response.create", "model": "m", "input": "x"}', 1.0) == []

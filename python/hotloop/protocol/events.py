@@ -99,6 +99,14 @@ def sse_error(err: HotloopError, seq: int) -> Frame:
     return ERROR, _encode({"type": ERROR, "sequence_number": seq, "error": err.body()})
 
 
+def stream_id_suffix(stream_id: str | None) -> bytes:
+    """Named lanes echo ``stream_id`` on every event: these bytes replace an event's closing brace
+    (``payload[:-1] + suffix``), so encoded events need not be decoded to carry it."""
+    if stream_id is None:
+        return b""
+    return b',"stream_id":' + _encode(stream_id) + b"}"
+
+
 def ws_error(err: HotloopError, stream_id: str | None = None) -> Frame:
     """The WebSocket error frame: ``status`` always present (Codex needs it), no sequence number."""
     obj: dict[str, Any] = {"type": ERROR, "status": err.status, "error": err.body()}

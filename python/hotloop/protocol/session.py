@@ -66,6 +66,14 @@ class Session:
     def expired(self, now: float) -> bool:
         return now - self.opened_at >= self.max_age
 
+    def expire(self) -> list[Action]:
+        """The connection reached its age limit (the transport's timer says so, or a frame arrived
+        after it): say why, then close with 1001. Anything queued is not started."""
+        if self.closing:
+            return []
+        self.closing = True
+        return [SendError(self.limit_error()), Close(1001, "connection limit reached")]
+
     def limit_error(self) -> errors.HotloopError:
         minutes = self.max_age / 60
         return errors.ConnectionLimitReached(
@@ -112,8 +120,7 @@ class Session:
                 )
             ]
         if self.expired(now):
-            self.closing = True
-            return [SendError(self.limit_error()), Close(1001, "connection limit reached")]
+            return self.expire()
         if self.queued >= self.max_queued:
             return [
                 SendError(

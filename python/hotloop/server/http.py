@@ -1,0 +1,271 @@
+"""HTTP: the REST routes, ``POST /v1/responses`` as JSON or SSE, and the service endpoints.
+
+Every response carries ``x-request-id``. Errors are rendered in the OpenAI shape; anything
+unexpected is logged and answered with a generic 500 (no internals reach a client). A client that
+goes away while its response is generated cancels the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from hotloop import __version__, errors
+from hotloop.pipeline.prepare import prepare
+from hotloop.protocol import events as ev
+from hotloop.protocol.request import decode_body, item_to_dict, validate
+from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
+
+if TYPE_CHECKING:
+    from hotloop.server.app import HotloopApp
+
+log = logging.getLogger("hotloop.server")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class HttpTransport:
+    """The app's HTTP side (ASGI ``http`` scopes)."""
+
+    def __init__(self, app: "HotloopApp") -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = request_id()
+        started = False
+
+        async def respond(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+            nonlocal started
+            started = True
+            hdrs = [JSON_HEADER, (b"x-request-id", rid.encode())] + (headers or [])
+            await send({"type": "http.response.start", "status": status, "headers": hdrs})
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            await self._route(scope, receive, send, respond, rid)
+        except _ClientGone:
+            return  # nobody to answer
+        except errors.HotloopError as exc:
+            if not started:
+                hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+                if exc.status == 429 or exc.status >= 500:
+                    hdrs.append((b"x-should-retry", b"true"))
+                await respond(exc.status, ev.http_error_body(exc), hdrs)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await respond(500, ev.http_error_body(errors.ServerError()))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+        app = self.app
+        method = scope["method"]
+        path: str = scope["path"].rstrip("/") or "/"
+        if path in ("/healthz", "/health"):
+            body = encode(
+                {
+                    "status": "ok",
+                    "version": __version__,
+                    "backend": self.app.backend.name,
+                    "active_responses": self.app.engine.active,
+                    "uptime_seconds": round(time.time() - self.app.started_at, 3),
+                }
+            )
+            return await respond(200, body)
+        app._check_auth(scope)
+        if path == "/hotloop/stats":
+            self._method(method, "GET")
+            return await respond(200, encode(self.app.stats()))
+        if path == "/hotloop/usage":
+            self._method(method, "GET")
+            return await respond(200, encode({"object": "list", "data": await self.app.persistence.usage()}))
+        if path == "/v1/responses":
+            if method != "POST":
+                raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
+            return await self._create(scope, receive, send, respond, rid)
+        if path == "/v1/models":
+            self._method(method, "GET")
+            models = await self.app.backend.list_models()
+            return await respond(200, encode({"object": "list", "data": models}))
+        if path.startswith("/v1/models/"):
+            self._method(method, "GET")
+            model_id = path[len("/v1/models/") :]
+            for m in await self.app.backend.list_models():
+                if m["id"] == model_id:
+                    return await respond(200, encode(m))
+            raise errors.ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+        if path == "/v1/responses/input_tokens":
+            self._method(method, "POST")
+            return await self._input_tokens(receive, respond)
+        if path.startswith("/v1/responses/"):
+            rest = path[len("/v1/responses/") :].split("/")
+            rid_ = rest[0]
+            if len(rest) == 1:
+                if method == "GET":
+                    return await self._retrieve(rid_, respond)
+                if method == "DELETE":
+                    return await self._delete(rid_, respond)
+                raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.")
+            if len(rest) == 2 and rest[1] == "input_items":
+                self._method(method, "GET")
+                return await self._input_items(rid_, scope, respond)
+            if len(rest) == 2 and rest[1] == "cancel":
+                self._method(method, "POST")
+                return await self._cancel(rid_)
+        raise errors.NotFound(f"Unknown route: {method} {path}.")
+
+    @staticmethod
+    def _method(method: str, allowed: str) -> None:
+        if method != allowed:
+            raise errors.MethodNotAllowed(f"Method {method} is not allowed here; use {allowed}.")
+
+    async def _body(self, receive: Receive) -> bytes:
+        limit = self.app.config.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientGone()
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > limit:
+                raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            chunks.append(body)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+        mark = time.thread_time()
+        req = decode_body(await self._body(receive))
+        # The response runs while another task waits for the client to go away: a client that
+        # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
+        # the backend stops producing tokens nobody will read.
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark))
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping
+            work.cancel()
+            gone.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+            raise
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        if not work.done():  # the client went away first
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise _ClientGone()
+        await work  # its result, or the error to answer with
+
+    async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float) -> None:
+        if not req.stream:
+            run = await self.app.engine.start(req, transport="json")
+            response = await run.drain()
+            self.app.engine.record(run, mark)
+            if response["status"] == "failed":
+                err = response.get("error") or {}
+                exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
+                raise exc
+            return await respond(200, encode(response))
+        run = await self.app.engine.start(req, transport="sse")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())],
+            }
+        )
+        sse = ev.sse
+        try:
+            async with contextlib.aclosing(run.frames()) as frames:
+                async for batch in frames:
+                    await send({"type": "http.response.body", "body": b"".join([sse(f) for f in batch]), "more_body": True})
+        finally:
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.app.engine.record(run, mark)
+
+    async def _retrieve(self, response_id: str, respond: Any) -> None:
+        hit = self.app.engine.responses.get(response_id)
+        response = hit.response if hit is not None else await self.app.persistence.get_response(response_id)
+        if response is None:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        await respond(200, encode(response))
+
+    async def _delete(self, response_id: str, respond: Any) -> None:
+        self.app.engine.responses.evict(response_id)
+        if not await self.app.persistence.delete(response_id):
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
+
+    async def _cancel(self, response_id: str) -> None:
+        known = self.app.engine.responses.get(response_id) is not None or (
+            await self.app.persistence.get_response(response_id) is not None
+        )
+        if not known:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        raise errors.InvalidRequest(
+            "Only responses created with the 'background' parameter set to true can be cancelled."
+        )
+
+    async def _input_items(self, response_id: str, scope: Scope, respond: Any) -> None:
+        q = parse_qs(scope.get("query_string", b"").decode())
+        after = q.get("after", [None])[0]
+        order = q.get("order", ["desc"])[0]
+        if order not in ("asc", "desc"):
+            raise errors.InvalidValue(f"Invalid 'order': '{order}'. Expected 'asc' or 'desc'.", param="order")
+        try:
+            limit = int(q.get("limit", ["20"])[0])
+        except ValueError:
+            raise errors.InvalidType("Invalid 'limit': expected an integer.", param="limit") from None
+        if not 1 <= limit <= 100:
+            raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
+        hit = self.app.engine.responses.get(response_id)
+        if hit is not None:
+            from hotloop.state.store import page_items
+
+            page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
+            result: Any = False if page is None else page
+        else:
+            result = await self.app.persistence.input_items(response_id, after, limit, order)
+        if result is None:
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        if result is False:
+            raise errors.InvalidValue(f"Invalid 'after': no item with id '{after}'.", param="after")
+        data, has_more = result
+        body = {
+            "object": "list",
+            "data": data,
+            "first_id": data[0].get("id") if data else None,
+            "last_id": data[-1].get("id") if data else None,
+            "has_more": has_more,
+        }
+        await respond(200, encode(body))
+
+    async def _input_tokens(self, receive: Receive, respond: Any) -> None:
+        req = decode_body(await self._body(receive))
+        p = validate(req)
+        parent = await self.app.engine.resolve(req.previous_response_id, None)
+        stored = await self.app.engine.stored_items(p, parent)
+        plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens, defer=True, stored=stored)
+        n = await self.app.engine.count_input(plan)
+        await respond(200, encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": n}))
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected; there is nobody to answer."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the HTTP client has gone away (the request body was already read)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return
