@@ -134,7 +134,12 @@ def app(upstream: str) -> Any:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "turns": []})
 
+    async def close(_app: web.Application) -> None:
+        if naive.session is not None:
+            await naive.session.close()
+
     a = web.Application(client_max_size=64 * 1024 * 1024)
+    a.on_cleanup.append(close)
     a.router.add_route("*", "/v1/responses", responses)
     a.router.add_get("/healthz", health)
     a.router.add_get("/hotloop/stats", health)
