@@ -22,6 +22,7 @@ from hotloop.backends.chat import (
     status_error,
 )
 from hotloop.protocol.chunks import Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from hotloop.protocol.events import ws_error
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import (
     FunctionTool,
@@ -494,7 +495,13 @@ def test_status_errors() -> None:
 
     rl = err(429, {"message": "Too many tokens"}, {"retry-after": "2", "x-ratelimit-reset-tokens-minute": "2.5", "x-request-id": "abc"})
     assert isinstance(rl, errors.RateLimited) and rl.status == 429 and rl.code == "rate_limit_exceeded"
-    assert rl.retry_after == 2.0 and rl.headers["retry-after"] == "2" and rl.headers["x-ratelimit-reset-tokens-minute"] == "2.5"
+    assert rl.retry_after == 2.0 and rl.headers["retry-after"] == "2"
+    # the backend's x-ratelimit-* headers describe hotloop's own account: neither on the HTTP 429
+    # nor in a WebSocket error frame
+    assert not [h for h in rl.headers if h.startswith("x-ratelimit-")]
+    assert b"x-ratelimit" not in ws_error(rl)[1] and b'"retry-after":"2"' in ws_error(rl)[1]
+    rl = err(429, {"message": "Too many tokens"}, {"x-ratelimit-reset-tokens-minute": "2.5", "x-ratelimit-remaining-tokens-minute": "0"})
+    assert rl.retry_after == 2.5 and rl.headers == {"retry-after": "2.5", "retry-after-ms": "2500"}
     assert "x-request-id" not in rl.headers and "Too many tokens" not in rl.message
     ctx = err(400, {"message": "Please reduce the length of the messages or completion.", "type": "invalid_request_error", "code": "context_length_exceeded"})
     assert isinstance(ctx, errors.ContextLengthExceeded) and ctx.code == "context_length_exceeded" and ctx.status == 400

@@ -144,12 +144,11 @@ def status_error(
     message, code = _error_fields(body)
     log.warning("%s backend answered HTTP %d: %s", backend, status, _safe(message) or "(no message)")
     if status == 429:
+        # The backend's x-ratelimit-* headers describe hotloop's own account with it: they decide
+        # the delay and are never passed on.
         delay = retry_after(headers)
-        rate = {k: v for k, v in headers.items() if k.lower().startswith("x-ratelimit-")}
         hint = f" Please try again in {delay:.3g}s." if delay is not None else ""
-        return errors.RateLimited(
-            f"Rate limit reached for model '{model}' on the model backend.{hint}", retry_after=delay, headers=rate
-        )
+        return errors.RateLimited(f"Rate limit reached for model '{model}' on the model backend.{hint}", retry_after=delay)
     lowered = message.lower()
     if status in (400, 413, 422):
         if code == "context_length_exceeded" or any(p in lowered for p in _CONTEXT_PATTERNS):
