@@ -13,6 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+MAX_ECHO = 100  # characters of a client's own input that an error message repeats
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """Client input as an error message may repeat it: at most ``limit`` characters, then "..."."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 class HotloopError(Exception):
     """Base of every client-visible error."""
@@ -75,7 +82,7 @@ class PreviousResponseNotFound(InvalidRequest):
 
     def __init__(self, response_id: str) -> None:
         super().__init__(
-            f"Previous response with id '{response_id}' not found.", param="previous_response_id"
+            f"Previous response with id '{clip(response_id)}' not found.", param="previous_response_id"
         )
 
 

@@ -101,7 +101,7 @@ def parse_directives(spec: str) -> Directives:
                 raise ValueError(word)
         except ValueError:
             raise errors.InvalidValue(
-                f"Invalid simulator directive '{word}' in metadata.sim.", param="metadata.sim"
+                f"Invalid simulator directive '{errors.clip(word)}' in metadata.sim.", param="metadata.sim"
             ) from None
     return d
 

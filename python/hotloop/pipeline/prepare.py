@@ -149,7 +149,7 @@ def _resolve_reference(
         found = stored.get(ref.id)
     if found is None:
         raise errors.ItemNotFound(
-            f"Item with id '{ref.id}' not found. Items are not persisted when `store` is set to false.",
+            f"Item with id '{errors.clip(ref.id)}' not found. Items are not persisted when `store` is set to false.",
             param=f"input[{index}]",
         )
     return found

@@ -235,6 +235,70 @@ def _param_from_path(path: str) -> str | None:
     return path or None
 
 
+# The decoder's type names (and Python's, which some of its messages use) in JSON's words.
+_JSON_TYPES = {
+    "str": "a string",
+    "bytes": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+    "null": "null",
+    "None": "null",
+    "NoneType": "null",
+    "object": "an object",
+    "dict": "an object",
+    "array": "an array",
+    "list": "an array",
+    "tuple": "an array",
+    "set": "an array",
+    "any": "any value",
+}
+_EXPECTED_RE = re.compile(r"^Expected `([^`]*)`(.*?)(?:, got `([^`]*)`)?$")
+_ENUM_RE = re.compile(r"^Invalid (?:enum )?value (.*)$", re.S)
+_QUOTED_RE = re.compile(r"`([^`]*)`")
+
+
+def _json_type(name: str) -> str:
+    return _JSON_TYPES.get(name.strip(), "a value of another type")
+
+
+def _one_of(names: str) -> str:
+    """``str | array | null`` -> ``a string, an array or null``."""
+    words = list(dict.fromkeys(_json_type(n) for n in names.split("|")))
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message may repeat it: quoted, in JSON terms, clipped."""
+    if isinstance(value, str):
+        return "'" + errors.clip(value) + "'"
+    try:
+        text = msgspec.json.encode(value).decode()
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        text = "a value of another type"
+    return errors.clip(text)
+
+
+def json_terms(detail: str) -> str:
+    """A decoder's validation message, reworded for a JSON client (no Python type names, echoed
+    input clipped)."""
+    m = _EXPECTED_RE.match(detail)
+    if m:
+        expected, constraint, got = m.group(1), m.group(2).strip(), m.group(3)
+        text = "expected " + _one_of(expected)
+        if constraint:
+            text += " " + _QUOTED_RE.sub(lambda q: _json_type(q.group(1)), constraint)
+        return text + (f", but got {_json_type(got)} instead" if got else "")
+    m = _ENUM_RE.match(detail)
+    if m:
+        raw = m.group(1)
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            raw = raw[1:-1]
+        return f"'{errors.clip(raw)}' is not a supported value"
+    # anything else: keep the words, never a Python type name or a long echo
+    return errors.clip(_QUOTED_RE.sub(lambda q: _json_type(q.group(1)), detail).rstrip("."), 200)
+
+
 def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> errors.InvalidRequest:
     text = str(exc)
     m = _AT_RE.search(text)
@@ -247,8 +311,8 @@ def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> er
         full = param + "." + field if param and field else (field or param)
         return errors.MissingParameter(f"Missing required parameter: '{full}'.", param=full)
     if detail.startswith("Expected"):
-        return errors.InvalidType(f"Invalid type for '{param}': {detail}.", param=param)
-    return errors.InvalidValue(f"Invalid value for '{param}': {detail}.", param=param)
+        return errors.InvalidType(f"Invalid type for '{param}': {json_terms(detail)}.", param=param)
+    return errors.InvalidValue(f"Invalid value for '{param}': {json_terms(detail)}.", param=param)
 
 
 TOO_DEEP = "The JSON is nested too deeply."
@@ -359,7 +423,7 @@ def _range(name: str, value: float | int | None, lo: float, hi: float | None = N
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo:g} and {hi:g}" if hi is not None else f"at least {lo:g}"
         raise errors.InvalidValue(
-            f"Invalid '{name}': {value!r} is out of range; it must be {bound}.", param=name
+            f"Invalid '{name}': {errors.clip(repr(value), 30)} is out of range; it must be {bound}.", param=name
         )
 
 
@@ -389,7 +453,7 @@ def _check_tools(tools: list[dict[str, Any]] | None) -> dict[str, FunctionTool]:
             )
         if fn.name in fns:
             raise errors.InvalidValue(
-                f"Invalid 'tools': duplicate function name '{fn.name}'.", param=f"tools[{i}].name"
+                f"Invalid 'tools': duplicate function name {shown(fn.name)}.", param=f"tools[{i}].name"
             )
         if fn.parameters is not None and fn.parameters.get("type", "object") != "object":
             raise errors.InvalidValue(
@@ -408,7 +472,7 @@ def _check_tool_choice(
     if isinstance(choice, str):
         if choice not in TOOL_CHOICE_STRINGS:
             raise errors.InvalidValue(
-                f"Invalid value for 'tool_choice': '{choice}'. Supported values are: 'none', "
+                f"Invalid value for 'tool_choice': {shown(choice)}. Supported values are: 'none', "
                 "'auto', 'required' or an object.",
                 param="tool_choice",
             )
@@ -427,20 +491,20 @@ def _check_tool_choice(
             )
         if name not in fns:
             raise errors.InvalidValue(
-                f"Tool choice '{name}' not found in 'tools' parameter.", param="tool_choice"
+                f"Tool choice {shown(name)} not found in 'tools' parameter.", param="tool_choice"
             )
         return choice
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required"):
             raise errors.InvalidValue(
-                f"Invalid 'tool_choice.mode': '{mode}'. Expected 'auto' or 'required'.",
+                f"Invalid 'tool_choice.mode': {shown(mode)}. Expected 'auto' or 'required'.",
                 param="tool_choice.mode",
             )
         allowed = choice.get("tools")
         if not isinstance(allowed, list) or not allowed:
             raise errors.InvalidValue(
-                "Invalid 'tool_choice.tools': expected a non-empty list of tools.",
+                "Invalid 'tool_choice.tools': expected a non-empty array of tools.",
                 param="tool_choice.tools",
             )
         for j, t in enumerate(allowed):
@@ -454,7 +518,7 @@ def _check_tool_choice(
         # A hosted or custom tool: allowed only if such a tool was declared; even then no
         # backend can run it, so it is rejected clearly.
         raise errors.UnsupportedParameter(
-            f"Invalid 'tool_choice': tools of type '{kind}' are not supported by this server.",
+            f"Invalid 'tool_choice': tools of type {shown(kind)} are not supported by this server.",
             param="tool_choice",
         )
     raise errors.MissingParameter("Missing required parameter: 'tool_choice.type'.", param="tool_choice.type")
@@ -497,13 +561,13 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
     _range("top_logprobs", req.top_logprobs, 0, 20)
     if req.truncation is not None and req.truncation not in TRUNCATION_VALUES:
         raise errors.InvalidValue(
-            f"Invalid value for 'truncation': '{req.truncation}'. Supported values are: 'auto' and "
+            f"Invalid value for 'truncation': {shown(req.truncation)}. Supported values are: 'auto' and "
             "'disabled'.",
             param="truncation",
         )
     if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
         raise errors.InvalidValue(
-            f"Invalid value for 'service_tier': '{req.service_tier}'.", param="service_tier"
+            f"Invalid value for 'service_tier': {shown(req.service_tier)}.", param="service_tier"
         )
     _check_metadata(req.metadata)
     fmt = req.text.format if req.text is not None else None

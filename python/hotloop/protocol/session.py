@@ -18,7 +18,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop.protocol import events as ev
-from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body
+from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, shown
 
 
 class RunCreate(msgspec.Struct):
@@ -107,12 +107,12 @@ class Session:
             return []  # Codex's acknowledgement expects no reply
         stream_id = frame.get("stream_id") if isinstance(frame.get("stream_id"), str) else None
         if kind != ev.CLIENT_CREATE:
-            if kind in _UNSUPPORTED:
+            if isinstance(kind, str) and kind in _UNSUPPORTED:
                 return [SendError(errors.UnsupportedParameter(_UNSUPPORTED[kind], param="type"), stream_id)]
             return [
                 SendError(
                     errors.InvalidValue(
-                        f"Invalid 'type': {kind!r}. Supported client events are '{ev.CLIENT_CREATE}' "
+                        f"Invalid 'type': {shown(kind)}. Supported client events are '{ev.CLIENT_CREATE}' "
                         f"and '{ev.CLIENT_PROCESSED}'.",
                         param="type",
                     ),

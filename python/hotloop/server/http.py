@@ -100,7 +100,7 @@ class HttpTransport:
             for m in await self.app.backend.list_models():
                 if m["id"] == model_id:
                     return await respond(200, encode(m))
-            raise errors.ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+            raise errors.ModelNotFound(f"The model '{errors.clip(model_id)}' does not exist.", param="model")
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
             return await self._input_tokens(receive, respond)
@@ -119,7 +119,7 @@ class HttpTransport:
             if len(rest) == 2 and rest[1] == "cancel":
                 self._method(method, "POST")
                 return await self._cancel(rid_)
-        raise errors.NotFound(f"Unknown route: {method} {path}.")
+        raise errors.NotFound(f"Unknown route: {errors.clip(method, 20)} {errors.clip(path)}.")
 
     @staticmethod
     def _method(method: str, allowed: str) -> None:
@@ -197,13 +197,13 @@ class HttpTransport:
         hit = self.app.engine.responses.get(response_id)
         response = hit.response if hit is not None else await self.app.persistence.get_response(response_id)
         if response is None:
-            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+            raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         await respond(200, encode(response))
 
     async def _delete(self, response_id: str, respond: Any) -> None:
         self.app.engine.responses.evict(response_id)
         if not await self.app.persistence.delete(response_id):
-            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+            raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
 
     async def _cancel(self, response_id: str) -> None:
@@ -211,7 +211,7 @@ class HttpTransport:
             await self.app.persistence.get_response(response_id) is not None
         )
         if not known:
-            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+            raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         raise errors.InvalidRequest(
             "Only responses created with the 'background' parameter set to true can be cancelled."
         )
@@ -221,7 +221,7 @@ class HttpTransport:
         after = q.get("after", [None])[0]
         order = q.get("order", ["desc"])[0]
         if order not in ("asc", "desc"):
-            raise errors.InvalidValue(f"Invalid 'order': '{order}'. Expected 'asc' or 'desc'.", param="order")
+            raise errors.InvalidValue(f"Invalid 'order': '{errors.clip(order)}'. Expected 'asc' or 'desc'.", param="order")
         try:
             limit = int(q.get("limit", ["20"])[0])
         except ValueError:
@@ -237,9 +237,9 @@ class HttpTransport:
         else:
             result = await self.app.persistence.input_items(response_id, after, limit, order)
         if result is None:
-            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+            raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         if result is False:
-            raise errors.InvalidValue(f"Invalid 'after': no item with id '{after}'.", param="after")
+            raise errors.InvalidValue(f"Invalid 'after': no item with id '{errors.clip(str(after))}'.", param="after")
         data, has_more = result
         body = {
             "object": "list",

@@ -148,7 +148,7 @@ def status_error(
         # the delay and are never passed on.
         delay = retry_after(headers)
         hint = f" Please try again in {delay:.3g}s." if delay is not None else ""
-        return errors.RateLimited(f"Rate limit reached for model '{model}' on the model backend.{hint}", retry_after=delay)
+        return errors.RateLimited(f"Rate limit reached for model '{errors.clip(model)}' on the model backend.{hint}", retry_after=delay)
     lowered = message.lower()
     if status in (400, 413, 422):
         if code == "context_length_exceeded" or any(p in lowered for p in _CONTEXT_PATTERNS):
@@ -162,7 +162,7 @@ def status_error(
     if status == 404:
         if "model" in lowered or code == "model_not_found":
             return errors.ModelNotFound(
-                f"The model '{model}' does not exist or is not served by the model backend.", param="model"
+                f"The model '{errors.clip(model)}' does not exist or is not served by the model backend.", param="model"
             )
         return errors.BackendError("The model backend has no chat-completions endpoint at its configured URL.")
     if status in (401, 403):
