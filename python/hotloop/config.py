@@ -23,7 +23,9 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
-    api_key: str | None = None  # when set, clients must send "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # the admin key: "Authorization: Bearer <api_key>" (see hotloop.tenants)
+    limit_output_reserve: int = 4096  # output tokens a response reserves under a TPM limit without max_output_tokens
+    limit_max_keys: int = 10_000  # keys whose rate-limit buckets are kept in memory (least recently used dropped)
     # backend
     backend: str = "simulator"  # simulator | cerebras | openai-compat
     model: str | None = None  # default model id (backend's default when None)

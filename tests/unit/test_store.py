@@ -73,7 +73,7 @@ def test_usage_ledger(store) -> None:
     store.record_usage([UsageRecord("m", 10, 5, 2, 1, 0.0)])
     store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0), UsageRecord("m", 0, 0, 0, 0, 0.0)])
     [row] = store.usage()
-    assert row == {"day": "1970-01-01", "model": "m", "responses": 3, "input_tokens": 11,
+    assert row == {"day": "1970-01-01", "model": "m", "key": "anonymous", "responses": 3, "input_tokens": 11,
                    "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1}
 
 
@@ -96,7 +96,11 @@ def test_memory_store_item_bound() -> None:
 def test_memory_item_index_survives_deleting_a_continuation() -> None:
     m = MemoryStore()
     a = rec("resp_a")
-    b = StoredResponse({"id": "resp_b", "object": "response", "output": []}, a.items + a.items[:1], a.fps + a.fps[:1], a.toks + a.toks[:1], 3)
+    a = a._replace(minted=[True] * len(a.items))
+    b = StoredResponse(
+        {"id": "resp_b", "object": "response", "output": []}, a.items + a.items[:1], a.fps + a.fps[:1], a.toks + a.toks[:1], 3,
+        minted=[True] * (len(a.items) + 1),
+    )
     m.put(a)
     m.put(b)
     assert m.delete("resp_b")

@@ -30,6 +30,7 @@ class Chain:
         self._items: list[dict[str, Any]] = []
         self._fps: list[int] = []
         self._toks: list[int] = []
+        self._minted: list[bool] = []  # provenance of the history's items
 
     def add(self, n_own: int = 2, parent: str | None = "last") -> str:
         rid = f"{self.prefix}_{len(self.ids)}"
@@ -37,17 +38,21 @@ class Chain:
         if pid in self.whole:
             h = self.whole[pid]
             self._items, self._fps, self._toks = list(h.items), list(h.fps), list(h.toks)
+            self._minted = list(h.minted or [False] * len(h.items))
         base = len(self._items) if pid is not None else 0
         own = [_item(rid, k, f"{rid} says {k} " + "x" * (k * 7)) for k in range(n_own)]
         fps = [(hash((rid, k)) % (1 << 64)) for k in range(n_own)]
         fps[0] = (1 << 64) - 1 - len(self.ids)  # fingerprints use all 64 bits
         toks = [3 + k + len(self.ids) for k in range(n_own)]
         response = {"id": rid, "object": "response", "output": own[1:]}
-        self.store.put(StoredResponse(response, own, fps, toks, base + 1, pid, base))
+        self.store.put(StoredResponse(response, own, fps, toks, base + 1, pid, base, minted=[True] * n_own))
         self._items = self._items[:base] + own
         self._fps = self._fps[:base] + fps
         self._toks = self._toks[:base] + toks
-        self.whole[rid] = History(response, list(self._items), list(self._fps), list(self._toks), base + 1, pid, base)
+        self._minted = self._minted[:base] + [True] * n_own
+        self.whole[rid] = History(
+            response, list(self._items), list(self._fps), list(self._toks), base + 1, pid, base, minted=list(self._minted)
+        )
         self.ids.append(rid)
         return rid
 
@@ -104,6 +109,7 @@ def test_a_fork_shares_its_parents_items(store) -> None:
     a, b = c.add(), c.add()
     fork = Chain(store, "fork")
     fork._items, fork._fps, fork._toks = list(c.whole[a].items), list(c.whole[a].fps), list(c.whole[a].toks)
+    fork._minted = list(c.whole[a].minted or [])
     f = fork.add(parent=a)
     assert store.get(f) == fork.whole[f] and store.get(b) == c.whole[b]
     assert store.delete(a)
@@ -244,7 +250,7 @@ def test_item_references_resolve_to_the_newest_live_response(store) -> None:
     same = "msg_shared"
     for i, text in enumerate(["old", "new"]):
         item = {"type": "message", "id": same, "role": "user", "content": [{"type": "input_text", "text": text}]}
-        store.put(StoredResponse({"id": f"resp_{i}"}, [item], [i], [1], 1))
+        store.put(StoredResponse({"id": f"resp_{i}"}, [item], [i], [1], 1, minted=[True]))
         if isinstance(store, SQLiteStore):  # the same second: the later write still wins
             store._db.execute("UPDATE responses SET created_at = 1e12")
     assert store.get_item(same)["content"][0]["text"] == "new"
@@ -291,6 +297,7 @@ def test_files_of_the_earlier_schema_open(tmp_path, with_item_id) -> None:
     assert s.get("resp_old") == expected
     c = Chain(s, "new")
     c._items, c._fps, c._toks = list(items), list(expected.fps), list(expected.toks)
+    c._minted = [False] * len(items)  # rows of the earlier schema count as client-supplied
     child = c.add(parent="resp_old")
     assert s.get(child) == c.whole[child]
     assert s.delete("resp_old") and s.get(child) == c.whole[child]

@@ -39,7 +39,7 @@ import msgspec
 
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
-from hotloop.state.store import History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
+from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
 
 log = logging.getLogger("hotloop.post")
 
@@ -96,30 +96,40 @@ def approx_nbytes(items: list[Item]) -> int:
     return n
 
 
-def _record(entry: CachedResponse, items: list[Item], start: int, end: int, parent_id: str | None) -> StoredResponse:
+def _record(
+    entry: CachedResponse, items: list[Item], start: int, end: int, parent_id: str | None, own_from: int
+) -> StoredResponse:
+    """``items`` (history positions ``start`` to ``end``) as a record; items from position
+    ``own_from`` on are the response's own, whose ids the server minted unless the client
+    supplied them (inherited items of a whole record count as supplied: nobody vouches for them)."""
     chain = entry.context.chain
     upto = [int(chain.tokens_upto(i)) for i in range(start, end + 1)]
+    dicts = [item_to_dict(it) for it in items]
+    supplied = entry.supplied
+    minted = [start + i >= own_from and d.get("id") not in supplied for i, d in enumerate(dicts)]
     return StoredResponse(
         response=entry.response,
-        items=[item_to_dict(it) for it in items],
+        items=dicts,
         fps=list(chain.fingerprints()[start:end]),
         toks=[b - a for a, b in zip(upto, upto[1:])],
         input_len=entry.input_len,
         parent_id=parent_id,
         base_len=start,
+        owner=entry.owner,
+        minted=minted,
     )
 
 
 def own_record(snap: Snapshot) -> StoredResponse:
     """The record of ``snap``: its parent's id and its own items (writer thread)."""
     parent = snap.entry.parent_id if snap.base_len else None
-    return _record(snap.entry, snap.own, snap.base_len, snap.end, parent)
+    return _record(snap.entry, snap.own, snap.base_len, snap.end, parent, snap.base_len)
 
 
 def whole_record(snap: Snapshot) -> StoredResponse:
     """The record of ``snap`` with its whole history and no parent (writer thread)."""
     items = snap.entry.context.items[: snap.base_len] + snap.own
-    return _record(snap.entry, items, 0, snap.end, None)
+    return _record(snap.entry, items, 0, snap.end, None, snap.base_len)
 
 
 def to_record(entry: CachedResponse) -> StoredResponse:
@@ -132,10 +142,15 @@ def from_record(rec: History | StoredResponse) -> CachedResponse:
     items = [item_from_dict(d) for d in rec.items]
     ctx = Context()
     ctx.extend(items, rec.fps, rec.toks)
-    return CachedResponse(rec.response, ctx, rec.input_len, True, rec.parent_id, rec.base_len)
+    own_from = rec.base_len if rec.parent_id is not None else 0
+    minted = rec.minted or [False] * len(rec.items)
+    supplied = frozenset(
+        iid for d, m in zip(rec.items[own_from:], minted[own_from:]) if not m and isinstance(iid := d.get("id"), str)
+    )
+    return CachedResponse(rec.response, ctx, rec.input_len, True, rec.parent_id, rec.base_len, rec.owner, supplied)
 
 
-def usage_record(response: dict[str, Any]) -> UsageRecord | None:
+def usage_record(response: dict[str, Any], key: str = LEGACY_OWNER) -> UsageRecord | None:
     u = response.get("usage")
     if not u:
         return None
@@ -146,6 +161,7 @@ def usage_record(response: dict[str, Any]) -> UsageRecord | None:
         cached_tokens=int(u["input_tokens_details"]["cached_tokens"]),
         reasoning_tokens=int(u["output_tokens_details"]["reasoning_tokens"]),
         at=time.time(),
+        key=key,
     )
 
 
@@ -319,11 +335,12 @@ class Persistence:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def submit(self, entry: CachedResponse) -> None:
-        """Queue a finished response: the usage ledger always, the response if it is stored."""
+    async def submit(self, entry: CachedResponse, key: str = LEGACY_OWNER) -> None:
+        """Queue a finished response: the usage ledger (under the key name ``key``) always, the
+        response if it is stored."""
         if self._task is None:
             self.start()
-        rec = usage_record(entry.response)
+        rec = usage_record(entry.response, key)
         if rec is not None:
             self._usage.append(rec)
             if len(self._usage) >= self.USAGE_BATCH:
@@ -340,48 +357,57 @@ class Persistence:
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def load(self, response_id: str) -> CachedResponse | None:
-        """A stored response, hydrated into a continuable context (or ``None``)."""
+    # Every read takes the caller's ``scope``: an owner id, or ``None`` for every owner (see
+    # hotloop.state.store). Another owner's response reads exactly like one that does not exist.
+
+    def _pending(self, response_id: str, scope: str | None) -> CachedResponse | None:
         entry = self.pending.get(response_id)
+        return entry if entry is not None and entry.visible(scope) else None
+
+    async def load(self, response_id: str, scope: str | None = None) -> CachedResponse | None:
+        """A stored response, hydrated into a continuable context (or ``None``)."""
+        entry = self._pending(response_id, scope)
         if entry is not None:
             return entry
-        rec = await self._call(self.store.get, response_id)
+        rec = await self._call(self.store.get, response_id, scope)
         return None if rec is None else from_record(rec)
 
-    async def find_item(self, item_id: str) -> Item | None:
-        """An item of a stored response, by id (for ``item_reference``)."""
+    async def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
+        """A server-minted item of a stored response, by id (for ``item_reference``)."""
         for entry in self.pending.values():
-            found = entry.context.find(item_id)
-            if found is not None:
-                return found
-        raw = await self._call(self.store.get_item, item_id)
+            if entry.visible(scope):
+                found = entry.minted_item(item_id)
+                if found is not None:
+                    return found
+        raw = await self._call(self.store.get_item, item_id, scope)
         return None if raw is None else item_from_dict(raw)
 
-    async def get_response(self, response_id: str) -> dict[str, Any] | None:
-        entry = self.pending.get(response_id)
+    async def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
+        entry = self._pending(response_id, scope)
         if entry is not None:
             return entry.response
-        return await self._call(self.store.get_response, response_id)  # type: ignore[no-any-return]
+        return await self._call(self.store.get_response, response_id, scope)  # type: ignore[no-any-return]
 
     async def input_items(
-        self, response_id: str, after: str | None, limit: int, order: str
+        self, response_id: str, after: str | None, limit: int, order: str, scope: str | None = None
     ) -> tuple[list[dict[str, Any]], bool] | None | bool:
         """A page of input items; ``None`` if the response is unknown, ``False`` if ``after`` is."""
-        entry = self.pending.get(response_id)
+        entry = self._pending(response_id, scope)
         if entry is not None:
             items = [item_to_dict(it) for it in entry.input_items]
         else:
-            rec = await self._call(self.store.get, response_id)
+            rec = await self._call(self.store.get, response_id, scope)
             if rec is None:
                 return None
             items = rec.items[: rec.input_len]
         page = page_items(items, after, limit, order)
         return False if page is None else page
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, scope: str | None = None) -> bool:
         await self.flush()  # a write submitted earlier must not resurrect what is deleted now
-        return bool(await self._call(self.store.delete, response_id))
+        return bool(await self._call(self.store.delete, response_id, scope))
 
-    async def usage(self) -> list[dict[str, Any]]:
+    async def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+        """Ledger rows of the key name ``key`` (``None``: every key's) from UTC day ``since`` on."""
         await self.flush()
-        return await self._call(self.store.usage)  # type: ignore[no-any-return]
+        return await self._call(self.store.usage, key, since)  # type: ignore[no-any-return]

@@ -24,7 +24,8 @@ from hotloop.protocol.request import (
     Reasoning,
     item_from_dict,
 )
-from hotloop.state.context import CachedResponse, Context
+from hotloop.state.context import CachedResponse, Context, item_id_of
+from hotloop.state.store import LEGACY_OWNER
 
 _ID_PREFIX = {Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco", Reasoning: "rs"}
 
@@ -35,6 +36,7 @@ _ID_PREFIX = {Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco", Rea
 # as tokenizing ~2-3 KB inline (2 KB turns: p50 308 us inline vs 350 us offloaded), while 16 KB
 # turns drop from 728 us to 468 us when offloaded.
 INLINE_TOKENIZE_CHARS = 8192
+CHARS_PER_TOKEN = 4  # o200k_base on English prose; only an estimate before the real count
 
 
 class Plan:
@@ -47,7 +49,7 @@ class Plan:
 
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
-        "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes",
+        "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes", "supplied",
     )
 
     def __init__(
@@ -80,6 +82,8 @@ class Plan:
         self._settings_cached = settings_cached  # unchanged settings count as cached prefix
         self._sizes = sizes  # bytes of the new items (None: Context estimates them)
         self._context: Context | None = None
+        # ids of new items the server did not mint here (the client's own, and resolved references)
+        self.supplied: frozenset[str] = frozenset()
 
     @property
     def settled(self) -> bool:
@@ -129,6 +133,14 @@ class Plan:
     @property
     def input_tokens(self) -> int:
         return self.context.tokens + self._settings
+
+    def input_estimate(self) -> int:
+        """``input_tokens`` once settled; before that, the known counts plus one token per
+        ``CHARS_PER_TOKEN`` characters still to count (for rate limits, corrected afterwards)."""
+        if self._context is not None:
+            return self.input_tokens
+        base = self.parent.context.tokens if self.parent is not None else 0
+        return base + sum(self._toks) + self._settings + self.pending_chars // CHARS_PER_TOKEN + 1
 
 
 def _with_id(item: Item, ids: IdGen) -> Item:
@@ -192,6 +204,7 @@ def prepare(
     new: list[Item] = []
     known_calls = base.call_ids if base is not None else set()
     pending_calls: set[str] = set()
+    supplied: set[str] = set()
     for i, item in enumerate(p.items):
         if type(item) is ItemReference:
             item = _resolve_reference(item, i, base, new, stored)  # type: ignore[arg-type]
@@ -205,6 +218,9 @@ def prepare(
                     f"No tool call found for function call output with call_id {cid}.",
                     param=f"input[{i}].call_id",
                 )
+        given = item_id_of(item)
+        if given is not None:
+            supplied.add(given)
         new.append(_with_id(item, ids))
     fps, toks, missing, sizes = itemlib.split(new, cache)
     settings, missing_blobs = settings_tokens(p, cache)
@@ -219,6 +235,7 @@ def prepare(
         if unchanged:
             cached += settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
+    plan.supplied = frozenset(supplied)
     if not defer or plan.pending_chars < INLINE_TOKENIZE_CHARS:
         plan.settle()
     return plan
@@ -246,8 +263,10 @@ def output_items(response: dict[str, Any]) -> list[Item]:
     return out
 
 
-def finished(plan: Plan, response: dict[str, Any], cache: itemlib.TokenCache | None = None) -> CachedResponse:
-    """The cache entry for a finished response: its input context extended by its output."""
+def finished(
+    plan: Plan, response: dict[str, Any], cache: itemlib.TokenCache | None = None, owner: str = LEGACY_OWNER
+) -> CachedResponse:
+    """The cache entry for a finished response (``owner``'s): its input context extended by its output."""
     ctx = plan.context
     input_len = len(ctx)
     outs = output_items(response)
@@ -262,4 +281,6 @@ def finished(plan: Plan, response: dict[str, Any], cache: itemlib.TokenCache | N
         bool(response.get("store", True)),
         parent.id if parent is not None else None,
         len(parent.context) if parent is not None else 0,
+        owner,
+        plan.supplied,
     )

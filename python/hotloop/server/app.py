@@ -10,12 +10,11 @@ go through the sans-I/O :class:`~hotloop.protocol.session.Session`.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
 
-from hotloop import errors, tokenizer
+from hotloop import tokenizer
 from hotloop.backends.base import Backend
 from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
@@ -23,6 +22,8 @@ from hotloop.server.common import Receive, Scope, Send
 from hotloop.server.engine import Engine
 from hotloop.server.http import HttpTransport
 from hotloop.server.ws import Deadlines, serve_websocket
+from hotloop.tenants import MemoryLimiter, Tenancy
+from hotloop.tenants.keys import KeyStore, MemoryKeyStore
 
 log = logging.getLogger("hotloop.server")
 
@@ -30,13 +31,16 @@ log = logging.getLogger("hotloop.server")
 class HotloopApp:
     """ASGI 3 application. Create with a config, a backend and a persistence layer."""
 
-    def __init__(self, config: Config, backend: Backend, persistence: Persistence) -> None:
+    def __init__(
+        self, config: Config, backend: Backend, persistence: Persistence, tenancy: Tenancy | None = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.persistence = persistence
-        self.engine = Engine(config, backend, persistence)
+        # keys, limits and ownership (hotloop.tenants); without a key store: the admin key or open mode
+        self.tenancy = tenancy if tenancy is not None else make_tenancy(config, MemoryKeyStore())
+        self.engine = Engine(config, backend, persistence, self.tenancy)
         self.started_at = time.time()
-        self._api_key = config.api_key.encode() if config.api_key else None
         self.ws_deadlines = Deadlines(config.ws_connection_max_age)
         self.http = HttpTransport(self)
 
@@ -77,11 +81,13 @@ class HotloopApp:
         await loop.run_in_executor(None, tokenizer.preload)
         await self.backend.start()
         self.persistence.start()
+        self.tenancy.start(self.config.host)
 
     async def shutdown(self) -> None:
         self.engine.close()
         await self.backend.close()
         await self.persistence.close()
+        await self.tenancy.close()
 
     def stats(self) -> dict[str, Any]:
         """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``)."""
@@ -101,19 +107,6 @@ class HotloopApp:
             ],
         }
 
-    # -- auth ----------------------------------------------------------------------------------
-
-    def _check_auth(self, scope: Scope) -> None:
-        if self._api_key is None:
-            return
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._api_key):
-                    return
-                break
-        raise errors.AuthenticationFailed("Incorrect API key provided.")
-
     # -- transports ----------------------------------------------------------------------------
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -121,3 +114,8 @@ class HotloopApp:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         await serve_websocket(self, scope, receive, send)
+
+
+def make_tenancy(config: Config, keys: KeyStore) -> Tenancy:
+    limiter = MemoryLimiter(config.limit_max_keys)
+    return Tenancy(keys, config.api_key, limiter, output_reserve=config.limit_output_reserve)

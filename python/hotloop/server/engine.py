@@ -9,6 +9,12 @@ failures after that point become ``response.failed`` inside the stream.
 After the terminal event the finished response is cached (the connection's cache and, if stored,
 the process-wide cache) and handed to :class:`hotloop.pipeline.post.Persistence`, which writes it
 off the critical path.
+
+Every response runs for a tenant (:mod:`hotloop.tenants`): the parent it names and the items it
+references are looked up in that tenant's scope only (another tenant's id behaves exactly like an
+id that does not exist), what it stores is owned by the tenant, its usage is recorded under the
+key's name, and its tokens and concurrency slot are admitted by the tenant's limits once the
+input is prepared (the reservation is corrected when the response ends).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +39,7 @@ from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
+from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
 
@@ -44,10 +50,13 @@ async def _warmup() -> AsyncIterator[Chunk]:
 
 
 class Engine:
-    def __init__(self, config: Config, backend: Backend, persistence: Persistence) -> None:
+    def __init__(
+        self, config: Config, backend: Backend, persistence: Persistence, tenancy: Tenancy | None = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.persistence = persistence
+        self.tenancy = tenancy  # None: no limits
         self.ids = IdGen()
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
@@ -70,16 +79,20 @@ class Engine:
 
     # -- resolving the parent ------------------------------------------------------------------
 
-    async def resolve(self, response_id: str | None, conn: ConnectionCache | None) -> CachedResponse | None:
+    async def resolve(
+        self, response_id: str | None, conn: ConnectionCache | None, scope: str | None = ANONYMOUS.id
+    ) -> CachedResponse | None:
+        """The parent named by ``previous_response_id``, as ``scope`` may see it (the connection's
+        own cache holds only its tenant's responses)."""
         if response_id is None:
             return None
         if conn is not None:
             hit = conn.get(response_id)
             if hit is not None:
                 return hit
-        hit = self.responses.get(response_id)
+        hit = self.responses.get(response_id, scope)
         if hit is None:
-            hit = await self.persistence.load(response_id)
+            hit = await self.persistence.load(response_id, scope)
             if hit is not None:
                 self.responses.put(hit)
         if hit is None:
@@ -116,13 +129,19 @@ class Engine:
         transport: str,
         conn: ConnectionCache | None = None,
         websocket: bool = False,
+        tenant: Tenant = ANONYMOUS,
     ) -> "Run":
-        """Everything before the first event. Raises ``HotloopError``; evicts on failure."""
+        """Everything before the first event. Raises ``HotloopError``; evicts on failure (but not
+        when the tenant's own limits refuse the response: a retry must find the parent)."""
         started: list[Any] = []
+        grant: Grant | None = None
         try:
             p = validate(req, websocket=websocket)
-            parent = await self.resolve(req.previous_response_id, conn)
-            plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent))
+            scope = tenant.scope
+            parent = await self.resolve(req.previous_response_id, conn, scope)
+            plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
+            if self.tenancy is not None:
+                grant = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
             counts = self._count_later(plan)
             started.append(counts)
             if req.generate is False:
@@ -130,8 +149,11 @@ class Engine:
             else:
                 stream = self.backend.stream(self.backend_request(plan))
             first = await self._first(stream)
-        except BaseException:  # any failure of a continuation evicts its parent (not only 4xx)
-            self._evict(req, conn)
+        except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
+            if grant is not None:
+                grant.finish(None)
+            if not isinstance(exc, LimitExceeded):
+                self._evict(req, conn)
             for fut in started:
                 if fut is not None:
                     fut.cancel()  # nobody will read these counts
@@ -146,21 +168,21 @@ class Engine:
             max_tool_calls=req.max_tool_calls,
             clock=self.clock,
         )
-        return Run(self, plan, p, turn, first, stream, conn, counts)
+        return Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
 
-    async def stored_items(self, p: Prepared, parent: CachedResponse | None) -> dict[str, Item] | None:
+    async def stored_items(
+        self, p: Prepared, parent: CachedResponse | None, scope: str | None = ANONYMOUS.id
+    ) -> dict[str, Item] | None:
         """Items of stored responses named by ``item_reference`` (the Vercel AI SDK sends these
-        without ``previous_response_id``). Only stored (``store: true``) responses are searched."""
+        without ``previous_response_id``). Only stored (``store: true``) responses that ``scope``
+        may see are searched, and only for ids the server minted (the store records each item's
+        provenance): an id a client supplied never stands in for a minted one."""
         ids = unresolved_references(p, parent)
         if not ids:
             return None
         found: dict[str, Item] = {}
         for item_id in dict.fromkeys(ids[:MAX_REFERENCE_LOOKUPS]):
-            # Only ids the server mints (192 random bits) are resolved across requests: a
-            # client-chosen id such as "msg_1" must not reach another client's stored items.
-            item = None
-            if MINTED_ID.fullmatch(item_id):
-                item = self.responses.find_item(item_id) or await self.persistence.find_item(item_id)
+            item = self.responses.find_item(item_id, scope) or await self.persistence.find_item(item_id, scope)
             if item is None:
                 break  # prepare() reports the first unresolved reference
             found[item_id] = item
@@ -211,13 +233,13 @@ class Engine:
     async def complete(self, run: "Run") -> None:
         r = run.turn.response
         if r["status"] in ("completed", "incomplete"):
-            entry = finished(run.plan, r, self.tokens)
+            entry = finished(run.plan, r, self.tokens, run.tenant.id)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
                 run.conn.put(entry, run.prepared.req.stream_id, nbytes)
             if entry.store:
                 self.responses.put(entry, nbytes)
-            await self.persistence.submit(entry)
+            await self.persistence.submit(entry, run.tenant.name)
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)
@@ -234,7 +256,6 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
 
 _TERMINAL_CHUNKS = (Finish, Failure)
 MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
-MINTED_ID = re.compile(r"[a-z]{2,4}_[0-9a-f]{48}")  # the shape of ids IdGen makes
 
 
 class _Watchdog:
@@ -288,8 +309,12 @@ class Run:
         stream: AsyncIterator[Chunk],
         conn: ConnectionCache | None,
         counts: "asyncio.Future[tuple[list[int], list[int]]] | None" = None,
+        tenant: Tenant = ANONYMOUS,
+        grant: Grant | None = None,
     ) -> None:
         self._counts = counts
+        self.tenant = tenant
+        self.grant = grant
         self.engine = engine
         self.plan = plan
         self.prepared = prepared
@@ -362,6 +387,7 @@ class Run:
                     watchdog.disarm()
         finally:
             engine.active -= 1
+            self._release()
             # Once the terminal event exists the response is real: its caching and storage come
             # before anything that may suspend (closing the backend stream), and never suspend
             # themselves in a way a leaving client's cancellation could interrupt (see
@@ -370,6 +396,16 @@ class Run:
             if turn.done:
                 await engine.complete(self)
             await _aclose(self._stream)
+
+    def _release(self) -> None:
+        """Free the concurrency slot and correct the token reservation to the real usage."""
+        grant = self.grant
+        if grant is not None and not grant.done:
+            usage = self.turn.response.get("usage")
+            grant.finish(int(usage["total_tokens"]) if usage else None)
+
+    def __del__(self) -> None:
+        self._release()  # a run never iterated (its client left first) still frees its slot
 
     async def drain(self) -> dict[str, Any]:
         """Run to the end without streaming (non-streaming HTTP); the final Response."""

@@ -19,11 +19,14 @@ from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
+from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
     from hotloop.server.app import HotloopApp
 
 log = logging.getLogger("hotloop.server")
+
+_PUBLIC = ("/healthz", "/health")  # routes that need no API key
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -41,16 +44,23 @@ class HttpTransport:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id()
         started = False
+        tenant: Tenant | None = None  # the caller, once authenticated
 
         async def respond(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
             nonlocal started
             started = True
             hdrs = [JSON_HEADER, (b"x-request-id", rid.encode())] + (headers or [])
+            if tenant is not None:
+                hdrs += self.app.tenancy.headers(tenant)  # the caller's rate limits, if any
             await send({"type": "http.response.start", "status": status, "headers": hdrs})
             await send({"type": "http.response.body", "body": body})
 
         try:
-            await self._route(scope, receive, send, respond, rid)
+            if scope["path"].rstrip("/") not in _PUBLIC:
+                # once per request: who is calling, and may it make one more request
+                tenant = await self.app.tenancy.authenticate(scope)
+                self.app.tenancy.admit(tenant)
+            await self._route(scope, receive, send, respond, rid, tenant)
         except _ClientGone:
             return  # nobody to answer
         except errors.HotloopError as exc:
@@ -64,11 +74,12 @@ class HttpTransport:
             if not started:
                 await respond(500, ev.http_error_body(errors.ServerError()))
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
-        app = self.app
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant | None
+    ) -> None:
         method = scope["method"]
         path: str = scope["path"].rstrip("/") or "/"
-        if path in ("/healthz", "/health"):
+        if path in _PUBLIC:
             body = encode(
                 {
                     "status": "ok",
@@ -79,17 +90,19 @@ class HttpTransport:
                 }
             )
             return await respond(200, body)
-        app._check_auth(scope)
+        assert tenant is not None
+        scope_ = tenant.scope  # whose stored responses this caller may see (None: everyone's)
         if path == "/hotloop/stats":
             self._method(method, "GET")
             return await respond(200, encode(self.app.stats()))
         if path == "/hotloop/usage":
             self._method(method, "GET")
-            return await respond(200, encode({"object": "list", "data": await self.app.persistence.usage()}))
+            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name)
+            return await respond(200, encode({"object": "list", "data": rows}))
         if path == "/v1/responses":
             if method != "POST":
                 raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
-            return await self._create(scope, receive, send, respond, rid)
+            return await self._create(scope, receive, send, respond, rid, tenant)
         if path == "/v1/models":
             self._method(method, "GET")
             models = await self.app.backend.list_models()
@@ -103,22 +116,22 @@ class HttpTransport:
             raise errors.ModelNotFound(f"The model '{errors.clip(model_id)}' does not exist.", param="model")
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
-            return await self._input_tokens(receive, respond)
+            return await self._input_tokens(receive, respond, scope_)
         if path.startswith("/v1/responses/"):
             rest = path[len("/v1/responses/") :].split("/")
             rid_ = rest[0]
             if len(rest) == 1:
                 if method == "GET":
-                    return await self._retrieve(rid_, respond)
+                    return await self._retrieve(rid_, respond, scope_)
                 if method == "DELETE":
-                    return await self._delete(rid_, respond)
+                    return await self._delete(rid_, respond, scope_)
                 raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.")
             if len(rest) == 2 and rest[1] == "input_items":
                 self._method(method, "GET")
-                return await self._input_items(rid_, scope, respond)
+                return await self._input_items(rid_, scope, respond, scope_)
             if len(rest) == 2 and rest[1] == "cancel":
                 self._method(method, "POST")
-                return await self._cancel(rid_)
+                return await self._cancel(rid_, scope_)
         raise errors.NotFound(f"Unknown route: {errors.clip(method, 20)} {errors.clip(path)}.")
 
     @staticmethod
@@ -142,13 +155,13 @@ class HttpTransport:
             if not msg.get("more_body"):
                 return b"".join(chunks)
 
-    async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str) -> None:
+    async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant) -> None:
         mark = time.thread_time()
         req = decode_body(await self._body(receive))
         # The response runs while another task waits for the client to go away: a client that
         # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
         # the backend stops producing tokens nobody will read.
-        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark))
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -165,9 +178,9 @@ class HttpTransport:
             raise _ClientGone()
         await work  # its result, or the error to answer with
 
-    async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float) -> None:
+    async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant) -> None:
         if not req.stream:
-            run = await self.app.engine.start(req, transport="json")
+            run = await self.app.engine.start(req, transport="json", tenant=tenant)
             response = await run.drain()
             self.app.engine.record(run, mark)
             if response["status"] == "failed":
@@ -175,12 +188,12 @@ class HttpTransport:
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
                 raise exc
             return await respond(200, encode(response))
-        run = await self.app.engine.start(req, transport="sse")
+        run = await self.app.engine.start(req, transport="sse", tenant=tenant)
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())],
+                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())] + self.app.tenancy.headers(tenant),
             }
         )
         sse = ev.sse
@@ -193,22 +206,25 @@ class HttpTransport:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.app.engine.record(run, mark)
 
-    async def _retrieve(self, response_id: str, respond: Any) -> None:
-        hit = self.app.engine.responses.get(response_id)
-        response = hit.response if hit is not None else await self.app.persistence.get_response(response_id)
+    # The endpoints on a stored response take the caller's scope (an owner id, or None for the
+    # admin key): another tenant's response answers exactly like one that does not exist.
+
+    async def _retrieve(self, response_id: str, respond: Any, scope: str | None) -> None:
+        hit = self.app.engine.responses.get(response_id, scope)
+        response = hit.response if hit is not None else await self.app.persistence.get_response(response_id, scope)
         if response is None:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         await respond(200, encode(response))
 
-    async def _delete(self, response_id: str, respond: Any) -> None:
-        self.app.engine.responses.evict(response_id)
-        if not await self.app.persistence.delete(response_id):
+    async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
+        if not await self.app.persistence.delete(response_id, scope):
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
+        self.app.engine.responses.evict(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
 
-    async def _cancel(self, response_id: str) -> None:
-        known = self.app.engine.responses.get(response_id) is not None or (
-            await self.app.persistence.get_response(response_id) is not None
+    async def _cancel(self, response_id: str, scope: str | None) -> None:
+        known = self.app.engine.responses.get(response_id, scope) is not None or (
+            await self.app.persistence.get_response(response_id, scope) is not None
         )
         if not known:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
@@ -216,7 +232,7 @@ class HttpTransport:
             "Only responses created with the 'background' parameter set to true can be cancelled."
         )
 
-    async def _input_items(self, response_id: str, scope: Scope, respond: Any) -> None:
+    async def _input_items(self, response_id: str, scope: Scope, respond: Any, owner: str | None) -> None:
         q = parse_qs(scope.get("query_string", b"").decode())
         after = q.get("after", [None])[0]
         order = q.get("order", ["desc"])[0]
@@ -228,14 +244,14 @@ class HttpTransport:
             raise errors.InvalidType("Invalid 'limit': expected an integer.", param="limit") from None
         if not 1 <= limit <= 100:
             raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
-        hit = self.app.engine.responses.get(response_id)
+        hit = self.app.engine.responses.get(response_id, owner)
         if hit is not None:
             from hotloop.state.store import page_items
 
             page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
             result: Any = False if page is None else page
         else:
-            result = await self.app.persistence.input_items(response_id, after, limit, order)
+            result = await self.app.persistence.input_items(response_id, after, limit, order, owner)
         if result is None:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         if result is False:
@@ -250,11 +266,11 @@ class HttpTransport:
         }
         await respond(200, encode(body))
 
-    async def _input_tokens(self, receive: Receive, respond: Any) -> None:
+    async def _input_tokens(self, receive: Receive, respond: Any, scope: str | None) -> None:
         req = decode_body(await self._body(receive))
         p = validate(req)
-        parent = await self.app.engine.resolve(req.previous_response_id, None)
-        stored = await self.app.engine.stored_items(p, parent)
+        parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
+        stored = await self.app.engine.stored_items(p, parent, scope)
         plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens, defer=True, stored=stored)
         n = await self.app.engine.count_input(plan)
         await respond(200, encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": n}))

@@ -12,9 +12,10 @@ from typing import Any
 from hotloop import backends
 from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
-from hotloop.server.app import HotloopApp
+from hotloop.server.app import HotloopApp, make_tenancy
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
+from hotloop.tenants.keys import open_key_store
 
 
 def make_store(config: Config) -> ResponseStore:
@@ -28,7 +29,8 @@ def make_store(config: Config) -> ResponseStore:
 def make_app(config: Config) -> HotloopApp:
     backend = backends.create(config)
     persistence = Persistence(make_store(config), config.max_pending_writes, config.max_pending_write_bytes)
-    return HotloopApp(config, backend, persistence)
+    tenancy = make_tenancy(config, open_key_store(config.store, config.db_path))
+    return HotloopApp(config, backend, persistence, tenancy)
 
 
 def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:

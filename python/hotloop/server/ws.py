@@ -23,6 +23,7 @@ from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
 from hotloop.server.wsproto import SEND_TEXTS, WAIT_WRITABLE
 from hotloop.state.context import ConnectionCache
+from hotloop.tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
     from hotloop.server.app import HotloopApp
@@ -38,12 +39,12 @@ async def serve_websocket(app: "HotloopApp", scope: Scope, receive: Receive, sen
     try:
         if path != "/v1/responses":
             raise errors.NotFound(f"WebSocket mode is served on /v1/responses, not {path}.")
-        app._check_auth(scope)
+        tenant = await app.tenancy.authenticate(scope)  # once per connection; it belongs to this key
     except errors.HotloopError as exc:
         await _reject(scope, send, exc)
         return
     await send({"type": "websocket.accept"})
-    conn = Connection(app, send, scope.get("extensions"))
+    conn = Connection(app, send, scope.get("extensions"), tenant)
     await conn.serve(receive)
 
 async def _reject(scope: Scope, send: Send, exc: errors.HotloopError) -> None:
@@ -86,9 +87,12 @@ class Connection:
         "_reader",
         "_stopping",
         "expired",
+        "tenant",
     )
 
-    def __init__(self, app: "HotloopApp", send: Send, extensions: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, app: "HotloopApp", send: Send, extensions: dict[str, Any] | None = None, tenant: Tenant = ANONYMOUS
+    ) -> None:
         self.app = app
         self._send = send
         ext = extensions or {}
@@ -109,6 +113,7 @@ class Connection:
         self._reader: asyncio.Task[Any] | None = None
         self._stopping = False
         self.expired = False
+        self.tenant = tenant
 
     def _open(self) -> Session:
         """The first frame: everything an idle connection did not need."""
@@ -247,7 +252,17 @@ class Connection:
         req = action.request
         stream_id = req.stream_id
         try:
-            run: Run = await engine.start(req, transport="ws", conn=self.cache, websocket=True)
+            # per response.create: a revoked key ends the connection, a limit answers 429
+            self.app.tenancy.admit(self.tenant)
+        except errors.AuthenticationFailed as exc:
+            await self.send_frame(ev.ws_error(exc, stream_id)[1])
+            await self._send({"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"})
+            raise _Disconnected() from None
+        except errors.HotloopError as exc:
+            await self.send_frame(ev.ws_error(exc, stream_id)[1])
+            return
+        try:
+            run: Run = await engine.start(req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant)
         except errors.HotloopError as exc:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return

@@ -15,6 +15,13 @@ Bounds (DESIGN principle 8):
   (default 128 MiB; one entry at most a quarter of it), so chained HTTP requests resolve
   ``previous_response_id`` without a database round trip.
 
+Ownership: a :class:`CachedResponse` carries its ``owner`` (the tenant that created it) and the
+ids its client supplied for its own items (``supplied``). :meth:`ResponseCache.get` and
+:meth:`ResponseCache.find_item` take the caller's ``scope`` (an owner id, or ``None`` for every
+owner) and answer as if another owner's entries did not exist; ``find_item`` (``item_reference``
+across requests) resolves only ids the server minted, among each entry's own items. A
+:class:`ConnectionCache` belongs to one WebSocket connection, hence to one tenant.
+
 Sizes are estimates (:attr:`Context.nbytes`, :func:`entry_nbytes`): the canonical JSON of each
 item plus a fixed per-item overhead, and the JSON of the Response object.
 """
@@ -28,6 +35,7 @@ import msgspec
 
 from hotloop import _accel
 from hotloop.protocol.request import FunctionCall, Item
+from hotloop.state.store import LEGACY_OWNER
 
 
 # Per-item bytes beyond its content that an item costs in a cached context (the item and part
@@ -100,18 +108,28 @@ class Context:
 
     def find(self, item_id: str) -> Item | None:
         """The item with this id (for ``item_reference``), or ``None``."""
+        pos = self.position(item_id)
+        return None if pos is None else self.items[pos]
+
+    def position(self, item_id: str) -> int | None:
+        """Where the (last) item with this id is, or ``None``."""
         ids = self._ids
         if ids is None:
             ids = {}
             for i, it in enumerate(self.items):
-                iid = getattr(it, "id", None)
-                if iid is None and hasattr(it, "data"):
-                    iid = it.data.get("id")  # type: ignore[union-attr]
+                iid = item_id_of(it)
                 if iid:
                     ids[iid] = i
             self._ids = ids
-        pos = ids.get(item_id)
-        return None if pos is None else self.items[pos]
+        return ids.get(item_id)
+
+
+def item_id_of(item: Item) -> str | None:
+    """An item's id, also for item types kept verbatim."""
+    iid = getattr(item, "id", None)
+    if iid is None and hasattr(item, "data"):
+        iid = item.data.get("id")  # type: ignore[union-attr]
+    return iid if isinstance(iid, str) else None
 
 
 class CachedResponse:
@@ -120,10 +138,12 @@ class CachedResponse:
     ``context`` holds the effective input followed by the output items; ``input_len`` says where
     the input ends (what ``GET /input_items`` lists). ``parent_id`` names the response this one
     continues and ``base_len`` counts the leading context items inherited from it (0 without a
-    parent): ``context.items[base_len:]`` are this response's own items.
+    parent): ``context.items[base_len:]`` are this response's own items. ``owner`` is the tenant
+    that created it; ``supplied`` holds the ids of its own items that its client chose (every
+    other id of its own items was minted by the server).
     """
 
-    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len")
+    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied")
 
     def __init__(
         self,
@@ -133,6 +153,8 @@ class CachedResponse:
         store: bool,
         parent_id: str | None = None,
         base_len: int = 0,
+        owner: str = LEGACY_OWNER,
+        supplied: frozenset[str] = frozenset(),
     ) -> None:
         self.response = response
         self.context = context
@@ -140,6 +162,20 @@ class CachedResponse:
         self.store = store
         self.parent_id = parent_id
         self.base_len = base_len
+        self.owner = owner
+        self.supplied = supplied
+
+    def visible(self, scope: str | None) -> bool:
+        """Whether a caller of ``scope`` (``None``: every owner) may see this response."""
+        return scope is None or self.owner == scope
+
+    def minted_item(self, item_id: str) -> Item | None:
+        """One of its *own* items whose id the server minted, by id (``item_reference``)."""
+        if item_id in self.supplied:
+            return None
+        pos = self.context.position(item_id)
+        own_from = self.base_len if self.parent_id is not None else 0
+        return self.context.items[pos] if pos is not None and pos >= own_from else None
 
     @property
     def id(self) -> str:
@@ -265,10 +301,12 @@ class ResponseCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, response_id: str) -> CachedResponse | None:
+    def get(self, response_id: str, scope: str | None = None) -> CachedResponse | None:
+        """The cached response, if ``scope`` (``None``: every owner) may see it."""
         e = self._d.get(response_id)
-        if e is not None:
-            self._d.move_to_end(response_id)
+        if e is None or not e.visible(scope):
+            return None
+        self._d.move_to_end(response_id)
         return e
 
     def put(self, entry: CachedResponse, nbytes: int | None = None) -> None:
@@ -290,10 +328,12 @@ class ResponseCache:
             self._items -= len(e.context)
             self._bytes -= self._sizes.pop(response_id)
 
-    def find_item(self, item_id: str) -> Item | None:
-        """An item of any cached stored response, by id (newest responses first)."""
+    def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
+        """A server-minted item among the own items of the cached responses ``scope`` may see,
+        by id (newest responses first)."""
         for entry in reversed(self._d.values()):
-            found = entry.context.find(item_id)
-            if found is not None:
-                return found
+            if entry.visible(scope):
+                found = entry.minted_item(item_id)
+                if found is not None:
+                    return found
         return None

@@ -31,7 +31,16 @@ still open: their rows hold whole histories and load as responses without a pare
 Retention is bounded by age (``ttl_seconds``, default 30 days) and by the number of live
 responses (``max_responses``, default 10,000): the oldest live responses are pruned first (by the
 rule above), then unreferenced blobs. The memory store also bounds the items it holds
-(``max_items``, tombstones included). A usage ledger aggregates tokens per model and UTC day.
+(``max_items``, tombstones included). A usage ledger aggregates tokens per UTC day, model and
+key name.
+
+Ownership. Every stored response has an ``owner`` (the id of the tenant that created it; rows
+written before owners were recorded belong to ``LEGACY_OWNER``). Every read and delete takes a
+``scope``: an owner id, whose responses alone it can see (anything else is "not found"), or
+``None`` for every owner (the admin key). Every stored item records its provenance (``minted``:
+its id was made by the server, not supplied by the client); ``item_reference`` look-ups across
+requests resolve only minted ids, in the caller's scope, so a client-supplied id never stands in
+for a server-minted one. Rows written before provenance was recorded count as client-supplied.
 
 Store methods are synchronous and called from one writer thread
 (:class:`hotloop.pipeline.post.Persistence`); SQLite runs in WAL mode.
@@ -65,6 +74,9 @@ DEFAULT_MAX_ITEMS = 1_000_000
 MAX_CHAIN_DEPTH = 100_000
 
 
+LEGACY_OWNER = "anonymous"  # the owner of rows stored before owners were recorded (open mode's tenant)
+
+
 class StoredResponse(NamedTuple):
     """What :meth:`ResponseStore.put` takes: a response and only its own items.
 
@@ -80,6 +92,8 @@ class StoredResponse(NamedTuple):
     input_len: int
     parent_id: str | None = None
     base_len: int = 0
+    owner: str = LEGACY_OWNER
+    minted: list[bool] | None = None  # per item: its id was made by the server (None: none was)
 
 
 class History(StoredResponse):
@@ -102,6 +116,7 @@ class UsageRecord(NamedTuple):
     cached_tokens: int
     reasoning_tokens: int
     at: float
+    key: str = LEGACY_OWNER  # the name of the key that made the request
 
 
 def page_items(
@@ -126,14 +141,37 @@ def _item_id(item: dict[str, Any]) -> str | None:
     return iid if isinstance(iid, str) else None
 
 
+def _minted(rec: StoredResponse, i: int) -> bool:
+    return rec.minted is not None and rec.minted[i]
+
+
+def _flags(minted: list[bool]) -> list[bool] | None:
+    return minted if any(minted) else None
+
+
+def _visible(owner: str, scope: str | None) -> bool:
+    return scope is None or owner == scope
+
+
+USAGE_FIELDS = ("day", "model", "key", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+
+
 class ResponseStore(Protocol):
+    """``scope``: the owner whose responses a call may see; ``None``: every owner's."""
+
     def put(self, rec: StoredResponse) -> None: ...
-    def get(self, response_id: str) -> History | None: ...
-    def get_item(self, item_id: str) -> dict[str, Any] | None: ...
-    def get_response(self, response_id: str) -> dict[str, Any] | None: ...
-    def delete(self, response_id: str) -> bool: ...
+    def get(self, response_id: str, scope: str | None = None) -> History | None: ...
+    def get_item(self, item_id: str, scope: str | None = None) -> dict[str, Any] | None:
+        """The newest live item with this server-minted id in ``scope``."""
+        ...
+
+    def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None: ...
+    def delete(self, response_id: str, scope: str | None = None) -> bool: ...
     def record_usage(self, recs: list[UsageRecord]) -> None: ...
-    def usage(self) -> list[dict[str, Any]]: ...
+    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+        """Ledger rows (``USAGE_FIELDS``), of one key name or all, from UTC day ``since`` on."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -173,7 +211,7 @@ class MemoryStore:
         self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
         self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
         self._seq = count()
-        self._usage: dict[tuple[str, str], list[int]] = {}
+        self._usage: dict[tuple[str, str, str], list[int]] = {}
         self._lock = threading.Lock()
 
     def put(self, rec: StoredResponse) -> None:
@@ -201,9 +239,9 @@ class MemoryStore:
             self._nodes[rid] = node
             self._live[rid] = None
             self.items += len(rec.items)
-            for it in rec.items:
+            for i, it in enumerate(rec.items):
                 iid = _item_id(it)
-                if iid is not None:
+                if iid is not None and _minted(rec, i):
                     self._item_index.setdefault(iid, set()).add(rid)
             cutoff = node.at - self.ttl_seconds
             while self._live:
@@ -238,18 +276,18 @@ class MemoryStore:
             parent.children -= 1
             rid, node = pid, parent  # type: ignore[assignment]
 
-    def _live_node(self, response_id: str) -> _Node | None:
+    def _live_node(self, response_id: str, scope: str | None = None) -> _Node | None:
         node = self._nodes.get(response_id)
-        if node is None or not node.live:
+        if node is None or not node.live or not _visible(node.rec.owner, scope):
             return None
         if time.time() - node.at > self.ttl_seconds:
             self._kill(response_id, node)
             return None
         return node
 
-    def get(self, response_id: str) -> History | None:
+    def get(self, response_id: str, scope: str | None = None) -> History | None:
         with self._lock:
-            node = self._live_node(response_id)
+            node = self._live_node(response_id, scope)
             if node is None:
                 return None
             recs = [node.rec]
@@ -264,31 +302,33 @@ class MemoryStore:
         items: list[dict[str, Any]] = []
         fps: list[int] = []
         toks: list[int] = []
+        minted: list[bool] = []
         for r in reversed(recs):
             items += r.items
             fps += r.fps
             toks += r.toks
+            minted += r.minted if r.minted is not None else [False] * len(r.items)
         rec = node.rec
-        return History(rec.response, items, fps, toks, rec.input_len, rec.parent_id, rec.base_len)
+        return History(rec.response, items, fps, toks, rec.input_len, rec.parent_id, rec.base_len, rec.owner, _flags(minted))
 
-    def get_item(self, item_id: str) -> dict[str, Any] | None:
+    def get_item(self, item_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
-            nodes = [self._live_node(rid) for rid in list(self._item_index.get(item_id, ()))]
+            nodes = [self._live_node(rid, scope) for rid in list(self._item_index.get(item_id, ()))]
         for node in sorted([n for n in nodes if n is not None], key=lambda n: (n.at, n.seq), reverse=True):
-            for it in node.rec.items:
-                if it.get("id") == item_id:
+            for i, it in enumerate(node.rec.items):
+                if it.get("id") == item_id and _minted(node.rec, i):
                     return it
         return None
 
-    def get_response(self, response_id: str) -> dict[str, Any] | None:
+    def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
-            node = self._live_node(response_id)
+            node = self._live_node(response_id, scope)
         return None if node is None else node.rec.response
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, scope: str | None = None) -> bool:
         with self._lock:
             node = self._nodes.get(response_id)
-            if node is None or not node.live:
+            if node is None or not node.live or not _visible(node.rec.owner, scope):
                 return False
             self._kill(response_id, node)
             return True
@@ -297,26 +337,19 @@ class MemoryStore:
         with self._lock:
             for rec in recs:
                 day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
-                row = self._usage.setdefault((day, rec.model), [0, 0, 0, 0, 0])
+                row = self._usage.setdefault((day, rec.model, rec.key), [0, 0, 0, 0, 0])
                 row[0] += 1
                 row[1] += rec.input_tokens
                 row[2] += rec.output_tokens
                 row[3] += rec.cached_tokens
                 row[4] += rec.reasoning_tokens
 
-    def usage(self) -> list[dict[str, Any]]:
+    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             return [
-                {
-                    "day": day,
-                    "model": model,
-                    "responses": r[0],
-                    "input_tokens": r[1],
-                    "output_tokens": r[2],
-                    "cached_tokens": r[3],
-                    "reasoning_tokens": r[4],
-                }
-                for (day, model), r in sorted(self._usage.items())
+                dict(zip(USAGE_FIELDS, (*k, *r)))
+                for k, r in sorted(self._usage.items())
+                if (key is None or k[2] == key) and (since is None or k[0] >= since)
             ]
 
     def close(self) -> None:
@@ -348,16 +381,25 @@ CREATE TABLE IF NOT EXISTS response_items (
     PRIMARY KEY (response_id, pos)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash);
-CREATE TABLE IF NOT EXISTS usage (
+CREATE TABLE IF NOT EXISTS key_usage (
     day TEXT NOT NULL,
     model TEXT NOT NULL,
+    key TEXT NOT NULL,
     responses INTEGER NOT NULL,
     input_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
     cached_tokens INTEGER NOT NULL,
     reasoning_tokens INTEGER NOT NULL,
-    PRIMARY KEY (day, model)
+    PRIMARY KEY (day, model, key)
 );
+"""
+_USAGE_COLUMNS = ", ".join(USAGE_FIELDS)
+# The ledger before it recorded key names (one row per day and model): moved into key_usage
+# under LEGACY_OWNER's name, once.
+_MIGRATE_USAGE = f"""
+INSERT OR IGNORE INTO key_usage({_USAGE_COLUMNS})
+    SELECT day, model, '{LEGACY_OWNER}', responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens FROM usage;
+DROP TABLE usage;
 """
 
 # Columns added since the first schema: (table, column, definition). Older files get them with
@@ -367,6 +409,8 @@ _ADDED_COLUMNS = (
     ("responses", "parent_id", "TEXT"),
     ("responses", "base_len", "INTEGER NOT NULL DEFAULT 0"),
     ("responses", "live", "INTEGER NOT NULL DEFAULT 1"),
+    ("responses", "owner", f"TEXT NOT NULL DEFAULT '{LEGACY_OWNER}'"),
+    ("response_items", "minted", "INTEGER NOT NULL DEFAULT 0"),
 )
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
@@ -380,16 +424,17 @@ _CHAIN = (
     " UNION ALL SELECT r.id, r.parent_id, c.depth + 1 FROM chain c JOIN responses r ON r.id = c.parent_id"
     " WHERE c.depth < ?2) "
 )
-# The live, unexpired response ?1 and whether its chain reaches a root (a response without parent).
+# The live, unexpired response ?1 in scope ?4 (NULL: any owner) and whether its chain reaches a
+# root (a response without parent).
 _LOAD_HEAD = _CHAIN + (
-    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL FROM responses t,"
+    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL, t.owner FROM responses t,"
     " (SELECT parent_id FROM chain ORDER BY depth DESC LIMIT 1) root"
-    " WHERE t.id = ?1 AND t.live = 1 AND t.created_at >= ?3"
+    " WHERE t.id = ?1 AND t.live = 1 AND t.created_at >= ?3 AND (?4 IS NULL OR t.owner = ?4)"
 )
 # Unordered: sorting rows that carry item bodies in SQLite's sorter costs more than sorting the
 # fetched tuples by position in Python.
 _LOAD_ITEMS = _CHAIN + (
-    "SELECT b.body, ri.fp, ri.tokens, ri.pos FROM chain c JOIN response_items ri ON ri.response_id = c.id"
+    "SELECT b.body, ri.fp, ri.tokens, ri.pos, ri.minted FROM chain c JOIN response_items ri ON ri.response_id = c.id"
     " JOIN blobs b ON b.hash = ri.hash"
 )
 _POS = itemgetter(3)
@@ -447,6 +492,12 @@ class SQLiteStore:
                     except sqlite3.OperationalError:  # another process added it first
                         pass
             self._db.executescript(_INDEXES)
+            if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
+                try:
+                    self._db.executescript("BEGIN;" + _MIGRATE_USAGE + "COMMIT;")
+                except sqlite3.OperationalError:  # another process migrated it first
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
 
     def put(self, rec: StoredResponse) -> None:
         """Store ``rec`` (replacing a record of the same id; its children keep pointing at it).
@@ -471,15 +522,15 @@ class SQLiteStore:
                         raise MissingParent(rec.parent_id)
                 db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
                 db.execute(
-                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live)"
-                    " VALUES (?,?,?,?,?,?,1)",
-                    (rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base),
+                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner)"
+                    " VALUES (?,?,?,?,?,?,1,?)",
+                    (rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner),
                 )
                 db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
                 db.executemany(
-                    "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id) VALUES (?,?,?,?,?,?)",
+                    "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id, minted) VALUES (?,?,?,?,?,?,?)",
                     [
-                        (rid, base + i, h, _signed(fp), tk, _item_id(it))
+                        (rid, base + i, h, _signed(fp), tk, _item_id(it), _minted(rec, i))
                         for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
                     ],
                 )
@@ -542,17 +593,17 @@ class SQLiteStore:
             db.execute("DELETE FROM response_items WHERE response_id = ?", (cur,))
             cur = row[0]
 
-    def get(self, response_id: str) -> History | None:
-        args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds)
+    def get(self, response_id: str, scope: str | None = None) -> History | None:
+        args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds, scope)
         with self._lock:
             head = self._db.execute(_LOAD_HEAD, args).fetchone()
             if head is None:
                 return None
-            body, input_len, parent_id, base_len, rooted = head
+            body, input_len, parent_id, base_len, rooted, owner = head
             rows: list[Any] = []
             if parent_id is None:
                 rows = self._db.execute(
-                    "SELECT b.body, ri.fp, ri.tokens, ri.pos FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
+                    "SELECT b.body, ri.fp, ri.tokens, ri.pos, ri.minted FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
                     "WHERE ri.response_id=? ORDER BY ri.pos",
                     (response_id,),
                 ).fetchall()
@@ -570,32 +621,37 @@ class SQLiteStore:
             input_len=input_len,
             parent_id=parent_id,
             base_len=base_len,
+            owner=owner,
+            minted=_flags([bool(r[4]) for r in rows]),
         )
 
-    def get_item(self, item_id: str) -> dict[str, Any] | None:
+    def get_item(self, item_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
             row = self._db.execute(
                 "SELECT b.body FROM response_items ri JOIN blobs b ON b.hash = ri.hash "
-                "JOIN responses r ON r.id = ri.response_id WHERE ri.item_id=? AND r.live = 1 AND r.created_at >= ? "
+                "JOIN responses r ON r.id = ri.response_id WHERE ri.item_id=?1 AND ri.minted = 1 AND r.live = 1 "
+                "AND r.created_at >= ?2 AND (?3 IS NULL OR r.owner = ?3) "
                 "ORDER BY r.created_at DESC, r.rowid DESC LIMIT 1",
-                (item_id, time.time() - self.ttl_seconds),
+                (item_id, time.time() - self.ttl_seconds, scope),
             ).fetchone()
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
-    def get_response(self, response_id: str) -> dict[str, Any] | None:
+    def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT body FROM responses WHERE id=? AND live = 1 AND created_at >= ?",
-                (response_id, time.time() - self.ttl_seconds),
+                "SELECT body FROM responses WHERE id=?1 AND live = 1 AND created_at >= ?2 AND (?3 IS NULL OR owner = ?3)",
+                (response_id, time.time() - self.ttl_seconds, scope),
             ).fetchone()
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, scope: str | None = None) -> bool:
         with self._lock:
             db = self._db
             db.execute("BEGIN")
             try:
-                found = db.execute("SELECT 1 FROM responses WHERE id = ? AND live = 1", (response_id,)).fetchone()
+                found = db.execute(
+                    "SELECT 1 FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
+                ).fetchone()
                 if found is not None:
                     self._kill_locked(response_id)
                     self._deleted = True
@@ -607,26 +663,26 @@ class SQLiteStore:
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         rows = [
-            (time.strftime("%Y-%m-%d", time.gmtime(r.at)), r.model, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens)
+            (time.strftime("%Y-%m-%d", time.gmtime(r.at)), r.model, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens)
             for r in recs
         ]
         with self._lock:
             self._db.executemany(
-                "INSERT INTO usage(day, model, responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens) "
-                "VALUES (?,?,1,?,?,?,?) ON CONFLICT(day, model) DO UPDATE SET responses=responses+1, "
+                f"INSERT INTO key_usage({_USAGE_COLUMNS}) "
+                "VALUES (?,?,?,1,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
                 "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
                 "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens",
                 rows,
             )
 
-    def usage(self) -> list[dict[str, Any]]:
+    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT day, model, responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens "
-                "FROM usage ORDER BY day, model"
+                f"SELECT {_USAGE_COLUMNS} FROM key_usage WHERE (?1 IS NULL OR key = ?1) AND (?2 IS NULL OR day >= ?2) "
+                "ORDER BY day, model, key",
+                (key, since),
             ).fetchall()
-        keys = ("day", "model", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
-        return [dict(zip(keys, r)) for r in rows]
+        return [dict(zip(USAGE_FIELDS, r)) for r in rows]
 
     def close(self) -> None:
         with self._lock:

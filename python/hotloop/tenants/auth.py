@@ -1,0 +1,237 @@
+"""Who is calling: authentication, revocation, and each caller's limits.
+
+:class:`Tenancy` is what the transports call: :meth:`Tenancy.authenticate` once per HTTP request
+and once per WebSocket connection, :meth:`Tenancy.admit` per HTTP request and per
+``response.create`` (the revocation check plus the requests-per-minute bucket), and
+:meth:`Tenancy.admit_response` (via the engine) per response, for tokens and concurrency.
+
+Callers are :class:`Tenant` objects:
+
+* a key from the key store (:mod:`hotloop.tenants.keys`): it owns what it stores and sees only that;
+* the admin key (``--api-key``/``HOTLOOP_API_KEY``): its own tenant (``admin``) for what it
+  stores, and it may read, delete and continue every tenant's responses and see all usage
+  (operations); it has no limits;
+* in open mode (no admin key and no key ever created), every caller is the one ``anonymous``
+  tenant, whatever it sends. Rows stored before owners were recorded belong to ``anonymous``.
+
+Keys are cached in memory by the SHA-256 of their secret. The key table is re-read when an
+unknown secret arrives (one query, shared by concurrent misses) and checked for changes every
+``REFRESH_SECONDS`` (1 s) by a background task, so a key created by ``hotloop keys create``
+works at once and a revoked key fails within about a second (``REFRESH_SECONDS`` plus one
+query). In open mode only ``hl-`` secrets trigger that re-read (so a server that just got its
+first key does not treat that key's caller as anonymous), other tokens are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+from hotloop import errors
+from hotloop.state.store import LEGACY_OWNER
+from hotloop.tenants.keys import SECRET_PREFIX, UNLIMITED, KeyRecord, KeyStore, Limits, hash_secret
+from hotloop.tenants.limits import Grant, Limiter, MemoryLimiter
+
+log = logging.getLogger("hotloop.tenants")
+
+
+class Tenant:
+    """One caller's identity: ``id`` owns what it stores, ``name`` labels its usage."""
+
+    __slots__ = ("id", "name", "admin", "limits", "key_hash")
+
+    def __init__(self, id: str, name: str, limits: Limits = UNLIMITED, key_hash: bytes = b"", admin: bool = False) -> None:
+        self.id = id
+        self.name = name
+        self.admin = admin
+        self.limits = limits
+        self.key_hash = key_hash
+
+    @property
+    def scope(self) -> str | None:
+        """The owner whose content this tenant may read (``None``: every owner's)."""
+        return None if self.admin else self.id
+
+    def __repr__(self) -> str:
+        return f"Tenant({self.name!r})"
+
+
+ADMIN = Tenant("admin", "admin", admin=True)
+ANONYMOUS = Tenant(LEGACY_OWNER, "anonymous")
+
+
+def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_BAD_KEY = "Incorrect API key provided."
+_REVOKED = "The API key used for this connection has been revoked."
+
+
+class Tenancy:
+    REFRESH_SECONDS = 1.0
+    TOUCH_SECONDS = 60.0  # last-used times are written at most this often
+
+    def __init__(
+        self,
+        keys: KeyStore,
+        admin_key: str | None = None,
+        limiter: Limiter | None = None,
+        *,
+        output_reserve: int = 4096,
+    ) -> None:
+        self.keys = keys
+        self._admin_hash = hash_secret(admin_key) if admin_key else None
+        self.limiter: Limiter = limiter if limiter is not None else MemoryLimiter()
+        self.output_reserve = output_reserve
+        self._by_hash: dict[bytes, Tenant] = {}
+        self._active: set[str] = set()  # ids of keys that are not revoked
+        self._version: tuple[int, int, int] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-keys")
+        self._refreshing: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._used: dict[str, float] = {}  # key id -> last use not yet written
+        self._touched_at = 0.0
+        self._reload(keys.version(), keys.list())
+
+    @property
+    def open(self) -> bool:
+        """No admin key and no key ever created: every caller is ``anonymous``."""
+        return self._admin_hash is None and (self._version is None or self._version[0] == 0)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, host: str) -> None:
+        if self.open and not is_loopback(host):
+            log.warning(
+                "NO AUTHENTICATION: serving %s without an API key; anyone who can reach it can use it and "
+                "read every stored response. Create keys with `hotloop keys create NAME` or set --api-key.",
+                host,
+            )
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch(), name="hotloop-keys")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._flush_used(force=True)
+        self._pool.shutdown(wait=True)
+        self.keys.close()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.REFRESH_SECONDS)
+            try:
+                await self.refresh()
+                await self._flush_used()
+            except Exception:  # a busy or broken key table must not stop the watcher
+                log.exception("reading the key table failed")
+
+    def _reload(self, version: tuple[int, int, int], records: list[KeyRecord]) -> None:
+        by_hash: dict[bytes, Tenant] = {}
+        for r in records:
+            if r.active:
+                by_hash[r.hash] = Tenant(r.id, r.name, r.limits, r.hash)
+        self._by_hash = by_hash
+        self._active = {t.id for t in by_hash.values()}
+        self._version = version
+
+    def _read(self, known: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], list[KeyRecord] | None]:
+        version = self.keys.version()
+        return version, (None if version == known else self.keys.list())
+
+    async def refresh(self) -> None:
+        """Re-read the key table if it changed (one query; concurrent callers share it)."""
+        if self._refreshing is not None:
+            return await asyncio.shield(self._refreshing)
+        loop = asyncio.get_running_loop()
+        fut = self._refreshing = loop.create_future()
+        try:
+            version, records = await loop.run_in_executor(self._pool, self._read, self._version)
+            if records is not None:
+                self._reload(version, records)
+        finally:
+            self._refreshing = None
+            fut.set_result(None)
+
+    async def _flush_used(self, force: bool = False) -> None:
+        now = time.time()
+        if not self._used or (not force and now - self._touched_at < self.TOUCH_SECONDS):
+            return
+        used, self._used = self._used, {}
+        self._touched_at = now
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.keys.touch, used)
+
+    # -- per request ---------------------------------------------------------------------------
+
+    async def authenticate(self, scope: dict[str, Any]) -> Tenant:
+        """The caller of an HTTP request or WebSocket handshake. :raises AuthenticationFailed:"""
+        token = bearer(scope["headers"])
+        if self.open and (token is None or not token.startswith(SECRET_PREFIX.encode())):
+            return ANONYMOUS
+        if token is not None:
+            h = hash_secret(token)
+            admin = self._admin_hash
+            if admin is not None and hmac.compare_digest(h, admin):
+                return ADMIN
+            t = self._by_hash.get(h)
+            if t is None:
+                await self.refresh()  # a key created since the last look
+                t = self._by_hash.get(h)
+            if t is not None and hmac.compare_digest(t.key_hash, h):
+                self._used[t.id] = time.time()
+                return t
+            if self.open:
+                return ANONYMOUS
+        raise errors.AuthenticationFailed(_BAD_KEY)
+
+    def verify(self, tenant: Tenant) -> None:
+        """The tenant's key is still valid (revocation is seen within ``REFRESH_SECONDS``)."""
+        if tenant.key_hash:
+            if tenant.id not in self._active:
+                raise errors.AuthenticationFailed(_REVOKED)
+        elif tenant is ANONYMOUS and not self.open:
+            raise errors.AuthenticationFailed(_BAD_KEY)
+
+    def admit(self, tenant: Tenant) -> None:
+        """One request (an HTTP request or a ``response.create``): revocation and the RPM bucket."""
+        self.verify(tenant)
+        if tenant.limits.rpm is not None:
+            self.limiter.take_request(tenant.id, tenant.limits)
+
+    def admit_response(self, tenant: Tenant, input_tokens: int, max_output_tokens: int | None) -> Grant | None:
+        """Reserve a response's tokens (input plus ``max_output_tokens`` or the default output
+        reservation) and a concurrency slot; ``None`` for a tenant without such limits."""
+        limits = tenant.limits
+        if limits.tpm is None and limits.max_concurrent is None:
+            return None
+        reserve = max_output_tokens if max_output_tokens is not None else self.output_reserve
+        return self.limiter.admit(tenant.id, limits, input_tokens + reserve)
+
+    def headers(self, tenant: Tenant) -> list[tuple[bytes, bytes]]:
+        limits = tenant.limits
+        if limits.rpm is None and limits.tpm is None:
+            return []
+        return self.limiter.headers(tenant.id, limits)
