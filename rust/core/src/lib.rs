@@ -4,6 +4,8 @@
 //! * [`ItemChain`]: an ordered chain of `(fingerprint, tokens)` items with running token sums and a
 //!   capacity bound, used to find how much of a conversation is already known.
 //! * [`SseDecoder`]: an incremental WHATWG Server-Sent-Events decoder for backend streams.
+//! * [`SecretScanner`]: finds well-known credential formats in text (tool outputs, pasted text)
+//!   from a pattern table, for redaction and classification.
 //!
 //! The pyo3 glue in `rust/py` wraps these with coarse, builtin-typed calls; every item here has a
 //! pure-Python twin in `python/hotloop/_pure.py` and tests that the two agree.
@@ -12,8 +14,10 @@
 
 pub mod blake2b;
 pub mod chain;
+pub mod secrets;
 pub mod sse;
 
 pub use blake2b::blake2b64;
 pub use chain::{ChainError, ItemChain, DEFAULT_MAX_ITEMS};
+pub use secrets::{PatternError, PatternSpec, SecretScanner, DEFAULT_MAX_MATCHES};
 pub use sse::{Event, FeedError, SseDecoder, SseError, DEFAULT_MAX_BUFFER};
