@@ -4,6 +4,7 @@ Import accelerated names from here, never from ``hotloop._native``, ``hotloop._c
 ``hotloop._frames`` or ``hotloop._pure`` directly::
 
     from hotloop._accel import ItemChain, SseDecoder, item_fingerprint, encode_delta
+    from hotloop._accel import SecretScanner, SECRET_PATTERNS
 
 ``HOTLOOP_PURE_PYTHON=1`` (also ``true``/``yes``/``on``) forces the pure twins. Otherwise the
 compiled extensions are imported; if one fails to import, its names fall back to the twins and
@@ -26,7 +27,9 @@ __all__ = [
     "IMPORT_ERRORS",
     "NATIVE",
     "PURE_REQUESTED",
+    "SECRET_PATTERNS",
     "ItemChain",
+    "SecretScanner",
     "SseDecoder",
     "canonical_json",
     "encode_delta",
@@ -48,7 +51,7 @@ PURE_REQUESTED: bool = pure_requested()
 
 # module providing each name -> the names it provides
 _PROVIDERS: dict[str, tuple[str, ...]] = {
-    "hotloop._native": ("fingerprint", "ItemChain", "SseDecoder"),
+    "hotloop._native": ("fingerprint", "ItemChain", "SseDecoder", "SecretScanner"),
     "hotloop._canon": ("canonical_json",),
     "hotloop._frames": ("encode_delta", "encode_sse"),
 }
@@ -93,15 +96,20 @@ if TYPE_CHECKING:
     from hotloop._frames import encode_delta as encode_delta
     from hotloop._frames import encode_sse as encode_sse
     from hotloop._native import ItemChain as ItemChain
+    from hotloop._native import SecretScanner as SecretScanner
     from hotloop._native import SseDecoder as SseDecoder
     from hotloop._native import fingerprint as fingerprint
 else:
     fingerprint = _IMPLS["fingerprint"]
     ItemChain = _IMPLS["ItemChain"]
     SseDecoder = _IMPLS["SseDecoder"]
+    SecretScanner = _IMPLS["SecretScanner"]
     canonical_json = _IMPLS["canonical_json"]
     encode_delta = _IMPLS["encode_delta"]
     encode_sse = _IMPLS["encode_sse"]
+
+#: the one secret pattern table; both ``SecretScanner`` implementations are built from it
+SECRET_PATTERNS = _pure.SECRET_PATTERNS
 
 
 def implementations() -> dict[str, dict[str, Any]]:

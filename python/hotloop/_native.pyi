@@ -8,7 +8,7 @@ classes; import them through ``hotloop._accel``, which picks one.
 from collections.abc import Sequence
 from typing import final
 
-__all__ = ["fingerprint", "ItemChain", "SseDecoder"]
+__all__ = ["fingerprint", "ItemChain", "SecretScanner", "SseDecoder"]
 
 def fingerprint(data: bytes) -> int:
     """BLAKE2b with an 8-byte digest (digest length 8 in the parameter block, not a truncated
@@ -121,4 +121,62 @@ class SseDecoder:
             line) does. The decoder is then failed: this and every later ``feed`` raise
             ``ValueError`` and no events are returned.
         :raises TypeError: ``data`` is not ``bytes``.
+        """
+
+@final
+class SecretScanner:
+    """Finds well-known credential formats (API keys, tokens, private keys, passwords in
+    assignments) in text, from a pattern table compiled once; held in Rust.
+
+    hotloop's table is ``hotloop._pure.SECRET_PATTERNS`` (one table for both implementations).
+    A row is ``(kind, pattern, edge, min_entropy)``:
+
+    * ``kind``: the id reported for a match and used in ``[REDACTED:<kind>]``
+      (``[a-z][a-z0-9_]*``, unique);
+    * ``pattern``: a regular expression in the subset the Rust ``regex`` crate and Python's
+      ``re`` read alike (ASCII, explicit classes, no flags, anchors, word boundaries,
+      look-around or back-references); a group named ``secret``, when present, is the reported
+      span, otherwise the whole match;
+    * ``edge``: ASCII characters that must not touch the span on either side;
+    * ``min_entropy``: minimum Shannon entropy of the span in bits per character (0: none).
+
+    Results are ``(kind, start, end)`` tuples with ``start``/``end`` as ``str`` indices (code
+    points), sorted and non-overlapping. Each kind's regex finds its matches left to right,
+    non-overlapping; matches failing the edge or entropy check are dropped; the rest are merged
+    by start, the longer span winning at the same start, then the kind earlier in the table; a
+    span overlapping an already reported one is dropped. At most ``max_matches`` spans are
+    reported per text (the first ones). Lone surrogates count as non-ASCII characters.
+    Texts of 4 KiB (UTF-8) or more are scanned with the GIL released.
+    """
+
+    def __new__(
+        cls, patterns: Sequence[tuple[str, str, str, float]], max_matches: int = 10000
+    ) -> SecretScanner:
+        """Compile ``patterns``.
+
+        :raises ValueError: a kind is malformed or repeated, an edge is not ASCII, a
+            ``min_entropy`` is negative or not finite, a pattern does not compile or matches the
+            empty string, a row is a tuple of the wrong length, or ``max_matches`` is negative.
+        :raises TypeError: ``patterns`` is not a sequence of tuples of (str, str, str, float).
+        """
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kind ids, in table order."""
+
+    @property
+    def max_matches(self) -> int:
+        """The bound on spans reported per text, given to the constructor."""
+
+    def scan(self, text: str) -> list[tuple[str, int, int]]:
+        """The secrets in ``text`` as ``(kind, start, end)``, ``text[start:end]`` being the secret.
+
+        :raises TypeError: ``text`` is not a ``str``.
+        """
+
+    def redact(self, text: str) -> tuple[str, list[tuple[str, int, int]]]:
+        """``text`` with every span ``scan`` reports replaced by ``[REDACTED:<kind>]``, and those
+        spans (offsets into the original ``text``). Without spans, ``text`` itself is returned.
+
+        :raises TypeError: ``text`` is not a ``str``.
         """

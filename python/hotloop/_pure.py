@@ -12,9 +12,12 @@ extensions are unavailable, so they avoid gratuitous per-byte or per-char Python
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
-from collections.abc import Callable, Sequence
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from hashlib import blake2b
 from json.encoder import encode_basestring as _json_str
 from typing import Any, SupportsIndex
@@ -24,18 +27,23 @@ import msgspec
 __all__ = [
     "DEFAULT_MAX_BUFFER",
     "DEFAULT_MAX_ITEMS",
+    "DEFAULT_MAX_MATCHES",
     "MAX_DEPTH",
+    "SECRET_PATTERNS",
     "ItemChain",
+    "SecretScanner",
     "SseDecoder",
     "canonical_json",
     "encode_delta",
     "encode_sse",
     "fingerprint",
+    "shannon_entropy",
 ]
 
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BUFFER = 8 * 1024 * 1024
 MAX_DEPTH = 256
+DEFAULT_MAX_MATCHES = 10_000
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -376,3 +384,214 @@ def encode_delta(
 def encode_sse(event_type: str, payload: bytes) -> bytes:
     """One Server-Sent Event: ``b"event: " + event_type + b"\\ndata: " + payload + b"\\n\\n"``."""
     return b"".join((b"event: ", event_type.encode("utf-8"), b"\ndata: ", payload, b"\n\n"))
+
+
+# -- secret scanner ----------------------------------------------------------------------------
+#
+# SECRET_PATTERNS is THE pattern table: the Rust scanner (``hotloop._native.SecretScanner``) is
+# built from it too, so both implementations always scan for the same kinds with the same
+# patterns. A row is ``(kind, pattern, edge, min_entropy)``:
+#
+# * kind: the id in verdicts and in ``[REDACTED:<kind>]``; earlier rows win ties (same span);
+# * pattern: in the subset the Rust ``regex`` crate and ``re`` read alike: ASCII only, explicit
+#   ASCII classes (no \w \d \s \b), no flags (case-insensitive words are spelled ``[Kk][Ee][Yy]``),
+#   no anchors, look-around or back-references; a group named ``secret`` is the reported span;
+# * edge: characters that must not touch the span on either side (a key glued to more key
+#   characters is part of a longer token);
+# * min_entropy: Shannon entropy of the span, bits per character (0: no check). Vendor tokens
+#   need 3.0, which random tokens pass and placeholders (``ghp_xxxx...``) fail; generic
+#   ``password=``/``token:`` assignments need 3.5 over a value of 12 or more characters.
+
+_UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_ALNUM = _UPPER + _UPPER.lower() + "0123456789"
+_WORD = _ALNUM + "_"
+_TOKEN = _ALNUM + "_-"
+_B64 = _ALNUM + "+/="
+
+TOKEN_MIN_ENTROPY = 3.0
+GENERIC_MIN_ENTROPY = 3.5
+
+
+def _ci(word: str) -> str:
+    """A case-insensitive spelling of an ASCII word without flags: ``key`` -> ``[Kk][Ee][Yy]``."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
+
+
+# `"password": "`, `token = '`, `API_KEY=`, `secret => `, `\"token\":\"` (JSON inside JSON)
+_ASSIGN = r"""\\?["']?[ \t]{0,8}(?:=>|:=|=|:)[ \t]{0,8}\\?["']?"""
+_GENERIC_KEY = "(?:" + "|".join((
+    _ci("password"), _ci("passwd"), _ci("secret"), _ci("token"),
+    *(_ci(w) + "[_-]?" + _ci("key") for w in ("api", "access", "auth", "private")),
+)) + ")"
+_PEM_LABEL = r"[ A-Z0-9]{0,40}PRIVATE KEY(?: BLOCK)?-----"
+
+SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
+    # A PEM private key block; without its END line (a truncated paste), the header and at
+    # least 64 characters of base64.
+    ("private_key",
+     r"-----BEGIN" + _PEM_LABEL + r"(?:[A-Za-z0-9+/=\\\r\n\t :,.-]{16,}?-----END" + _PEM_LABEL
+     + r"|[A-Za-z0-9+/=\\\r\n]{64,})", "", 0.0),
+    ("aws_access_key_id", r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z2-7]{16}", _ALNUM, TOKEN_MIN_ENTROPY),
+    # 40 characters of base64 only after an AWS secret keyword
+    ("aws_secret_access_key",
+     "(?:" + _ci("aws") + "[A-Za-z0-9_.-]{0,20}" + _ci("secret") + "|" + _ci("secret") + "_?"
+     + _ci("access") + "_?" + _ci("key") + ")[A-Za-z0-9_.-]{0,20}" + _ASSIGN
+     + r"(?P<secret>[A-Za-z0-9/+]{40})", _B64, TOKEN_MIN_ENTROPY),
+    ("github_token", r"gh[pousr]_[A-Za-z0-9]{36,251}", _WORD, TOKEN_MIN_ENTROPY),
+    ("github_fine_grained_token", r"github_pat_[A-Za-z0-9]{22}_[A-Za-z0-9]{59}", _WORD,
+     TOKEN_MIN_ENTROPY),
+    ("gitlab_token", r"gl(?:pat|dt|ptt|rt)-[A-Za-z0-9_.-]{20,}", _TOKEN, TOKEN_MIN_ENTROPY),
+    ("slack_token", r"(?:xox[abposr]-[0-9]{6,}-[A-Za-z0-9-]{8,}|xapp-[0-9]-[A-Za-z0-9-]{10,})",
+     _TOKEN, TOKEN_MIN_ENTROPY),
+    ("slack_webhook_url",
+     r"(?:https?://)?hooks\.slack\.com/services/T[A-Z0-9]{6,}/B[A-Z0-9]{6,}/[A-Za-z0-9]{20,}",
+     _WORD, 0.0),
+    ("stripe_secret_key", r"[rs]k_live_[A-Za-z0-9]{20,}", _WORD, TOKEN_MIN_ENTROPY),
+    # Test-mode keys move no money but read and change the account's test data and settings.
+    ("stripe_test_key", r"[rs]k_test_[A-Za-z0-9]{20,}", _WORD, TOKEN_MIN_ENTROPY),
+    ("google_api_key", r"AIza[A-Za-z0-9_-]{35}", _TOKEN, TOKEN_MIN_ENTROPY),
+    ("anthropic_api_key", r"sk-ant-(?:api|admin|oat|sid)[0-9]{2}-[A-Za-z0-9_-]{32,}", _TOKEN,
+     TOKEN_MIN_ENTROPY),
+    ("openai_api_key", r"sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{40,}|[A-Za-z0-9]{32,})",
+     _TOKEN, TOKEN_MIN_ENTROPY),
+    ("cerebras_api_key", r"csk-[A-Za-z0-9]{32,}", _TOKEN, TOKEN_MIN_ENTROPY),
+    ("groq_api_key", r"gsk_[A-Za-z0-9]{48,}", _WORD, TOKEN_MIN_ENTROPY),
+    ("huggingface_token", r"hf_[A-Za-z0-9]{34}", _WORD, TOKEN_MIN_ENTROPY),
+    ("npm_token", r"npm_[A-Za-z0-9]{36}", _WORD, TOKEN_MIN_ENTROPY),
+    ("pypi_token", r"pypi-AgE(?:IcHlwaS5vcmc|NdGVzdC5weXBpLm9yZw)[A-Za-z0-9_-]{50,}", _TOKEN,
+     TOKEN_MIN_ENTROPY),
+    ("twilio_api_key", r"SK[0-9a-f]{32}", _ALNUM, TOKEN_MIN_ENTROPY),
+    ("sendgrid_api_key", r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}", _TOKEN, TOKEN_MIN_ENTROPY),
+    ("azure_storage_account_key", r"[Aa]ccount[Kk]ey=(?P<secret>[A-Za-z0-9+/]{86}==)", _B64,
+     TOKEN_MIN_ENTROPY),
+    ("digitalocean_token", r"do[opr]_v1_[a-f0-9]{64}", _WORD, TOKEN_MIN_ENTROPY),
+    ("shopify_token", r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}", _WORD, TOKEN_MIN_ENTROPY),
+    ("age_secret_key", r"AGE-SECRET-KEY-1[QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L]{58}", _ALNUM,
+     TOKEN_MIN_ENTROPY),
+    ("jwt", r"eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}", _TOKEN, 0.0),
+    # the password of scheme://user:password@host
+    ("url_password",
+     r"""://[^ \t\r\n"'<>:@/\\]{1,128}:(?P<secret>[^ \t\r\n"'<>:@/\\]{3,128})@""", "",
+     TOKEN_MIN_ENTROPY),
+    ("authorization_header",
+     _ci("authorization") + r"""\\?["']?[ \t]{0,8}[:=][ \t]{0,8}\\?["']?"""
+     + r"(?:[Bb]earer|[Bb]asic|[Tt]oken)[ \t]{1,8}(?P<secret>[A-Za-z0-9_~+/=.-]{16,})", "",
+     TOKEN_MIN_ENTROPY),
+    ("generic_secret",
+     _GENERIC_KEY + r"(?:[_.-][A-Za-z0-9_.-]{0,30})?" + _ASSIGN
+     + r"(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-]{12,})", "", GENERIC_MIN_ENTROPY),
+)
+
+
+def shannon_entropy(s: str) -> float:
+    """Shannon entropy of the characters of ``s`` in bits per character (0.0 when empty):
+    ``log2(n) - sum(c * log2(c) for each character count c, in code point order) / n``, the
+    same float operations in the same order as the Rust scanner."""
+    n = len(s)
+    if not n:
+        return 0.0
+    total = 0.0
+    for _, c in sorted(Counter(s).items()):
+        total += c * math.log2(c)
+    return math.log2(n) - total / n
+
+
+_KIND_RE = re.compile(r"[a-z][a-z0-9_]*")
+
+
+class SecretScanner:
+    """Finds well-known credential formats in text; see ``hotloop._native.SecretScanner``."""
+
+    __slots__ = ("_kinds", "_max", "_rules")
+
+    def __init__(
+        self, patterns: Sequence[tuple[str, str, str, float]], max_matches: int = DEFAULT_MAX_MATCHES
+    ) -> None:
+        self._max = _non_negative("max_matches", max_matches)
+        if isinstance(patterns, str) or not isinstance(patterns, Sequence):
+            raise TypeError(f"patterns must be a sequence, not {type(patterns).__name__}")
+        rows: list[tuple[str, str, str, float]] = []
+        for row in patterns:
+            if not isinstance(row, tuple):
+                raise TypeError("each pattern must be a (kind, pattern, edge, min_entropy) tuple")
+            if len(row) != 4:
+                raise ValueError(f"expected tuple of length 4, but got tuple of length {len(row)}")
+            kind, pattern, edge, min_entropy = row
+            if not all(isinstance(x, str) for x in (kind, pattern, edge)):
+                raise TypeError("kind, pattern and edge must be str")
+            if isinstance(min_entropy, (str, bytes, bytearray)):
+                raise TypeError("min_entropy must be a real number")
+            rows.append((kind, pattern, edge, float(min_entropy)))
+        rules: list[tuple[re.Pattern[str], int | None, frozenset[str], float]] = []
+        kinds: list[str] = []
+        for index, (kind, pattern, edge, min_entropy) in enumerate(rows):
+            if not _KIND_RE.fullmatch(kind):
+                raise ValueError(f"secret pattern {index}: kind {kind!r} is not [a-z][a-z0-9_]*")
+            if kind in kinds:
+                raise ValueError(f"secret pattern {index}: kind {kind!r} appears twice")
+            if not edge.isascii():
+                raise ValueError(f"secret pattern {index}: edge characters must be ASCII")
+            if not (math.isfinite(min_entropy) and min_entropy >= 0.0):
+                raise ValueError(f"secret pattern {index}: min_entropy must be finite and >= 0")
+            try:
+                rx = re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"secret pattern {index}: bad pattern: {exc}") from None
+            if rx.search("") is not None:
+                raise ValueError(f"secret pattern {index}: pattern matches the empty string")
+            rules.append((rx, rx.groupindex.get("secret"), frozenset(edge), min_entropy))
+            kinds.append(kind)
+        self._rules = rules
+        self._kinds = tuple(kinds)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self._kinds
+
+    @property
+    def max_matches(self) -> int:
+        return self._max
+
+    def _kept(self, k: int, text: str) -> Iterator[tuple[int, int, int, int]]:
+        """Kind ``k``'s kept matches as ``(start, -length, k, end)``, in text order."""
+        rx, group, edge, min_entropy = self._rules[k]
+        n = len(text)
+        for m in rx.finditer(text):
+            s, e = m.span(group or 0)
+            if s == e:  # also a `secret` group that did not take part (-1, -1)
+                continue
+            if edge and ((s > 0 and text[s - 1] in edge) or (e < n and text[e] in edge)):
+                continue
+            if min_entropy > 0.0 and shannon_entropy(text[s:e]) < min_entropy:
+                continue
+            yield (s, s - e, k, e)
+
+    def scan(self, text: str) -> list[tuple[str, int, int]]:
+        if not isinstance(text, str):
+            raise TypeError(f"scan() argument must be str, not {type(text).__name__}")
+        out: list[tuple[str, int, int]] = []
+        if self._max == 0 or not text:
+            return out
+        kinds = self._kinds
+        last_end = 0
+        for s, _, k, e in heapq.merge(*(self._kept(k, text) for k in range(len(kinds)))):
+            if s < last_end:
+                continue
+            out.append((kinds[k], s, e))
+            last_end = e
+            if len(out) >= self._max:
+                break
+        return out
+
+    def redact(self, text: str) -> tuple[str, list[tuple[str, int, int]]]:
+        spans = self.scan(text)
+        if not spans:
+            return text, spans
+        parts: list[str] = []
+        at = 0
+        for kind, s, e in spans:
+            parts.append(text[at:s])
+            parts.append(f"[REDACTED:{kind}]")
+            at = e
+        parts.append(text[at:])
+        return "".join(parts), spans

@@ -45,6 +45,7 @@ def test_accel_resolved_every_name_natively() -> None:
         "fingerprint": "hotloop._native",
         "ItemChain": "hotloop._native",
         "SseDecoder": "hotloop._native",
+        "SecretScanner": "hotloop._native",
         "canonical_json": "hotloop._canon",
         "encode_delta": "hotloop._frames",
         "encode_sse": "hotloop._frames",

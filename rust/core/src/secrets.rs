@@ -373,6 +373,9 @@ fn replace_surrogates(bytes: &[u8]) -> Result<String, InvalidText> {
 /// Byte offsets of `findings` (sorted, non-overlapping) in `text` as code point offsets.
 pub fn char_offsets(text: &str, findings: &[Finding]) -> Vec<(usize, usize)> {
     let mut out = Vec::with_capacity(findings.len());
+    if findings.is_empty() {
+        return out;
+    }
     if text.is_ascii() {
         out.extend(findings.iter().map(|f| (f.start, f.end)));
         return out;

@@ -3,11 +3,12 @@
 //! The stub `python/hotloop/_native.pyi` is the documented API; pure twins live in
 //! `hotloop._pure`.
 
-use hotloop_core::{self as core, ChainError, FeedError, SseError};
+use hotloop_core::secrets::{char_offsets, redact, Finding};
+use hotloop_core::{self as core, ChainError, FeedError, PatternSpec, SseError};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 /// Inputs at least this long are hashed with the GIL released.
 const DETACH_THRESHOLD: usize = 16 * 1024;
@@ -169,10 +170,158 @@ impl SseDecoder {
     }
 }
 
+/// Texts at least this long (UTF-8 bytes) are scanned with the GIL released.
+const SCAN_DETACH_THRESHOLD: usize = 4 * 1024;
+
+/// Finds well-known credential formats in text, from a pattern table compiled once.
+#[pyclass(module = "hotloop._native", name = "SecretScanner", frozen)]
+struct SecretScanner {
+    inner: core::SecretScanner,
+    kinds: Vec<Py<PyString>>,
+}
+
+/// What one scan found, with the text it was found in when that is not the caller's `&str`.
+struct Scanned {
+    findings: Vec<Finding>,
+    offsets: Vec<(usize, usize)>,
+    /// UTF-8 with surrogates (Python's "surrogatepass" encoding), for texts holding lone
+    /// surrogates; None when the text is plain UTF-8.
+    wtf8: Option<Vec<u8>>,
+}
+
+impl SecretScanner {
+    fn run(&self, py: Python<'_>, text: &Bound<'_, PyString>) -> PyResult<Scanned> {
+        let inner = &self.inner;
+        if let Ok(s) = text.to_str() {
+            let work = || {
+                let findings = inner.scan(s);
+                let offsets = char_offsets(s, &findings);
+                Scanned {
+                    findings,
+                    offsets,
+                    wtf8: None,
+                }
+            };
+            let scanned = if s.len() >= SCAN_DETACH_THRESHOLD {
+                py.detach(work)
+            } else {
+                work()
+            };
+            return Ok(scanned);
+        }
+        // Lone surrogates: scan the "surrogatepass" bytes (each surrogate counts as one
+        // non-ASCII character, as in the pure twin).
+        let encoded = text.call_method1(intern!(py, "encode"), ("utf-8", "surrogatepass"))?;
+        let bytes = encoded.cast::<PyBytes>()?.as_bytes().to_vec();
+        let work = move || -> Result<Scanned, core::secrets::InvalidText> {
+            let (findings, clean) = inner.scan_wtf8(&bytes)?;
+            let offsets = char_offsets(&clean, &findings);
+            Ok(Scanned {
+                findings,
+                offsets,
+                wtf8: Some(bytes),
+            })
+        };
+        let result = if text.len()? >= SCAN_DETACH_THRESHOLD {
+            py.detach(work)
+        } else {
+            work()
+        };
+        result.map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    fn spans<'py>(&self, py: Python<'py>, scanned: &Scanned) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            scanned
+                .findings
+                .iter()
+                .zip(&scanned.offsets)
+                .map(|(f, &(start, end))| (self.kinds[f.kind].clone_ref(py), start, end)),
+        )
+    }
+}
+
+#[pymethods]
+impl SecretScanner {
+    #[new]
+    #[pyo3(signature = (patterns, max_matches = 10_000))] // core::DEFAULT_MAX_MATCHES
+    fn new(
+        py: Python<'_>,
+        patterns: Vec<(String, String, String, f64)>,
+        max_matches: i64,
+    ) -> PyResult<Self> {
+        let max_matches = non_negative("max_matches", max_matches)?;
+        let specs: Vec<PatternSpec> = patterns
+            .into_iter()
+            .map(|(kind, pattern, edge, min_entropy)| PatternSpec {
+                kind,
+                pattern,
+                edge,
+                min_entropy,
+            })
+            .collect();
+        let inner = core::SecretScanner::new(&specs, max_matches)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let kinds = inner
+            .kinds()
+            .map(|k| PyString::intern(py, k).unbind())
+            .collect();
+        Ok(SecretScanner { inner, kinds })
+    }
+
+    #[getter]
+    fn kinds<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.kinds.iter().map(|k| k.clone_ref(py)))
+    }
+
+    #[getter]
+    fn max_matches(&self) -> usize {
+        self.inner.max_matches()
+    }
+
+    fn scan<'py>(
+        &self,
+        py: Python<'py>,
+        text: &Bound<'py, PyString>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let scanned = self.run(py, text)?;
+        self.spans(py, &scanned)
+    }
+
+    fn redact<'py>(
+        &self,
+        py: Python<'py>,
+        text: &Bound<'py, PyString>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyList>)> {
+        let scanned = self.run(py, text)?;
+        let spans = self.spans(py, &scanned)?;
+        if scanned.findings.is_empty() {
+            return Ok((text.clone().into_any(), spans));
+        }
+        let out = match &scanned.wtf8 {
+            None => {
+                let s = text.to_str()?;
+                let bytes = redact(&self.inner, s.as_bytes(), &scanned.findings);
+                let s =
+                    String::from_utf8(bytes).map_err(|e| PyValueError::new_err(e.to_string()))?;
+                PyString::new(py, &s).into_any()
+            }
+            Some(wtf8) => {
+                let bytes = redact(&self.inner, wtf8, &scanned.findings);
+                PyBytes::new(py, &bytes)
+                    .call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?
+            }
+        };
+        Ok((out, spans))
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
     m.add_class::<ItemChain>()?;
     m.add_class::<SseDecoder>()?;
+    m.add_class::<SecretScanner>()?;
     Ok(())
 }
