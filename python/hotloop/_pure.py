@@ -406,7 +406,6 @@ _UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _ALNUM = _UPPER + _UPPER.lower() + "0123456789"
 _WORD = _ALNUM + "_"
 _TOKEN = _ALNUM + "_-"
-_B64 = _ALNUM + "+/="
 
 TOKEN_MIN_ENTROPY = 3.0
 GENERIC_MIN_ENTROPY = 3.5
@@ -436,7 +435,7 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
     ("aws_secret_access_key",
      "(?:" + _ci("aws") + "[A-Za-z0-9_.-]{0,20}" + _ci("secret") + "|" + _ci("secret") + "_?"
      + _ci("access") + "_?" + _ci("key") + ")[A-Za-z0-9_.-]{0,20}" + _ASSIGN
-     + r"(?P<secret>[A-Za-z0-9/+]{40})", _B64, TOKEN_MIN_ENTROPY),
+     + r"(?P<secret>[A-Za-z0-9/+]{40})", _ALNUM + "+/", TOKEN_MIN_ENTROPY),
     ("github_token", r"gh[pousr]_[A-Za-z0-9]{36,251}", _WORD, TOKEN_MIN_ENTROPY),
     ("github_fine_grained_token", r"github_pat_[A-Za-z0-9]{22}_[A-Za-z0-9]{59}", _WORD,
      TOKEN_MIN_ENTROPY),
@@ -462,8 +461,8 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
      TOKEN_MIN_ENTROPY),
     ("twilio_api_key", r"SK[0-9a-f]{32}", _ALNUM, TOKEN_MIN_ENTROPY),
     ("sendgrid_api_key", r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}", _TOKEN, TOKEN_MIN_ENTROPY),
-    ("azure_storage_account_key", r"[Aa]ccount[Kk]ey=(?P<secret>[A-Za-z0-9+/]{86}==)", _B64,
-     TOKEN_MIN_ENTROPY),
+    ("azure_storage_account_key", r"[Aa]ccount[Kk]ey=(?P<secret>[A-Za-z0-9+/]{86}==)",
+     _ALNUM + "+/", TOKEN_MIN_ENTROPY),
     ("digitalocean_token", r"do[opr]_v1_[a-f0-9]{64}", _WORD, TOKEN_MIN_ENTROPY),
     ("shopify_token", r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}", _WORD, TOKEN_MIN_ENTROPY),
     ("age_secret_key", r"AGE-SECRET-KEY-1[QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L]{58}", _ALNUM,

@@ -1,0 +1,453 @@
+"""The secret scanner (both implementations) on every kind of the shared table, and the
+secrets classifier on request items.
+
+No secret-looking literal is committed: every example is generated here from a seeded random
+source and assembled by concatenation.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import re
+import threading
+from typing import Any
+
+import msgspec
+import pytest
+
+from hotloop import _accel
+from hotloop.pipeline import classify
+from hotloop.protocol.request import (
+    FunctionCall,
+    FunctionCallOutput,
+    InputImage,
+    InputText,
+    ItemReference,
+    Message,
+    OtherItem,
+    OutputText,
+)
+
+PATTERNS = _accel.SECRET_PATTERNS
+IMPLS = _accel.implementations()
+SCANNERS = {name: impl["SecretScanner"](PATTERNS) for name, impl in IMPLS.items()}
+
+_R = random.Random(20240611)
+UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+LOWER = UPPER.lower()
+DIGITS = "0123456789"
+ALNUM = UPPER + LOWER + DIGITS
+TOKEN = ALNUM + "_-"
+HEX = DIGITS + "abcdef"
+
+
+def rnd(alphabet: str, n: int) -> str:
+    return "".join(_R.choice(alphabet) for _ in range(n))
+
+
+def b64url(raw: str) -> str:
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def pem(label: str, lines: int = 6, end: bool = True) -> str:
+    body = "\n".join(rnd(ALNUM + "+/", 64) for _ in range(lines))
+    text = "-----" + "BEGIN " + label + "-----\n" + body + "\n"
+    return text + ("-----" + "END " + label + "-----" if end else "")
+
+
+def jwt() -> str:
+    header = b64url('{"alg":"HS256","typ":"JWT"}')
+    payload = b64url('{"sub":"' + rnd(DIGITS, 10) + '","name":"dev","iat":1700000000}')
+    return header + "." + payload + "." + rnd(TOKEN, 43)
+
+
+# (kind, before, secret, after): scan(before + secret + after) must report exactly the secret.
+POSITIVES: list[tuple[str, str, str, str]] = [
+    ("private_key", "key file:\n", pem("RSA PRIVATE KEY"), "\n"),
+    ("private_key", "$ cat id_ed25519\n", pem("OPENSSH PRIVATE KEY"), "\n$ "),
+    ("private_key", "$ head -3 key.pem\n", pem("PRIVATE KEY", lines=2, end=False), ""),
+    ("aws_access_key_id", "aws_access_key_id = ", "AK" + "IA" + rnd(UPPER + "234567", 16), "\n"),
+    ("aws_access_key_id", '"AccessKeyId": "', "AS" + "IA" + rnd(UPPER + "234567", 16), '"'),
+    ("aws_secret_access_key", "aws_secret_access_key = ", rnd(ALNUM + "+/", 40), "\n"),
+    ("aws_secret_access_key", '{"SecretAccessKey": "', rnd(ALNUM + "+/", 40), '"}'),
+    ("aws_secret_access_key", "export AWS_SECRET_ACCESS_KEY=", rnd(ALNUM + "+/", 40), ""),
+    ("github_token", "GITHUB_TOKEN=", "gh" + "p_" + rnd(ALNUM, 36), "\n"),
+    ("github_token", "token ", "gh" + "s_" + rnd(ALNUM, 36), " expired"),
+    ("github_fine_grained_token", "", "github" + "_pat_" + rnd(ALNUM, 22) + "_" + rnd(ALNUM, 59), ""),
+    ("gitlab_token", "PRIVATE-TOKEN: ", "gl" + "pat-" + rnd(TOKEN, 20), "\n"),
+    ("slack_token", "SLACK_BOT_TOKEN=",
+     "xo" + "xb-" + rnd(DIGITS, 12) + "-" + rnd(DIGITS, 13) + "-" + rnd(ALNUM, 24), "\n"),
+    ("slack_token", "", "xa" + "pp-1-" + rnd(UPPER + DIGITS, 11) + "-" + rnd(DIGITS, 13) + "-"
+     + rnd(HEX, 64), ""),
+    ("slack_webhook_url", "curl -X POST ", "https://hooks.slack" + ".com/services/T" + rnd(UPPER, 9)
+     + "/B" + rnd(UPPER + DIGITS, 9) + "/" + rnd(ALNUM, 24), " -d @msg.json"),
+    ("stripe_secret_key", "stripe.api_key = '", "sk" + "_live_" + rnd(ALNUM, 24), "'"),
+    ("stripe_secret_key", "", "rk" + "_live_" + rnd(ALNUM, 99), ""),
+    ("stripe_test_key", "STRIPE_KEY=", "sk" + "_test_" + rnd(ALNUM, 24), "\n"),
+    ("google_api_key", "?key=", "AI" + "za" + rnd(TOKEN, 35), "&q=x"),
+    ("anthropic_api_key", "x-api-key: ", "sk-" + "ant-api03-" + rnd(TOKEN, 93) + "AA", "\n"),
+    ("openai_api_key", "OPENAI_API_KEY=", "sk-" + "proj-" + rnd(TOKEN, 156), "\n"),
+    ("openai_api_key", "", "sk-" + rnd(ALNUM, 48), ""),
+    ("cerebras_api_key", "CEREBRAS_API_KEY=", "cs" + "k-" + rnd(LOWER + DIGITS, 48), ""),
+    ("groq_api_key", "", "gs" + "k_" + rnd(ALNUM, 52), ""),
+    ("huggingface_token", "HF_TOKEN=", "hf" + "_" + rnd(ALNUM, 34), "\n"),
+    ("npm_token", "//registry.npmjs.org/:_authToken=", "np" + "m_" + rnd(ALNUM, 36), "\n"),
+    ("pypi_token", "password = ", "py" + "pi-AgEIcHlwaS5vcmc" + rnd(TOKEN, 120), "\n"),
+    ("twilio_api_key", "TWILIO_API_KEY=", "S" + "K" + rnd(HEX, 32), ""),
+    ("sendgrid_api_key", "", "S" + "G." + rnd(TOKEN, 22) + "." + rnd(TOKEN, 43), ""),
+    ("azure_storage_account_key", "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=",
+     rnd(ALNUM + "+/", 86) + "==", ";EndpointSuffix=core.windows.net"),
+    ("digitalocean_token", "", "do" + "p_v1_" + rnd(HEX, 64), ""),
+    ("shopify_token", "X-Shopify-Access-Token: ", "sh" + "pat_" + rnd(HEX, 32), ""),
+    ("age_secret_key", "# created: 2024\n",
+     "AGE-" + "SECRET-KEY-1" + rnd("QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L", 58), "\n"),
+    ("jwt", "Cookie: session=", jwt(), "; Path=/"),
+    ("jwt", "Authorization: Bearer ", jwt(), "\n"),  # the specific kind wins the tie
+    ("url_password", "DATABASE_URL=postgres://app:", rnd(ALNUM, 16), "@db.internal:5432/app"),
+    ("authorization_header", "-H 'Authorization: Bearer ", rnd(TOKEN, 40), "'"),
+    ("authorization_header", "Authorization: Basic ", base64.b64encode(
+        ("admin:" + rnd(ALNUM, 14)).encode()).decode(), "\r\n"),
+    ("generic_secret", 'db_password = "', rnd(ALNUM + "!@#%^&*", 16), '"'),
+    ("generic_secret", '{"api_key": "', rnd(ALNUM, 24), '"}'),
+    ("generic_secret", "SECRET_KEY=", rnd(ALNUM + "-_", 50), "\n"),
+    ("generic_secret", 'client_secret: ', rnd(ALNUM, 20), "\n"),
+    ("generic_secret", '{\\"password\\": \\"', rnd(ALNUM, 18), '\\"}'),
+]
+
+# (kind, text): near misses of that kind; scan(text) must report nothing at all, except the
+# few in NEGATIVE_BUT_GENERIC, which are not that kind but still a secret assignment.
+NEGATIVES: list[tuple[str, str]] = [
+    ("private_key", "-----" + "BEGIN PRIVATE KEY-----\n...\n-----" + "END PRIVATE KEY-----"),
+    ("private_key", pem("PUBLIC KEY")),
+    ("private_key", "-----" + "BEGIN RSA PRIVATE KEY-----\n"),
+    ("aws_access_key_id", "AK" + "IA" + rnd(UPPER, 15)),
+    ("aws_access_key_id", "AK" + "IA" + rnd(UPPER, 17)),
+    ("aws_access_key_id", "AK" + "IA" + "X" * 16),
+    ("aws_access_key_id", "x" + "AK" + "IA" + rnd(UPPER, 16)),
+    ("aws_secret_access_key", "value = " + rnd(ALNUM + "+/", 40)),
+    ("aws_secret_access_key", "aws_secret_access_key = " + rnd(ALNUM, 39)),
+    ("aws_secret_access_key", "aws_secret_access_key = " + rnd(ALNUM, 41)),
+    ("aws_secret_access_key", "aws_secret_access_key = " + "EXAMPLEKEY" * 4),
+    ("github_token", "gh" + "p_" + rnd(ALNUM, 35)),
+    ("github_token", "gh" + "x_" + rnd(ALNUM, 36)),
+    ("github_token", "gh" + "p_" + "x" * 36),
+    ("github_fine_grained_token", "github" + "_pat_" + rnd(ALNUM, 22) + "_" + rnd(ALNUM, 58)),
+    ("gitlab_token", "gl" + "pat-" + rnd(ALNUM, 19)),
+    ("gitlab_token", "gl" + "pat-" + "x" * 20),
+    ("slack_token", "xo" + "xb-123-abc"),
+    ("slack_token", "xo" + "xz-" + rnd(DIGITS, 12) + "-" + rnd(ALNUM, 24)),
+    ("slack_webhook_url", "https://hooks.slack" + ".com/services/T000/B000/XXXX"),
+    ("stripe_secret_key", "pk" + "_live_" + rnd(ALNUM, 24)),
+    ("stripe_test_key", "sk" + "_test_" + rnd(ALNUM, 10)),
+    ("google_api_key", "AI" + "za" + rnd(ALNUM, 34)),
+    ("anthropic_api_key", "ANTHROPIC_API_KEY=sk-" + "ant-..."),
+    ("openai_api_key", "OPENAI_API_KEY=sk-..."),
+    ("openai_api_key", "sk-" + rnd(ALNUM, 31)),
+    ("openai_api_key", "sk-" + "x" * 48),
+    ("openai_api_key", "task-" + rnd(ALNUM, 40)),
+    ("openai_api_key", "sk-learn-model-training-pipeline"),
+    ("cerebras_api_key", "cs" + "k-" + rnd(ALNUM, 20)),
+    ("groq_api_key", "gs" + "k_" + rnd(ALNUM, 20)),
+    ("huggingface_token", "hf" + "_" + rnd(ALNUM, 33)),
+    ("huggingface_token", "hf" + "_" + rnd(ALNUM, 35)),
+    ("npm_token", "np" + "m_" + rnd(ALNUM, 35)),
+    ("pypi_token", "py" + "pi-AgE" + rnd(ALNUM, 10)),
+    ("twilio_api_key", "S" + "K" + rnd(HEX, 31)),
+    ("twilio_api_key", "S" + "K" + rnd(HEX.upper(), 32)),
+    ("sendgrid_api_key", "S" + "G." + rnd(TOKEN, 22) + "." + rnd(TOKEN, 42)),
+    ("azure_storage_account_key", "AccountKey=" + rnd(ALNUM, 40)),
+    ("digitalocean_token", "do" + "p_v1_" + rnd(HEX, 63)),
+    ("shopify_token", "sh" + "pat_" + rnd(HEX, 31)),
+    ("age_secret_key", "AGE-" + "SECRET-KEY-1" + rnd("QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L", 57)),
+    ("jwt", "eyJhbGciOi.eyJzdWIi.abc"),
+    ("jwt", b64url('{"alg":"HS256","typ":"JWT"}') + "." + b64url('{"sub":"1234567890"}')),
+    ("url_password", "postgres://postgres:postgres@localhost:5432/app"),
+    ("url_password", "see https://example.com:8443/path@v2"),
+    ("authorization_header", 'curl -H "Authorization: Bearer $TOKEN"'),
+    ("authorization_header", "Authorization: Bearer " + "a" * 24),
+    ("generic_secret", "password=aaaaaaaaaaaa"),
+    ("generic_secret", "password=hunter2"),
+    ("generic_secret", "api_key=YOUR_API_KEY_HERE"),
+    ("generic_secret", "password: ${{ secrets.DB_PASSWORD }}"),
+    ("generic_secret", "max_tokens: 4096 and token_count=123456789012"),
+    ("generic_secret", "tokenizer: bert-base-multilingual-cased"),
+    ("generic_secret", 'password=os.environ["DB_PASSWORD"]'),
+]
+
+
+NEGATIVE_BUT_GENERIC = {NEGATIVES[8][1], NEGATIVES[9][1]}  # AWS secret keys of 39 and 41 chars
+
+
+@pytest.fixture(params=sorted(SCANNERS))
+def scanner(request: pytest.FixtureRequest) -> Any:
+    return SCANNERS[request.param]
+
+
+def test_the_table_has_over_twenty_kinds_all_tested() -> None:
+    kinds = [row[0] for row in PATTERNS]
+    assert len(kinds) >= 20
+    assert len(set(kinds)) == len(kinds)
+    assert {k for k, *_ in POSITIVES} == set(kinds)
+    assert {k for k, _ in NEGATIVES} == set(kinds)
+    for scanner in SCANNERS.values():
+        assert scanner.kinds == tuple(kinds)
+        assert scanner.max_matches == 10_000
+
+
+def portability_problems(pattern: str) -> list[str]:
+    """What in ``pattern`` the Rust regex crate and Python's re could read differently."""
+    problems = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1]
+            if nxt in "wWdDsSbBAZzpPkg123456789":
+                problems.append(f"\\{nxt} at {i}")  # Unicode tables, boundaries, back-refs
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            elif c == "[" or pattern[i:i + 2] in ("--", "&&", "~~"):
+                problems.append(f"class set syntax at {i}")
+        elif c == "[":
+            in_class = True
+            i += 2 if pattern[i + 1] in "^]" else 1  # a leading ^ negates, a leading ] is literal
+            continue
+        elif c in "^$":
+            problems.append(f"anchor at {i}")
+        elif pattern[i:i + 3] in ("(?=", "(?!", "(?<") or (
+            pattern[i:i + 2] == "(?" and pattern[i + 2] in "aiLmsux-"
+        ):
+            problems.append(f"look-around or flags at {i}")
+        i += 1
+    return problems
+
+
+@pytest.mark.parametrize("kind,pattern", [(r[0], r[1]) for r in PATTERNS], ids=[r[0] for r in PATTERNS])
+def test_patterns_stay_in_the_portable_subset(kind: str, pattern: str) -> None:
+    assert pattern.isascii()
+    assert portability_problems(pattern) == []
+    assert not re.compile(pattern).search("")
+
+
+def test_the_portability_check_can_fail() -> None:
+    for bad in (r"\bkey", r"(?i)key", r"^key", r"key$", r"(?<=x)key", r"[a--b]", r"(a)\1", r"\w+"):
+        assert portability_problems(bad), bad
+    assert portability_problems(r"[^ \t]{3}(?P<secret>x)(?:y|z)[-a]") == []
+
+
+@pytest.mark.parametrize("kind,before,secret,after", POSITIVES,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(POSITIVES)])
+def test_positive(scanner: Any, kind: str, before: str, secret: str, after: str) -> None:
+    for prefix in ("", "\u00e9\u4e2d\U0001f600 tool output:\n"):
+        text = prefix + before + secret + after
+        start = len(prefix + before)
+        assert scanner.scan(text) == [(kind, start, start + len(secret))]
+        assert text[start:start + len(secret)] == secret
+
+
+@pytest.mark.parametrize("kind,text", NEGATIVES, ids=[f"{n[0]}-{i}" for i, n in enumerate(NEGATIVES)])
+def test_negative(scanner: Any, kind: str, text: str) -> None:
+    if text in NEGATIVE_BUT_GENERIC:  # a high-entropy value after a "secret" keyword
+        assert [k for k, _, _ in scanner.scan(text)] == ["generic_secret"]
+        return
+    assert scanner.scan(text) == []
+    assert scanner.redact(text) == (text, [])
+
+
+def test_redaction(scanner: Any) -> None:
+    gh = "gh" + "p_" + rnd(ALNUM, 36)
+    pw = rnd(ALNUM, 16)
+    text = "\u00e9 token " + gh + "\nDB_PASSWORD='" + pw + "'\n"
+    out, spans = scanner.redact(text)
+    assert out == "\u00e9 token [REDACTED:github_token]\nDB_PASSWORD='[REDACTED:generic_secret]'\n"
+    assert spans == scanner.scan(text)
+    assert [text[s:e] for _, s, e in spans] == [gh, pw]
+    clean = "nothing to see here"
+    assert scanner.redact(clean)[0] is clean
+
+
+def test_adjacent_and_overlapping_kinds(scanner: Any) -> None:
+    key_id = "AK" + "IA" + rnd(UPPER + "234567", 16)
+    other = "AS" + "IA" + rnd(UPPER + "234567", 16)
+    text = key_id + " " + other + "," + key_id
+    assert [k for k, _, _ in scanner.scan(text)] == ["aws_access_key_id"] * 3
+    # the AWS secret key rule and the generic rule find the same span: the specific kind wins
+    secret = rnd(ALNUM, 40)
+    assert scanner.scan("aws_secret_access_key=" + secret) == [("aws_secret_access_key", 22, 62)]
+    # an OpenAI key in a bearer header: same span, the specific kind wins
+    key = "sk-" + rnd(ALNUM, 48)
+    assert scanner.scan("Authorization: Bearer " + key) == [("openai_api_key", 22, 22 + len(key))]
+
+
+def test_entropy_threshold_is_inclusive() -> None:
+    assert _accel_entropy("aabbccddefghijkl") == 3.5
+    value = "aabbccddefghijkl"  # exactly 3.5 bits per character: kept
+    for scanner in SCANNERS.values():
+        assert scanner.scan("password=" + value) == [("generic_secret", 9, 25)]
+        assert scanner.scan("password=" + "aabbccddeeffghij") == []  # 3.25 bits
+
+
+def _accel_entropy(s: str) -> float:
+    from hotloop import _pure
+
+    return _pure.shannon_entropy(s)
+
+
+def test_cap_on_matches() -> None:
+    keys = ["gh" + "p_" + rnd(ALNUM, 36) for _ in range(5)]
+    text = " ".join(keys)
+    for impl in IMPLS.values():
+        capped = impl["SecretScanner"](PATTERNS, max_matches=3)
+        spans = capped.scan(text)
+        assert [text[s:e] for _, s, e in spans] == keys[:3]
+        assert capped.redact(text)[0].count("[REDACTED:") == 3
+        assert impl["SecretScanner"](PATTERNS, max_matches=0).scan(text) == []
+
+
+def test_lone_surrogates_and_astral_text(scanner: Any) -> None:
+    key = "np" + "m_" + rnd(ALNUM, 36)
+    text = "\ud800\U0001f600 " + key + " \udfff"
+    assert scanner.scan(text) == [("npm_token", 3, 3 + len(key))]
+    assert scanner.redact(text)[0] == "\ud800\U0001f600 [REDACTED:npm_token] \udfff"
+    # a surrogate inside a URL password is a character of its own for the entropy check
+    url = "redis://u:" + "\ud800\ud801\ud802abcdefgh" + "@cache"
+    assert scanner.scan(url) == [("url_password", 10, 21)]
+
+
+def test_type_errors(scanner: Any) -> None:
+    for bad in (b"bytes", None, 3):
+        with pytest.raises(TypeError):
+            scanner.scan(bad)
+        with pytest.raises(TypeError):
+            scanner.redact(bad)
+
+
+def test_scanning_from_threads(scanner: Any) -> None:
+    """Large texts are scanned with the GIL released (native); both twins work from threads."""
+    keys = ["gh" + "p_" + rnd(ALNUM, 36) for _ in range(4)]
+    filler = "lorem ipsum \u00e9 dolor = sit; amet, 12345\n" * 2000  # ~80 KB
+    texts = [filler + k + " " + filler for k in keys]
+    want = [scanner.scan(t) for t in texts]
+    barrier = threading.Barrier(2)
+    results: dict[int, list[Any]] = {}
+
+    def work(n: int) -> None:
+        barrier.wait()
+        results[n] = [scanner.scan(t) for t in texts for _ in range(2)][::2]
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {0: want, 1: want}
+    assert all(w == [("github_token", len(filler), len(filler) + 40)] for w in want)
+
+
+# -- the secrets classifier --------------------------------------------------------------------
+
+
+def _items(key: str, pw: str) -> list[Any]:
+    return [
+        Message(role="user", content="deploy with " + key),
+        Message(role="assistant", content=[OutputText(text="ok"), InputImage(image_url="x")]),
+        FunctionCall(call_id="c1", name="shell", arguments='{"cmd": "export TOKEN=' + pw + '"}'),
+        FunctionCallOutput(call_id="c1", output=[InputText(text="nothing"),
+                                                 InputText(text="AWS key " + key)]),
+        ItemReference(id="msg_1"),
+        OtherItem(type="custom_tool_call_output", data={"type": "custom_tool_call_output",
+                                                        "output": "pw " + key}),
+    ]
+
+
+KEY = "AK" + "IA" + rnd(UPPER + "234567", 16)
+PW = rnd(ALNUM, 20)
+
+
+def test_item_texts_paths() -> None:
+    items = _items(KEY, PW)
+    assert [p for it in items for p, _ in classify.item_texts(it)] == [
+        ("content",), ("content", 0, "text"), ("arguments",), ("output", 0, "text"),
+        ("output", 1, "text"), ("output",),
+    ]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_classifier_policies(impl: str) -> None:
+    scanner = SCANNERS[impl]
+    items = _items(KEY, PW)
+    frozen = msgspec.json.encode(items)
+
+    off = classify.SecretsClassifier("off", scanner)
+    assert off.classify(items, off.initial_state()) == (classify.ALLOW, classify.SecretsState())
+
+    flag = classify.SecretsClassifier("flag", scanner)
+    verdict, state = flag.classify(items, flag.initial_state())
+    assert isinstance(verdict, classify.Flag)
+    assert verdict.labels == ("secret:aws_access_key_id", "secret:generic_secret")
+    assert [(f.item_index, f.path, f.kind) for f in verdict.findings] == [
+        (0, ("content",), "aws_access_key_id"),
+        (2, ("arguments",), "generic_secret"),
+        (3, ("output", 1, "text"), "aws_access_key_id"),
+        (5, ("output",), "aws_access_key_id"),
+    ]
+    assert state == classify.SecretsState(
+        kinds_seen=frozenset({"aws_access_key_id", "generic_secret"}), findings=4)
+    # the state carries over to the chain's next turn
+    verdict2, state2 = flag.classify([Message(role="user", content="thanks")], state)
+    assert verdict2 == classify.ALLOW and state2 == state
+
+    redact = classify.SecretsClassifier("redact", scanner)
+    verdict, _ = redact.classify(items, redact.initial_state())
+    assert isinstance(verdict, classify.Redact)
+    new = verdict.items
+    assert len(new) == len(items)
+    assert new[0] == Message(role="user", content="deploy with [REDACTED:aws_access_key_id]")
+    assert new[1] is items[1] and new[4] is items[4]
+    assert isinstance(new[2], FunctionCall)
+    assert new[2].arguments == '{"cmd": "export TOKEN=[REDACTED:generic_secret]"}'
+    assert isinstance(new[3], FunctionCallOutput) and isinstance(new[3].output, list)
+    assert new[3].output[0] is items[3].output[0]
+    assert new[3].output[1] == InputText(text="AWS key [REDACTED:aws_access_key_id]")
+    assert isinstance(new[5], OtherItem)
+    assert new[5].data == {"type": "custom_tool_call_output",
+                           "output": "pw [REDACTED:aws_access_key_id]"}
+    assert KEY not in msgspec.json.encode(list(new)).decode()
+    assert msgspec.json.encode(items) == frozen  # the originals are untouched
+
+    block = classify.SecretsClassifier("block", scanner)
+    verdict, _ = block.classify(items, block.initial_state())
+    assert isinstance(verdict, classify.Block)
+    assert "aws_access_key_id" in verdict.reason and KEY not in verdict.reason
+
+    clean = [Message(role="user", content="hello")]
+    for policy in ("flag", "redact", "block"):
+        c = classify.SecretsClassifier(policy, scanner)  # type: ignore[arg-type]
+        assert c.classify(clean, c.initial_state()) == (classify.ALLOW, classify.SecretsState())
+
+
+def test_classifier_redact_blocks_when_the_cap_is_reached() -> None:
+    for impl in IMPLS.values():
+        capped = impl["SecretScanner"](PATTERNS, max_matches=2)
+        c = classify.SecretsClassifier("redact", capped)
+        items = [Message(role="user", content=" ".join([KEY] * 3))]
+        verdict, _ = c.classify(items, c.initial_state())
+        assert isinstance(verdict, classify.Block)
+        assert "too many" in verdict.reason
+
+
+def test_classifier_default_scanner_and_bad_policy() -> None:
+    assert classify.SecretsClassifier().scanner is classify.default_secret_scanner()
+    assert classify.SecretsClassifier().policy == "flag"
+    with pytest.raises(ValueError):
+        classify.SecretsClassifier("loud")  # type: ignore[arg-type]
+
+
+def test_classifier_satisfies_the_protocol() -> None:
+    c: classify.Classifier[classify.SecretsState] = classify.SecretsClassifier()
+    assert c.name == "secrets"
