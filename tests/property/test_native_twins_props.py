@@ -234,3 +234,81 @@ def test_encode_sse(event_type: str, payload: bytes) -> None:
     want = outcome(lambda: b"event: " + event_type.encode() + b"\ndata: " + payload + b"\n\n")
     assert outcome(_frames.encode_sse, event_type, payload) == want
     assert outcome(_pure.encode_sse, event_type, payload) == want
+
+
+# -- SecretScanner ------------------------------------------------------------------------------
+
+_PATTERNS = _pure.SECRET_PATTERNS
+_NATIVE_SCANNER = native.SecretScanner(_PATTERNS)
+_PURE_SCANNER = _pure.SecretScanner(_PATTERNS)
+_ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def _planted(a: str, up: str, hexits: str) -> list[tuple[str, str]]:
+    """(kind, secret) pairs assembled from drawn characters (no literal secret is committed)."""
+
+    def cyc(chars: str, n: int) -> str:
+        return (chars * (n // len(chars) + 1))[:n]
+
+    return [
+        ("github_token", "gh" + "p_" + cyc(a, 36)),
+        ("aws_access_key_id", "AK" + "IA" + cyc(up, 16)),
+        ("openai_api_key", "sk-" + "proj-" + cyc(a, 60)),
+        ("npm_token", "np" + "m_" + cyc(a, 36)),
+        ("twilio_api_key", "S" + "K" + cyc(hexits, 32)),
+    ]
+
+
+# noise: any code point (lone surrogates and astral planes included) plus key-ish ASCII
+_noise_char = st.one_of(
+    any_char,
+    st.sampled_from("=:\"' \n\t-_./+@AKIAskghp_0123456789xoxb-eyJ"),
+)
+_noise = st.text(_noise_char, max_size=30)
+# separators around a planted secret that no pattern can extend into
+_sep_char = st.one_of(
+    st.characters(min_codepoint=0x80, max_codepoint=0x10FFFF, codec=None),
+    st.integers(0xD800, 0xDFFF).map(chr),
+    st.sampled_from(" \n\t,;()<>|"),
+)
+_sep = st.text(_sep_char, min_size=1, max_size=6)
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(_noise, st.integers(0, 4), _sep, _sep), max_size=5),
+    st.lists(st.sampled_from(_ALNUM), min_size=40, max_size=60, unique=True).map("".join),
+    st.permutations("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567").map("".join),
+    st.permutations("0123456789abcdef").map("".join),
+    _noise,
+    st.sampled_from([0, 1, 3, 10_000]),
+)
+def test_secret_scanner_twins_agree(
+    pieces: list[tuple[str, int, str, str]], alnum: str, up: str, hexits: str, tail: str, cap: int
+) -> None:
+    secrets = _planted(alnum, up, hexits)
+    text = ""
+    planted: list[tuple[str, int, int]] = []
+    for noise, which, left, right in pieces:
+        kind, secret = secrets[which]
+        text += noise + left
+        planted.append((kind, len(text), len(text) + len(secret)))
+        text += secret + right
+    text += tail
+    want = _PURE_SCANNER.scan(text)
+    assert _NATIVE_SCANNER.scan(text) == want
+    assert _NATIVE_SCANNER.redact(text) == _PURE_SCANNER.redact(text)
+    # the noise can not swallow a planted secret: each is reported exactly where it was put
+    # (noise next to a separator may add findings of its own, never overlapping these)
+    assert set(planted) <= set(want)
+    if cap != 10_000:
+        n = native.SecretScanner(_PATTERNS, cap)
+        p = _pure.SecretScanner(_PATTERNS, cap)
+        assert n.scan(text) == p.scan(text) == want[:cap]
+
+
+@SETTINGS
+@given(st.text(_noise_char, max_size=200))
+def test_secret_scanner_twins_agree_on_noise(text: str) -> None:
+    assert _NATIVE_SCANNER.scan(text) == _PURE_SCANNER.scan(text)
+    assert _NATIVE_SCANNER.redact(text) == _PURE_SCANNER.redact(text)

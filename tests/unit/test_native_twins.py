@@ -315,6 +315,98 @@ def test_encode_sse_errors_agree(event_type: Any, payload: Any) -> None:
     assert n == outcome(IMPLS["pure"]["encode_sse"], event_type, payload)
 
 
+# -- SecretScanner ------------------------------------------------------------------------------
+
+
+def _secret_texts() -> list[str]:
+    """Every positive and negative example of tests/unit/test_secrets.py, alone and together,
+    in ASCII, non-ASCII and surrogate-holding surroundings."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_secret_examples", Path(__file__).with_name("test_secrets.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    singles = [b + s + a for _, b, s, a in mod.POSITIVES] + [t for _, t in mod.NEGATIVES]
+    texts = singles + ["\u00e9\u4e2d " + t for t in singles] + ["\ud800" + t for t in singles]
+    texts.append("\n".join(singles))
+    texts.append("".join(singles))  # glued: edges and overlaps between neighbours
+    texts.append("\U0001f600".join(singles))
+    return texts
+
+
+SECRET_TEXTS = _secret_texts()
+
+
+def test_secret_scanner_twins_agree_on_examples() -> None:
+    native = IMPLS["native"]["SecretScanner"](_accel.SECRET_PATTERNS)
+    pure = IMPLS["pure"]["SecretScanner"](_accel.SECRET_PATTERNS)
+    assert native.kinds == pure.kinds
+    found = 0
+    for text in SECRET_TEXTS:
+        want = pure.scan(text)
+        assert native.scan(text) == want, text
+        assert native.redact(text) == pure.redact(text)
+        found += len(want)
+    assert found > 100  # the examples do contain secrets
+
+
+def test_secret_scanner_twins_agree_on_the_cap() -> None:
+    text = SECRET_TEXTS[-3]
+    for cap in (0, 1, 2, 7, 10_000):
+        n = IMPLS["native"]["SecretScanner"](_accel.SECRET_PATTERNS, cap)
+        p = IMPLS["pure"]["SecretScanner"](_accel.SECRET_PATTERNS, max_matches=cap)
+        assert n.max_matches == p.max_matches == cap
+        assert n.scan(text) == p.scan(text)
+        assert len(n.scan(text)) == min(cap, len(p.scan(text)))
+
+
+CUSTOM = ("tok", "tok_[a-z]{4}", "", 0.0)
+
+
+@pytest.mark.parametrize(
+    "patterns,max_matches",
+    [
+        ([CUSTOM], 5),
+        ([CUSTOM], -1),
+        ("tok_[a-z]", 5),
+        ([["tok", "x", "", 0.0]], 5),
+        ([("tok", "x", "")], 5),
+        ([("tok", "x", "", 0.0, 1)], 5),
+        ([(1, "x", "", 0.0)], 5),
+        ([("tok", "x", "", "1.0")], 5),
+        ([("tok", "x", "", None)], 5),
+        ([("Tok", "x", "", 0.0)], 5),
+        ([("", "x", "", 0.0)], 5),
+        ([CUSTOM, CUSTOM], 5),
+        ([("tok", "(", "", 0.0)], 5),
+        ([("tok", "x*", "", 0.0)], 5),
+        ([("tok", "x", "\u00e9", 0.0)], 5),
+        ([("tok", "x", "", -0.5)], 5),
+        ([("tok", "x", "", float("inf"))], 5),
+        ([("tok", "x", "", float("nan"))], 5),
+        ([("tok", "x", "", 2)], 5),
+        ([], 5),
+        ([CUSTOM], "5"),
+    ],
+)
+def test_secret_scanner_constructor_errors_agree(patterns: Any, max_matches: Any) -> None:
+    def build(impl: str) -> tuple[str, Any]:
+        return outcome(lambda: IMPLS[impl]["SecretScanner"](patterns, max_matches).kinds)
+
+    assert build("native") == build("pure")
+
+
+def test_secret_scanner_custom_table_and_empty_table() -> None:
+    for impl in IMPLS.values():
+        s = impl["SecretScanner"]([CUSTOM, ("key", "key=(?P<secret>[0-9]{3,})", "", 1.0)])
+        assert s.kinds == ("tok", "key")
+        assert s.scan("a tok_abcd key=1234 key=1111") == [("tok", 2, 10), ("key", 15, 19)]
+        assert impl["SecretScanner"]([]).scan("tok_abcd") == []
+
+
 # -- the HOTLOOP_PURE_PYTHON switch, end to end ---------------------------------------------------
 
 SCRIPT = textwrap.dedent(
@@ -336,6 +428,8 @@ SCRIPT = textwrap.dedent(
         "events": events,
         "delta": a.encode_delta("t", 1, "i", 0, 0, "d\\u00e9", True).decode(),
         "sse": a.encode_sse("t", b"{}").decode(),
+        "secrets": a.SecretScanner(a.SECRET_PATTERNS).redact(
+            "\\u00e9 token=" + "Zq8" + "Xw2Lp5Rt7Yv1" + " k=" + "AK" + "IA" + "QX7Z2M4N5P6R3S2T"),
     }
     print(json.dumps(out))
     """
