@@ -175,3 +175,64 @@ class EncodeDelta:
 
     def time_encode_delta_and_sse(self, impl: str) -> None:
         self.sse("response.output_text.delta", self.enc(*self.args))
+
+
+def _secret_text(size: int) -> tuple[str, list[tuple[str, int, int]]]:
+    """``size`` characters of tool-output-like text (code, logs, some non-ASCII) with a few
+    planted secrets (assembled from a seeded random source), and where they are."""
+    import random
+
+    rng = random.Random(7)
+    alnum = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+    def rnd(alphabet: str, n: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    planted = [
+        ("github_token", "gh" + "p_" + rnd(alnum, 36)),
+        ("aws_access_key_id", "AK" + "IA" + rnd("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", 16)),
+        ("generic_secret", rnd(alnum, 20)),
+        ("openai_api_key", "sk-" + "proj-" + rnd(alnum + "_-", 120)),
+    ]
+    filler = (
+        "def handler(event, context):\n    token_count = len(event['items'])  # d\u00e9j\u00e0 vu\n"
+        "2024-06-01T12:00:00Z INFO request_id=7f3a9c path=/v1/responses status=200 ms=12\n"
+        "    url = 'https://api.example.com/v2/items?page=3&limit=50'\n"
+        "    headers = {'Accept': 'application/json', 'User-Agent': 'agent/1.0'}\n"
+    )
+    gap = max(size // (len(planted) + 1) - 60, 0)
+    parts: list[str] = []
+    spans: list[tuple[str, int, int]] = []
+    at = 0
+    for kind, secret in planted:
+        chunk = (filler * (gap // len(filler) + 1))[:gap]
+        head = "\nDB_PASSWORD='" if kind == "generic_secret" else "\nvalue: "
+        parts.append(chunk + head)
+        at += len(chunk) + len(head)
+        spans.append((kind, at, at + len(secret)))
+        parts.append(secret + "\n")
+        at += len(secret) + 1
+    text = "".join(parts)
+    text += (filler * (size // len(filler) + 1))[: max(size - len(text), 0)]
+    return text, spans
+
+
+class SecretScan:
+    """One new input text of 2 KB or 200 KB scanned for secrets (and redacted)."""
+
+    params = (IMPL_NAMES, [2_000, 200_000])
+    param_names = ["impl", "size"]
+
+    def setup(self, impl: str, size: int) -> None:
+        self.scanner = IMPLS[impl]["SecretScanner"](_pure.SECRET_PATTERNS)
+        self.text, want = _secret_text(size)
+        assert len(self.text) == size
+        assert self.scanner.scan(self.text) == want
+        redacted, spans = self.scanner.redact(self.text)
+        assert spans == want and redacted.count("[REDACTED:") == len(want)
+
+    def time_scan(self, impl: str, size: int) -> None:
+        self.scanner.scan(self.text)
+
+    def time_redact(self, impl: str, size: int) -> None:
+        self.scanner.redact(self.text)
