@@ -7,7 +7,9 @@ it stall, fail or drop the connection mid-stream exactly where it wants. Serves:
 * ``GET /v1/models`` and ``GET /v1/tcp_warming`` (the Cerebras SDK's warm-up).
 
 Every chat request is recorded (:attr:`MockChatServer.requests`), raw body bytes included, so
-tests can check the rendered request and its byte-stability across turns.
+tests can check the rendered request and its byte-stability across turns. Every streamed answer
+is recorded too (:attr:`MockChatServer.streams`): whether it was written to the end or its
+client went away first, and when the mock saw the client go (its socket closed or reset).
 
     with MockChatServer() as mock:
         mock.push(Reply.stream(text_events("Hello")))
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -115,6 +118,18 @@ def tool_events(calls: list[tuple[str, str, str]], *, pieces: int = 5, use: dict
     return out
 
 
+def paced_events(tokens: int, interval: float, *, ttft: float = 0.0) -> list[Event]:
+    """A long text answer: ``tokens`` one-word deltas ``interval`` seconds apart, after ``ttft``."""
+    out: list[Event] = [Sleep(ttft)] if ttft else []
+    out.append(chunk({"role": "assistant", "content": ""}))
+    for i in range(tokens):
+        out.append(Sleep(interval))
+        out.append(chunk({"content": f" w{i}"}))
+    out.append(chunk({}, "stop"))
+    out.append(chunk(usage=usage(10, tokens), choices=False))
+    return out
+
+
 def _split(text: str, pieces: int) -> list[str]:
     if not text:
         return []
@@ -138,6 +153,17 @@ class Recorded:
         return json.loads(self.body)
 
 
+@dataclass
+class Streamed:
+    """One streamed (200) answer: ``completed`` once written to the end; ``gone_at``
+    (``time.monotonic()``) when the client went away before that."""
+
+    request: Recorded
+    opened_at: float = field(default_factory=time.monotonic)  # when its request was read
+    completed: bool = False
+    gone_at: float | None = None
+
+
 DEFAULT_REPLY_TEXT = "Hello from the mock."
 
 # -- the server -----------------------------------------------------------------------------------
@@ -154,6 +180,8 @@ class MockChatServer:
         self.requests: list[Recorded] = []
         self.other_requests: list[Recorded] = []  # models, warm-up, unknown paths
         self.connections = 0  # TCP connections accepted (since the last reset)
+        self.streams: list[Streamed] = []  # streamed answers, in order
+        self.default_reply: Any = None  # () -> Reply when nothing is pushed (None: a short answer)
         self._replies: deque[Reply] = deque()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -214,13 +242,23 @@ class MockChatServer:
             self._replies.clear()
             self.requests.clear()
             self.other_requests.clear()
+            self.streams.clear()
             self.connections = 0
+            self.default_reply = None
 
     def _next_reply(self) -> Reply:
         with self._lock:
             if self._replies:
                 return self._replies.popleft()
-        return Reply.stream(text_events(DEFAULT_REPLY_TEXT))
+            make = self.default_reply
+        return make() if make is not None else Reply.stream(text_events(DEFAULT_REPLY_TEXT))
+
+    def stream_counts(self) -> tuple[int, int, int]:
+        """(written to the end, client went away, still streaming) over :attr:`streams`."""
+        with self._lock:
+            done = sum(1 for st in self.streams if st.completed)
+            gone = sum(1 for st in self.streams if st.gone_at is not None)
+            return done, gone, len(self.streams) - done - gone
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -245,7 +283,7 @@ class MockChatServer:
                         headers[k.strip().lower()] = v.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 rec = Recorded(method, path, headers, body)
-                if not await self._route(rec, writer):
+                if not await self._route(rec, reader, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
@@ -253,12 +291,12 @@ class MockChatServer:
             self._tasks.discard(task)
             writer.close()
 
-    async def _route(self, rec: Recorded, writer: asyncio.StreamWriter) -> bool:
+    async def _route(self, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; ``False`` when the connection must be closed."""
         if rec.method == "POST" and rec.path == "/v1/chat/completions":
             with self._lock:
                 self.requests.append(rec)
-            return await self._reply(self._next_reply(), writer)
+            return await self._reply(self._next_reply(), rec, reader, writer)
         with self._lock:
             self.other_requests.append(rec)
         if rec.method == "GET" and rec.path == "/v1/models":
@@ -277,26 +315,48 @@ class MockChatServer:
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         await writer.drain()
 
-    async def _reply(self, reply: Reply, writer: asyncio.StreamWriter) -> bool:
+    async def _reply(
+        self, reply: Reply, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         if reply.status != 200:
             await self._json(writer, reply.status, reply.body, reply.headers)
             return True
-        head = ["HTTP/1.1 200 OK", "content-type: text/event-stream", "transfer-encoding: chunked"]
-        head += [f"{k}: {v}" for k, v in reply.headers.items()]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
-        for ev in reply.events:
-            if isinstance(ev, Sleep):
+        st = Streamed(rec)
+        with self._lock:
+            self.streams.append(st)
+        # The client sends nothing while it reads the answer (HTTP/1.1, no pipelining): a read
+        # that ends means it closed or reset the connection.
+        watcher = asyncio.ensure_future(reader.read(1))
+
+        def gone(_: object) -> None:
+            if st.gone_at is None and not st.completed:
+                st.gone_at = time.monotonic()
+
+        watcher.add_done_callback(gone)
+        try:
+            head = ["HTTP/1.1 200 OK", "content-type: text/event-stream", "transfer-encoding: chunked"]
+            head += [f"{k}: {v}" for k, v in reply.headers.items()]
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+            for ev in reply.events:
+                if st.gone_at is not None:
+                    return False
+                if isinstance(ev, Sleep):
+                    await writer.drain()
+                    await asyncio.wait([watcher], timeout=ev.seconds)
+                    continue
+                if isinstance(ev, Disconnect):
+                    await writer.drain()
+                    writer.transport.abort()
+                    return False
+                data = ev if isinstance(ev, str) else f"data: {json.dumps(ev)}\n\n"
+                raw = data.encode()
+                writer.write(b"%x\r\n%s\r\n" % (len(raw), raw))
                 await writer.drain()
-                await asyncio.sleep(ev.seconds)
-                continue
-            if isinstance(ev, Disconnect):
-                await writer.drain()
-                writer.transport.abort()
+            if st.gone_at is not None:
                 return False
-            data = ev if isinstance(ev, str) else f"data: {json.dumps(ev)}\n\n"
-            raw = data.encode()
-            writer.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+            writer.write(b"0\r\n\r\n")
             await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return True
+            st.completed = True
+            return True
+        finally:
+            watcher.cancel()

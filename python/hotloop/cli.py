@@ -30,6 +30,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", dest="api_key", help="require this bearer token from clients (env HOTLOOP_API_KEY)")
     s.add_argument("--store", choices=["sqlite", "memory"], help="response store (env HOTLOOP_STORE, default sqlite)")
     s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
+    s.add_argument(
+        "--max-connections",
+        dest="max_connections",
+        type=int,
+        help="open client connections, HTTP and WebSocket; beyond it 503 (env HOTLOOP_MAX_CONNECTIONS, default 10000)",
+    )
+    s.add_argument(
+        "--request-read-timeout",
+        dest="request_read_timeout",
+        type=float,
+        help="seconds for a request's head and body to arrive, then 408 and close (env HOTLOOP_REQUEST_READ_TIMEOUT, default 30)",
+    )
     s.add_argument("--sim-rate", dest="sim_rate", type=float, help="simulator tokens/s (default 1000; 0 = unpaced)")
     s.add_argument("--sim-ttft", dest="sim_ttft", type=float, help="simulator time to first token, seconds")
     s.add_argument("--sim-output-tokens", dest="sim_output_tokens", type=int, help="simulator answer length")

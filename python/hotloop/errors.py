@@ -130,6 +130,17 @@ class PayloadTooLarge(HotloopError):
     code = "request_too_large"
 
 
+class RequestTimeout(HotloopError):
+    """The request's head and body did not arrive within the read timeout."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"The request did not arrive within {seconds:g} seconds.")
+
+
 class RateLimited(HotloopError):
     status = 429
     type = "rate_limit_exceeded"
@@ -162,6 +173,13 @@ class ServerError(HotloopError):
 
     def __init__(self, message: str = "The server had an error while processing your request.") -> None:
         super().__init__(message)
+
+
+class ServerOverloaded(ServerError):
+    """The server is at its connection limit."""
+
+    status = 503
+    code = "server_overloaded"
 
 
 class BackendError(HotloopError):

@@ -62,7 +62,9 @@ class HttpTransport:
                 self.app.tenancy.admit(tenant)
             await self._route(scope, receive, send, respond, rid, tenant)
         except _ClientGone:
-            return  # nobody to answer
+            # nobody to answer: one line, no traceback (leaving is normal)
+            log.info("http client left before its response was complete: %s %s", scope.get("method"), scope.get("path"))
+            return
         except errors.HotloopError as exc:
             if not started:
                 hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]

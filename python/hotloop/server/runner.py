@@ -1,7 +1,9 @@
 """Serving: build the app from a config and run it under uvicorn (uvloop, httptools, websockets).
 
 WebSocket serving uses uvicorn's ``websockets-sansio`` implementation with per-message compression
-off (deflate costs ~15x on 20 KB frames) and ``ws_max_size`` equal to ``max_body_bytes``.
+off (deflate costs ~15x on 20 KB frames) and ``ws_max_size`` equal to ``max_body_bytes``. HTTP
+uses uvicorn's httptools protocol under the server's connection limit and request read timeout
+(:mod:`hotloop.server.httpproto`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from hotloop import backends
 from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
 from hotloop.server.app import HotloopApp, make_tenancy
+from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
 from hotloop.tenants.keys import open_key_store
@@ -42,13 +45,17 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         loop = "uvloop"
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
         loop = "asyncio"
+    # One Limits per server: its HTTP and WebSocket protocols share the connection count.
+    limits = Limits(config.max_connections, config.request_read_timeout)
+    http = type("HttpProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
+    ws = type("WebSocketProtocol", (CorkedWebSocketProtocol,), {"limits": limits})
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         loop=loop,
-        http="httptools",
-        ws=CorkedWebSocketProtocol,
+        http=http,
+        ws=ws,
         ws_per_message_deflate=False,
         ws_max_size=config.max_body_bytes,
         lifespan="on",

@@ -21,7 +21,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.session import Close, RunCreate, SendError, Session
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
-from hotloop.server.wsproto import SEND_TEXTS, WAIT_WRITABLE
+from hotloop.server.wsproto import ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
 from hotloop.state.context import ConnectionCache
 from hotloop.tenants import ANONYMOUS, Tenant
 
@@ -98,6 +98,9 @@ class Connection:
         ext = extensions or {}
         self._send_texts: Callable[[list[Frame]], bool] | None = ext.get(SEND_TEXTS)
         self._wait_writable: Callable[[], Awaitable[None]] | None = ext.get(WAIT_WRITABLE)
+        on_gone = ext.get(ON_CLIENT_GONE)
+        if on_gone is not None:  # the server says at once when the client leaves, read or not
+            on_gone(self._client_left)
         self.opened_at = asyncio.get_running_loop().time()
         self.session: Session | None = None
         self.cache: ConnectionCache | None = None
@@ -179,6 +182,12 @@ class Connection:
                     await worker
             if self.cache is not None:
                 self.cache.clear()
+
+    def _client_left(self) -> None:
+        """The client went away (close frame, FIN or reset): cancel what runs for it, now."""
+        busy = self._worker is not None
+        log.info("websocket client left%s", "; cancelling its response" if busy else "")
+        self._stop()
 
     def _stop(self) -> None:
         """End the connection from the worker: the reader stops waiting for frames."""

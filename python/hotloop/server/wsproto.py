@@ -49,6 +49,10 @@ SEND_TEXTS = "hotloop.websocket.send_texts"
 WAIT_WRITABLE = "hotloop.websocket.wait_writable"
 """Scope extension: ``async wait_writable()``, returns once the client may be sent more, raises
 ``ClientDisconnected`` if it has gone."""
+ON_CLIENT_GONE = "hotloop.websocket.on_client_gone"
+"""Scope extension: ``on_client_gone(callback)`` registers ``callback()``, called once, at once,
+when the client goes away (its close frame, a FIN or a reset): not when the server closed first.
+The application learns it even while it is not reading (e.g. while queued frames wait)."""
 
 _OPEN = State.OPEN
 
@@ -169,6 +173,8 @@ class _Inbox(_Waiters):
 
 
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
+    limits: Any = None  # the server's hotloop.server.httpproto.Limits (its connection count)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.queue = _Inbox()  # type: ignore[assignment]
@@ -176,6 +182,30 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.writable = self._writable  # type: ignore[assignment]
         self._cork: list[bytes] = []
         self._flush_scheduled = False
+        self._on_gone: Any = None
+        self._app_closed = False
+
+    def _on_client_gone(self, callback: Any) -> None:
+        self._on_gone = callback
+
+    def _client_gone(self) -> None:
+        callback, self._on_gone = self._on_gone, None
+        if callback is not None:
+            callback()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.limits is not None:
+            self.limits.release(self.transport)
+        super().connection_lost(exc)
+        if not self._app_closed:  # the application had not closed it: the client left
+            self._client_gone()
+        self._on_gone = None
+
+    def handle_close(self, event: Any) -> None:
+        gone = not self.close_sent and not self.transport.is_closing()
+        super().handle_close(event)
+        if gone:
+            self._client_gone()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -186,6 +216,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
         extensions[SEND_TEXTS] = self.send_texts
         extensions[WAIT_WRITABLE] = self.wait_writable
+        extensions[ON_CLIENT_GONE] = self._on_client_gone
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -258,6 +289,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 raise ClientDisconnected() from None
             self._corked(self.conn.data_to_send())
             return
+        if message["type"] == "websocket.close":
+            self._app_closed = True
         self._flush()
         await super().send(message)
         if message["type"] == "websocket.accept":

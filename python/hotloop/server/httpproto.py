@@ -1,0 +1,177 @@
+"""uvicorn's httptools HTTP protocol with two global bounds: open connections and request read time.
+
+Connection limit. At most ``max_connections`` client connections are served at once (HTTP and
+WebSocket together: a connection keeps its place when it upgrades, and gives it back when it
+closes). A connection beyond the limit is not handed to the application: once its request head
+has arrived it is answered ``503`` with the OpenAI error envelope (``type: server_error``,
+``code: server_overloaded``, ``retry-after``) and closed, which for a WebSocket upgrade is the
+handshake's rejection. It is never counted, and it too must send its head within the read
+timeout.
+
+Read timeout. A request's head and body must arrive within ``read_timeout`` seconds of its first
+byte (of the connection's opening, for the first request): then the connection is closed, with a
+``408`` in the OpenAI shape if no response has started. One timer per connection, armed only
+while a request is being read: the idle time of a keep-alive connection between requests is not
+counted (uvicorn's keep-alive timeout closes those), nor is the time the application takes to
+answer. A WebSocket handshake is a request head like any other; once upgraded, the connection
+belongs to :class:`~hotloop.server.wsproto.CorkedWebSocketProtocol`.
+
+Relies on ``HttpToolsProtocol`` internals (``connections``, ``transport``, ``cycle``, ``parser``,
+``server_state``, ``logger``, the parser callbacks and ``handle_websocket_upgrade``): the uvicorn
+version range is pinned in ``pyproject.toml`` and the integration tests run through this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from hotloop import errors
+from hotloop.protocol import events as ev
+from hotloop.server.common import request_id
+
+log = logging.getLogger("hotloop.server")
+
+MAX_REJECTED_HEAD = 64 * 1024  # bytes read from a connection beyond the limit before it is closed
+
+
+class Limits:
+    """One server's connection count and read timeout, shared by its protocol instances."""
+
+    __slots__ = ("max_connections", "read_timeout", "admitted", "rejected", "timed_out")
+
+    def __init__(self, max_connections: int, read_timeout: float) -> None:
+        self.max_connections = max_connections
+        self.read_timeout = read_timeout
+        self.admitted: set[Any] = set()  # transports of the connections served now
+        self.rejected = 0  # connections answered 503 (since start)
+        self.timed_out = 0  # connections closed by the read timeout (since start)
+
+    def admit(self, transport: Any) -> bool:
+        if len(self.admitted) >= self.max_connections:
+            return False
+        self.admitted.add(transport)
+        return True
+
+    def release(self, transport: Any) -> None:
+        self.admitted.discard(transport)
+
+
+def _error_response(exc: errors.HotloopError, extra: list[tuple[bytes, bytes]]) -> bytes:
+    body = ev.http_error_body(exc)
+    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(exc.status, b"Error")
+    head = [
+        b"HTTP/1.1 %d %s" % (exc.status, reason),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"connection: close",
+        b"x-request-id: " + request_id().encode(),
+        *(name + b": " + value for name, value in extra),
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def overloaded_response() -> bytes:
+    """The 503 a connection beyond the limit gets (HTTP request or WebSocket upgrade alike)."""
+    exc = errors.ServerOverloaded("The server is at its connection limit. Please retry shortly.")
+    return _error_response(exc, [(b"retry-after", b"1"), (b"x-should-retry", b"true")])
+
+
+def timeout_response(seconds: float) -> bytes:
+    """The 408 a request that did not arrive in time gets."""
+    return _error_response(errors.RequestTimeout(seconds), [])
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` under :class:`Limits` (set ``limits`` on a subclass per server)."""
+
+    limits: Limits
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._admitted = False
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._rejected_head = b""
+
+    # -- connection limit -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._admitted = self.limits.admit(transport)
+        if not self._admitted:
+            self.connections.discard(self)  # not served, not counted
+        self._arm()  # the first request's head is due within the read timeout
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.limits.release(self.transport)
+        if not self._admitted:
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._admitted:
+            super().data_received(data)
+            return
+        # beyond the limit: wait for the head, answer 503, close (nothing reaches the app)
+        if self.transport.is_closing():
+            return
+        self._rejected_head += data
+        if b"\r\n\r\n" in self._rejected_head:
+            self._disarm()
+            self.limits.rejected += 1
+            self.transport.write(overloaded_response())
+            self.transport.close()
+        elif len(self._rejected_head) > MAX_REJECTED_HEAD:
+            self._disarm()
+            self.transport.close()
+
+    # -- read timeout ---------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.limits.read_timeout, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()  # a request's first byte (keep-alive idle time before it is not counted)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm()  # the handshake's request arrived in time
+        super().handle_websocket_upgrade()
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self.limits.timed_out += 1
+        cycle = self.cycle
+        waiting = cycle is None or cycle.response_complete or not cycle.response_started
+        log.info(
+            "closing a connection from %s: its request did not arrive within %gs",
+            _peer(self.client),
+            self.limits.read_timeout,
+        )
+        if waiting and self._admitted:
+            transport.write(timeout_response(self.limits.read_timeout))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
+            cycle.message_event.set()
+        transport.close()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
