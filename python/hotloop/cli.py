@@ -1,4 +1,5 @@
-"""The ``hotloop`` command: ``hotloop serve`` runs the server; ``hotloop --version``."""
+"""The ``hotloop`` command: ``hotloop serve`` runs the server; ``hotloop keys`` and ``hotloop usage``
+manage API keys and read the usage ledger; ``hotloop --version``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 from hotloop import __version__
 from hotloop.config import Config
+from hotloop.tenants import cli as tenants_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
     s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")
     s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="env HOTLOOP_LOG_LEVEL")
-    s.add_argument("--api-key", dest="api_key", help="require this bearer token from clients (env HOTLOOP_API_KEY)")
+    s.add_argument(
+        "--api-key", dest="api_key",
+        help="the admin key: a bearer token that may read and delete every tenant's responses (env HOTLOOP_API_KEY); "
+        "per-client keys: hotloop keys create",
+    )
     s.add_argument("--store", choices=["sqlite", "memory"], help="response store (env HOTLOOP_STORE, default sqlite)")
     s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
     s.add_argument(
@@ -49,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-script", dest="sim_script", help="simulator scenario file (JSON)")
     b = sub.add_parser("bench", help="agent-loop benchmarks against a server it starts (see hotloop bench -h)", add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
+    tenants_cli.add_commands(sub)  # keys create|list|revoke, usage
     return p
 
 
@@ -61,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         from hotloop.bench import main as bench_main
 
         return bench_main(args.args)
+    if args.command in ("keys", "usage"):
+        return tenants_cli.run(args)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command"}
         config = Config.from_env(**overrides)

@@ -233,16 +233,10 @@ class SQLiteKeyStore:
             self._db.close()
 
 
-class NoPersistentStore(RuntimeError):
-    """``hotloop keys`` on ``--store memory``."""
-
-
-def open_key_store(store: str, db_path: str | Path, *, cli: bool = False) -> KeyStore:
+def open_key_store(store: str, db_path: str | Path) -> KeyStore:
     """The key store beside the configured response store (``store``: ``sqlite`` or ``memory``)."""
     if store == "sqlite":
         return SQLiteKeyStore(db_path)
     if store == "memory":
-        if cli:
-            raise NoPersistentStore("keys need a persistent store: use --store sqlite (the default)")
         return MemoryKeyStore()
     raise ValueError(f"unknown store {store!r}; choose 'sqlite' or 'memory'")

@@ -1,0 +1,126 @@
+"""``hotloop keys create|list|revoke`` and ``hotloop usage``: on the configured store directly.
+
+They read the same ``--store``/``--data-dir`` flags and ``HOTLOOP_*`` environment as ``serve`` and
+work whether or not a server is running (SQLite in WAL mode; a running server sees a new key at
+once and a revocation within about a second). ``keys create`` prints the new secret alone on
+stdout (shown once); everything else a command says goes to stderr, except the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import date
+from typing import Any, Sequence
+
+from hotloop.config import Config
+from hotloop.tenants.keys import InvalidKeyName, KeyExists, KeyStore, Limits, open_key_store
+
+
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", choices=["sqlite", "memory"], help="the store (env HOTLOOP_STORE, default sqlite)")
+    p.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return n
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``keys`` and ``usage`` on the ``hotloop`` command's subparsers."""
+    k = sub.add_parser("keys", help="API keys: create, list, revoke (on the configured store)")
+    ks = k.add_subparsers(dest="keys_command", required=True)
+    c = ks.add_parser("create", help="create a key and print its secret (shown once)")
+    c.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+    c.add_argument("--rpm", type=_positive, help="requests per minute (default unlimited)")
+    c.add_argument("--tpm", type=_positive, help="tokens per minute, input plus output (default unlimited)")
+    c.add_argument("--max-concurrent", dest="max_concurrent", type=_positive, help="responses in flight at once")
+    _store_flags(c)
+    ls = ks.add_parser("list", help="names, limits, created, last used (never secrets)")
+    _store_flags(ls)
+    r = ks.add_parser("revoke", help="revoke a key (its next request fails with 401)")
+    r.add_argument("name")
+    _store_flags(r)
+    u = sub.add_parser("usage", help="the usage ledger: responses and tokens per day, model and key")
+    u.add_argument("--key", help="only this key name")
+    u.add_argument("--since", type=date.fromisoformat, help="from this UTC day on (YYYY-MM-DD)")
+    _store_flags(u)
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return Config.from_env(store=args.store, data_dir=args.data_dir)
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def _limit(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _keys(args: argparse.Namespace, keys: KeyStore) -> int:
+    cmd = args.keys_command
+    if cmd == "create":
+        try:
+            _, secret = keys.create(args.name, Limits(args.rpm, args.tpm, args.max_concurrent))
+        except (KeyExists, InvalidKeyName) as exc:
+            print(f"hotloop keys: {exc}", file=sys.stderr)
+            return 1
+        print(secret)
+        print(f"created key {args.name!r}; the secret above is shown only once", file=sys.stderr)
+        return 0
+    if cmd == "list":
+        rows = [
+            (
+                k.name, _limit(k.limits.rpm), _limit(k.limits.tpm), _limit(k.limits.max_concurrent),
+                _when(k.created_at), _when(k.last_used), "active" if k.active else f"revoked {_when(k.revoked_at)}",
+            )
+            for k in keys.list()
+        ]
+        print(table(("NAME", "RPM", "TPM", "CONCURRENT", "CREATED", "LAST USED", "STATUS"), rows))
+        return 0
+    if cmd == "revoke":
+        if not keys.revoke(args.name):
+            print(f"hotloop keys: no active key named {args.name!r}", file=sys.stderr)
+            return 1
+        print(f"revoked key {args.name!r}", file=sys.stderr)
+        return 0
+    return 2
+
+
+def _usage(args: argparse.Namespace, config: Config) -> int:
+    from hotloop.state.store import SQLiteStore
+
+    store = SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds)
+    try:
+        rows = store.usage(args.key, args.since.isoformat() if args.since else None)
+    finally:
+        store.close()
+    cols = ("day", "key", "model", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+    print(table([c.upper() for c in cols], [[r[c] for c in cols] for r in rows]))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if config.store != "sqlite":
+        print(f"hotloop {args.command}: needs the persistent store: use --store sqlite (the default)", file=sys.stderr)
+        return 2
+    if args.command == "usage":
+        return _usage(args, config)
+    keys = open_key_store(config.store, config.db_path)
+    try:
+        return _keys(args, keys)
+    finally:
+        keys.close()

@@ -1,0 +1,151 @@
+"""API keys, authentication and ownership in the stores (no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+
+import pytest
+
+from hotloop import errors
+from hotloop.state.context import CachedResponse, Context, ResponseCache
+from hotloop.state.store import LEGACY_OWNER, MemoryStore, SQLiteStore, StoredResponse
+from hotloop.tenants import ADMIN, ANONYMOUS, Tenancy
+from hotloop.tenants.keys import InvalidKeyName, KeyExists, Limits, MemoryKeyStore, SQLiteKeyStore, new_secret
+
+
+def scope_of(token: str | None) -> dict:
+    headers = [] if token is None else [(b"authorization", b"Bearer " + token.encode())]
+    return {"headers": headers}
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def keys(request, tmp_path):
+    k = SQLiteKeyStore(tmp_path / "k.sqlite3") if request.param == "sqlite" else MemoryKeyStore()
+    yield k
+    k.close()
+
+
+def test_secrets_are_256_bits_base64url() -> None:
+    s = new_secret()
+    assert s.startswith("hl-") and len(s) == 46
+    assert len(base64.urlsafe_b64decode(s[3:] + "=")) == 32
+    assert new_secret() != s
+
+
+def test_keys_are_stored_hashed_and_named_uniquely(keys) -> None:
+    rec, secret = keys.create("alice", Limits(rpm=5))
+    assert rec.hash == hashlib.sha256(secret.encode()).digest()
+    assert rec.id.startswith("key_") and rec.limits == Limits(rpm=5)
+    if isinstance(keys, SQLiteKeyStore):
+        dump = "\n".join(keys._db.iterdump())
+        assert secret not in dump and secret[3:] not in dump
+    with pytest.raises(KeyExists):
+        keys.create("alice")
+    for bad in ("admin", "anonymous", "", "-x", "a b", "x" * 65):
+        with pytest.raises(InvalidKeyName):
+            keys.create(bad)
+    v = keys.version()
+    assert keys.revoke("alice") and not keys.revoke("alice") and keys.version() != v
+    again, _ = keys.create("alice")  # a revoked key's name may be reused, never its id
+    assert again.id != rec.id
+    assert [(k.name, k.active) for k in keys.list()] == [("alice", False), ("alice", True)]
+    keys.touch({again.id: 123.0})
+    assert keys.list()[1].last_used == 123.0
+
+
+def test_a_key_created_elsewhere_works_at_once_and_a_revoked_one_fails(tmp_path) -> None:
+    path = tmp_path / "k.sqlite3"
+    server_side = SQLiteKeyStore(path)
+    cli_side = SQLiteKeyStore(path)  # another process's connection, as `hotloop keys` is
+
+    async def main() -> None:
+        t = Tenancy(server_side, admin_key="sk-admin")
+        assert not t.open
+        _, secret = cli_side.create("alice", Limits(rpm=10))
+        alice = await t.authenticate(scope_of(secret))  # a cache miss re-reads the table
+        assert alice.name == "alice" and alice.scope == alice.id and alice.limits.rpm == 10
+        assert await t.authenticate(scope_of("sk-admin")) is ADMIN and ADMIN.scope is None
+        for bad in (None, "sk-wrong", secret + "x", "hl-" + "A" * 43):
+            with pytest.raises(errors.AuthenticationFailed):
+                await t.authenticate(scope_of(bad))
+        t.admit(alice)
+        cli_side.revoke("alice")
+        t.admit(alice)  # not seen yet: the watcher re-reads the table every REFRESH_SECONDS
+        await t.refresh()
+        with pytest.raises(errors.AuthenticationFailed) as ei:
+            t.admit(alice)
+        assert ei.value.status == 401 and ei.value.code == "invalid_api_key"
+        with pytest.raises(errors.AuthenticationFailed):
+            await t.authenticate(scope_of(secret))
+        await t.close()
+
+    asyncio.run(main())
+    cli_side.close()
+
+
+def test_open_mode_until_the_first_key() -> None:
+    async def main() -> None:
+        store = MemoryKeyStore()
+        t = Tenancy(store)
+        assert t.open
+        assert await t.authenticate(scope_of(None)) is ANONYMOUS
+        assert await t.authenticate(scope_of("sk-anything")) is ANONYMOUS
+        _, secret = store.create("first")
+        # the first key's own caller is never taken for anonymous (hl- secrets are looked up)
+        assert (await t.authenticate(scope_of(secret))).name == "first"
+        assert not t.open
+        with pytest.raises(errors.AuthenticationFailed):
+            await t.authenticate(scope_of(None))
+        with pytest.raises(errors.AuthenticationFailed):
+            t.verify(ANONYMOUS)  # an anonymous WebSocket opened before the first key
+        store.revoke("first")
+        await t.refresh()
+        assert not t.open  # revoking every key never opens the server
+        await t.close()
+
+    asyncio.run(main())
+
+
+def _rec(rid: str, owner: str, ids: list[str], minted: list[bool], parent: str | None = None, base: int = 0) -> StoredResponse:
+    items = [{"type": "message", "id": i, "role": "user", "content": [{"type": "input_text", "text": f"{owner}:{i}"}]} for i in ids]
+    n = len(items)
+    return StoredResponse({"id": rid}, items, list(range(n)), [1] * n, n, parent, base, owner, minted)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_store_reads_are_scoped_and_references_need_minted_ids(kind, tmp_path) -> None:
+    s = SQLiteStore(tmp_path / "s.sqlite3") if kind == "sqlite" else MemoryStore()
+    s.put(_rec("resp_a", "key_a", ["msg_real", "msg_a2"], [True, False]))
+    s.put(_rec("resp_b", "key_b", ["msg_real"], [False]))  # b plants a copy of a's id
+    assert s.get("resp_a", "key_a") is not None and s.get("resp_a", None) is not None
+    assert s.get("resp_a", "key_b") is None and s.get_response("resp_a", "key_b") is None
+    assert s.get_item("msg_real", "key_a")["content"][0]["text"] == "key_a:msg_real"
+    assert s.get_item("msg_real", "key_b") is None  # b's own copy was client-supplied
+    assert s.get_item("msg_a2", "key_a") is None  # so was this one
+    assert s.get_item("msg_real", None)["content"][0]["text"] == "key_a:msg_real"  # admin: all, minted only
+    h = s.get("resp_a", "key_a")
+    assert h.owner == "key_a" and h.minted == [True, False]
+    assert not s.delete("resp_a", "key_b") and s.get("resp_a", "key_a") is not None
+    assert s.delete("resp_a", "key_a") and s.get_item("msg_real", "key_a") is None
+    s.close()
+
+
+def test_response_cache_is_scoped_and_resolves_only_own_minted_items() -> None:
+    from hotloop.protocol.request import item_from_dict
+
+    def entry(rid: str, owner: str, ids: list[str], supplied: frozenset[str]) -> CachedResponse:
+        items = [item_from_dict({"type": "message", "id": i, "role": "user", "content": owner}) for i in ids]
+        ctx = Context()
+        ctx.extend(items, list(range(len(items))), [1] * len(items))
+        return CachedResponse({"id": rid}, ctx, len(items), True, owner=owner, supplied=supplied)
+
+    c = ResponseCache()
+    c.put(entry("resp_a", "key_a", ["msg_x"], frozenset()))
+    c.put(entry("resp_b", "key_b", ["msg_x"], frozenset({"msg_x"})))
+    assert c.get("resp_a", "key_b") is None and c.get("resp_a", "key_a") is not None and c.get("resp_b", None)
+    assert c.find_item("msg_x", "key_b") is None
+    assert c.find_item("msg_x", "key_a").content == "key_a"
+    assert c.find_item("msg_x", None).content == "key_a"  # the newest is b's, but b's copy was supplied
+    assert LEGACY_OWNER == ANONYMOUS.id
