@@ -34,11 +34,13 @@ STORM_TIMEOUT = 60.0  # seconds for one whole storm
 SETTLE_TIMEOUT = 10.0  # seconds for the server to wind down every abandoned response
 START_WINDOW = 1.0  # clients arrive at random moments within this many seconds
 LEAVE_WINDOW = 1.0  # and leave within this many seconds of sending; streams last 4 s
-# Seconds from a client leaving to its upstream stream closing: hotloop reacts in well under a
-# millisecond (measured alone: p50 0.4-0.5 ms, p95 2.5 ms); the tail is CPU scheduling on a machine
-# that also runs the clients, the mock and (in CI) other tests.
-CLOSE_BOUND = 0.005  # the median
-CLOSE_BOUND_WORST = 0.25  # the slowest one
+# Seconds from a client leaving to its upstream stream closing. hotloop reacts in well under a
+# millisecond (measured alone: p50 0.4-0.5 ms, p95 2.5 ms), but this is a correctness test on a
+# shared 2-vCPU machine that also runs the clients, the mock and other tests (CI saw a 305 ms
+# tail under load), so the bounds only prove each stream was cut promptly, far short of its 4 s
+# length; the latencies themselves are printed, not judged.
+CLOSE_BOUND = 0.05  # the median
+CLOSE_BOUND_WORST = 2.0  # the slowest one
 
 # One queued frame at a time: a client's later frames wait unread (the reader is blocked on the
 # queue, not on the socket) while its first response runs.
