@@ -54,6 +54,8 @@ class Config:
     request_read_timeout: float = 30.0  # seconds for a request's head and body to arrive (then 408, closed)
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
     ws_max_queued: int = 64  # response.create frames waiting on one connection
+    ws_max_in_flight: int = 16  # responses running at once on one connection, across lanes (more are queued)
+    ws_max_pending_steers: int = 8  # accepted response.steer submissions waiting on one response
     ws_max_queued_bytes: int = 64 * 1024 * 1024  # their bytes (past it the connection is not read)
     ws_cache_entries: int = 1  # responses cached per connection and lane (OpenAI: the most recent)
     ws_cache_bytes: int = 64 * 1024 * 1024  # all lanes of one connection; a larger response is not cached

@@ -34,6 +34,11 @@ REASONING_TEXT_DONE = "response.reasoning_text.done"
 FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
+# WebSocket-only steering replies (beta)
+STEER_ACCEPTED = "response.steer.accepted"
+STEER_PENDING = "response.steer.pending"
+STEER_FAILED = "response.steer.failed"
+STEER_WAITING = "waiting_for_required_input"  # response.steer.pending's reason
 
 # --- client -> server WebSocket frame types --------------------------------------------------
 CLIENT_CREATE = "response.create"
@@ -105,6 +110,50 @@ def stream_id_suffix(stream_id: str | None) -> bytes:
     if stream_id is None:
         return b""
     return b',"stream_id":' + _encode(stream_id) + b"}"
+
+
+def steer_accepted(seq: int, steer_id: str, previous_response_id: str) -> Frame:
+    """``response.steer.accepted``: the server owns the input (the successor's ``response.created``
+    commits it)."""
+    return STEER_ACCEPTED, _encode(
+        {
+            "type": STEER_ACCEPTED,
+            "sequence_number": seq,
+            "steer": {"id": steer_id, "previous_response_id": previous_response_id},
+        }
+    )
+
+
+def steer_pending(seq: int, steer_id: str, previous_response_id: str, required_input: list[dict[str, Any]]) -> Frame:
+    """``response.steer.pending`` after ``response.completed``: the input waits for the client's
+    tool output (``required_input`` stubs)."""
+    return STEER_PENDING, _encode(
+        {
+            "type": STEER_PENDING,
+            "sequence_number": seq,
+            "steer": {"id": steer_id, "previous_response_id": previous_response_id},
+            "reason": STEER_WAITING,
+            "required_input": required_input,
+        }
+    )
+
+
+def steer_failed(
+    seq: int, code: str, message: str, previous_response_id: str, input: Any, steer_id: str | None = None
+) -> Frame:
+    """``response.steer.failed``: the input that was not committed comes back (with its id once
+    one was allocated)."""
+    steer: dict[str, Any] = {"input": input, "previous_response_id": previous_response_id}
+    if steer_id is not None:
+        steer["id"] = steer_id
+    return STEER_FAILED, _encode(
+        {
+            "type": STEER_FAILED,
+            "sequence_number": seq,
+            "error": {"type": "invalid_request_error", "code": code, "message": message},
+            "steer": steer,
+        }
+    )
 
 
 def ws_error(err: HotloopError, stream_id: str | None = None) -> Frame:

@@ -1,29 +1,96 @@
 """One WebSocket-mode connection, sans-I/O: frames in, actions out.
 
-The session parses each client text frame and says what the connection must do next, in order:
-run a ``response.create``, send an error frame, or nothing (``response.processed``). It owns the
-FIFO discipline (one response in flight per connection, later ``response.create`` frames queued,
-at most ``max_queued``), and the connection's lifetime (OpenAI's 60-minute limit).
+The session parses each client text frame and says what the connection must do next: start a
+response on a lane, send an error frame, send a steering event, ask a running response to stop,
+or close. It owns every scheduling decision of the connection, and the transport
+(``hotloop.server.ws``) only moves frames and runs one task per active lane.
 
-The transport (``hotloop.server.ws``) feeds frames and executes the actions strictly in order,
-so an error about a malformed frame can never interleave with the events of a response that is
-still streaming.
+Lanes. The default lane (``stream_id`` absent, ``None`` here) and up to ``max_lanes`` named
+lanes. On one lane responses run strictly one after another (FIFO); different lanes run
+concurrently, at most ``max_in_flight`` responses at once across all lanes. A ``response.create``
+that cannot start yet is queued, never rejected, within the connection's bounds (``max_queued``
+responses accepted and not finished, ``queued_bytes`` of their frames checked by the transport).
+A lane waiting for a slot takes the next free one in the order lanes started waiting, so a busy
+lane cannot starve another. An error frame about a lane's request (or a malformed frame naming
+that lane, or none: the default lane) waits behind the lane's running response, so a client
+reading one lane's events in order never sees another request's error inside a response.
+
+The transport calls :meth:`Session.started` when a response of a lane exists (its id known,
+``response.created`` about to be sent) and :meth:`Session.lane_done` when the lane's response
+(or its failure to start) is over; ``lane_done`` answers with what comes next on that lane and
+on lanes that were waiting for a slot.
+
+Steering (``response.steer``, beta). Choices the wire contract leaves open:
+
+* Only ``type``, ``previous_response_id`` and ``input`` are accepted; ``input`` is a non-empty
+  string or a non-empty list of ``user`` messages (``type`` optional and ``message``; only
+  ``type``, ``role``, ``content``; content a string or ``input_text``/``input_image``/
+  ``input_file`` parts). Anything else: ``response.steer.failed`` with ``invalid_input``.
+* The target must be this connection's response. Running: accepted (``steer_…`` id) at once and
+  the response is asked to stop at a safe output boundary (the transport's run decides where:
+  never inside a function call's arguments, and never once the response emitted a function
+  call: such a response runs to its own end). At most ``max_pending_steers`` submissions per
+  response (``too_many_pending_steers``). Finished: ``response_already_completed`` if it
+  completed, ``response_not_active`` if it ended otherwise (incomplete, failed) or is already
+  ending (its terminal event was sent). Unknown (or older than the last ``max_known`` responses
+  of the connection): ``response_not_found``. A warmup (``generate: false``) response has no
+  model output to steer: ``steering_not_supported``.
+* When the steered response ends incomplete (steered, or for another reason) or completed
+  without open function calls, an automatic successor starts at once on the same lane, in the
+  same in-flight slot: the steered response's request with ``previous_response_id`` set to it and
+  ``input`` the queued steering input in submission order. Its ``response.created`` commits the
+  input; if it cannot be created, each submission comes back in ``response.steer.failed``
+  (``successor_creation_failed``) with its id and input. A steered response that *failed*
+  returns its submissions the same way.
+* Completed with open function calls: ``response.steer.pending`` (``waiting_for_required_input``,
+  one ``function_call_output`` stub per call) for each submission, and the input stays queued for
+  the lane. The next ``response.create`` on that lane naming that response as
+  ``previous_response_id`` gets it prepended to its input, in submission order, and keeps its own
+  settings; if that request fails before ``response.created``, the input comes back as
+  ``successor_creation_failed``. If the lane moves on instead (its next response names another
+  parent or none), the queued input comes back in ``response.steer.failed`` with
+  ``response_not_active``.
+* Steering events carry the target response's ``sequence_number`` numbering (the transport takes
+  the next number of that response's stream; ``0`` when no response is involved) and its lane's
+  ``stream_id``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from typing import Any, Union
 
 import msgspec
 
 from hotloop import errors
 from hotloop.protocol import events as ev
+from hotloop.protocol.objects import IdGen
 from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, shown
+
+Lane = Union[str, None]
+
+
+class Steer(msgspec.Struct):
+    """One accepted steering submission."""
+
+    id: str
+    previous_response_id: str
+    input: Any  # as the client sent it (returned on failure)
+    items: list[dict[str, Any]]  # the input as message items (prepended to a continuation)
 
 
 class RunCreate(msgspec.Struct):
+    """Start this response now on ``lane`` (the session already took its in-flight slot)."""
+
     request: CreateRequest
     mark: float = 0.0  # the transport's CPU clock when the frame arrived (for turn statistics)
+    size: int = 0  # bytes of its frame
+    steers: list[Steer] = msgspec.field(default_factory=list)  # submissions it commits
+    successor_of: str | None = None  # the response it succeeds automatically (steering)
+
+    @property
+    def lane(self) -> Lane:
+        return self.request.stream_id
 
 
 class SendError(msgspec.Struct):
@@ -32,47 +99,140 @@ class SendError(msgspec.Struct):
     evict: str | None = None  # the parent a failed continuation names: the cache drops it
 
 
+class SteerEvent(msgspec.Struct):
+    """A ``response.steer.*`` event. ``response_id``: the response whose numbering it joins."""
+
+    kind: str  # ev.STEER_ACCEPTED | ev.STEER_PENDING | ev.STEER_FAILED
+    previous_response_id: str
+    stream_id: str | None = None
+    response_id: str | None = None
+    steer_id: str | None = None
+    input: Any = None  # failed: the input that was not committed
+    code: str = ""  # failed: the steering error code
+    message: str = ""
+    required_input: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+    def frame(self, seq: int) -> ev.Frame:
+        if self.kind == ev.STEER_ACCEPTED:
+            assert self.steer_id is not None
+            return ev.steer_accepted(seq, self.steer_id, self.previous_response_id)
+        if self.kind == ev.STEER_PENDING:
+            assert self.steer_id is not None
+            return ev.steer_pending(seq, self.steer_id, self.previous_response_id, self.required_input)
+        return ev.steer_failed(seq, self.code, self.message, self.previous_response_id, self.input, self.steer_id)
+
+
+class StopResponse(msgspec.Struct):
+    """Ask the running response to stop at its next safe output boundary (it was steered)."""
+
+    response_id: str
+
+
 class Close(msgspec.Struct):
     code: int
     reason: str = ""
 
 
-Action = Union[RunCreate, SendError, Close]
+class Ended(msgspec.Struct):
+    """How a lane's response ended, as the transport reports it to :meth:`Session.lane_done`.
+
+    ``response_id`` is ``None`` when it never started (an error frame was sent instead)."""
+
+    response_id: str | None = None
+    status: str = ""  # completed | incomplete | failed
+    open_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)  # required_input stubs
+
+
+Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 _UNSUPPORTED = {
-    ev.CLIENT_STEER: f"Steering ('{ev.CLIENT_STEER}') is not supported by this server.",
     ev.CLIENT_INJECT: f"'{ev.CLIENT_INJECT}' is not supported by this server.",
     ev.CLIENT_APPEND: f"'{ev.CLIENT_APPEND}' (the 2026-02-04 beta) is not supported; use "
     f"'{ev.CLIENT_CREATE}' with 'previous_response_id'.",
 }
+
+_STEER_FIELDS = frozenset(("type", "previous_response_id", "input"))
+_STEER_MESSAGE_FIELDS = frozenset(("type", "role", "content"))
+_STEER_PARTS = frozenset(("input_text", "input_image", "input_file"))
+
+
+class _LaneState:
+    __slots__ = ("queue", "running", "response_id", "request", "steers", "ending", "pending_parent", "pending")
+
+    def __init__(self) -> None:
+        self.queue: deque[RunCreate | SendError] = deque()  # waiting behind the running response
+        self.running = False  # a RunCreate of this lane is out (holding an in-flight slot)
+        self.response_id: str | None = None  # the running response, once created
+        self.request: CreateRequest | None = None  # its request (a successor inherits it)
+        self.steers: list[Steer] = []  # accepted for the running response
+        self.ending = False  # its terminal event was sent: it accepts no more steering
+        self.pending_parent: str | None = None  # a completed response waiting for tool output ...
+        self.pending: list[Steer] = []  # ... and the steering input queued for its continuation
 
 
 class Session:
     """State of one connection. ``clock`` is injected: the session never reads time itself."""
 
     def __init__(
-        self, *, opened_at: float, max_age: float = 3600.0, max_queued: int = 64, max_lanes: int = 32
+        self,
+        *,
+        opened_at: float,
+        max_age: float = 3600.0,
+        max_queued: int = 64,
+        max_lanes: int = 32,
+        max_in_flight: int = 16,
+        max_pending_steers: int = 8,
+        max_known: int = 256,
+        ids: IdGen | None = None,
     ) -> None:
         self.opened_at = opened_at
         self.max_lanes = max_lanes
-        self.lanes: set[str] = set()
+        self.lanes: set[str] = set()  # named lanes seen (the default lane does not count)
         self.max_age = max_age
         self.max_queued = max_queued
-        self.queued = 0  # accepted frames whose action has not finished yet
+        self.max_in_flight = max(1, max_in_flight)
+        self.max_pending_steers = max_pending_steers
+        self.max_known = max_known
+        self.ids = ids or IdGen()
+        self.queued = 0  # responses accepted and not finished (running or waiting)
+        self.queued_bytes = 0  # bytes of the frames of waiting (not yet started) responses
+        self.in_flight = 0
         self.closing = False
+        self._lanes: dict[Lane, _LaneState] = {}
+        self._ready: deque[Lane] = deque()  # idle lanes whose next response waits for a slot
+        self._active: dict[str, Lane] = {}  # running response id -> lane
+        self._known: OrderedDict[str, tuple[Lane, str]] = OrderedDict()  # finished id -> (lane, status)
+
+    # -- lifetime ------------------------------------------------------------------------------
 
     def expired(self, now: float) -> bool:
         return now - self.opened_at >= self.max_age
 
     def expire(self) -> list[Action]:
         """The connection reached its age limit (the transport's timer says so, or a frame arrived
-        after it): say why, then close with 1001. Anything queued is not started."""
+        after it): nothing queued starts; once every running response is done, say why and close
+        with 1001."""
         if self.closing:
             return []
         self.closing = True
-        return [SendError(self.limit_error()), Close(1001, "connection limit reached")]
+        self._ready.clear()
+        for st in self._lanes.values():
+            self._drop_queue(st)
+        return self._close_if_idle()
+
+    def _drop_queue(self, st: _LaneState) -> None:
+        for a in st.queue:
+            if isinstance(a, RunCreate):
+                self.queued -= 1
+                self.queued_bytes -= a.size
+        st.queue.clear()
+
+    def _close_if_idle(self) -> list[Action]:
+        if self.closing and self.in_flight == 0:
+            return [SendError(self.limit_error()), Close(1001, "connection limit reached")]
+        return []
 
     def limit_error(self) -> errors.HotloopError:
         minutes = self.max_age / 60
@@ -80,6 +240,11 @@ class Session:
             f"Responses websocket connection limit reached ({minutes:g} minutes). Create a new "
             "websocket connection to continue."
         )
+
+    @property
+    def backlog(self) -> int:
+        """Actions waiting behind running responses (the transport stops reading past a bound)."""
+        return sum(len(st.queue) for st in self._lanes.values())
 
     def lane_allowed(self, stream_id: str) -> bool:
         if stream_id in self.lanes:
@@ -90,67 +255,322 @@ class Session:
             self.lanes.add(stream_id)
         return True
 
+    def _lane(self, lane: Lane) -> _LaneState:
+        st = self._lanes.get(lane)
+        if st is None:
+            st = self._lanes[lane] = _LaneState()
+        return st
+
+    # -- frames --------------------------------------------------------------------------------
+
     def receive(self, data: str | bytes, now: float) -> list[Action]:
         """Actions for one client frame (binary frames are rejected, as Codex expects text)."""
         if self.closing:
             return []
         if isinstance(data, bytes):
-            return [SendError(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."))]
+            return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
         try:
             frame = _decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return [SendError(errors.InvalidJSON("The frame is not a valid JSON object."))]
+            return self._error(errors.InvalidJSON("The frame is not a valid JSON object."), None)
         except RecursionError:
-            return [SendError(errors.InvalidJSON("The frame's JSON is nested too deeply."))]
+            return self._error(errors.InvalidJSON("The frame's JSON is nested too deeply."), None)
         kind = frame.get("type")
         if kind == ev.CLIENT_PROCESSED:
             return []  # Codex's acknowledgement expects no reply
+        if kind == ev.CLIENT_STEER:
+            return self._steer(frame)
         stream_id = frame.get("stream_id") if isinstance(frame.get("stream_id"), str) else None
         if kind != ev.CLIENT_CREATE:
             if isinstance(kind, str) and kind in _UNSUPPORTED:
-                return [SendError(errors.UnsupportedParameter(_UNSUPPORTED[kind], param="type"), stream_id)]
-            return [
-                SendError(
-                    errors.InvalidValue(
-                        f"Invalid 'type': {shown(kind)}. Supported client events are '{ev.CLIENT_CREATE}' "
-                        f"and '{ev.CLIENT_PROCESSED}'.",
-                        param="type",
-                    ),
-                    stream_id,
-                )
-            ]
+                return self._error(errors.UnsupportedParameter(_UNSUPPORTED[kind], param="type"), stream_id)
+            return self._error(
+                errors.InvalidValue(
+                    f"Invalid 'type': {shown(kind)}. Supported client events are '{ev.CLIENT_CREATE}', "
+                    f"'{ev.CLIENT_STEER}' and '{ev.CLIENT_PROCESSED}'.",
+                    param="type",
+                ),
+                stream_id,
+            )
         if self.expired(now):
             return self.expire()
         if self.queued >= self.max_queued:
-            return [
-                SendError(
-                    errors.QueueFull(
-                        f"Too many queued '{ev.CLIENT_CREATE}' events on this connection (limit "
-                        f"{self.max_queued}); wait for responses to complete.",
-                    ),
-                    stream_id,
-                )
-            ]
+            return self._error(
+                errors.QueueFull(
+                    f"Too many queued '{ev.CLIENT_CREATE}' events on this connection (limit "
+                    f"{self.max_queued}); wait for responses to complete.",
+                ),
+                stream_id,
+            )
         if stream_id is not None and not self.lane_allowed(stream_id):
-            return [
-                SendError(
-                    errors.InvalidValue(
-                        f"This WebSocket connection has reached its maximum number of distinct stream IDs "
-                        f"({self.max_lanes}). Reuse an existing stream_id or open a new WebSocket connection.",
-                        param="stream_id",
-                        code="websocket_stream_limit_reached",
-                    ),
-                    stream_id,
-                )
-            ]
+            return self._error(
+                errors.InvalidValue(
+                    f"This WebSocket connection has reached its maximum number of distinct stream IDs "
+                    f"({self.max_lanes}). Reuse an existing stream_id or open a new WebSocket connection.",
+                    param="stream_id",
+                    code="websocket_stream_limit_reached",
+                ),
+                stream_id,
+            )
         try:
             req = convert_body(frame)
         except errors.HotloopError as exc:
             prev = frame.get("previous_response_id")
-            return [SendError(exc, stream_id, prev if isinstance(prev, str) else None)]
+            return self._error(exc, stream_id, prev if isinstance(prev, str) else None)
+        size = len(data)
         self.queued += 1
-        return [RunCreate(req)]
+        return self._submit(RunCreate(req, size=size))
 
-    def done(self) -> None:
-        """The transport finished one ``RunCreate``."""
+    def _error(self, err: errors.HotloopError, stream_id: str | None, evict: str | None = None) -> list[Action]:
+        """An error about a request of lane ``stream_id``: now, or behind the lane's response."""
+        action = SendError(err, stream_id, evict)
+        st = self._lanes.get(stream_id)
+        if st is not None and (st.running or st.queue):
+            st.queue.append(action)
+            return []
+        return [action]
+
+    def _submit(self, action: RunCreate) -> list[Action]:
+        st = self._lane(action.lane)
+        self.queued_bytes += action.size
+        if st.running or st.queue:
+            st.queue.append(action)  # behind the lane's response (and anything already waiting)
+            return []
+        if self.in_flight >= self.max_in_flight:
+            st.queue.append(action)
+            self._ready.append(action.lane)
+            return []
+        return self._start(st, action)
+
+    def _start(self, st: _LaneState, action: RunCreate) -> list[Action]:
+        """Give ``action`` a slot on its (idle) lane; attach the lane's pending steering input."""
+        self.in_flight += 1
+        self.queued_bytes -= action.size
+        st.running = True
+        out: list[Action] = []
+        if st.pending_parent is not None and action.successor_of is None:
+            parent, pending = st.pending_parent, st.pending
+            st.pending_parent, st.pending = None, []
+            if action.request.previous_response_id == parent:
+                action.steers = pending
+                action.request = _prepend(action.request, [it for s in pending for it in s.items])
+            else:
+                for s in pending:
+                    out.append(
+                        _failed(
+                            s,
+                            "response_not_active",
+                            f"Response '{parent}' is no longer waiting for input on this lane: another "
+                            "response started on it.",
+                            action.lane,
+                        )
+                    )
+        out.append(action)
+        return out
+
+    def _fill(self) -> list[Action]:
+        """Start waiting lanes while slots are free (in the order the lanes started waiting)."""
+        out: list[Action] = []
+        while self._ready and self.in_flight < self.max_in_flight:
+            st = self._lanes[self._ready.popleft()]
+            out.extend(self._advance(st, ready=True))
+        return out
+
+    def _advance(self, st: _LaneState, ready: bool = False) -> list[Action]:
+        """The lane is idle: send its waiting errors and start its next response if a slot is free
+        (else the lane waits for one)."""
+        out: list[Action] = []
+        while st.queue:
+            head = st.queue[0]
+            if isinstance(head, SendError):
+                out.append(st.queue.popleft())
+                continue
+            if self.in_flight < self.max_in_flight:
+                st.queue.popleft()
+                out.extend(self._start(st, head))
+            elif not ready:
+                self._ready.append(head.lane)
+            else:
+                self._ready.appendleft(head.lane)  # keep its turn
+            break
+        return out
+
+    # -- the transport's reports ---------------------------------------------------------------
+
+    def started(self, lane: Lane, response_id: str, request: CreateRequest) -> None:
+        """A response of ``lane`` exists (``response.created`` is about to be sent)."""
+        st = self._lane(lane)
+        st.response_id = response_id
+        st.request = request
+        st.steers = []
+        st.ending = False
+        self._active[response_id] = lane
+
+    def ending(self, lane: Lane) -> None:
+        """The lane's response sent its terminal event: it takes no more steering input."""
+        st = self._lanes.get(lane)
+        if st is not None:
+            st.ending = True
+
+    def lane_done(self, lane: Lane, ended: Ended, action: RunCreate) -> list[Action]:
+        """``action`` (the lane's running response) is over; what comes next."""
+        st = self._lane(lane)
+        self.in_flight -= 1
         self.queued -= 1
+        st.running = False
+        steers, st.steers = st.steers, []
+        st.ending = False
+        request = st.request
+        st.response_id = st.request = None
+        out: list[Action] = []
+        rid = ended.response_id
+        if rid is None:
+            # it never started: the input it was to commit comes back
+            for s in action.steers:
+                out.append(_failed(s, "successor_creation_failed", "The response that was to commit this "
+                                   "input could not be created.", lane))
+        else:
+            self._active.pop(rid, None)
+            self._known[rid] = (lane, ended.status)
+            while len(self._known) > self.max_known:
+                self._known.popitem(last=False)
+        if steers:
+            assert rid is not None and request is not None
+            if self.closing:
+                for s in steers:
+                    out.append(_failed(s, "successor_creation_failed", "The connection is closing.", lane))
+            elif ended.status == "failed":
+                for s in steers:
+                    out.append(_failed(s, "successor_creation_failed", f"Response '{rid}' failed; no "
+                                       "successor was created.", lane))
+            elif ended.status == "completed" and ended.open_calls:
+                for s in steers:
+                    out.append(
+                        SteerEvent(
+                            ev.STEER_PENDING, s.previous_response_id, lane, rid, s.id, required_input=ended.open_calls
+                        )
+                    )
+                st.pending_parent, st.pending = rid, steers
+            else:
+                # the automatic successor: same lane, same slot, before anything queued there
+                successor = _prepend(
+                    msgspec.structs.replace(request, input=[], previous_response_id=rid, generate=None),
+                    [it for s in steers for it in s.items],
+                )
+                self.queued += 1
+                self.in_flight += 1
+                st.running = True
+                out.append(RunCreate(successor, steers=steers, successor_of=rid))
+                return out
+        if self.closing:
+            return out + self._close_if_idle()
+        out.extend(self._advance(st))
+        out.extend(self._fill())
+        return out
+
+    # -- steering ------------------------------------------------------------------------------
+
+    def _steer(self, frame: dict[str, Any]) -> list[Action]:
+        prev = frame.get("previous_response_id")
+        raw_input = frame.get("input")
+        target: Lane = None
+        st: _LaneState | None = None
+        if isinstance(prev, str) and prev in self._active:
+            target = self._active[prev]
+            st = self._lanes[target]
+        elif isinstance(prev, str) and prev in self._known:
+            target = self._known[prev][0]
+
+        def fail(code: str, message: str) -> list[Action]:
+            return [
+                SteerEvent(
+                    ev.STEER_FAILED, prev if isinstance(prev, str) else "", target,
+                    prev if st is not None else None, input=raw_input, code=code, message=message,
+                )
+            ]
+
+        extra = sorted(set(frame) - _STEER_FIELDS)
+        if extra:
+            return fail("invalid_input", f"Unknown parameter: '{extra[0]}'. '{ev.CLIENT_STEER}' accepts only "
+                        "'type', 'previous_response_id' and 'input' (the target response determines the lane).")
+        if not isinstance(prev, str) or not prev:
+            return fail("invalid_input", "Missing required parameter: 'previous_response_id' (a response id).")
+        try:
+            items = steer_items(raw_input)
+        except ValueError as exc:
+            return fail("invalid_input", str(exc))
+        if st is None:
+            if prev in self._known:
+                if self._known[prev][1] == "completed":
+                    return fail("response_already_completed", f"Response '{prev}' has completed and no longer "
+                                "accepts steering input.")
+                return fail("response_not_active", f"Response '{prev}' is no longer active.")
+            return fail("response_not_found", f"Response '{prev}' is not running on this connection.")
+        if st.ending or self.closing:
+            return fail("response_not_active", f"Response '{prev}' is ending and no longer accepts steering input.")
+        assert st.request is not None
+        if st.request.generate is False:
+            return fail("steering_not_supported", f"Response '{prev}' is a warmup ('generate': false); it has no "
+                        "model output to steer.")
+        if len(st.steers) >= self.max_pending_steers:
+            return fail("too_many_pending_steers", f"Response '{prev}' already has {len(st.steers)} pending "
+                        f"steering submissions (limit {self.max_pending_steers}).")
+        s = Steer(self.ids.new("steer"), prev, raw_input, items)
+        st.steers.append(s)
+        out: list[Action] = [SteerEvent(ev.STEER_ACCEPTED, prev, target, prev, s.id)]
+        if len(st.steers) == 1:
+            out.append(StopResponse(prev))
+        return out
+
+
+def _failed(s: Steer, code: str, message: str, lane: Lane) -> SteerEvent:
+    return SteerEvent(ev.STEER_FAILED, s.previous_response_id, lane, None, s.id, s.input, code, message)
+
+
+def _prepend(req: CreateRequest, items: list[dict[str, Any]]) -> CreateRequest:
+    """``req`` with ``items`` before its own input (a string input becomes a user message)."""
+    own = req.input
+    if own is None:
+        rest: list[Any] = []
+    elif isinstance(own, str):
+        rest = [{"type": "message", "role": "user", "content": own}]
+    else:
+        rest = list(own)
+    return msgspec.structs.replace(req, input=[*items, *rest])
+
+
+def steer_items(raw: Any) -> list[dict[str, Any]]:
+    """The steering input as message items; ``ValueError`` (the client's message) if invalid."""
+    if isinstance(raw, str):
+        if not raw:
+            raise ValueError("Invalid 'input': expected a non-empty string or a non-empty array of user messages.")
+        return [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("Invalid 'input': expected a non-empty string or a non-empty array of user messages.")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"Invalid '{where}': expected a message object.")
+        extra = sorted(set(item) - _STEER_MESSAGE_FIELDS)
+        if extra:
+            raise ValueError(f"Invalid '{where}': unknown field '{extra[0]}'; steering messages may contain only "
+                             "'type', 'role' and 'content'.")
+        if item.get("type", "message") != "message":
+            raise ValueError(f"Invalid '{where}.type': steering accepts only 'message' items.")
+        if item.get("role") != "user":
+            raise ValueError(f"Invalid '{where}.role': steering accepts only messages with the 'user' role.")
+        content = item.get("content")
+        if isinstance(content, str):
+            pass
+        elif isinstance(content, list) and content:
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in _STEER_PARTS:
+                    raise ValueError(f"Invalid '{where}.content[{j}]': expected an 'input_text', 'input_image' "
+                                     "or 'input_file' part.")
+                if part["type"] == "input_text" and not isinstance(part.get("text"), str):
+                    raise ValueError(f"Invalid '{where}.content[{j}].text': expected a string.")
+        else:
+            raise ValueError(f"Invalid '{where}.content': expected a string or a non-empty array of parts.")
+        out.append({"type": "message", "role": "user", "content": content})
+    return out

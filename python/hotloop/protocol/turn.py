@@ -14,7 +14,8 @@ Item life cycle, as a table (DESIGN principle 2). The open item is one of ``None
     ToolCallDelta   call:<index>
 
 Terminal outcomes: ``finish()`` -> ``response.completed``, or ``response.incomplete`` when the
-backend stopped for ``length``/``content_filter``; ``fail()`` -> ``response.failed`` (preceded
+backend stopped for ``length``/``content_filter`` or the response was steered (``finish("steered")``
+at a :attr:`Turn.steerable` boundary); ``fail()`` -> ``response.failed`` (preceded
 on SSE by the nested ``error`` event when the failure is a transport/backend error).
 """
 
@@ -37,6 +38,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, usage_object
 
 _MESSAGE = "message"
+STEERED = "steered"  # finish() reason and incomplete_details.reason of a steered response
 _text_delta = ev.text_delta
 _REASONING = "reasoning"
 
@@ -125,6 +127,19 @@ class Turn:
     @property
     def done(self) -> bool:
         return self._phase == _DONE
+
+    def aside(self) -> int:
+        """A sequence number for an event outside the turn's own sequence that joins its stream
+        (a steering reply on WebSocket), so the numbers on the wire stay increasing."""
+        return self._next()
+
+    @property
+    def steerable(self) -> bool:
+        """Whether a steered response may stop here: a safe output boundary, never inside a
+        function call's arguments and never once a function call was emitted (its output is
+        owed by the client, so such a response runs to its own end)."""
+        item = self._open
+        return self._phase is _STREAMING and self._calls == 0 and (item is None or not item.key.startswith("call:"))
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -325,14 +340,14 @@ class Turn:
         """Close the open item and end with ``completed`` (or ``incomplete`` on a token limit)."""
         self._check("finish")
         out: list[Frame] = []
-        incomplete = reason in ("length", "content_filter")
+        incomplete = reason in ("length", "content_filter", STEERED)
         self._close_item("incomplete" if incomplete else "completed", out)
         r = self.response
         r["usage"] = self._final_usage()
         if incomplete:
             r["status"] = "incomplete"
             r["incomplete_details"] = {
-                "reason": "max_output_tokens" if reason == "length" else "content_filter"
+                "reason": "max_output_tokens" if reason == "length" else reason
             }
             kind = ev.INCOMPLETE
         else:

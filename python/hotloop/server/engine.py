@@ -37,7 +37,7 @@ from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
-from hotloop.protocol.turn import Turn
+from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
@@ -323,6 +323,24 @@ class Run:
         self._stream = stream
         self.conn = conn
         self.started_cpu = time.thread_time()
+        self._steered = False  # steering asked this response to stop at a safe boundary
+        self._cut = False  # ... and cut the backend wait short for it
+        self._watch: _Watchdog | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    def steer(self) -> None:
+        """Stop at the next safe output boundary (:attr:`Turn.steerable`) with
+        ``response.incomplete`` (reason ``steered``). If the run is waiting on the backend at
+        such a boundary the wait ends now and the backend stream is cancelled; otherwise the
+        stop comes after the chunk that reaches one (or the response ends on its own)."""
+        self._steered = True
+        watch = self._watch
+        task = self._task
+        if watch is not None and watch.since is not None and task is not None and self.turn.steerable:
+            # The run's task is suspended in the backend await (``since`` is set only there), so
+            # the cancellation lands in it, and the run turns it into the steered ending.
+            self._cut = True
+            task.cancel()
 
     @property
     def response(self) -> dict[str, Any]:
@@ -341,6 +359,7 @@ class Run:
         turn = self.turn
         engine = self.engine
         engine.active += 1
+        self._task = asyncio.current_task()
         try:
             if type(self._first) in _TERMINAL_CHUNKS:
                 await self._settle()
@@ -352,16 +371,32 @@ class Run:
                 try:
                     async with asyncio.timeout(None) as scope:
                         watchdog.arm(scope)
+                        self._watch = watchdog
                         while True:
                             watchdog.since = loop.time()
                             try:
                                 chunk = await anext(it)
                             except StopAsyncIteration:
                                 break
+                            except asyncio.CancelledError:
+                                if not self._cut:
+                                    raise
+                                self._cut = False
+                                task = asyncio.current_task()
+                                if task is None or task.uncancel() > 0:
+                                    raise  # the connection is going away as well
+                                # steered while waiting on the backend: its stream is closed below
+                                watchdog.since = None
+                                await self._settle()
+                                yield turn.finish(STEERED)
+                                break
                             watchdog.since = None
                             if type(chunk) in _TERMINAL_CHUNKS:
                                 await self._settle()
                             out = turn.feed(chunk)
+                            if self._steered and turn.steerable:
+                                await self._settle()
+                                out += turn.finish(STEERED)
                             if out:
                                 yield out
                             if turn.done:
@@ -385,6 +420,7 @@ class Run:
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
                     watchdog.disarm()
+                    self._watch = None
         finally:
             engine.active -= 1
             self._release()

@@ -1,7 +1,8 @@
 """WebSocket mode on ``/v1/responses``: one connection, ``response.create`` frames in, events out.
 
-The sans-I/O :class:`~hotloop.protocol.session.Session` decides what each frame means and when
-the connection ends; this module moves frames and runs the session's actions in order.
+The sans-I/O :class:`~hotloop.protocol.session.Session` decides what each frame means, which
+response starts next on which lane, and when the connection ends; this module moves frames, runs
+one task per active lane and reports back to the session when a lane's response is over.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -18,7 +18,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 from hotloop import errors
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
-from hotloop.protocol.session import Close, RunCreate, SendError, Session
+from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
 from hotloop.server.wsproto import ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
@@ -62,13 +62,14 @@ async def _reject(scope: Scope, send: Send, exc: errors.HotloopError) -> None:
 
 
 class Connection:
-    """One WebSocket connection: the ASGI task reads frames and feeds the session; a worker task
-    runs the session's actions strictly in order.
+    """One WebSocket connection: the ASGI task reads frames and feeds the session; each active lane
+    runs its responses in a task of its own, and every frame goes out through the server's corked
+    batch send (one socket write per loop iteration for all lanes together).
 
     An accepted connection that has not sent a frame holds only this object and its place in the
-    app's age-limit list (:class:`Deadlines`): the session, the connection cache, the action
-    queue and the worker are made by the first frame (the session's clock still starts when the
-    connection opened), and the worker task exists only while it has actions to run.
+    app's age-limit list (:class:`Deadlines`): the session and the connection cache are made by
+    the first frame (the session's clock still starts when the connection opened), and a lane's
+    task exists only while the lane has a response running.
     """
 
     __slots__ = (
@@ -79,14 +80,11 @@ class Connection:
         "opened_at",
         "session",
         "cache",
-        "actions",
-        "queued_bytes",
-        "_queued_sizes",
         "_room",
-        "_worker",
+        "_lane_tasks",
+        "_runs",
         "_reader",
         "_stopping",
-        "expired",
         "tenant",
     )
 
@@ -104,31 +102,40 @@ class Connection:
         self.opened_at = asyncio.get_running_loop().time()
         self.session: Session | None = None
         self.cache: ConnectionCache | None = None
-        # Actions in order. Bounded: past ws_max_queued + 8 actions the reader stops reading until
-        # the worker catches up (the age limit's wake-up may add one more) ...
-        self.actions: deque[Any] | None = None
-        # ... and bounded by bytes: frames of queued responses hold at most ws_max_queued_bytes
-        # (any one frame is accepted when nothing is queued).
-        self.queued_bytes = 0
-        self._queued_sizes: deque[int] | None = None  # of the queued RunCreate actions, oldest first
-        self._room: asyncio.Future[None] | None = None  # the reader waits on it for the worker
-        self._worker: asyncio.Task[None] | None = None
+        self._room: asyncio.Future[None] | None = None  # the reader waits on it for the lanes
+        # One task per lane with a response running (the session allows at most one per lane and
+        # ws_max_in_flight in all); the runs by response id, for steering.
+        self._lane_tasks: dict[str | None, asyncio.Task[None]] = {}
+        self._runs: dict[str, Run] = {}
         self._reader: asyncio.Task[Any] | None = None
         self._stopping = False
-        self.expired = False
         self.tenant = tenant
 
     def _open(self) -> Session:
         """The first frame: everything an idle connection did not need."""
         cfg = self.app.config
-        self.session = Session(opened_at=self.opened_at, max_age=cfg.ws_connection_max_age, max_queued=cfg.ws_max_queued)
+        self.session = Session(
+            opened_at=self.opened_at,
+            max_age=cfg.ws_connection_max_age,
+            max_queued=cfg.ws_max_queued,
+            max_in_flight=cfg.ws_max_in_flight,
+            max_pending_steers=cfg.ws_max_pending_steers,
+            ids=self.app.engine.ids,
+        )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
-        self.actions = deque()
-        self._queued_sizes = deque()
         return self.session
 
     async def send_frame(self, payload: bytes) -> None:
-        await self._send({"type": "websocket.send", "text": payload.decode()})
+        await self._emit([(ev.ERROR, payload)])
+
+    async def _emit(self, frames: list[Frame]) -> None:
+        send_texts = self._send_texts
+        if send_texts is not None and self._wait_writable is not None:
+            if not send_texts(frames):
+                await self._wait_writable()
+        else:
+            for _, payload in frames:
+                await self._send({"type": "websocket.send", "text": payload.decode()})
 
     async def serve(self, receive: Receive) -> None:
         task = self._reader = asyncio.current_task()
@@ -137,7 +144,10 @@ class Connection:
         try:
             # the reader runs in the ASGI task itself (an idle connection has no other task)
             cfg = self.app.config
-            max_actions = cfg.ws_max_queued + 8
+            # Bounded: past ws_max_queued + 8 actions waiting behind running responses the reader
+            # stops reading until a lane catches up, and frames of responses waiting to start hold
+            # at most ws_max_queued_bytes (any one frame is accepted when nothing waits).
+            max_backlog = cfg.ws_max_queued + 8
             max_bytes = cfg.ws_max_queued_bytes
             loop = asyncio.get_running_loop()
             while True:
@@ -151,46 +161,47 @@ class Connection:
                 if data is None:
                     data = msg.get("bytes", b"")
                 session = self.session or self._open()
-                actions = self.actions
-                assert actions is not None and self._queued_sizes is not None
                 size = len(data)
-                while self.queued_bytes and self.queued_bytes + size > max_bytes:
+                while session.queued_bytes and session.queued_bytes + size > max_bytes:
+                    await self._wait_room()
+                while session.backlog >= max_backlog:
                     await self._wait_room()
                 mark = time.thread_time()
-                for action in session.receive(data, loop.time()):
+                actions = session.receive(data, loop.time())
+                for action in actions:
                     if isinstance(action, RunCreate):
                         action.mark = mark
-                        self.queued_bytes += size
-                        self._queued_sizes.append(size)
-                    while len(actions) >= max_actions:
-                        await self._wait_room()
-                    self._dispatch(action)
+                await self._dispatch(actions)
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
             if task is not None:
-                task.uncancel()  # the worker ended the connection
+                task.uncancel()  # a lane ended the connection
+        except (_Disconnected, ClientDisconnected):
+            pass
         except Exception as exc:
             log.error("websocket connection task failed", exc_info=exc)
         finally:
-            self._stopping = True  # the reader is done: the worker must not cancel this task now
+            self._stopping = True  # the reader is done: nothing new starts, lanes must not cancel it
             deadlines.remove(self)
-            worker = self._worker
-            if worker is not None:
-                worker.cancel()
-                with contextlib.suppress(BaseException):
-                    await worker
+            while self._lane_tasks:  # every lane's response (and backend stream) is cancelled
+                tasks = list(self._lane_tasks.values())
+                for t in tasks:
+                    t.cancel()
+                for t in tasks:
+                    with contextlib.suppress(BaseException):
+                        await t
             if self.cache is not None:
                 self.cache.clear()
 
     def _client_left(self) -> None:
         """The client went away (close frame, FIN or reset): cancel what runs for it, now."""
-        busy = self._worker is not None
-        log.info("websocket client left%s", "; cancelling its response" if busy else "")
+        busy = bool(self._lane_tasks)
+        log.info("websocket client left%s", "; cancelling its responses" if busy else "")
         self._stop()
 
     def _stop(self) -> None:
-        """End the connection from the worker: the reader stops waiting for frames."""
+        """End the connection from a lane: the reader stops waiting for frames."""
         reader = self._reader
         if reader is not None and not self._stopping:
             self._stopping = True
@@ -202,62 +213,89 @@ class Connection:
             room = self._room = asyncio.get_running_loop().create_future()
         await room
 
-    def _dispatch(self, action: Any) -> None:
-        assert self.actions is not None
-        self.actions.append(action)
-        if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._work())
+    def _wake_reader(self) -> None:
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
+
+    async def _dispatch(self, actions: list[Action]) -> None:
+        """Carry out the session's actions in order (raises ``_Disconnected`` on ``Close``)."""
+        for action in actions:
+            if isinstance(action, RunCreate):
+                if self._stopping:
+                    continue
+                lane = action.lane
+                assert lane not in self._lane_tasks
+                self._lane_tasks[lane] = asyncio.get_running_loop().create_task(self._lane(action))
+            elif isinstance(action, SendError):
+                if action.evict is not None:
+                    # a continuation that failed validation evicts its parent, like any failure
+                    assert self.cache is not None
+                    self.cache.evict(action.evict, action.stream_id)
+                await self._emit([ev.ws_error(action.error, action.stream_id)])
+            elif isinstance(action, SteerEvent):
+                run = self._runs.get(action.response_id) if action.response_id is not None else None
+                kind, payload = action.frame(run.turn.aside() if run is not None else 0)
+                suffix = ev.stream_id_suffix(action.stream_id)
+                await self._emit([(kind, payload[:-1] + suffix if suffix else payload)])
+            elif isinstance(action, StopResponse):
+                run = self._runs.get(action.response_id)
+                if run is not None:
+                    run.steer()
+            elif isinstance(action, Close):
+                await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
+                raise _Disconnected()
 
     def expire(self) -> None:
-        # The connection reached its age limit. The worker says so and closes as soon as the
-        # response in flight (if any) is done; the wake-up is only needed when it is idle.
-        self.expired = True
-        if self.actions is None:
-            self._open()
-        self._dispatch(None)
+        # The connection reached its age limit: the session drops what waits and says when to
+        # close (at once, or when the last running response is done).
+        session = self.session or self._open()
+        actions = session.expire()
+        if actions:
+            asyncio.get_running_loop().create_task(self._finish(actions))
 
-    async def _work(self) -> None:
-        """Run the queued actions in order; the task ends when there are none left."""
+    async def _finish(self, actions: list[Action]) -> None:
         try:
-            engine = self.app.engine
-            actions = self.actions
-            session = self.session
-            assert actions is not None and session is not None and self._queued_sizes is not None
-            while actions:
-                action = actions.popleft()
-                if self._room is not None and not self._room.done():
-                    self._room.set_result(None)
-                if self.expired:
-                    # the session decides what the end of the connection's life means; queued,
-                    # unstarted responses are dropped (the client reconnects with context)
-                    actions.clear()
-                    actions.extend(session.expire())
-                    self.expired = False
-                    continue
-                if isinstance(action, SendError):
-                    if action.evict is not None:
-                        # a continuation that failed validation evicts its parent, like any failure
-                        assert self.cache is not None
-                        self.cache.evict(action.evict, action.stream_id)
-                    await self.send_frame(ev.ws_error(action.error, action.stream_id)[1])
-                elif isinstance(action, Close):
-                    await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
-                    raise _Disconnected()
-                elif isinstance(action, RunCreate):
-                    self.queued_bytes -= self._queued_sizes.popleft()
-                    try:
-                        await self._run(engine, action)
-                    finally:
-                        session.done()
+            await self._dispatch(actions)
+        except (_Disconnected, ClientDisconnected):
+            self._stop()
+        except Exception as exc:
+            log.error("websocket connection task failed", exc_info=exc)
+            self._stop()
+
+    async def _lane(self, action: RunCreate) -> None:
+        """One lane's running response, then whatever the session says comes next."""
+        session = self.session
+        assert session is not None
+        lane = action.lane
+        ended = Ended()
+        try:
+            ended = await self._run(self.app.engine, action)
+        except (_Disconnected, ClientDisconnected):
+            self._lane_tasks.pop(lane, None)
+            self._stop()
+            return
+        except asyncio.CancelledError:
+            self._lane_tasks.pop(lane, None)
+            raise
+        except Exception as exc:
+            log.error("websocket connection task failed", exc_info=exc)
+            self._lane_tasks.pop(lane, None)
+            self._stop()
+            return
+        self._lane_tasks.pop(lane, None)
+        try:
+            await self._dispatch(session.lane_done(lane, ended, action))
         except (_Disconnected, ClientDisconnected):
             self._stop()
         except Exception as exc:
             log.error("websocket connection task failed", exc_info=exc)
             self._stop()
         finally:
-            self._worker = None
+            if ended.response_id is not None:
+                self._runs.pop(ended.response_id, None)
+            self._wake_reader()
 
-    async def _run(self, engine: Engine, action: RunCreate) -> None:
+    async def _run(self, engine: Engine, action: RunCreate) -> Ended:
         req = action.request
         stream_id = req.stream_id
         try:
@@ -269,35 +307,57 @@ class Connection:
             raise _Disconnected() from None
         except errors.HotloopError as exc:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
-            return
+            return Ended()
         try:
             run: Run = await engine.start(req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant)
         except errors.HotloopError as exc:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
-            return
+            return Ended()
         except Exception:
             log.exception("unhandled error starting a websocket response")
             await self.send_frame(ev.ws_error(errors.ServerError(), stream_id)[1])
-            return
+            return Ended()
+        rid = str(run.response["id"])
+        session = self.session
+        assert session is not None
+        self._runs[rid] = run
+        session.started(stream_id, rid, req)
         suffix = ev.stream_id_suffix(stream_id)
         send_texts = self._send_texts
         wait_writable = self._wait_writable
+        lanes = self._lane_tasks
         async with contextlib.aclosing(run.frames()) as frames:
             if send_texts is not None and wait_writable is not None:
                 # The server's batch send: one call per batch, awaiting only under back-pressure.
                 async for batch in frames:
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
+                    if run.turn.done:
+                        session.ending(stream_id)
                     if not send_texts(batch):
                         await wait_writable()
+                    elif len(lanes) > 1:
+                        await asyncio.sleep(0)  # fair: other lanes run between this lane's batches
             else:
                 send = self._send
                 async for batch in frames:
+                    if run.turn.done:
+                        session.ending(stream_id)
                     for _, payload in batch:
                         if suffix:
                             payload = payload[:-1] + suffix
                         await send({"type": "websocket.send", "text": payload.decode()})
         engine.record(run, action.mark)
+        response = run.response
+        status = str(response["status"])
+        calls: list[dict[str, Any]] = []
+        if status == "completed":
+            calls = [
+                {"type": "function_call_output", "call_id": it["call_id"], "name": it["name"]}
+                for it in response["output"]
+                if it.get("type") == "function_call"
+            ]
+        return Ended(rid, status, calls)
 
 
 class Deadlines:
