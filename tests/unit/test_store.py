@@ -74,7 +74,19 @@ def test_usage_ledger(store) -> None:
     store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0), UsageRecord("m", 0, 0, 0, 0, 0.0)])
     [row] = store.usage()
     assert row == {"day": "1970-01-01", "model": "m", "key": "anonymous", "responses": 3, "input_tokens": 11,
-                   "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1}
+                   "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1, "flagged": 0, "findings": {}}
+
+
+def test_usage_ledger_counts_flagged_responses_and_findings_per_kind(store) -> None:
+    store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0, "k", {"jwt": 2, "github_token": 1})])
+    store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0, "k"), UsageRecord("m", 1, 1, 0, 0, 0.0, "k", {"jwt": 1})])
+    store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0, "other", {"npm_token": 5})])
+    rows = {r["key"]: r for r in store.usage()}
+    assert rows["k"]["responses"] == 3 and rows["k"]["flagged"] == 2
+    assert rows["k"]["findings"] == {"github_token": 1, "jwt": 3}
+    assert rows["other"]["flagged"] == 1 and rows["other"]["findings"] == {"npm_token": 5}
+    [mine] = store.usage("k")
+    assert mine["findings"] == {"github_token": 1, "jwt": 3}
 
 
 def test_page_items() -> None:

@@ -108,10 +108,15 @@ class Redact(msgspec.Struct, frozen=True, tag="redact"):
 
 
 class Block(msgspec.Struct, frozen=True, tag="block"):
-    """Refuse the turn. ``reason`` is meant for the client and never holds the offending text."""
+    """Refuse the turn. ``reason`` is meant for the client and never holds the offending text.
+
+    The client gets a 400 ``invalid_request_error`` with ``code`` and, when there are
+    ``findings``, a ``param`` naming the first one's item and field (``input[3].output``)."""
 
     reason: str
     labels: tuple[str, ...] = ()
+    code: str = "input_blocked"
+    findings: tuple[Finding, ...] = ()
 
 
 Verdict = Union[Allow, Flag, Redact, Block]
@@ -222,6 +227,7 @@ class SecretsClassifier:
     """
 
     name = "secrets"
+    state_type = SecretsState
 
     def __init__(self, policy: SecretsPolicy = "flag", scanner: Any = None) -> None:
         if policy not in POLICIES:
@@ -267,7 +273,7 @@ class SecretsClassifier:
             return Flag(labels=labels, findings=tuple(findings)), state
         if self.policy == "redact" and not capped:
             return Redact(labels=labels, findings=tuple(findings), items=tuple(new_items)), state
-        reason = "the input contains credentials (" + ", ".join(kinds) + ")"
+        reason = "The input contains credentials (" + ", ".join(kinds) + ")."
         if capped and self.policy == "redact":
-            reason = "the input contains too many credentials to redact"
-        return Block(reason=reason, labels=labels), state
+            reason = "The input contains too many credentials to redact (" + ", ".join(kinds) + ")."
+        return Block(reason=reason, labels=labels, code="secret_detected", findings=tuple(findings[:1])), state

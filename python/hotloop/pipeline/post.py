@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
 from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
@@ -117,6 +118,7 @@ def _record(
         base_len=start,
         owner=entry.owner,
         minted=minted,
+        states=freeze(entry.states),
     )
 
 
@@ -147,10 +149,14 @@ def from_record(rec: History | StoredResponse) -> CachedResponse:
     supplied = frozenset(
         iid for d, m in zip(rec.items[own_from:], minted[own_from:]) if not m and isinstance(iid := d.get("id"), str)
     )
-    return CachedResponse(rec.response, ctx, rec.input_len, True, rec.parent_id, rec.base_len, rec.owner, supplied)
+    return CachedResponse(
+        rec.response, ctx, rec.input_len, True, rec.parent_id, rec.base_len, rec.owner, supplied, frozen(rec.states)
+    )
 
 
-def usage_record(response: dict[str, Any], key: str = LEGACY_OWNER) -> UsageRecord | None:
+def usage_record(
+    response: dict[str, Any], key: str = LEGACY_OWNER, findings: dict[str, int] | None = None
+) -> UsageRecord | None:
     u = response.get("usage")
     if not u:
         return None
@@ -162,6 +168,7 @@ def usage_record(response: dict[str, Any], key: str = LEGACY_OWNER) -> UsageReco
         reasoning_tokens=int(u["output_tokens_details"]["reasoning_tokens"]),
         at=time.time(),
         key=key,
+        findings=findings or None,
     )
 
 
@@ -335,12 +342,14 @@ class Persistence:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def submit(self, entry: CachedResponse, key: str = LEGACY_OWNER) -> None:
-        """Queue a finished response: the usage ledger (under the key name ``key``) always, the
-        response if it is stored."""
+    async def submit(
+        self, entry: CachedResponse, key: str = LEGACY_OWNER, findings: dict[str, int] | None = None
+    ) -> None:
+        """Queue a finished response: the usage ledger (under the key name ``key``, with the
+        classifiers' ``findings`` per kind when it was flagged) always, the response if it is stored."""
         if self._task is None:
             self.start()
-        rec = usage_record(entry.response, key)
+        rec = usage_record(entry.response, key, findings)
         if rec is not None:
             self._usage.append(rec)
             if len(self._usage) >= self.USAGE_BATCH:

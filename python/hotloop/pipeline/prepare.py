@@ -50,6 +50,7 @@ class Plan:
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
         "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes", "supplied",
+        "states", "flags",
     )
 
     def __init__(
@@ -84,6 +85,9 @@ class Plan:
         self._context: Context | None = None
         # ids of new items the server did not mint here (the client's own, and resolved references)
         self.supplied: frozenset[str] = frozenset()
+        # classifier states after this turn (the parent's when nothing ran; see pipeline.classifiers)
+        self.states: dict[str, Any] | None = parent.states if parent is not None else None
+        self.flags: dict[str, int] | None = None  # this turn's findings per kind, for the ledger
 
     @property
     def settled(self) -> bool:
@@ -283,4 +287,5 @@ def finished(
         len(parent.context) if parent is not None else 0,
         owner,
         plan.supplied,
+        plan.states,
     )

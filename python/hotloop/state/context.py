@@ -140,10 +140,11 @@ class CachedResponse:
     continues and ``base_len`` counts the leading context items inherited from it (0 without a
     parent): ``context.items[base_len:]`` are this response's own items. ``owner`` is the tenant
     that created it; ``supplied`` holds the ids of its own items that its client chose (every
-    other id of its own items was minted by the server).
+    other id of its own items was minted by the server). ``states`` holds the chain's classifier
+    states after this response's input (:mod:`hotloop.pipeline.classifiers`; ``None``: none).
     """
 
-    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied")
+    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied", "states")
 
     def __init__(
         self,
@@ -155,6 +156,7 @@ class CachedResponse:
         base_len: int = 0,
         owner: str = LEGACY_OWNER,
         supplied: frozenset[str] = frozenset(),
+        states: dict[str, Any] | None = None,
     ) -> None:
         self.response = response
         self.context = context
@@ -164,6 +166,7 @@ class CachedResponse:
         self.base_len = base_len
         self.owner = owner
         self.supplied = supplied
+        self.states = states
 
     def visible(self, scope: str | None) -> bool:
         """Whether a caller of ``scope`` (``None``: every owner) may see this response."""

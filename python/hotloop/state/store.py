@@ -53,7 +53,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import count
 from operator import itemgetter
 from pathlib import Path
@@ -94,6 +94,7 @@ class StoredResponse(NamedTuple):
     base_len: int = 0
     owner: str = LEGACY_OWNER
     minted: list[bool] | None = None  # per item: its id was made by the server (None: none was)
+    states: dict[str, Any] | None = None  # the chain's classifier states as JSON values (None: none)
 
 
 class History(StoredResponse):
@@ -117,6 +118,7 @@ class UsageRecord(NamedTuple):
     reasoning_tokens: int
     at: float
     key: str = LEGACY_OWNER  # the name of the key that made the request
+    findings: dict[str, int] | None = None  # classifier findings per kind (a flagged response)
 
 
 def page_items(
@@ -154,6 +156,8 @@ def _visible(owner: str, scope: str | None) -> bool:
 
 
 USAGE_FIELDS = ("day", "model", "key", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+# Besides USAGE_FIELDS, every ledger row has "flagged" (responses a classifier flagged or
+# redacted) and "findings" (an object: finding kind -> count).
 
 
 class ResponseStore(Protocol):
@@ -169,7 +173,8 @@ class ResponseStore(Protocol):
     def delete(self, response_id: str, scope: str | None = None) -> bool: ...
     def record_usage(self, recs: list[UsageRecord]) -> None: ...
     def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
-        """Ledger rows (``USAGE_FIELDS``), of one key name or all, from UTC day ``since`` on."""
+        """Ledger rows (``USAGE_FIELDS``, ``flagged``, ``findings``), of one key name or all,
+        from UTC day ``since`` on."""
         ...
 
     def close(self) -> None: ...
@@ -212,6 +217,7 @@ class MemoryStore:
         self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
         self._seq = count()
         self._usage: dict[tuple[str, str, str], list[int]] = {}
+        self._findings: dict[tuple[str, str, str], Counter[str]] = {}
         self._lock = threading.Lock()
 
     def put(self, rec: StoredResponse) -> None:
@@ -309,7 +315,9 @@ class MemoryStore:
             toks += r.toks
             minted += r.minted if r.minted is not None else [False] * len(r.items)
         rec = node.rec
-        return History(rec.response, items, fps, toks, rec.input_len, rec.parent_id, rec.base_len, rec.owner, _flags(minted))
+        return History(
+            rec.response, items, fps, toks, rec.input_len, rec.parent_id, rec.base_len, rec.owner, _flags(minted), rec.states
+        )
 
     def get_item(self, item_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
@@ -337,17 +345,24 @@ class MemoryStore:
         with self._lock:
             for rec in recs:
                 day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
-                row = self._usage.setdefault((day, rec.model, rec.key), [0, 0, 0, 0, 0])
+                row = self._usage.setdefault((day, rec.model, rec.key), [0, 0, 0, 0, 0, 0])
+                row[5] += 1 if rec.findings else 0
                 row[0] += 1
                 row[1] += rec.input_tokens
                 row[2] += rec.output_tokens
                 row[3] += rec.cached_tokens
                 row[4] += rec.reasoning_tokens
+                if rec.findings:
+                    self._findings.setdefault((day, rec.model, rec.key), Counter()).update(rec.findings)
 
     def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             return [
-                dict(zip(USAGE_FIELDS, (*k, *r)))
+                {
+                    **dict(zip(USAGE_FIELDS, (*k, *r[:5]))),
+                    "flagged": r[5] if len(r) > 5 else 0,
+                    "findings": dict(sorted(self._findings.get(k, {}).items())),
+                }
                 for k, r in sorted(self._usage.items())
                 if (key is None or k[2] == key) and (since is None or k[0] >= since)
             ]
@@ -392,6 +407,14 @@ CREATE TABLE IF NOT EXISTS key_usage (
     reasoning_tokens INTEGER NOT NULL,
     PRIMARY KEY (day, model, key)
 );
+CREATE TABLE IF NOT EXISTS key_findings (
+    day TEXT NOT NULL,
+    model TEXT NOT NULL,
+    key TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (day, model, key, kind)
+) WITHOUT ROWID;
 """
 _USAGE_COLUMNS = ", ".join(USAGE_FIELDS)
 # The ledger before it recorded key names (one row per day and model): moved into key_usage
@@ -411,6 +434,8 @@ _ADDED_COLUMNS = (
     ("responses", "live", "INTEGER NOT NULL DEFAULT 1"),
     ("responses", "owner", f"TEXT NOT NULL DEFAULT '{LEGACY_OWNER}'"),
     ("response_items", "minted", "INTEGER NOT NULL DEFAULT 0"),
+    ("responses", "classifier_state", "BLOB"),
+    ("key_usage", "flagged", "INTEGER NOT NULL DEFAULT 0"),
 )
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
@@ -427,7 +452,7 @@ _CHAIN = (
 # The live, unexpired response ?1 in scope ?4 (NULL: any owner) and whether its chain reaches a
 # root (a response without parent).
 _LOAD_HEAD = _CHAIN + (
-    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL, t.owner FROM responses t,"
+    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL, t.owner, t.classifier_state FROM responses t,"
     " (SELECT parent_id FROM chain ORDER BY depth DESC LIMIT 1) root"
     " WHERE t.id = ?1 AND t.live = 1 AND t.created_at >= ?3 AND (?4 IS NULL OR t.owner = ?4)"
 )
@@ -522,9 +547,12 @@ class SQLiteStore:
                         raise MissingParent(rec.parent_id)
                 db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
                 db.execute(
-                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner)"
-                    " VALUES (?,?,?,?,?,?,1,?)",
-                    (rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner),
+                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner,"
+                    " classifier_state) VALUES (?,?,?,?,?,?,1,?,?)",
+                    (
+                        rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner,
+                        _enc.encode(rec.states) if rec.states else None,
+                    ),
                 )
                 db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
                 db.executemany(
@@ -599,7 +627,7 @@ class SQLiteStore:
             head = self._db.execute(_LOAD_HEAD, args).fetchone()
             if head is None:
                 return None
-            body, input_len, parent_id, base_len, rooted, owner = head
+            body, input_len, parent_id, base_len, rooted, owner, states = head
             rows: list[Any] = []
             if parent_id is None:
                 rows = self._db.execute(
@@ -623,6 +651,7 @@ class SQLiteStore:
             base_len=base_len,
             owner=owner,
             minted=_flags([bool(r[4]) for r in rows]),
+            states=_dec.decode(states) if states else None,
         )
 
     def get_item(self, item_id: str, scope: str | None = None) -> dict[str, Any] | None:
@@ -662,27 +691,48 @@ class SQLiteStore:
             return found is not None
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
+        days = [time.strftime("%Y-%m-%d", time.gmtime(r.at)) for r in recs]
         rows = [
-            (time.strftime("%Y-%m-%d", time.gmtime(r.at)), r.model, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens)
-            for r in recs
+            (d, r.model, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens, 1 if r.findings else 0)
+            for d, r in zip(days, recs)
         ]
+        found = [(d, r.model, r.key, k, n) for d, r in zip(days, recs) if r.findings for k, n in r.findings.items()]
         with self._lock:
             self._db.executemany(
-                f"INSERT INTO key_usage({_USAGE_COLUMNS}) "
-                "VALUES (?,?,?,1,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
+                f"INSERT INTO key_usage({_USAGE_COLUMNS}, flagged) "
+                "VALUES (?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
                 "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
-                "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens",
+                "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens, "
+                "flagged=flagged+excluded.flagged",
                 rows,
             )
+            if found:
+                self._db.executemany(
+                    "INSERT INTO key_findings(day, model, key, kind, count) VALUES (?,?,?,?,?) "
+                    "ON CONFLICT(day, model, key, kind) DO UPDATE SET count=count+excluded.count",
+                    found,
+                )
 
     def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_USAGE_COLUMNS} FROM key_usage WHERE (?1 IS NULL OR key = ?1) AND (?2 IS NULL OR day >= ?2) "
+                f"SELECT {_USAGE_COLUMNS}, flagged FROM key_usage WHERE (?1 IS NULL OR key = ?1) AND (?2 IS NULL OR day >= ?2) "
                 "ORDER BY day, model, key",
                 (key, since),
             ).fetchall()
-        return [dict(zip(USAGE_FIELDS, r)) for r in rows]
+            found = self._db.execute(
+                "SELECT day, model, key, kind, count FROM key_findings WHERE (?1 IS NULL OR key = ?1) "
+                "AND (?2 IS NULL OR day >= ?2) ORDER BY kind",
+                (key, since),
+            ).fetchall()
+        kinds: dict[tuple[str, str, str], dict[str, int]] = {}
+        for day, model, key_, kind, n in found:
+            kinds.setdefault((day, model, key_), {})[kind] = n
+        n_fields = len(USAGE_FIELDS)
+        return [
+            {**dict(zip(USAGE_FIELDS, r)), "flagged": r[n_fields], "findings": kinds.get(tuple(r[:3]), {})}  # type: ignore[call-overload]
+            for r in rows
+        ]
 
     def close(self) -> None:
         with self._lock:
