@@ -48,6 +48,20 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds for a request's head and body to arrive, then 408 and close (env HOTLOOP_REQUEST_READ_TIMEOUT, default 30)",
     )
+    s.add_argument(
+        "--secrets",
+        choices=["off", "flag", "redact", "block"],
+        help="what the built-in secrets classifier does with credentials in new input: off, flag (ledger and log "
+        "only), redact ([REDACTED:<kind>]) or block (400 secret_detected); env HOTLOOP_SECRETS, default flag",
+    )
+    s.add_argument(
+        "--classifier",
+        dest="classifiers",
+        action="append",
+        metavar="MODULE:ATTR",
+        help="load a classifier (an instance or a zero-argument factory); repeatable; "
+        "env HOTLOOP_CLASSIFIERS (comma-separated)",
+    )
     s.add_argument("--sim-rate", dest="sim_rate", type=float, help="simulator tokens/s (default 1000; 0 = unpaced)")
     s.add_argument("--sim-ttft", dest="sim_ttft", type=float, help="simulator time to first token, seconds")
     s.add_argument("--sim-output-tokens", dest="sim_output_tokens", type=int, help="simulator answer length")
@@ -72,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return tenants_cli.run(args)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command"}
+        if overrides.get("classifiers") is not None:
+            overrides["classifiers"] = ",".join(overrides["classifiers"])
         config = Config.from_env(**overrides)
         from hotloop.server.runner import serve
 

@@ -43,6 +43,9 @@ class Config:
     sim_output_tokens: int = 64
     sim_seed: int = 0
     sim_script: str | None = None
+    # classifiers (hotloop.pipeline.classifiers)
+    secrets: str = "flag"  # the built-in secrets classifier's policy: off | flag | redact | block
+    classifiers: str = ""  # user classifiers, comma-separated module:attr (--classifier, repeatable)
     # storage
     store: str = "sqlite"  # sqlite | memory
     data_dir: str = field(default_factory=_default_data_dir)
@@ -65,6 +68,10 @@ class Config:
     token_cache_entries: int = 100_000  # fingerprint -> token count
     max_pending_writes: int = 1024
     max_pending_write_bytes: int = 256 * 1024 * 1024  # estimated bytes of queued store writes
+
+    @property
+    def classifier_specs(self) -> list[str]:
+        return [s.strip() for s in self.classifiers.split(",") if s.strip()]
 
     @property
     def db_path(self) -> Path:

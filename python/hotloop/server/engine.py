@@ -27,10 +27,14 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
+import msgspec
+
 from hotloop import errors
 from hotloop.backends.base import Backend, BackendRequest
 from hotloop.config import Config
+from hotloop.pipeline import classifiers
 from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.classify import Redact
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import Plan, finished, prepare, unresolved_references
 from hotloop.protocol.chunks import Chunk, Failure, Finish
@@ -67,6 +71,9 @@ class Engine:
         self.completed = 0
         # One thread counts the tokens of large new inputs while the backend generates.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
+        # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
+        # a bad --classifier raises ClassifierLoadError here, before the server starts.
+        self.classifiers = classifiers.build(config.secrets, config.classifier_specs)
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
         # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
         self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
@@ -139,7 +146,13 @@ class Engine:
             p = validate(req, websocket=websocket)
             scope = tenant.scope
             parent = await self.resolve(req.previous_response_id, conn, scope)
+            outcome = await self.classify(p, parent, tenant) if self.classifiers else None
+            if outcome is not None and outcome.items is not p.items:
+                p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
             plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
+            if outcome is not None:
+                plan.states = outcome.states
+                plan.flags = outcome.tally() or None
             if self.tenancy is not None:
                 grant = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
             counts = self._count_later(plan)
@@ -152,7 +165,7 @@ class Engine:
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
             if grant is not None:
                 grant.finish(None)
-            if not isinstance(exc, LimitExceeded):
+            if not isinstance(exc, (LimitExceeded, classifiers.InputBlocked)):  # a retry must find the parent
                 self._evict(req, conn)
             for fut in started:
                 if fut is not None:
@@ -169,6 +182,30 @@ class Engine:
             clock=self.clock,
         )
         return Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
+
+    async def classify(self, p: Prepared, parent: CachedResponse | None, tenant: Tenant) -> classifiers.Outcome:
+        """Run the classifiers over the request's new items with the chain's states; raise
+        :class:`~hotloop.pipeline.classifiers.InputBlocked` when one blocks. A large new input
+        (``CLASSIFY_OFFLOAD_CHARS`` of text or more) is scanned in the tokenizer thread (the native
+        scanner releases the GIL), so the event loop serves other connections meanwhile."""
+        states = parent.states if parent is not None else None
+        if classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, classifiers.classify_turn, self.classifiers, p.items, states
+            )
+        else:
+            outcome = classifiers.classify_turn(self.classifiers, p.items, states)
+        for name, verdict in outcome.verdicts:
+            log.info(
+                "classifier %s %s the input of a response for key %s: %s",
+                name, "redacted" if isinstance(verdict, Redact) else "flagged", tenant.name,
+                _kinds(verdict.findings, verdict.labels),  # type: ignore[union-attr]
+            )
+        if outcome.block is not None:
+            name, block = outcome.block
+            log.info("classifier %s blocked a request for key %s: %s", name, tenant.name, _kinds((), block.labels))
+            raise classifiers.blocked_error(block, isinstance(p.req.input, str))
+        return outcome
 
     async def stored_items(
         self, p: Prepared, parent: CachedResponse | None, scope: str | None = ANONYMOUS.id
@@ -239,7 +276,7 @@ class Engine:
                 run.conn.put(entry, run.prepared.req.stream_id, nbytes)
             if entry.store:
                 self.responses.put(entry, nbytes)
-            await self.persistence.submit(entry, run.tenant.name)
+            await self.persistence.submit(entry, run.tenant.name, run.plan.flags)
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)
@@ -254,6 +291,18 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
             log.debug("closing the backend stream failed", exc_info=True)
 
 
+def _kinds(findings: Any, labels: Any) -> str:
+    """What a verdict's log line says: the kinds found and how many spans, never the text."""
+    if findings:
+        counts: dict[str, int] = {}
+        for f in findings:
+            counts[f.kind] = counts.get(f.kind, 0) + 1
+        return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+    return ", ".join(labels)
+
+
+# New input with this much text (or more) is classified in the tokenizer thread; see Engine.classify.
+CLASSIFY_OFFLOAD_CHARS = 64 * 1024
 _TERMINAL_CHUNKS = (Finish, Failure)
 MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
 

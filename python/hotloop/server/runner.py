@@ -13,6 +13,7 @@ from typing import Any
 
 from hotloop import backends
 from hotloop.config import Config
+from hotloop.pipeline.classifiers import ClassifierLoadError
 from hotloop.pipeline.post import Persistence
 from hotloop.server.app import HotloopApp, make_tenancy
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
@@ -74,7 +75,11 @@ def serve(config: Config) -> int:
     import uvicorn
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = make_app(config)
+    try:
+        app = make_app(config)
+    except ClassifierLoadError as exc:  # a bad --classifier / --secrets: say what, no traceback
+        logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
+        return STARTUP_FAILURE
     server = uvicorn.Server(uvicorn_config(app, config))
     server.run()
     return 0 if server.started else STARTUP_FAILURE

@@ -1,0 +1,322 @@
+"""Classifiers wired into a turn: loading specs, running over new items only, states carried
+through the chain (caches and the store), incremental verdicts equal to whole-history ones."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hotloop.config import Config
+from hotloop.pipeline import classifiers
+from hotloop.pipeline.classify import Flag, SecretsClassifier, SecretsState
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputText, Message
+from hotloop.server.runner import make_app
+from tests import classifier_examples
+from tests.unit.test_secrets import POSITIVES
+
+SECRETS = [(kind, secret) for kind, _, secret, _ in POSITIVES]
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def test_load_instance_and_factory() -> None:
+    inst = classifiers.load("tests.classifier_examples:instance")
+    assert inst is classifier_examples.instance
+    made = classifiers.load("tests.classifier_examples:counting")
+    assert isinstance(made, classifier_examples.Counting) and made is not inst
+    assert isinstance(classifiers.load("tests.classifier_examples:Counting"), classifier_examples.Counting)
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("tests.classifier_examples", "expected module:attr"),
+        (":counting", "expected module:attr"),
+        ("tests.no_such_module:x", "cannot import 'tests.no_such_module'"),
+        ("tests.classifier_examples:nope", "has no attribute 'nope'"),
+        ("tests.classifier_examples:not_a_classifier", "neither a classifier"),
+        ("tests.classifier_examples:broken_factory", "broken_factory() failed: no configuration"),
+        ("tests.classifier_examples:CountingState", "not a classifier"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(classifiers.ClassifierLoadError) as ei:
+        classifiers.load(spec)
+    assert says in str(ei.value) and spec in str(ei.value)
+
+
+def test_build_orders_secrets_first_and_rejects_duplicate_names() -> None:
+    built = classifiers.build("redact", ["tests.classifier_examples:counting"])
+    assert [c.name for c in built] == ["secrets", "counting"] and built[0].policy == "redact"  # type: ignore[attr-defined]
+    assert classifiers.build("off") == []
+    with pytest.raises(classifiers.ClassifierLoadError, match="named 'counting'"):
+        classifiers.build("off", ["tests.classifier_examples:counting", "tests.classifier_examples:instance"])
+    with pytest.raises(classifiers.ClassifierLoadError, match="secrets policy"):
+        classifiers.build("loud")
+
+
+def test_bad_spec_fails_app_construction() -> None:
+    with pytest.raises(classifiers.ClassifierLoadError):
+        make_app(Config(store="memory", classifiers="tests.classifier_examples:nope"))
+
+
+def test_config_reads_specs_from_env() -> None:
+    cfg = Config.from_env({"HOTLOOP_CLASSIFIERS": "a.b:c, d:e", "HOTLOOP_SECRETS": "block"})
+    assert cfg.classifier_specs == ["a.b:c", "d:e"] and cfg.secrets == "block"
+    assert Config().secrets == "flag" and Config().classifier_specs == []
+
+
+# -- one turn ------------------------------------------------------------------------------------
+
+
+def msg(text: str) -> Message:
+    return Message(role="user", content=text)
+
+
+def test_redaction_feeds_the_next_classifier_and_block_stops_the_turn() -> None:
+    kind, secret = SECRETS[0]
+    counting = classifier_examples.Counting()
+    out = classifiers.classify_turn([SecretsClassifier("redact"), counting], [msg("k " + secret)], None)
+    assert out.block is None and [n for n, _ in out.verdicts] == ["secrets"]
+    assert out.items[0].content == f"k [REDACTED:{kind}]"  # type: ignore[union-attr]
+    assert counting.seen[0][1] == [f"k [REDACTED:{kind}]"]  # never saw the secret
+    assert out.states["counting"] == classifier_examples.CountingState(1, 1)
+    assert out.tally() == {kind: 1}
+    blocked = classifiers.classify_turn([SecretsClassifier("block"), counting], [msg("k " + secret)], out.states)
+    assert blocked.block is not None and blocked.block[0] == "secrets"
+    assert len(counting.seen) == 1  # classifiers after a block do not run
+    assert blocked.states["counting"] == out.states["counting"]
+
+
+def test_blocked_error_names_item_and_field_but_not_the_secret() -> None:
+    kind, secret = next(s for s in SECRETS if s[0] == "github_token")
+    items = [
+        msg("hello"),
+        FunctionCall(call_id="c1", name="sh", arguments="{}"),
+        FunctionCallOutput(call_id="c1", output="fine"),
+        FunctionCallOutput(call_id="c1", output="token " + secret),
+    ]
+    out = classifiers.classify_turn([SecretsClassifier("block")], items, None)
+    assert out.block is not None
+    err = classifiers.blocked_error(out.block[1])
+    body = err.body()
+    assert err.status == 400 and body["type"] == "invalid_request_error"
+    assert body["code"] == "secret_detected" and body["param"] == "input[3].output"
+    assert kind in body["message"] and secret not in body["message"]
+    parts = [Message(role="user", content=[InputText(text="x"), InputText(text=secret)])]
+    out = classifiers.classify_turn([SecretsClassifier("block")], parts, None)
+    assert classifiers.blocked_error(out.block[1]).param == "input[0].content[1].text"  # type: ignore[index]
+    assert classifiers.blocked_error(out.block[1], string_input=True).param == "input"  # type: ignore[index]
+
+
+def test_states_freeze_to_json_and_thaw_with_state_type(caplog: pytest.LogCaptureFixture) -> None:
+    sc = SecretsClassifier("flag")
+    state = SecretsState(frozenset({"jwt", "npm_token"}), 3)
+    raw = classifiers.freeze({"secrets": state, "plain": {"n": 1}})
+    assert raw == {"secrets": {"kinds_seen": ["jwt", "npm_token"], "findings": 3}, "plain": {"n": 1}}
+    assert msgspec.json.decode(msgspec.json.encode(raw)) == raw
+    thawed = classifiers.frozen(raw)
+    assert thawed is not None
+    assert classifiers.thaw(sc, thawed["secrets"]) == state
+    assert classifiers.thaw(classifier_examples.Counting(), classifiers.Frozen({"turns": 2})) == classifier_examples.CountingState(2, 0)
+    # a classifier without state_type gets the JSON value; a frozen state survives a refreeze
+    assert classifiers.thaw(object(), thawed["plain"]) == {"n": 1}  # type: ignore[arg-type]
+    assert classifiers.freeze(thawed) == raw
+    with caplog.at_level(logging.WARNING, "hotloop.classify"):
+        assert classifiers.thaw(sc, classifiers.Frozen({"findings": "many"})) == SecretsState()
+        big = classifiers.freeze({"big": "x" * (classifiers.MAX_STATE_BYTES + 1), "odd": object(), "ok": 1})
+    assert big == {"ok": 1}
+    assert "big" in caplog.text and "odd" in caplog.text
+    assert classifiers.freeze({}) is None and classifiers.frozen(None) is None
+
+
+def test_tally_is_bounded() -> None:
+    from hotloop.pipeline.classify import Finding
+
+    many = tuple(Finding(0, ("content",), f"k{i}", 0, 1) for i in range(100))
+    out = classifiers.Outcome([], {}, [("x", Flag(labels=("l",), findings=many)), ("y", Flag(labels=("a", "b")))], None)
+    tally = out.tally()
+    assert len(tally) == classifiers.MAX_TALLY_KINDS and sum(tally.values()) == 102
+
+
+# -- incremental equals from scratch -------------------------------------------------------------
+
+_NOISE = st.text(alphabet="abc xyz=:\n_-", max_size=30)
+
+
+@st.composite
+def histories(draw: Any) -> tuple[list[Message], list[int]]:
+    n = draw(st.integers(1, 12))
+    items = []
+    for _ in range(n):
+        parts = [draw(_NOISE)]
+        for _ in range(draw(st.integers(0, 2))):
+            parts.append(draw(st.sampled_from(SECRETS))[1])
+            parts.append(draw(_NOISE))
+        items.append(msg(" ".join(parts)))
+    cuts = sorted(set(draw(st.lists(st.integers(1, n), max_size=n))) | {n})
+    return items, cuts
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories(), st.sampled_from(["flag", "redact", "block"]))
+def test_incremental_verdicts_equal_whole_history(case: tuple[list[Message], list[int]], policy: str) -> None:
+    items, cuts = case
+    sc = SecretsClassifier(policy)  # type: ignore[arg-type]
+    whole = classifiers.classify_turn([sc], items, None)
+    states: dict[str, Any] | None = None
+    findings: list[tuple[int, Any, str, int, int]] = []
+    kinds: set[str] = set()
+    used: list[Any] = []
+    start = 0
+    for end in cuts:
+        turn = classifiers.classify_turn([sc], items[start:end], states)
+        # through the store and back, as a reloaded chain would continue
+        states = classifiers.frozen(classifiers.freeze(turn.states))
+        for _, v in turn.verdicts:
+            findings += [(f.item_index + start, f.path, f.kind, f.start, f.end) for f in v.findings]  # type: ignore[union-attr]
+        if turn.block is not None:
+            kinds |= {lbl.removeprefix("secret:") for lbl in turn.block[1].labels}
+        else:
+            kinds |= {f[2] for f in findings}
+        used += turn.items
+        start = end
+    final = classifiers.thaw(sc, states["secrets"]) if states else SecretsState()  # type: ignore[index]
+    assert final == whole.states["secrets"]
+    if policy == "block":
+        assert (whole.block is None) == (not kinds)
+        if whole.block is not None:
+            assert set(whole.block[1].labels) == {f"secret:{k}" for k in kinds}
+        return
+    whole_findings = [(f.item_index, f.path, f.kind, f.start, f.end) for _, v in whole.verdicts for f in v.findings]  # type: ignore[union-attr]
+    assert findings == whole_findings
+    assert used == whole.items
+    assert final.findings == len(whole_findings)
+
+
+# -- in a server: new items only, states through caches and the store ----------------------------
+
+
+def _app(data_dir: Path, **kw: Any) -> Any:
+    cfg = Config(store="sqlite", data_dir=str(data_dir), sim_rate=0, classifiers="tests.classifier_examples:counting", **kw)
+    return make_app(cfg)
+
+
+async def _chain(app: Any, turns: list[str], prev: str | None, store: bool = True) -> list[str]:
+    ids = []
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for text in turns:
+            body = {"model": "hotloop-sim", "input": text, "previous_response_id": prev, "store": store,
+                    "metadata": {"sim": "tokens:3"}}
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            prev = r.json()["id"]
+            ids.append(prev)
+    return ids
+
+
+def test_a_chain_is_classified_one_new_item_at_a_time_also_after_a_reload(tmp_path: Path) -> None:
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            ids = await _chain(app, [f"turn {i}" for i in range(10)], None)
+            counting = app.engine.classifiers[-1]
+            assert [texts for _, texts in counting.seen] == [[f"turn {i}"] for i in range(10)]
+            assert [s for s, _ in counting.seen] == [classifier_examples.CountingState(i, i) for i in range(10)]
+            await app.persistence.flush()
+        finally:
+            await app.shutdown()
+        # a fresh process on the same data dir: the parent comes from SQLite with its states
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            await _chain(app, ["turn 10", "turn 11"], ids[-1])
+            counting = app.engine.classifiers[-1]
+            assert counting.seen == [
+                (classifier_examples.CountingState(10, 10), ["turn 10"]),
+                (classifier_examples.CountingState(11, 11), ["turn 11"]),
+            ]
+            # a fork of an older stored response starts from that response's state
+            await _chain(app, ["fork"], ids[3])
+            assert counting.seen[-1] == (classifier_examples.CountingState(4, 4), ["fork"])
+            # the process cache serves the next one: still only the new item
+            await _chain(app, ["turn 12"], None)
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())
+
+
+def test_secrets_state_is_stored_with_the_response(tmp_path: Path) -> None:
+    kind, secret = next(s for s in SECRETS if s[0] == "npm_token")
+
+    async def main() -> Any:
+        app = make_app(Config(store="sqlite", data_dir=str(tmp_path), sim_rate=0))
+        await app.startup()
+        try:
+            ids = await _chain(app, ["a " + secret, "b " + secret], None)
+            await app.persistence.flush()
+            return app.persistence.store.get(ids[-1]).states
+        finally:
+            await app.shutdown()
+
+    assert uvloop.run(main()) == {"secrets": {"kinds_seen": [kind], "findings": 2}}
+
+
+def test_large_input_is_scanned_in_the_tokenizer_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kind, secret = next(s for s in SECRETS if s[0] == "github_token")
+    from hotloop.server import engine as engine_mod
+
+    threads: list[str] = []
+    real = classifiers.classify_turn
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(classifiers, "classify_turn", spy)
+    big = "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+
+    async def main() -> Any:
+        app = make_app(Config(store="memory", sim_rate=0, secrets="redact"))
+        await app.startup()
+        try:
+            [rid] = await _chain(app, [big], None)
+            await _chain(app, ["small " + secret], rid)
+            entry = app.engine.responses.get(rid)
+            return entry.input_items[0].content[0].text
+        finally:
+            await app.shutdown()
+
+    text = uvloop.run(main())
+    assert text.endswith(f"[REDACTED:{kind}]") and secret not in text
+    assert threads[0].startswith("hotloop-tokenize") and threads[1] == "MainThread"
+
+
+def test_no_classifiers_means_no_states(tmp_path: Path) -> None:
+    async def main() -> Any:
+        app = make_app(Config(store="memory", sim_rate=0, secrets="off"))
+        await app.startup()
+        try:
+            assert app.engine.classifiers == []
+            [rid] = await _chain(app, ["hello"], None)
+            return app.engine.responses.get(rid).states
+        finally:
+            await app.shutdown()
+
+    assert uvloop.run(main()) is None
+
+
+
