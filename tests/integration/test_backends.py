@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import Server, run_server
-from tests.mock_chat_server import Disconnect, MockChatServer, Reply, Sleep, chunk, text_events, tool_events, usage
+from tests.mock_chat_server import Disconnect, MockChatServer, Reply, Sleep, chunk, paced_events, text_events, tool_events, usage
 
 TERMINAL = ("response.completed", "response.failed", "response.incomplete")
 SEARCH_TOOL = {
@@ -318,3 +318,39 @@ def test_models_are_proxied(server: Server, mock: MockChatServer) -> None:
     assert ids == ["gpt-oss-120b", "mock-model"]
     health = httpx.get(server.base + "/healthz").json()
     assert health["backend"] == ("cerebras" if is_cerebras(server) else "openai-compat")
+
+
+def test_steering_with_a_chat_backend(server: Server, mock: MockChatServer) -> None:
+    """The successor of a steered response is one more upstream request whose messages end with
+    the partial assistant output and the steering input; the steered stream is abandoned."""
+    mock.push(Reply.stream(paced_events(200, 0.02)), Reply.stream(text_events("ok")))
+    client = client_for(server)
+    with client.responses.connect() as conn:
+        conn.response.create(model="mock-model" if not is_cerebras(server) else "gpt-oss-120b", input="go", store=False)
+        events = []
+        rid = None
+        for e in conn:
+            events.append(e)
+            if e.type == "response.created" and rid is None:
+                rid = e.response.id
+            if e.type == "response.output_text.delta" and sum(x.type == "response.output_text.delta" for x in events) == 3:
+                conn.response.steer(previous_response_id=rid, input="stop and say ok")
+            if e.type == "response.completed":
+                break
+    kinds = [e.type for e in events]
+    steered = events[kinds.index("response.incomplete")].response
+    assert steered.incomplete_details.reason == "steered"
+    partial = steered.output[0].content[0].text
+    assert partial.startswith(" w0 w1 w2") and len(partial.split()) < 200
+    assert events[-1].response.output_text == "ok" and events[-1].response.previous_response_id == rid
+    assert len(mock.requests) == 2
+    messages = mock.requests[1].json["messages"]
+    assert messages[-2]["role"] == "assistant" and messages[-2]["content"] == partial
+    last = messages[-1]
+    text = last["content"] if isinstance(last["content"], str) else last["content"][0]["text"]
+    assert last["role"] == "user" and text == "stop and say ok"
+    deadline = time.monotonic() + 5
+    while mock.stream_counts()[2] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done, gone, open_ = mock.stream_counts()
+    assert gone >= 1 and open_ == 0  # the steered upstream stream was cancelled, not read to the end

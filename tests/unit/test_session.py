@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hotloop import errors
 from hotloop.protocol.session import Close, Ended, RunCreate, SendError, Session
 
@@ -77,3 +79,269 @@ def test_expire_says_why_then_closes_once() -> None:
     assert actions[1].code == 1001  # type: ignore[union-attr]
     assert s.expire() == []  # decided once
     assert s.receive('{"type": "response.create", "model": "m", "input": "x"}', 1.0) == []
+
+
+# -- lanes -----------------------------------------------------------------------------------
+
+from hotloop.protocol.session import SteerEvent, StopResponse  # noqa: E402
+
+
+def create(lane: str | None = None, **kw) -> str:
+    body = {"type": "response.create", "model": "m", "input": "x", **kw}
+    if lane is not None:
+        body["stream_id"] = lane
+    return json.dumps(body)
+
+
+def steer(prev: str | None, input="more", **kw) -> str:
+    body = {"type": "response.steer", "input": input, **kw}
+    if prev is not None:
+        body["previous_response_id"] = prev
+    return json.dumps(body)
+
+
+def test_lanes_start_at_once_and_one_lane_is_fifo() -> None:
+    sess = s()
+    [a] = sess.receive(create("a"), 1)
+    [b] = sess.receive(create("b"), 1)
+    [d] = sess.receive(create(), 1)
+    assert [x.lane for x in (a, b, d)] == ["a", "b", None] and sess.in_flight == 3
+    assert sess.receive(create("a", input="second"), 1) == []  # lane a is busy
+    assert sess.queued == 4 and sess.in_flight == 3
+    assert sess.lane_done("b", Ended("resp_b", "completed"), b) == []
+    [a2] = sess.lane_done("a", Ended("resp_a", "completed"), a)
+    assert a2.lane == "a" and a2.request.input == "second"
+    assert sess.lane_done("a", Ended("resp_a2", "completed"), a2) == []
+    assert sess.lane_done(None, Ended("resp_d", "completed"), d) == []
+    assert sess.queued == 0 and sess.in_flight == 0 and sess.backlog == 0
+
+
+def test_in_flight_cap_queues_and_waiting_lanes_go_first() -> None:
+    sess = s(max_in_flight=2)
+    [a] = sess.receive(create("a"), 1)
+    [b] = sess.receive(create("b"), 1)
+    assert sess.receive(create("c"), 1) == []  # no slot: lane c waits (queued, never rejected)
+    assert sess.receive(create("a", input="a2"), 1) == []  # behind a's running response
+    assert sess.queued_bytes == len(create("c")) + len(create("a", input="a2"))
+    [c] = sess.lane_done("a", Ended("resp_a", "completed"), a)
+    assert c.lane == "c"  # lane c waited longer than a's second response: it goes first
+    [a2] = sess.lane_done("b", Ended("resp_b", "completed"), b)
+    assert a2.lane == "a" and sess.in_flight == 2 and sess.queued_bytes == 0
+
+
+def test_errors_wait_behind_their_lane_only() -> None:
+    sess = s()
+    [a] = sess.receive(create("a"), 1)
+    assert sess.receive(create("a", model=["bad"]), 1) == []  # behind lane a's response
+    [err] = sess.receive(create("b", model=["bad"]), 1)  # lane b is idle: at once
+    assert isinstance(err, SendError) and err.stream_id == "b"
+    [late] = sess.lane_done("a", Ended("resp_a", "completed"), a)
+    assert isinstance(late, SendError) and late.stream_id == "a" and late.error.param == "model"
+
+
+def test_expiry_waits_for_every_running_lane() -> None:
+    sess = s(max_age=60)
+    [a] = sess.receive(create("a"), 1)
+    [b] = sess.receive(create("b"), 1)
+    assert sess.receive(create("a"), 2) == []
+    assert sess.expire() == []
+    assert sess.queued == 2 and sess.backlog == 0  # the waiting one was dropped
+    assert sess.lane_done("a", Ended("resp_a", "completed"), a) == []
+    err, close = sess.lane_done("b", Ended("resp_b", "completed"), b)
+    assert isinstance(err, SendError) and isinstance(close, Close) and close.code == 1001
+
+
+# -- steering ----------------------------------------------------------------------------------
+
+
+def running(sess: Session, lane: str | None = "s", rid: str = "resp_1", **kw) -> RunCreate:
+    [run] = sess.receive(create(lane, **kw), 1)
+    assert isinstance(run, RunCreate)
+    sess.started(lane, rid, run.request)
+    return run
+
+
+def test_steer_accepted_stops_the_response_and_the_successor_inherits() -> None:
+    sess = s()
+    run = running(sess, instructions="be brief", metadata={"sim": "text"}, max_output_tokens=50)
+    acc, stop = sess.receive(steer("resp_1", "first"), 2)
+    assert isinstance(acc, SteerEvent) and acc.kind == "response.steer.accepted" and acc.stream_id == "s"
+    assert acc.steer_id and acc.steer_id.startswith("steer_") and acc.response_id == "resp_1"
+    assert isinstance(stop, StopResponse) and stop.response_id == "resp_1"
+    [acc2] = sess.receive(steer("resp_1", [{"role": "user", "content": "second"}]), 2)  # one stop is enough
+    sess.ending("s", "incomplete")
+    [succ] = sess.lane_done("s", Ended("resp_1", "incomplete"), run)
+    assert isinstance(succ, RunCreate) and succ.lane == "s" and succ.successor_of == "resp_1"
+    req = succ.request
+    assert req.previous_response_id == "resp_1" and req.instructions == "be brief" and req.max_output_tokens == 50
+    assert req.metadata == {"sim": "text"}
+    assert req.input == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first"}]},
+        {"type": "message", "role": "user", "content": "second"},
+    ]
+    assert [x.id for x in succ.steers] == [acc.steer_id, acc2.steer_id]
+    assert sess.in_flight == 1 and sess.queued == 1  # the successor holds the same slot
+    sess.started("s", "resp_2", req)
+    assert sess.lane_done("s", Ended("resp_2", "completed"), succ) == []
+    assert sess.in_flight == 0 and sess.queued == 0
+
+
+def test_successor_runs_before_what_was_queued_on_the_lane() -> None:
+    sess = s(max_in_flight=1)
+    run = running(sess)
+    assert sess.receive(create("s", input="queued"), 1) == []
+    assert sess.receive(create("t"), 1) == []
+    sess.receive(steer("resp_1"), 2)
+    [succ] = sess.lane_done("s", Ended("resp_1", "completed"), run)  # normal completion: successor too
+    assert succ.successor_of == "resp_1"
+    sess.started("s", "resp_2", succ.request)
+    [nxt] = sess.lane_done("s", Ended("resp_2", "completed"), succ)
+    assert nxt.lane == "t"  # lane t waited for the slot before s's queued response
+
+
+def test_steer_on_a_tool_call_turn_is_pending_then_prepended() -> None:
+    sess = s()
+    run = running(sess)
+    acc1, _ = sess.receive(steer("resp_1", "one"), 2)
+    [acc2] = sess.receive(steer("resp_1", "two"), 2)
+    stubs = [{"type": "function_call_output", "call_id": "call_1", "name": "f"}]
+    sess.ending("s", "completed")
+    p1, p2 = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
+    for p, a in ((p1, acc1), (p2, acc2)):
+        assert isinstance(p, SteerEvent) and p.kind == "response.steer.pending" and p.steer_id == a.steer_id
+        assert p.required_input == stubs and p.stream_id == "s" and p.response_id == "resp_1"
+    assert sess.in_flight == 0
+    # another lane continuing from it does not take the input
+    [other] = sess.receive(create("t", previous_response_id="resp_1"), 3)
+    assert other.steers == []
+    outputs = [{"type": "function_call_output", "call_id": "call_1", "output": "ok"}]
+    [cont] = sess.receive(create("s", previous_response_id="resp_1", input=outputs, instructions="mine"), 3)
+    assert [x.id for x in cont.steers] == [acc1.steer_id, acc2.steer_id]
+    assert [it["content"][0]["text"] for it in cont.request.input[:2]] == ["one", "two"]
+    assert cont.request.input[2:] == outputs and cont.request.instructions == "mine"  # its own settings
+    # the continuation failed before response.created: the input comes back
+    f1, f2 = sess.lane_done("s", Ended(), cont)
+    assert [(f.kind, f.code, f.steer_id, f.input) for f in (f1, f2)] == [
+        ("response.steer.failed", "successor_creation_failed", acc1.steer_id, "one"),
+        ("response.steer.failed", "successor_creation_failed", acc2.steer_id, "two"),
+    ]
+
+
+def test_pending_input_comes_back_when_the_lane_moves_on() -> None:
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    [p] = sess.lane_done("s", Ended("resp_1", "completed", [{"type": "function_call_output", "call_id": "c", "name": "f"}]), run)
+    failed, nxt = sess.receive(create("s", input="unrelated"), 3)
+    assert isinstance(failed, SteerEvent) and failed.code == "response_not_active" and failed.steer_id == acc.steer_id
+    assert isinstance(nxt, RunCreate) and nxt.steers == [] and nxt.request.input == "unrelated"
+
+
+def test_steered_response_that_fails_returns_the_input() -> None:
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    [f] = sess.lane_done("s", Ended("resp_1", "failed"), run)
+    assert f.kind == "response.steer.failed" and f.code == "successor_creation_failed" and f.steer_id == acc.steer_id
+    assert f.input == "one" and f.previous_response_id == "resp_1"
+
+
+def test_successor_that_cannot_start_returns_the_input() -> None:
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    [succ] = sess.lane_done("s", Ended("resp_1", "incomplete"), run)
+    [f] = sess.lane_done("s", Ended(), succ)
+    assert f.code == "successor_creation_failed" and f.steer_id == acc.steer_id and f.input == "one"
+    assert sess.in_flight == 0 and sess.queued == 0
+
+
+def test_steer_failure_codes() -> None:
+    sess = s(max_pending_steers=2)
+    [f] = sess.receive(steer("resp_x"), 1)
+    assert f.code == "response_not_found" and f.stream_id is None and f.steer_id is None and f.input == "more"
+    run = running(sess)
+    sess.receive(steer("resp_1"), 2)
+    sess.receive(steer("resp_1"), 2)
+    [f] = sess.receive(steer("resp_1", "third"), 2)
+    assert f.code == "too_many_pending_steers" and f.stream_id == "s" and f.input == "third" and f.response_id == "resp_1"
+    sess.ending("s", "incomplete")
+    [f] = sess.receive(steer("resp_1"), 2)
+    assert f.code == "response_not_active"
+    [succ] = sess.lane_done("s", Ended("resp_1", "incomplete"), run)
+    [f] = sess.receive(steer("resp_1"), 3)
+    assert f.code == "response_not_active" and f.stream_id == "s"  # it ended steered, not completed
+    sess.started("s", "resp_2", succ.request)
+    sess.ending("s", "completed")
+    [f] = sess.receive(steer("resp_2"), 3)
+    assert f.code == "response_already_completed"  # its terminal event was sent
+    sess.lane_done("s", Ended("resp_2", "completed"), succ)
+    [f] = sess.receive(steer("resp_2"), 3)
+    assert f.code == "response_already_completed"
+    running(sess, "w", "resp_w", generate=False)
+    [f] = sess.receive(steer("resp_w"), 4)
+    assert f.code == "steering_not_supported"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"previous_response_id": "resp_1", "input": "x", "stream_id": "s"},
+        {"previous_response_id": "resp_1", "input": "x", "model": "m"},
+        {"input": "x"},
+        {"previous_response_id": 3, "input": "x"},
+        {"previous_response_id": "resp_1"},
+        {"previous_response_id": "resp_1", "input": ""},
+        {"previous_response_id": "resp_1", "input": []},
+        {"previous_response_id": "resp_1", "input": ["x"]},
+        {"previous_response_id": "resp_1", "input": [{"role": "assistant", "content": "x"}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "system", "content": "x"}]},
+        {"previous_response_id": "resp_1", "input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": "x", "id": "msg_1"}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": []}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+    ],
+)
+def test_steer_invalid_input(frame: dict) -> None:
+    sess = s()
+    run = running(sess)
+    [f] = sess.receive(json.dumps({"type": "response.steer", **frame}), 2)
+    assert isinstance(f, SteerEvent) and f.kind == "response.steer.failed" and f.code == "invalid_input"
+    assert f.steer_id is None and f.input == frame.get("input")
+    # nothing was queued: the response ends without a successor, the session stays usable
+    assert sess.lane_done("s", Ended("resp_1", "completed"), run) == []
+    assert isinstance(sess.receive(create("s"), 3)[0], RunCreate)
+
+
+def test_steer_accepts_images_and_files() -> None:
+    sess = s()
+    running(sess)
+    content = [
+        {"type": "input_text", "text": "look"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"},
+        {"type": "input_file", "file_data": "data:text/plain;base64,AAAA", "filename": "a.txt"},
+    ]
+    acc, _ = sess.receive(steer("resp_1", [{"type": "message", "role": "user", "content": content}]), 2)
+    assert acc.kind == "response.steer.accepted"
+
+
+def test_steer_event_frames() -> None:
+    acc = SteerEvent("response.steer.accepted", "resp_1", "s", "resp_1", "steer_1")
+    assert json.loads(acc.frame(7)[1]) == {
+        "type": "response.steer.accepted", "sequence_number": 7,
+        "steer": {"id": "steer_1", "previous_response_id": "resp_1"},
+    }
+    stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
+    pen = SteerEvent("response.steer.pending", "resp_1", None, "resp_1", "steer_1", required_input=stubs)
+    assert json.loads(pen.frame(9)[1]) == {
+        "type": "response.steer.pending", "sequence_number": 9,
+        "steer": {"id": "steer_1", "previous_response_id": "resp_1"},
+        "reason": "waiting_for_required_input", "required_input": stubs,
+    }
+    fail = SteerEvent("response.steer.failed", "resp_1", input=["x"], code="invalid_input", message="no")
+    assert json.loads(fail.frame(0)[1]) == {
+        "type": "response.steer.failed", "sequence_number": 0,
+        "error": {"type": "invalid_request_error", "code": "invalid_input", "message": "no"},
+        "steer": {"input": ["x"], "previous_response_id": "resp_1"},
+    }

@@ -167,7 +167,7 @@ class _LaneState:
         self.response_id: str | None = None  # the running response, once created
         self.request: CreateRequest | None = None  # its request (a successor inherits it)
         self.steers: list[Steer] = []  # accepted for the running response
-        self.ending = False  # its terminal event was sent: it accepts no more steering
+        self.ending = ""  # its terminal status once that event was sent (it takes no more steering)
         self.pending_parent: str | None = None  # a completed response waiting for tool output ...
         self.pending: list[Steer] = []  # ... and the steering input queued for its continuation
 
@@ -403,14 +403,14 @@ class Session:
         st.response_id = response_id
         st.request = request
         st.steers = []
-        st.ending = False
+        st.ending = ""
         self._active[response_id] = lane
 
-    def ending(self, lane: Lane) -> None:
-        """The lane's response sent its terminal event: it takes no more steering input."""
+    def ending(self, lane: Lane, status: str) -> None:
+        """The lane's response sent its terminal event (``status``): it takes no more steering."""
         st = self._lanes.get(lane)
         if st is not None:
-            st.ending = True
+            st.ending = status
 
     def lane_done(self, lane: Lane, ended: Ended, action: RunCreate) -> list[Action]:
         """``action`` (the lane's running response) is over; what comes next."""
@@ -419,7 +419,7 @@ class Session:
         self.queued -= 1
         st.running = False
         steers, st.steers = st.steers, []
-        st.ending = False
+        st.ending = ""
         request = st.request
         st.response_id = st.request = None
         out: list[Action] = []
@@ -464,8 +464,8 @@ class Session:
                 return out
         if self.closing:
             return out + self._close_if_idle()
+        out.extend(self._fill())  # lanes already waiting for a slot go before this lane's next
         out.extend(self._advance(st))
-        out.extend(self._fill())
         return out
 
     # -- steering ------------------------------------------------------------------------------
@@ -506,6 +506,9 @@ class Session:
                                 "accepts steering input.")
                 return fail("response_not_active", f"Response '{prev}' is no longer active.")
             return fail("response_not_found", f"Response '{prev}' is not running on this connection.")
+        if st.ending == "completed":
+            return fail("response_already_completed", f"Response '{prev}' has completed and no longer accepts "
+                        "steering input.")
         if st.ending or self.closing:
             return fail("response_not_active", f"Response '{prev}' is ending and no longer accepts steering input.")
         assert st.request is not None
@@ -544,7 +547,7 @@ def steer_items(raw: Any) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         if not raw:
             raise ValueError("Invalid 'input': expected a non-empty string or a non-empty array of user messages.")
-        return [{"type": "message", "role": "user", "content": raw}]
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
     if not isinstance(raw, list) or not raw:
         raise ValueError("Invalid 'input': expected a non-empty string or a non-empty array of user messages.")
     out: list[dict[str, Any]] = []

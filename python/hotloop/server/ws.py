@@ -333,7 +333,7 @@ class Connection:
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
                     if run.turn.done:
-                        session.ending(stream_id)
+                        session.ending(stream_id, run.turn.status)
                     if not send_texts(batch):
                         await wait_writable()
                     elif len(lanes) > 1:
@@ -342,7 +342,7 @@ class Connection:
                 send = self._send
                 async for batch in frames:
                     if run.turn.done:
-                        session.ending(stream_id)
+                        session.ending(stream_id, run.turn.status)
                     for _, payload in batch:
                         if suffix:
                             payload = payload[:-1] + suffix
