@@ -223,6 +223,8 @@ class Connection:
             if isinstance(action, RunCreate):
                 if self._stopping:
                     continue
+                if not action.mark:
+                    action.mark = time.thread_time()  # an automatic successor: no frame of its own
                 lane = action.lane
                 assert lane not in self._lane_tasks
                 self._lane_tasks[lane] = asyncio.get_running_loop().create_task(self._lane(action))
