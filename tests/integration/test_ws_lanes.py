@@ -328,3 +328,36 @@ def test_openai_sdk_steers_through_the_connection(paced: Server) -> None:
                 break
         assert "response.steer.accepted" in kinds and "response.incomplete" in kinds
         assert kinds.count("response.created") == 2
+
+
+def test_openai_beta_client_two_lanes_and_a_steer(paced: Server) -> None:
+    """client.beta.responses.connect(): lanes via stream_id, steering one lane while the other runs;
+    the SDK parses every event (steering ones included) into its typed classes."""
+    client = OpenAI(api_key="k", base_url=paced.v1, max_retries=0)
+    with client.beta.responses.connect() as conn:
+        conn.response.create(model="hotloop-sim", input="a", store=False, metadata={"sim": "text,tokens:300"}, stream_id="a")
+        conn.response.create(model="hotloop-sim", input="b", store=False, metadata={"sim": "text,tokens:60"}, stream_id="b")
+        events = []
+        terminals = {"a": 0, "b": 0}
+        rid_a = None
+        for e in conn:
+            events.append(e)
+            lane = getattr(e, "stream_id", None)
+            if e.type == "response.created" and lane == "a" and rid_a is None:
+                rid_a = e.response.id
+            if e.type == "response.output_text.delta" and lane == "a" and rid_a is not None and sum(
+                getattr(x, "stream_id", None) == "a" and x.type == "response.output_text.delta" for x in events
+            ) == 5:
+                conn.response.steer(previous_response_id=rid_a, input="wrap up")
+            if e.type in ("response.completed", "response.incomplete", "response.failed") and lane in terminals:
+                terminals[lane] += 1
+            if terminals["a"] == 2 and terminals["b"] == 1:
+                break
+    by_lane = {lane: [e.type for e in events if getattr(e, "stream_id", None) == lane] for lane in ("a", "b")}
+    assert len(by_lane["a"]) + len(by_lane["b"]) == len(events)
+    assert "response.steer.accepted" in by_lane["a"] and "response.incomplete" in by_lane["a"]
+    assert by_lane["a"].count("response.created") == 2 and by_lane["b"][-1] == "response.completed"
+    accepted = next(e for e in events if e.type == "response.steer.accepted")
+    assert type(accepted).__name__.endswith("SteerAcceptedEvent") and accepted.steer.previous_response_id == rid_a
+    steered = next(e for e in events if e.type == "response.incomplete")
+    assert steered.response.incomplete_details.reason == "steered"

@@ -177,3 +177,27 @@ def test_illegal_calls_raise() -> None:
     turn2.feed(ToolCallDelta(1, call_id="b", name="f"))
     with pytest.raises(TurnStateError):
         turn2.feed(ToolCallDelta(0, arguments="late"))
+
+
+def test_steered_finish_and_safe_boundaries() -> None:
+    from hotloop.protocol.turn import STEERED
+
+    turn = make_turn()
+    assert not turn.steerable  # not started
+    events = run(turn, [ReasoningDelta("think"), TextDelta("Hel")])
+    assert turn.steerable  # between text deltas
+    aside = turn.aside()  # a steering event joins the numbering
+    events += [json.loads(p) for _, p in turn.finish(STEERED)]
+    assert aside == len(events) and events[-1]["sequence_number"] == aside + 4
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete" and final["incomplete_details"] == {"reason": "steered"}
+    assert final["output"][1]["status"] == "incomplete" and final["output"][1]["content"][0]["text"] == "Hel"
+    assert not turn.steerable  # done
+
+    calls = make_turn({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]})
+    run(calls, [TextDelta("a")])
+    assert calls.steerable
+    calls.feed(ToolCallDelta(index=0, call_id="c", name="f", arguments='{"x":'))
+    assert not calls.steerable  # inside a call's arguments
+    calls.feed(TextDelta("after"))
+    assert not calls.steerable  # a call was emitted: the response runs to its own end
