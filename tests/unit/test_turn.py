@@ -187,8 +187,9 @@ def test_steered_finish_and_safe_boundaries() -> None:
     events = run(turn, [ReasoningDelta("think"), TextDelta("Hel")])
     assert turn.steerable  # between text deltas
     aside = turn.aside()  # a steering event joins the numbering
+    assert aside == len(events)
     events += [json.loads(p) for _, p in turn.finish(STEERED)]
-    assert aside == len(events) and events[-1]["sequence_number"] == aside + 4
+    assert events[-1]["sequence_number"] == aside + 4
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.incomplete" and final["incomplete_details"] == {"reason": "steered"}
     assert final["output"][1]["status"] == "incomplete" and final["output"][1]["content"][0]["text"] == "Hel"
