@@ -32,8 +32,11 @@ import msgspec
 from hotloop import errors
 from hotloop.backends.base import Backend, BackendRequest
 from hotloop.config import Config
+from hotloop.models import ModelLimits, ModelRegistry
 from hotloop.pipeline import classifiers
 from hotloop.pipeline import items as itemlib
+from hotloop.pipeline import reuse
+from hotloop.pipeline import window
 from hotloop.pipeline.classify import Redact
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import Plan, finished, prepare, unresolved_references
@@ -43,6 +46,7 @@ from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
+from hotloop.state.prefix import Prefix, PrefixCache
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
@@ -67,6 +71,8 @@ class Engine:
         self.responses = ResponseCache(
             config.response_cache_entries, config.response_cache_items, config.response_cache_bytes
         )
+        # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
+        self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
         self.active = 0
         self.completed = 0
         # One thread counts the tokens of large new inputs while the backend generates.
@@ -74,6 +80,9 @@ class Engine:
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
         # a bad --classifier raises ClassifierLoadError here, before the server starts.
         self.classifiers = classifiers.build(config.secrets, config.classifier_specs)
+        # Context windows and output limits per model; a bad --model-limits file raises
+        # ModelLimitsError here, before the server starts.
+        self.models = ModelRegistry.from_config(config.model_limits or None)
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
         # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
         self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
@@ -137,15 +146,30 @@ class Engine:
         conn: ConnectionCache | None = None,
         websocket: bool = False,
         tenant: Tenant = ANONYMOUS,
+        prefix: Prefix | None = None,
+        raw_input: bytes | None = None,
     ) -> "Run":
         """Everything before the first event. Raises ``HotloopError``; evicts on failure (but not
-        when the tenant's own limits refuse the response: a retry must find the parent)."""
+        when the tenant's own limits refuse the response: a retry must find the parent).
+
+        ``prefix`` is a raw-bytes prefix hit (:func:`hotloop.pipeline.reuse.decode_create`; then
+        ``req.input`` holds only the items after it) and ``raw_input`` the request's raw ``input``
+        array; without a hit, a full-history input is matched by fingerprint here."""
         started: list[Any] = []
         grant: Grant | None = None
         try:
             p = validate(req, websocket=websocket)
             scope = tenant.scope
             parent = await self.resolve(req.previous_response_id, conn, scope)
+            if parent is None and prefix is None and type(req.input) is list and len(self.prefixes):
+                prefix = reuse.match(self.prefixes, tenant.id, p.items)
+                if prefix is not None:
+                    p = msgspec.structs.replace(p, items=p.items[prefix.n :])
+            if prefix is not None:
+                parent = reuse.parent_of(prefix)  # the reused items, analysed when they were new
+                self.prefixes.hits += 1
+            elif req.previous_response_id is None and type(req.input) is list:
+                self.prefixes.misses += 1
             outcome = await self.classify(p, parent, tenant) if self.classifiers else None
             if outcome is not None and outcome.items is not p.items:
                 p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
@@ -153,6 +177,7 @@ class Engine:
             if outcome is not None:
                 plan.states = outcome.states
                 plan.flags = outcome.tally() or None
+            await self.fit_window(plan, req, tenant)
             if self.tenancy is not None:
                 grant = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
             counts = self._count_later(plan)
@@ -165,7 +190,7 @@ class Engine:
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
             if grant is not None:
                 grant.finish(None)
-            if not isinstance(exc, (LimitExceeded, classifiers.InputBlocked)):  # a retry must find the parent
+            if not isinstance(exc, (LimitExceeded, classifiers.InputBlocked, window.WindowExceeded)):  # a retry must find the parent
                 self._evict(req, conn)
             for fut in started:
                 if fut is not None:
@@ -181,7 +206,36 @@ class Engine:
             max_tool_calls=req.max_tool_calls,
             clock=self.clock,
         )
-        return Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
+        run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
+        run.prefix = prefix
+        if req.previous_response_id is None and raw_input is not None:
+            run.raw_input = reuse.registration(raw_input, p.items)
+        return run
+
+    def limits(self, model: str | None) -> ModelLimits:
+        """The registry's limits for ``model`` (the backend's default when ``None``)."""
+        return self.models.get(model or self.backend.default_model, getattr(self.backend, "context_windows", None))
+
+    async def fit_window(self, plan: Plan, req: CreateRequest, tenant: Tenant = ANONYMOUS) -> int:
+        """Check the input against the model's context window before any backend call
+        (:mod:`hotloop.pipeline.window`); truncate it with ``truncation: "auto"``. O(new input)
+        unless it truncates. The number of items dropped."""
+        limits = self.limits(req.model)
+        allowed = window.budget(limits, req.max_output_tokens)
+        if allowed is None:
+            return 0
+        if not plan.settled:
+            if window.upper_bound(plan) <= allowed:
+                return 0  # fits whatever the pending texts count
+            await self.count_input(plan)
+        before = plan.input_tokens
+        dropped = window.fit(plan, limits, req.max_output_tokens, req.truncation)
+        if dropped:
+            log.info(
+                "truncated the input of a response for key %s: dropped %d items (%d -> %d tokens, window %s)",
+                tenant.name, dropped, before, plan.input_tokens, limits.context_window,
+            )
+        return dropped
 
     async def classify(self, p: Prepared, parent: CachedResponse | None, tenant: Tenant) -> classifiers.Outcome:
         """Run the classifiers over the request's new items with the chain's states; raise
@@ -261,6 +315,16 @@ class Engine:
             log.exception("backend failed before the first chunk")
             raise errors.BackendError("The model backend failed.") from None
 
+    def _register(self, run: "Run", entry: CachedResponse, input_bytes: int) -> None:
+        """Offer a finished response's input to the prefix cache (not when truncation dropped
+        items from its front: its input then no longer starts where the client's does)."""
+        n = entry.input_len
+        if n == 0 or self.prefixes.max_entries <= 0 or getattr(run.plan, "truncated", 0):
+            return
+        last = itemlib.fingerprint(entry.context.items[n - 1])
+        raw = run.raw_input
+        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw, reuse.head_of(raw) if raw is not None else None))
+
     def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
         # A failed continuation evicts the referenced response from the connection's cache
         # (OpenAI WebSocket mode). Stored responses stay loadable from the store.
@@ -270,7 +334,12 @@ class Engine:
     async def complete(self, run: "Run") -> None:
         r = run.turn.response
         if r["status"] in ("completed", "incomplete"):
+            input_bytes = run.plan.context.nbytes
             entry = finished(run.plan, r, self.tokens, run.tenant.id)
+            if run.prefix is not None:  # the reused items are this response's own, not a parent's
+                entry.parent_id = None
+                entry.base_len = 0
+            self._register(run, entry, input_bytes)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
                 run.conn.put(entry, run.prepared.req.stream_id, nbytes)
@@ -374,8 +443,21 @@ class Run:
         self.started_cpu = time.thread_time()
         self._steered = False  # steering asked this response to stop at a safe boundary
         self._cut = False  # ... and cut the backend wait short for it
+        self._cut_done = False
         self._watch: _Watchdog | None = None
         self._task: asyncio.Task[Any] | None = None
+        self.prefix: Prefix | None = None  # the reused prefix of a full-history input
+        self.raw_input: bytes | None = None  # its raw input array to register (pipeline.reuse)
+
+    def _uncut(self) -> bool:
+        """A backend that turned the steering cancellation into an error of its own: take the
+        cancellation back (the run ends steered, not failed) unless the connection is leaving too."""
+        self._cut_done = False
+        if self._cut:
+            self._cut = False
+            task = asyncio.current_task()
+            self._cut_done = task is not None and task.uncancel() == 0
+        return self._cut_done
 
     def steer(self) -> None:
         """Stop at the next safe output boundary (:attr:`Turn.steerable`) with
@@ -428,12 +510,8 @@ class Run:
                             except StopAsyncIteration:
                                 break
                             except asyncio.CancelledError:
-                                if not self._cut:
-                                    raise
-                                self._cut = False
-                                task = asyncio.current_task()
-                                if task is None or task.uncancel() > 0:
-                                    raise  # the connection is going away as well
+                                if not self._uncut():
+                                    raise  # not steering, or the connection is going away as well
                                 # steered while waiting on the backend: its stream is closed below
                                 watchdog.since = None
                                 await self._settle()
@@ -456,13 +534,14 @@ class Run:
                     yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
                 except errors.HotloopError as exc:
                     await self._settle()
-                    yield turn.fail(exc)
+                    yield turn.finish(STEERED) if self._uncut() else turn.fail(exc)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    log.exception("backend stream failed")
+                    if not self._uncut():
+                        log.exception("backend stream failed")
                     await self._settle()
-                    yield turn.fail(errors.BackendError("The model backend failed."))
+                    yield turn.finish(STEERED) if self._cut_done else turn.fail(errors.BackendError("The model backend failed."))
                 else:
                     if not turn.done:
                         await self._settle()
