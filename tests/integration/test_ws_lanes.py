@@ -361,3 +361,17 @@ def test_openai_beta_client_two_lanes_and_a_steer(paced: Server) -> None:
     assert type(accepted).__name__.endswith("SteerAcceptedEvent") and accepted.steer.previous_response_id == rid_a
     steered = next(e for e in events if e.type == "response.incomplete")
     assert steered.response.incomplete_details.reason == "steered"
+
+
+def test_an_unpaced_lane_does_not_starve_another(server: Server) -> None:
+    """With the simulator unpaced (every chunk ready at once) two lanes still alternate: each
+    lane's run yields to the loop between its batches."""
+    with ws_connect(server.ws + "/responses", max_size=None) as ws:
+        for lane in ("a", "b"):
+            ws.send(create(metadata={"sim": "text,tokens:2000"}, stream_id=lane))
+        events = collect(ws, 2)
+    order = [e["stream_id"] for e in events]
+    switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
+    assert switches > 500, switches  # not one lane's 2000 deltas, then the other's
+    done = [i for i, e in enumerate(events) if e["type"] == "response.completed"]
+    assert done[0] > len(events) * 0.8  # both finish near the end, together

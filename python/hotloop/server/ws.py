@@ -331,15 +331,20 @@ class Connection:
         async with contextlib.aclosing(run.frames()) as frames:
             if send_texts is not None and wait_writable is not None:
                 # The server's batch send: one call per batch, awaiting only under back-pressure.
+                n = 0
                 async for batch in frames:
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
                     if run.turn.done:
                         session.ending(stream_id, run.turn.status)
+                    n += 1
                     if not send_texts(batch):
                         await wait_writable()
-                    elif len(lanes) > 1:
-                        await asyncio.sleep(0)  # fair: other lanes run between this lane's batches
+                    elif len(lanes) > 1 or not n & _ALONE_YIELD:
+                        # Fair: other lanes run between this lane's batches, and even alone a
+                        # backend whose chunks are always ready lets the reader in now and then
+                        # (a steer, another lane's request).
+                        await asyncio.sleep(0)
             else:
                 send = self._send
                 async for batch in frames:
@@ -408,6 +413,9 @@ class Deadlines:
                 return
             del conns[conn]
             conn.expire()
+
+
+_ALONE_YIELD = 63  # a lane running alone yields to the loop every 64 batches (see Connection._run)
 
 
 class _Disconnected(Exception):
