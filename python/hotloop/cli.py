@@ -28,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
     s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")
+    s.add_argument(
+        "--model-limits",
+        dest="model_limits",
+        metavar="FILE",
+        help="JSON file of per-model limits, {model: {context_window, max_output_tokens, tokenizer}}, "
+        "over the bundled table and what the backend reports (env HOTLOOP_MODEL_LIMITS)",
+    )
     s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="env HOTLOOP_LOG_LEVEL")
     s.add_argument(
         "--api-key", dest="api_key",

@@ -37,6 +37,7 @@ class Config:
     backend_transport: str = "lean"  # lean | sdk: the chat backends' streaming HTTP client
     backend_max_connections: int = 100  # open connections to the backend (lean transport)
     backend_max_idle: int = 20  # keep-alive connections kept open while idle (lean transport)
+    model_limits: str = ""  # JSON file of per-model context windows and output limits (hotloop.models)
     # simulator
     sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)
     sim_ttft: float = 0.0  # seconds to the first token

@@ -71,9 +71,10 @@ class OpenAICompatBackend(ChatBackend):
             lean_headers = {**headers, **_POST_HEADERS}
             self._pool = lean_pool(self._base_url, lean_headers, self._config, self.name)
         log.info("openai-compat backend: %s transport to %s", self.transport, self._base_url)
+        # The model list also carries each model's context window (vLLM: max_model_len).
+        models = await self.list_models()
         if not self.default_model:
             # No --model: offer the server's first model (list_models falls back to it).
-            models = await self.list_models()
             if models:
                 self.default_model = str(models[0]["id"])
                 log.info("openai-compat backend: default model %s", self.default_model)

@@ -50,7 +50,7 @@ class Plan:
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
         "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes", "supplied",
-        "states", "flags",
+        "states", "flags", "truncated", "base_kept",
     )
 
     def __init__(
@@ -88,6 +88,10 @@ class Plan:
         # classifier states after this turn (the parent's when nothing ran; see pipeline.classifiers)
         self.states: dict[str, Any] | None = parent.states if parent is not None else None
         self.flags: dict[str, int] | None = None  # this turn's findings per kind, for the ledger
+        # items truncation dropped from the front of the input, and how many of the parent's
+        # context items the input still holds (None: all; see pipeline.window)
+        self.truncated = 0
+        self.base_kept: int | None = None
 
     @property
     def settled(self) -> bool:
@@ -284,7 +288,7 @@ def finished(
         input_len,
         bool(response.get("store", True)),
         parent.id if parent is not None else None,
-        len(parent.context) if parent is not None else 0,
+        (len(parent.context) if plan.base_kept is None else plan.base_kept) if parent is not None else 0,
         owner,
         plan.supplied,
         plan.states,

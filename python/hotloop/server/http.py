@@ -189,13 +189,14 @@ class HttpTransport:
                 err = response.get("error") or {}
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
                 raise exc
-            return await respond(200, encode(response))
+            return await respond(200, encode(response), _truncated(run.plan.truncated))
         run = await self.app.engine.start(req, transport="sse", tenant=tenant)
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())] + self.app.tenancy.headers(tenant),
+                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())] + self.app.tenancy.headers(tenant)
+                + _truncated(run.plan.truncated),
             }
         )
         sse = ev.sse
@@ -287,3 +288,8 @@ async def _disconnected(receive: Receive) -> None:
     while True:
         if (await receive())["type"] == "http.disconnect":
             return
+
+
+def _truncated(dropped: int) -> list[tuple[bytes, bytes]]:
+    """``x-hotloop-truncated-items``: the input items ``truncation: "auto"`` dropped (when any)."""
+    return [(b"x-hotloop-truncated-items", str(dropped).encode())] if dropped else []

@@ -13,6 +13,7 @@ from typing import Any
 
 from hotloop import backends
 from hotloop.config import Config
+from hotloop.models import ModelLimitsError
 from hotloop.pipeline.classifiers import ClassifierLoadError
 from hotloop.pipeline.post import Persistence
 from hotloop.server.app import HotloopApp, make_tenancy
@@ -77,7 +78,7 @@ def serve(config: Config) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = make_app(config)
-    except ClassifierLoadError as exc:  # a bad --classifier / --secrets: say what, no traceback
+    except (ClassifierLoadError, ModelLimitsError) as exc:  # a bad --classifier / --model-limits: say what
         logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
         return STARTUP_FAILURE
     server = uvicorn.Server(uvicorn_config(app, config))

@@ -21,6 +21,7 @@ from hotloop.backends.base import BackendRequest, model_object
 from hotloop.backends.chat.assemble import ChunkAssembler, chunk_decoder
 from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
+from hotloop.models import reported_window
 from hotloop.protocol.chunks import Chunk
 
 log = logging.getLogger("hotloop.backends")
@@ -71,6 +72,8 @@ class ChatBackend:
         self.default_model = model
         self.retries = max(0, retries)
         self._models: list[dict[str, Any]] = []
+        # context windows the backend's /models reported, by model id (vLLM: max_model_len)
+        self.context_windows: dict[str, int] = {}
         self._models_at = -MODELS_TTL
         self._renders = RenderCache(self.dialect)
 
@@ -90,6 +93,9 @@ class ChatBackend:
         try:
             raw = await self._get_models()
             listed = _models_decoder.decode(raw).data
+            windows = {str(m["id"]): w for m in listed if isinstance(m.get("id"), str) and (w := reported_window(m))}
+            if windows:
+                self.context_windows = windows
             models = [
                 model_object(
                     str(m["id"]),
