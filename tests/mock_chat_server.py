@@ -177,6 +177,7 @@ class MockChatServer:
 
     def __init__(self, models: tuple[str, ...] = ("gpt-oss-120b", "mock-model")) -> None:
         self.models = models
+        self.model_fields: dict[str, dict[str, Any]] = {}  # extra fields of a model's /models entry
         self.requests: list[Recorded] = []
         self.other_requests: list[Recorded] = []  # models, warm-up, unknown paths
         self.connections = 0  # TCP connections accepted (since the last reset)
@@ -300,7 +301,10 @@ class MockChatServer:
         with self._lock:
             self.other_requests.append(rec)
         if rec.method == "GET" and rec.path == "/v1/models":
-            data = [{"id": m, "object": "model", "created": 1_700_000_000, "owned_by": "mock"} for m in self.models]
+            data = [
+                {"id": m, "object": "model", "created": 1_700_000_000, "owned_by": "mock", **self.model_fields.get(m, {})}
+                for m in self.models
+            ]
             await self._json(writer, 200, {"object": "list", "data": data}, {})
         elif rec.method == "GET" and rec.path == "/v1/tcp_warming":
             await self._json(writer, 200, {}, {})

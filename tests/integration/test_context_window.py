@@ -16,6 +16,7 @@ from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import Server, free_port, run_server
 from tests.integration.test_websocket import raw_until_terminal
+from tests.mock_chat_server import MockChatServer, Reply, text_events
 
 ROOT = str(Path(__file__).resolve().parents[2])
 WINDOW = 400
@@ -26,7 +27,7 @@ PARAGRAPH = "the loop keeps agents hot while each turn streams tokens " * 8  # ~
 
 def limits_file(tmp: Path) -> Path:
     f = tmp / "limits.json"
-    f.write_text(json.dumps({MODEL: {"context_window": WINDOW, "max_output_tokens": 50}}))
+    f.write_text(json.dumps({MODEL: {"context_window": WINDOW, "max_output_tokens": 50}, "roomy": {"context_window": 100_000}}))
     return f
 
 
@@ -133,6 +134,37 @@ def test_websocket_error_then_truncated_continuation(tmp_path: Path) -> None:
             assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
         logs = s.logs()
     assert "truncated the input of a response" in logs
+
+
+def test_large_inputs_counted_off_the_loop_are_checked(tmp_path: Path) -> None:
+    big = "token " * 4000  # past the inline tokenizing threshold: counted in the tokenizer thread
+    with run_server(tmp_path, "--sim-rate", "0", "--model-limits", str(limits_file(tmp_path))) as s:
+        r = create(s, input=big)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        roomy = create(s, model="roomy", input=big)  # its bound fits: no waiting on the count
+        assert roomy.status_code == 200 and roomy.json()["usage"]["input_tokens"] > 4000
+        auto = create(s, input=[{"type": "message", "role": "user", "content": big}, {"type": "message", "role": "user", "content": "hi"}],
+                      truncation="auto")
+        assert auto.status_code == 200 and auto.headers["x-hotloop-truncated-items"] == "1"
+        assert auto.json()["usage"]["input_tokens"] < 50
+
+
+def test_vllm_max_model_len_before_any_backend_call(tmp_path: Path) -> None:
+    with MockChatServer(models=("served", "other")) as mock:
+        mock.model_fields = {"served": {"max_model_len": WINDOW}}
+        args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "served", "--store", "memory")
+        with run_server(tmp_path, *args) as s:
+            r = create(s, model="served", input=msgs(8), metadata={})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert f"is {WINDOW} tokens" in r.json()["error"]["message"]
+            assert mock.requests == []  # refused before the backend saw it
+            mock.push(Reply.stream(text_events("ok")))
+            r = create(s, model="served", input=msgs(8), metadata={}, truncation="auto")
+            assert r.status_code == 200, r.text
+            sent = json.loads(mock.requests[-1].body)["messages"]
+            assert len(sent) == 8 - int(r.headers["x-hotloop-truncated-items"])
+            mock.push(Reply.stream(text_events("ok")))
+            assert create(s, model="other", input=msgs(8), metadata={}).status_code == 200  # no window reported
 
 
 def test_bad_limits_file_fails_start_up(tmp_path: Path) -> None:
