@@ -67,6 +67,8 @@ class Config:
     response_cache_items: int = 200_000
     response_cache_bytes: int = 128 * 1024 * 1024  # one entry at most a quarter (larger: from the store)
     token_cache_entries: int = 100_000  # fingerprint -> token count
+    prefix_cache_entries: int = 512  # registered inputs for full-history clients (prefix reuse), all owners
+    prefix_cache_bytes: int = 128 * 1024 * 1024  # their contexts and raw bytes; one entry at most a quarter
     max_pending_writes: int = 1024
     max_pending_write_bytes: int = 256 * 1024 * 1024  # estimated bytes of queued store writes
 

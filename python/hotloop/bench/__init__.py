@@ -240,26 +240,46 @@ def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
             prev = _chained_turn(ws, frame, prev)
 
 
-def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
+def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[int, int]]:
+    """A client resending its whole history each turn; ``(input_tokens, cached_tokens)`` per turn."""
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
+    usage: list[tuple[int, int]] = []
     with httpx.Client(base_url=base + "/v1", timeout=60) as client:
         for _ in range(turns):
             history.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]})
             r = client.post("/responses", json={"model": "hotloop-sim", "store": False, "input": history, "metadata": {"sim": "text,tokens:16"}})
             r.raise_for_status()
-            history.extend(r.json()["output"])
+            body = r.json()
+            u = body["usage"]
+            usage.append((int(u["input_tokens"]), int(u["input_tokens_details"]["cached_tokens"])))
+            history.extend(body["output"])
+    return usage
 
 
 def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """``ws-loop``: chained WebSocket turns. ``http-loop``: a client resending its whole history
+    over HTTP (prefix reuse), then the same conversation as chained WebSocket turns on the same
+    server, reporting the cached tokens and the ratio of the two costs."""
+    usage: list[tuple[int, int]] = []
+    ws_cpu: list[float] = []
     with server("--sim-rate", "0") as (base, _pid):
         (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
         skip = len(_stats(base))
-        (_ws_loop if kind == "ws-loop" else _http_loop)(base, turns, new_bytes, seed)
-        cpu = [t["cpu_us"] for t in _stats(base)[skip:]]
+        if kind == "ws-loop":
+            _ws_loop(base, turns, new_bytes, seed)
+        else:
+            usage = _http_loop(base, turns, new_bytes, seed)
+        stats = _stats(base)
+        cpu = [t["cpu_us"] for t in stats[skip:]]
+        if kind == "http-loop":
+            _ws_loop(base, 3, new_bytes, seed + 2)  # warm-up
+            skip = len(_stats(base))
+            _ws_loop(base, turns, new_bytes, seed)
+            ws_cpu = [t["cpu_us"] for t in _stats(base)[skip:]]
     head = statistics.mean(cpu[:5])
     tail = statistics.mean(cpu[-5:])
-    return {
+    out: dict[str, Any] = {
         "scenario": kind,
         "turns": len(cpu),
         "history_bytes": turns * new_bytes,
@@ -269,6 +289,21 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
         "last5_mean_us": round(tail, 1),
         "last_over_first": round(tail / head, 3),
     }
+    if usage:
+        tail_ws = statistics.mean(ws_cpu[-5:])
+        out.update(
+            {
+                "cached_tokens_last": usage[-1][1],
+                "input_tokens_last": usage[-1][0],
+                "cached_share_last": round(usage[-1][1] / max(1, usage[-1][0]), 4),
+                "turns_with_cached_tokens": sum(1 for _, c in usage if c > 0),
+                "ws_cpu_per_turn_p50_us": round(_pct(ws_cpu, 0.5), 1),
+                "ws_last5_mean_us": round(tail_ws, 1),
+                "http_over_ws_p50": round(_pct(cpu, 0.5) / _pct(ws_cpu, 0.5), 3),
+                "http_over_ws_last5": round(tail / tail_ws, 3),
+            }
+        )
+    return out
 
 
 def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:

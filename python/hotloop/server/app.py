@@ -100,6 +100,10 @@ class HotloopApp:
                 "entries": len(eng.responses), "items": eng.responses.items, "bytes": eng.responses.nbytes,
                 "max_bytes": eng.responses.max_bytes,
             },
+            "prefix_cache": {
+                "entries": len(eng.prefixes), "bytes": eng.prefixes.nbytes, "max_bytes": eng.prefixes.max_bytes,
+                "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits, "misses": eng.prefixes.misses,
+            },
             "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
             "turns": [
                 {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}

@@ -319,11 +319,12 @@ class Engine:
         """Offer a finished response's input to the prefix cache (not when truncation dropped
         items from its front: its input then no longer starts where the client's does)."""
         n = entry.input_len
-        if n == 0 or self.prefixes.max_entries <= 0 or getattr(run.plan, "truncated", 0):
+        if n == 0 or self.prefixes.max_entries <= 0 or run.plan.truncated:
             return
         last = itemlib.fingerprint(entry.context.items[n - 1])
         raw = run.raw_input
-        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw, reuse.head_of(raw) if raw is not None else None))
+        head = reuse.head_of(raw) if raw is not None else None
+        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw if head is not None else None, head))
 
     def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
         # A failed continuation evicts the referenced response from the connection's cache

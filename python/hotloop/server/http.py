@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from hotloop import __version__, errors
+from hotloop.pipeline import reuse
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
+from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -159,11 +161,13 @@ class HttpTransport:
 
     async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant) -> None:
         mark = time.thread_time()
-        req = decode_body(await self._body(receive))
+        engine = self.app.engine
+        # A full-history input is matched against the owner's cached prefixes by its raw bytes.
+        req, prefix, raw = reuse.decode_create(await self._body(receive), engine.prefixes, tenant.id)
         # The response runs while another task waits for the client to go away: a client that
         # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
         # the backend stops producing tokens nobody will read.
-        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant))
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -180,9 +184,12 @@ class HttpTransport:
             raise _ClientGone()
         await work  # its result, or the error to answer with
 
-    async def _run_create(self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant) -> None:
+    async def _run_create(
+        self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant,
+        prefix: Prefix | None = None, raw: bytes | None = None,
+    ) -> None:
         if not req.stream:
-            run = await self.app.engine.start(req, transport="json", tenant=tenant)
+            run = await self.app.engine.start(req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw)
             response = await run.drain()
             self.app.engine.record(run, mark)
             if response["status"] == "failed":
@@ -190,7 +197,7 @@ class HttpTransport:
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
                 raise exc
             return await respond(200, encode(response), _truncated(run.plan.truncated))
-        run = await self.app.engine.start(req, transport="sse", tenant=tenant)
+        run = await self.app.engine.start(req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw)
         await send(
             {
                 "type": "http.response.start",

@@ -1,0 +1,170 @@
+"""Finding the longest cached prefix of a full-history input (:mod:`hotloop.state.prefix`).
+
+Two ways to a hit, both exact:
+
+* by raw bytes (:func:`split_raw`): the request's ``input`` array starts with the very bytes of a
+  registered input, followed by more items. Nothing of the prefix is decoded, validated or
+  fingerprinted: the bytes are the ones that produced the cached items last time.
+* by fingerprint (:func:`match`): the decoded items are fingerprinted from the probe point down,
+  and the whole prefix is compared with the cached chain's fingerprints, so an item that the
+  client spells differently (ids, statuses, content as a string or as parts) still matches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from hotloop import errors
+from hotloop.pipeline import items as itemlib
+from hotloop.protocol.request import MAX_INPUT_ITEMS, CreateRequest, Item, ItemReference, decode_body, validate
+from hotloop.state.context import CachedResponse
+from hotloop.state.prefix import Prefix, PrefixCache
+
+HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
+_WS = b" \t\r\n"
+
+
+def head_of(raw: bytes) -> bytes | None:
+    """The index key of a raw input (``None``: too short to be matched by bytes)."""
+    return raw[:HEAD_BYTES] if len(raw) >= HEAD_BYTES else None
+
+
+def open_array(raw: bytes) -> bytes | None:
+    """The raw JSON array ``raw`` without its closing bracket and trailing whitespace (what a
+    later input that extends it starts with), or ``None`` if it is not a non-empty array."""
+    r = raw.strip(_WS)
+    if len(r) < 2 or r[:1] != b"[" or r[-1:] != b"]":
+        return None
+    r = r[:-1].rstrip(_WS)
+    return r if len(r) > 1 else None
+
+
+def split_raw(cache: PrefixCache, owner: str, raw: bytes) -> tuple[Prefix, bytes] | None:
+    """A registered input that ``raw`` (the request's ``input`` array) extends, and the JSON array
+    of the remaining items."""
+    r = raw.lstrip(_WS)
+    if r[:1] != b"[":
+        return None
+    head = head_of(r)
+    p = cache.by_raw(owner, r, head) if head is not None else None
+    if p is None or p.raw is None:
+        return None
+    rest = r[len(p.raw) :].lstrip(_WS)
+    if rest[:1] != b",":
+        return None
+    return p, b"[" + rest[1:]
+
+
+def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
+    """The longest registered input of ``owner`` whose items are semantically identical to the
+    leading items of ``items`` (verified over the whole prefix)."""
+    total = len(items)
+    if total < 2:
+        return None
+    fps: list[int | None] = [None] * total
+    computed = 0  # fps[:computed] are all known
+
+    def fp(i: int) -> int:
+        v = fps[i]
+        if v is None:
+            v = fps[i] = itemlib.fingerprint(items[i], f"input[{i}]")
+        return v
+
+    for n in cache.lengths(owner):
+        if n > total:
+            continue
+        p = cache.get(owner, n, fp(n - 1))
+        if p is None:
+            continue
+        if any(type(it) is ItemReference for it in items[:n]):
+            return None
+        while computed < n:
+            fp(computed)
+            computed += 1
+        if p.entry.context.chain.common_prefix(fps[:n]) >= n:  # type: ignore[arg-type]  # all computed
+            return p
+    return None
+
+
+def parent_of(p: Prefix) -> CachedResponse:
+    """A stand-in parent that holds the reused prefix (never named as the response's parent)."""
+    e = p.entry
+    return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states)
+
+
+def registration(raw: bytes | None, items: list[Any]) -> bytes | None:
+    """The raw bytes to register for a finished input (``None``: not registered by bytes)."""
+    if raw is None or any(type(it) is ItemReference for it in items):
+        return None
+    return open_array(raw)
+
+
+
+def _lazy_struct() -> Any:
+    fields: list[Any] = []
+    for f in msgspec.structs.fields(CreateRequest):
+        if f.name == "input":
+            fields.append(("input", msgspec.Raw, msgspec.Raw(b"null")))
+        elif f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type))
+    return msgspec.defstruct("LazyCreateRequest", fields, kw_only=True)
+
+
+# CreateRequest with ``input`` left as raw JSON bytes: decoding it only scans the history.
+_LazyCreateRequest = _lazy_struct()
+_lazy_decoder: Any = msgspec.json.Decoder(_LazyCreateRequest)
+_FIELDS = [f.name for f in msgspec.structs.fields(CreateRequest) if f.name != "input"]
+
+
+def _with_input(lazy: Any, value: Any) -> CreateRequest:
+    return CreateRequest(input=value, **{name: getattr(lazy, name) for name in _FIELDS})
+
+
+def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
+    """Whether an input registered without these bytes (a chained response's, or one the client
+    spelled differently) may extend the raw hit of ``n`` items into ``suffix``: then the request
+    is matched by fingerprint instead, which finds the longest prefix."""
+    for j, item in enumerate(suffix):
+        if type(item) is ItemReference:
+            return False
+        if cache.has(owner, n + j + 1, itemlib.fingerprint(item, f"input[{n + j}]")):
+            return True
+    return False
+
+
+def decode_create(body: bytes, cache: PrefixCache | None, owner: str) -> tuple[CreateRequest, Prefix | None, bytes | None]:
+    """Decode an HTTP body for :meth:`Engine.start`: the request (with only the items after a
+    raw prefix hit as its ``input``), the hit, and the raw ``input`` array to register later.
+
+    Anything unusual (a decode or validation error, ``input`` of another type) is decoded again
+    the ordinary way, so errors are exactly :func:`decode_body`'s and :func:`validate`'s.
+    """
+    if cache is None or cache.max_entries <= 0:
+        return decode_body(body), None, None
+    try:
+        lazy = _lazy_decoder.decode(body)
+        raw = bytes(lazy.input)
+        if lazy.previous_response_id is not None or raw[:1] != b"[":
+            return decode_body(body), None, None
+        hit = split_raw(cache, owner, raw)
+        if hit is not None:
+            suffix = msgspec.json.decode(hit[1])
+            if type(suffix) is not list or hit[0].n + len(suffix) > MAX_INPUT_ITEMS:
+                return decode_body(body), None, None
+            req = _with_input(lazy, suffix)
+            p = validate(req)  # the suffix alone; an error is reported against the whole input below
+            if _longer(cache, owner, hit[0].n, p.items):
+                return decode_body(body), None, raw  # matched by fingerprint in Engine.start
+            return req, hit[0], raw
+        value = msgspec.json.decode(raw)
+        if type(value) is not list:
+            return decode_body(body), None, None
+        return _with_input(lazy, value), None, raw
+    except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+        return decode_body(body), None, None

@@ -1,0 +1,173 @@
+"""The process-wide prefix cache: reuse for clients that resend the whole conversation.
+
+A client without ``previous_response_id`` (an HTTP client keeping its own history, a WebSocket
+client after a reconnect) sends every earlier item again each turn. When a finished response
+completes, its *input* (the items its chain's classifier states describe) is registered here; a
+later request of the same owner whose input starts with exactly those items reuses them: the
+cached item objects, their fingerprints and token counts in the native chain, their validation
+and the classifier states, so only the suffix is analysed.
+
+Matching is exact. Each entry is indexed by ``(owner, length, fingerprint of its last item)``;
+a probe is verified against the whole cached chain (:meth:`ItemChain.common_prefix`), so a hash
+collision on the index key can never make a wrong hit. Entries also keep the raw JSON bytes of
+their input items as the client sent them (when the transport has them): a request whose input
+bytes start with the same items is matched without decoding or fingerprinting those items.
+
+Owner scoping: every key includes the owner, so one API key can never hit another key's
+prefixes (another owner's entries behave as if they did not exist).
+
+Bounds (DESIGN principle 8): LRU by entries (default 512) and by bytes (default 128 MiB; an entry
+larger than a quarter of it is not cached). An entry's size is its context's
+:attr:`~hotloop.state.context.Context.nbytes` plus its raw bytes: entries of one conversation
+share their item objects, so the total over-counts what is held (the safe direction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from hotloop.protocol.request import FunctionCall
+from hotloop.state.context import CachedResponse, Context, item_id_of
+
+
+class Prefix:
+    """One registered input: the first ``n`` items of ``entry.context`` (its input).
+
+    ``last_fp`` is the fingerprint of item ``n - 1``; ``nbytes`` the size of those ``n`` items
+    (:attr:`Context.nbytes` of the input); ``raw`` the JSON array the client sent without its
+    closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``).
+    """
+
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner")
+
+    def __init__(
+        self, entry: CachedResponse, n: int, last_fp: int, nbytes: int, raw: bytes | None = None, head: bytes | None = None
+    ) -> None:
+        self.entry = entry
+        self.n = n
+        self.last_fp = last_fp
+        self.nbytes = nbytes
+        self.raw = raw
+        self.head = head
+        self.owner = entry.owner
+
+    @property
+    def size(self) -> int:
+        return self.entry.context.nbytes + (len(self.raw) if self.raw is not None else 0)
+
+    def context(self) -> Context:
+        """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
+        ctx = self.entry.context
+        chain = ctx.chain.copy()
+        chain.truncate(self.n)
+        items = ctx.items[: self.n]
+        calls = {it.call_id for it in items if type(it) is FunctionCall}  # type: ignore[union-attr]
+        return Context(items, chain, calls, self.nbytes)
+
+    def supplied(self) -> frozenset[str]:
+        """Ids among the reused items that a client chose (conservatively: every id of items the
+        entry inherited from a parent counts as chosen, so it never resolves as a minted one)."""
+        e = self.entry
+        if e.parent_id is None:
+            return e.supplied
+        inherited = {i for i in map(item_id_of, e.context.items[: min(e.base_len, self.n)]) if i}
+        return e.supplied | inherited
+
+
+class PrefixCache:
+    """Owner-scoped LRU of registered inputs, bounded by entries and bytes."""
+
+    # Entries kept per (owner, leading raw bytes): forks of one conversation, and conversations
+    # that start alike (one system prompt); the rest are still found by fingerprint.
+    MAX_HEADS = 64
+
+    def __init__(self, max_entries: int = 512, max_bytes: int = 128 * 1024 * 1024) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._d: OrderedDict[tuple[str, int, int], Prefix] = OrderedDict()
+        self._heads: dict[tuple[str, bytes], list[Prefix]] = {}
+        self._lengths: dict[str, dict[int, int]] = {}  # owner -> length -> entries of that length
+        self._bytes = 0
+        self.hits = 0  # requests that reused a prefix (raw_hits of them found by raw bytes)
+        self.raw_hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def put(self, prefix: Prefix) -> None:
+        if prefix.n <= 0 or self.max_entries <= 0:
+            return
+        size = prefix.size
+        if size > self.max_bytes // 4:
+            return
+        key = (prefix.owner, prefix.n, prefix.last_fp)
+        self._drop(key)
+        self._d[key] = prefix
+        self._bytes += size
+        lengths = self._lengths.setdefault(prefix.owner, {})
+        lengths[prefix.n] = lengths.get(prefix.n, 0) + 1
+        if prefix.head is not None:
+            lst = self._heads.setdefault((prefix.owner, prefix.head), [])
+            lst.insert(0, prefix)
+            del lst[self.MAX_HEADS :]
+        while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._d)))
+
+    def _drop(self, key: tuple[str, int, int]) -> None:
+        p = self._d.pop(key, None)
+        if p is None:
+            return
+        self._bytes -= p.size
+        lengths = self._lengths[p.owner]
+        left = lengths[p.n] - 1
+        if left:
+            lengths[p.n] = left
+        else:
+            del lengths[p.n]
+            if not lengths:
+                del self._lengths[p.owner]
+        if p.head is not None:
+            hk = (p.owner, p.head)
+            lst = self._heads.get(hk)
+            if lst is not None:
+                lst[:] = [q for q in lst if q is not p]
+                if not lst:
+                    del self._heads[hk]
+
+    def clear(self) -> None:
+        self._d.clear()
+        self._heads.clear()
+        self._lengths.clear()
+        self._bytes = 0
+
+    def lengths(self, owner: str) -> list[int]:
+        """Registered input lengths of ``owner``, longest first."""
+        return sorted(self._lengths.get(owner, ()), reverse=True)
+
+    def has(self, owner: str, n: int, last_fp: int) -> bool:
+        """Whether an input of ``n`` items ending with ``last_fp`` is registered (no LRU touch)."""
+        return (owner, n, last_fp) in self._d
+
+    def get(self, owner: str, n: int, last_fp: int) -> Prefix | None:
+        key = (owner, n, last_fp)
+        p = self._d.get(key)
+        if p is not None:
+            self._d.move_to_end(key)
+        return p
+
+    def by_raw(self, owner: str, raw: bytes, head: bytes) -> Prefix | None:
+        """The longest registered input of ``owner`` whose raw bytes ``raw`` (the incoming JSON
+        array) starts with, followed by another item (a ``,``)."""
+        best: Prefix | None = None
+        for p in self._heads.get((owner, head), ()):
+            r = p.raw
+            if r is not None and (best is None or p.n > best.n) and raw.startswith(r) and raw[len(r) : len(r) + 1] == b",":
+                best = p
+        if best is not None:
+            self._d.move_to_end((best.owner, best.n, best.last_fp))
+            self.raw_hits += 1
+        return best

@@ -1,0 +1,272 @@
+"""Prefix reuse for clients that resend the whole history: the cache's bounds and owner scoping,
+raw-bytes splitting, and (hypothesis) incremental results equal to a computation from scratch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvloop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hotloop.config import Config
+from hotloop.pipeline import classifiers, reuse
+from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.classify import SecretsClassifier, SecretsState
+from hotloop.protocol.request import Message, decode_items
+from hotloop.server.runner import make_app
+from hotloop.state.context import CachedResponse, Context
+from hotloop.state.prefix import Prefix, PrefixCache
+from hotloop.tenants.keys import open_key_store
+from tests.unit.test_classifiers import SECRETS
+
+
+def _entry(texts: list[str], owner: str = "alice", rid: str = "resp_1") -> CachedResponse:
+    items: list[Any] = [Message(role="user", content=t) for t in texts]
+    ctx = Context()
+    fps, toks, sizes = itemlib.analyze(items)
+    ctx.extend(items, fps, toks, sizes)
+    return CachedResponse({"id": rid}, ctx, len(items), False, owner=owner)
+
+
+def _prefix(texts: list[str], owner: str = "alice", raw: bytes | None = None, rid: str = "resp_1") -> Prefix:
+    e = _entry(texts, owner, rid)
+    last = itemlib.fingerprint(e.context.items[-1])
+    head = reuse.head_of(raw) if raw is not None else None
+    return Prefix(e, len(texts), last, e.context.nbytes, raw if head is not None else None, head)
+
+
+def _raw(texts: list[str]) -> bytes:
+    return json.dumps([{"role": "user", "content": t} for t in texts]).encode()
+
+
+def test_fingerprint_match_is_exact_longest_and_owner_scoped() -> None:
+    cache = PrefixCache()
+    cache.put(_prefix(["a", "b"], rid="r1"))
+    cache.put(_prefix(["a", "b", "c"], rid="r2"))
+    cache.put(_prefix(["x", "b", "c", "d"], rid="r3"))  # same last items, another start
+    items = decode_items([{"role": "user", "content": t} for t in ["a", "b", "c", "d", "e"]])
+    hit = reuse.match(cache, "alice", items)
+    assert hit is not None and hit.n == 3 and hit.entry.id == "r2"
+    # the same items spelled as parts match too (semantic fingerprints)
+    parts = decode_items([{"role": "user", "content": [{"type": "input_text", "text": t}]} for t in "abq"])
+    hit = reuse.match(cache, "alice", parts)
+    assert hit is not None and hit.n == 2
+    assert reuse.match(cache, "bob", items) is None  # another owner never hits
+    assert reuse.match(cache, "alice", decode_items([{"role": "user", "content": "zz"}] * 3)) is None
+
+
+def test_raw_split_needs_the_same_bytes_and_an_item_boundary() -> None:
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    cache.put(_prefix(texts, raw=reuse.open_array(_raw(texts))))
+    longer = _raw(texts + ["third"])
+    got = reuse.split_raw(cache, "alice", longer)
+    assert got is not None
+    p, rest = got
+    assert p.n == 2 and json.loads(rest) == [{"role": "user", "content": "third"}]
+    assert reuse.split_raw(cache, "bob", longer) is None
+    assert reuse.split_raw(cache, "alice", _raw(texts)) is None  # nothing after the prefix
+    assert reuse.split_raw(cache, "alice", _raw([texts[0], "second!", "third"])) is None  # not at a boundary
+    spaced = longer.replace(b"}, {", b"}  ,\n {")
+    assert reuse.split_raw(cache, "alice", spaced) is None or reuse.split_raw(cache, "alice", spaced)[0].n == 2  # type: ignore[index]
+
+
+def test_bounds_by_entries_and_bytes() -> None:
+    cache = PrefixCache(max_entries=2)
+    for i in range(4):
+        cache.put(_prefix([f"t{i}", f"u{i}"], rid=f"r{i}"))
+    assert len(cache) == 2
+    items = decode_items([{"role": "user", "content": t} for t in ["t0", "u0", "v"]])
+    assert reuse.match(cache, "alice", items) is None  # the oldest went first
+    items = decode_items([{"role": "user", "content": t} for t in ["t3", "u3", "v"]])
+    assert reuse.match(cache, "alice", items) is not None
+    cache.put(_prefix(["t9", "u3"], rid="r9"))  # the same key: the newer entry replaces it
+    assert reuse.match(cache, "alice", items) is None and len(cache) == 2
+    one = _prefix(["y" * 1000, "z"])
+    cache = PrefixCache(max_entries=100, max_bytes=one.size * 3)
+    for i in range(10):
+        cache.put(_prefix(["y" * 1000, f"z{i}"], rid=f"r{i}"))
+    assert cache.nbytes <= cache.max_bytes and len(cache) < 10
+    small = PrefixCache(max_bytes=one.size * 3)  # an entry over a quarter of the bound is not kept
+    small.put(one)
+    assert len(small) == 0 and small.nbytes == 0
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+def _app(data_dir: Path, **kw: Any) -> Any:
+    return make_app(Config(store="sqlite", data_dir=str(data_dir), sim_rate=0, **kw))
+
+
+async def _post(client: httpx.AsyncClient, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = await client.post("/v1/responses", json={"model": "hotloop-sim", "metadata": {"sim": "tokens:3"}, **body}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _cached(resp: dict[str, Any]) -> int:
+    return int(resp["usage"]["input_tokens_details"]["cached_tokens"])
+
+
+def test_full_history_turns_report_the_reused_prefix(tmp_path: Path) -> None:
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                history: list[dict[str, Any]] = []
+                previous_input = 0
+                for i in range(6):
+                    history.append({"role": "user", "content": f"turn {i} " + "words " * 50})
+                    resp = await _post(client, {"input": history})
+                    if i == 0:
+                        assert _cached(resp) == 0
+                    else:
+                        assert _cached(resp) == previous_input  # the previous turn's whole input
+                    previous_input = resp["usage"]["input_tokens"]
+                    history += resp["output"]
+                assert app.engine.prefixes.hits == 5
+                assert app.engine.prefixes.raw_hits == 5
+                # a fork off an older turn reuses only what it shares, and stays independent
+                fork = history[:3] + [{"role": "user", "content": "another way"}]
+                resp = await _post(client, {"input": fork})
+                assert 0 < _cached(resp) < previous_input
+                resp2 = await _post(client, {"input": history + [{"role": "user", "content": "go on"}]})
+                assert _cached(resp2) == previous_input
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())
+
+
+def test_a_prefix_of_another_key_is_never_hit(tmp_path: Path) -> None:
+    async def main() -> None:
+        cfg = Config(store="sqlite", data_dir=str(tmp_path), sim_rate=0, api_key="sk-admin-" + "x" * 20)
+        keys = open_key_store(cfg.store, cfg.db_path)
+        alice = keys.create("alice")[1]
+        bob = keys.create("bob")[1]
+        app = make_app(cfg)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                history: list[dict[str, Any]] = [{"role": "user", "content": "shared start " * 40}]
+                first = await _post(client, {"input": history}, alice)
+                history += first["output"] + [{"role": "user", "content": "next"}]
+                as_bob = await _post(client, {"input": history}, bob)
+                assert _cached(as_bob) == 0
+                as_alice = await _post(client, {"input": history}, alice)
+                assert _cached(as_alice) > 0
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())
+
+
+# -- hypothesis: incremental equals from scratch -------------------------------------------------
+
+_TEXT = st.text(alphabet="abc xyz=:\n_-", min_size=1, max_size=40)
+
+
+@st.composite
+def conversations(draw: Any) -> tuple[list[str], list[tuple[int, str]]]:
+    n = draw(st.integers(2, 9))
+    texts = []
+    for _ in range(n):
+        t = draw(_TEXT)
+        if draw(st.booleans()):
+            t += " " + draw(st.sampled_from(SECRETS))[1] + " " + draw(_TEXT)
+        texts.append(t)
+    cuts = sorted(set(draw(st.lists(st.integers(1, n), max_size=n))) | {n})
+    modes = [draw(st.sampled_from(["full", "full-parts", "chain", "stored"])) for _ in cuts]
+    return texts, list(zip(cuts, modes))
+
+
+def _spell(item: dict[str, Any], parts: bool) -> dict[str, Any]:
+    if parts and item.get("role") == "user" and isinstance(item.get("content"), str):
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": item["content"]}]}
+    return item
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversations())
+def test_incremental_paths_equal_a_computation_from_scratch(tmp_path: Path, case: Any) -> None:
+    texts, turns = case
+
+    async def main(data: Path) -> None:
+        app = _app(data / "main")
+        ref = _app(data / "ref", prefix_cache_entries=0)  # every turn computed from scratch
+        await app.startup()
+        await ref.startup()
+        try:
+            async with (
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client,
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=ref), base_url="http://t") as rclient,
+            ):
+                history: list[dict[str, Any]] = []  # what the model saw, as the client keeps it
+                sent = 0
+                prev: dict[str, Any] | None = None
+                for cut, mode in turns:
+                    new = [{"role": "user", "content": t} for t in texts[sent:cut]]
+                    sent = cut
+                    if mode in ("chain", "stored") and prev is not None:
+                        if mode == "stored":
+                            await app.persistence.flush()
+                            app.engine.responses = type(app.engine.responses)()
+                            app.engine.prefixes.clear()
+                        resp = await _post(client, {"input": new, "previous_response_id": prev["id"]})
+                        expect_cached = prev_full_tokens
+                    else:
+                        body = [_spell(it, mode == "full-parts") for it in history + new]
+                        resp = await _post(client, {"input": body})
+                        expect_cached = prev_input_tokens if prev is not None else 0
+                    history += new
+                    scratch = await _post(rclient, {"input": history})
+                    assert _cached(scratch) == 0
+                    assert resp["usage"]["input_tokens"] == scratch["usage"]["input_tokens"]
+                    assert _cached(resp) == expect_cached
+                    entry = app.engine.responses.get(resp["id"], None)
+                    rentry = ref.engine.responses.get(scratch["id"], None)
+                    assert entry is not None and rentry is not None
+                    n = entry.input_len
+                    assert n == rentry.input_len == len(history)
+                    fps, toks, _ = itemlib.analyze(rentry.input_items, itemlib.TokenCache())
+                    assert entry.context.chain.common_prefix(fps) == n
+                    assert [entry.context.chain.tokens_upto(i) for i in range(n + 1)] == [
+                        sum(toks[:i]) for i in range(n + 1)
+                    ]
+                    whole = classifiers.classify_turn([SecretsClassifier("flag")], rentry.input_items, None)
+                    got = classifiers.thaw(SecretsClassifier("flag"), entry.states["secrets"]) if entry.states else SecretsState()
+                    assert got == whole.states["secrets"]
+                    history += resp["output"]
+                    prev = resp
+                    prev_input_tokens = resp["usage"]["input_tokens"]
+                    # a continuation reuses the previous context with its output
+                    fp2, tk2, _ = itemlib.analyze(entry.context.items, itemlib.TokenCache())
+                    prev_full_tokens = sum(tk2) + (prev_input_tokens - sum(toks))
+        finally:
+            await app.shutdown()
+            await ref.shutdown()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=tmp_path) as d:
+        uvloop.run(main(Path(d)))
+
+
+def test_the_prefix_cache_bounds_are_configured() -> None:
+    cfg = Config()
+    assert cfg.prefix_cache_entries == 512 and cfg.prefix_cache_bytes == 128 * 1024 * 1024
+
+
+@pytest.mark.parametrize("body", [b"[]", b" [ ] ", b"{}", b'"text"', b"[1"])
+def test_open_array_rejects_what_cannot_be_extended(body: bytes) -> None:
+    assert reuse.open_array(body) is None
