@@ -110,6 +110,23 @@ def test_http_chain_grows_past_the_window_with_auto(tmp_path: Path) -> None:
         assert create(s, input="short", previous_response_id=prev, truncation="auto").status_code == 200
 
 
+def test_truncated_chain_survives_a_restart(tmp_path: Path) -> None:
+    env = {"HOTLOOP_DATA_DIR": str(tmp_path / "data")}
+    args = ("--sim-rate", "0", "--model-limits", str(limits_file(tmp_path)))
+    with run_server(tmp_path, *args, env=env) as s:
+        first = create(s, input=msgs(3))
+        auto = create(s, input=msgs(3), previous_response_id=first.json()["id"], truncation="auto")
+        assert auto.status_code == 200 and int(auto.headers["x-hotloop-truncated-items"]) >= 1
+        rid = auto.json()["id"]
+        before = httpx.get(f"{s.v1}/responses/{rid}/input_items", params={"order": "asc"}, timeout=10).json()["data"]
+    with run_server(tmp_path, *args, env=env) as s:
+        after = httpx.get(f"{s.v1}/responses/{rid}/input_items", params={"order": "asc"}, timeout=10).json()["data"]
+        assert [i["id"] for i in after] == [i["id"] for i in before]
+        nxt = create(s, input="short", previous_response_id=rid)  # continues what the model saw: fits
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.json()["usage"]["input_tokens"] <= WINDOW
+
+
 def test_websocket_error_then_truncated_continuation(tmp_path: Path) -> None:
     with run_server(tmp_path, "--sim-rate", "0", "--model-limits", str(limits_file(tmp_path))) as s:
         with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
