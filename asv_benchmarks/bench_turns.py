@@ -76,6 +76,71 @@ class TurnPrepare:
         prepare(validate(decode_body(self.body)), self.parent, self.ids, itemlib.TokenCache(16))
 
 
+def _full_body(history: list[dict]) -> bytes:
+    import json
+
+    return json.dumps({"model": "m", "store": False, "input": history}).encode()
+
+
+class PrefixTurn:
+    """Pre-inference work of a full-history HTTP turn (no ``previous_response_id``) whose prefix is
+    cached: the raw-bytes match, the suffix's decoding and analysis. Compare with TurnPrepare."""
+
+    params = [1, 100]
+    param_names = ["turn"]
+
+    def setup(self, turn: int) -> None:
+        from hotloop.pipeline import reuse
+        from hotloop.state.prefix import Prefix, PrefixCache
+
+        rng = random.Random(0)
+        self.ids = IdGen(deterministic=True)
+        self.tokens = itemlib.TokenCache()
+        self.prefixes = PrefixCache()
+        history: list[dict] = []
+        for _ in range(turn):
+            history.append({"role": "user", "content": [{"type": "input_text", "text": _text(rng, 2048)}]})
+            body = _full_body(history)
+            req, hit, raw = reuse.decode_create(body, self.prefixes, "o")
+            plan = self._prepare(req, hit, self.tokens)
+            nbytes = plan.context.nbytes
+            resp = response_object(plan.prepared, self.ids.new("resp"), 0)
+            t = Turn(resp, ids=self.ids, clock=lambda: 0.0, input_tokens=plan.input_tokens)
+            t.start()
+            t.feed(TextDelta("ok"))
+            t.feed(Finish())
+            calls = frozenset(plan.context.call_ids)
+            entry = finished(plan, resp, self.tokens, "o")
+            if hit is not None:
+                reuse.adopt(entry)
+            n = entry.input_len
+            reg = reuse.registration(raw, plan.prepared.items)
+            head = reuse.head_of(reg) if reg is not None else None
+            last = itemlib.fingerprint(entry.context.items[n - 1])
+            self.prefixes.put(Prefix(entry, n, last, nbytes, reg if head is not None else None, head, calls))
+            history += resp["output"]
+        history.append({"role": "user", "content": [{"type": "input_text", "text": _text(rng, 2048)}]})
+        self.body = _full_body(history)
+        # correctness before timing: everything but the last two items is reused (from turn 2 on)
+        req, hit, _ = reuse.decode_create(self.body, self.prefixes, "o")
+        assert hit is not None and hit.n == len(history) - 2, (hit and hit.n, len(history))
+        plan = self._prepare(req, hit, itemlib.TokenCache())
+        assert len(plan.context) == len(history) and 0 < plan.cached_tokens < plan.input_tokens
+
+    @staticmethod
+    def _prepare(req, hit, tokens):
+        from hotloop.pipeline import reuse
+
+        p = validate(req)
+        return prepare(p, reuse.parent_of(hit) if hit is not None else None, IdGen(deterministic=True), tokens)
+
+    def time_prepare_full_history_turn(self, turn: int) -> None:
+        from hotloop.pipeline import reuse
+
+        req, hit, _ = reuse.decode_create(self.body, self.prefixes, "o")
+        self._prepare(req, hit, itemlib.TokenCache(16))
+
+
 class DeltaEvent:
     def setup(self) -> None:
         p = validate(decode_body(b'{"model":"m","input":"x"}'))
@@ -114,6 +179,13 @@ class ServerScenarios:
         return float(bench_loop("http-loop", 40, 2048)["server_cpu_per_turn_p50_us"])
 
     track_http_full_history_cpu_p50_us.unit = "us"  # type: ignore[attr-defined]
+
+    def track_http_full_history_over_ws(self) -> float:
+        from hotloop.bench import bench_loop
+
+        return float(bench_loop("http-loop", 40, 2048)["http_over_ws_p50"])
+
+    track_http_full_history_over_ws.unit = "ratio"  # type: ignore[attr-defined]
 
     def track_stream_cpu_per_event_unpaced_us(self) -> float:
         from hotloop.bench import bench_stream

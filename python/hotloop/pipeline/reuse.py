@@ -94,6 +94,13 @@ def parent_of(p: Prefix) -> CachedResponse:
     return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states)
 
 
+def adopt(entry: CachedResponse) -> None:
+    """A finished response that reused a prefix: the reused items are its own, not a parent's
+    (it names no parent, and is stored with its whole input)."""
+    entry.parent_id = None
+    entry.base_len = 0
+
+
 def registration(raw: bytes | None, items: list[Any]) -> bytes | None:
     """The raw bytes to register for a finished input (``None``: not registered by bytes)."""
     if raw is None or any(type(it) is ItemReference for it in items):

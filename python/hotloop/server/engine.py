@@ -315,7 +315,7 @@ class Engine:
             log.exception("backend failed before the first chunk")
             raise errors.BackendError("The model backend failed.") from None
 
-    def _register(self, run: "Run", entry: CachedResponse, input_bytes: int) -> None:
+    def _register(self, run: "Run", entry: CachedResponse, input_bytes: int, calls: frozenset[str]) -> None:
         """Offer a finished response's input to the prefix cache (not when truncation dropped
         items from its front: its input then no longer starts where the client's does)."""
         n = entry.input_len
@@ -324,7 +324,7 @@ class Engine:
         last = itemlib.fingerprint(entry.context.items[n - 1])
         raw = run.raw_input
         head = reuse.head_of(raw) if raw is not None else None
-        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw if head is not None else None, head))
+        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw if head is not None else None, head, calls))
 
     def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
         # A failed continuation evicts the referenced response from the connection's cache
@@ -335,12 +335,11 @@ class Engine:
     async def complete(self, run: "Run") -> None:
         r = run.turn.response
         if r["status"] in ("completed", "incomplete"):
-            input_bytes = run.plan.context.nbytes
+            input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
             entry = finished(run.plan, r, self.tokens, run.tenant.id)
-            if run.prefix is not None:  # the reused items are this response's own, not a parent's
-                entry.parent_id = None
-                entry.base_len = 0
-            self._register(run, entry, input_bytes)
+            if run.prefix is not None:
+                reuse.adopt(entry)
+            self._register(run, entry, input_bytes, input_calls)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
                 run.conn.put(entry, run.prepared.req.stream_id, nbytes)

@@ -37,10 +37,17 @@ class Prefix:
     closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``).
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner")
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls")
 
     def __init__(
-        self, entry: CachedResponse, n: int, last_fp: int, nbytes: int, raw: bytes | None = None, head: bytes | None = None
+        self,
+        entry: CachedResponse,
+        n: int,
+        last_fp: int,
+        nbytes: int,
+        raw: bytes | None = None,
+        head: bytes | None = None,
+        calls: frozenset[str] | None = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -49,6 +56,7 @@ class Prefix:
         self.raw = raw
         self.head = head
         self.owner = entry.owner
+        self.calls = calls  # call ids of the n items (None: found by walking them)
 
     @property
     def size(self) -> int:
@@ -60,7 +68,10 @@ class Prefix:
         chain = ctx.chain.copy()
         chain.truncate(self.n)
         items = ctx.items[: self.n]
-        calls = {it.call_id for it in items if type(it) is FunctionCall}  # type: ignore[union-attr]
+        if self.calls is not None:
+            calls = set(self.calls)
+        else:
+            calls = {it.call_id for it in items if type(it) is FunctionCall}  # type: ignore[union-attr]
         return Context(items, chain, calls, self.nbytes)
 
     def supplied(self) -> frozenset[str]:
