@@ -365,13 +365,23 @@ def test_openai_beta_client_two_lanes_and_a_steer(paced: Server) -> None:
 
 def test_an_unpaced_lane_does_not_starve_another(server: Server) -> None:
     """With the simulator unpaced (every chunk ready at once) two lanes still alternate: each
-    lane's run yields to the loop between its batches."""
-    with ws_connect(server.ws + "/responses", max_size=None) as ws:
-        for lane in ("a", "b"):
-            ws.send(create(metadata={"sim": "text,tokens:2000"}, stream_id=lane))
-        events = collect(ws, 2)
-    order = [e["stream_id"] for e in events]
-    switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
-    assert switches > 500, switches  # not one lane's 2000 deltas, then the other's
-    done = [i for i, e in enumerate(events) if e["type"] == "response.completed"]
-    assert done[0] > len(events) * 0.8  # both finish near the end, together
+    lane's run yields to the loop between its batches.
+
+    Lane b starts only once its frame has arrived; if the client is descheduled between its two
+    sends for longer than lane a's whole stream (a loaded 2-vCPU machine), a finishes alone. So
+    the property must hold in one of three attempts: a server that starves lanes fails all three.
+    """
+    results = []
+    for _ in range(3):
+        with ws_connect(server.ws + "/responses", max_size=None) as ws:
+            for lane in ("a", "b"):
+                ws.send(create(metadata={"sim": "text,tokens:2000"}, stream_id=lane))
+            events = collect(ws, 2)
+        order = [e["stream_id"] for e in events]
+        switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
+        done = [i for i, e in enumerate(events) if e["type"] == "response.completed"]
+        results.append((switches, done[0] / len(events)))
+        # not one lane's 2000 deltas, then the other's; both finish near the end, together
+        if switches > 500 and done[0] > len(events) * 0.8:
+            return
+    raise AssertionError(f"lanes did not alternate in any attempt (switches, first completion): {results}")
