@@ -270,3 +270,37 @@ def test_the_prefix_cache_bounds_are_configured() -> None:
 @pytest.mark.parametrize("body", [b"[]", b" [ ] ", b"{}", b'"text"', b"[1"])
 def test_open_array_rejects_what_cannot_be_extended(body: bytes) -> None:
     assert reuse.open_array(body) is None
+
+
+def test_errors_after_a_prefix_name_the_place_in_the_whole_input(tmp_path: Path) -> None:
+    async def main() -> None:
+        app = _app(tmp_path / "a")
+        ref = _app(tmp_path / "b", prefix_cache_entries=0)
+        await app.startup()
+        await ref.startup()
+        try:
+            async with (
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client,
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=ref), base_url="http://t") as rclient,
+            ):
+                history: list[dict[str, Any]] = [{"role": "user", "content": "start " * 100}]
+                first = await _post(client, {"input": history})
+                history += first["output"]
+                bad_suffixes = [
+                    [{"type": "function_call_output", "call_id": "nope", "output": "x"}],  # prepare's check
+                    [{"role": "user", "content": "ok"}, {"type": "message", "role": "user", "content": 5}],  # validation
+                ]
+                for suffix in bad_suffixes:
+                    body = {"model": "hotloop-sim", "input": history + suffix}
+                    got = await client.post("/v1/responses", json=body)
+                    want = await rclient.post("/v1/responses", json=body)
+                    assert got.status_code == want.status_code == 400
+                    assert got.json()["error"] == want.json()["error"]
+                    param = got.json()["error"]["param"]
+                    assert int(param.split("[")[1].split("]")[0]) >= len(history), param
+                assert app.engine.prefixes.hits >= 1  # the first bad request did reuse the prefix
+        finally:
+            await app.shutdown()
+            await ref.shutdown()
+
+    uvloop.run(main())

@@ -12,6 +12,7 @@ Two ways to a hit, both exact:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -92,6 +93,22 @@ def parent_of(p: Prefix) -> CachedResponse:
     """A stand-in parent that holds the reused prefix (never named as the response's parent)."""
     e = p.entry
     return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states)
+
+
+_INDEX = re.compile(r"input\[(\d+)\]")
+
+
+def shift(exc: errors.HotloopError, n: int) -> None:
+    """An error about the suffix after a prefix of ``n`` items, renumbered to name the item's
+    place in the whole input (``input[2]`` of the suffix is ``input[n + 2]``)."""
+
+    def renumber(text: str) -> str:
+        return _INDEX.sub(lambda m: f"input[{int(m.group(1)) + n}]", text)
+
+    if exc.param is not None and exc.param.startswith("input["):
+        exc.param = renumber(exc.param)
+        exc.message = renumber(exc.message)
+        exc.args = (exc.message,)
 
 
 def adopt(entry: CachedResponse) -> None:

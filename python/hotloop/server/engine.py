@@ -170,10 +170,15 @@ class Engine:
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
-            outcome = await self.classify(p, parent, tenant) if self.classifiers else None
-            if outcome is not None and outcome.items is not p.items:
-                p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
-            plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
+            try:
+                outcome = await self.classify(p, parent, tenant) if self.classifiers else None
+                if outcome is not None and outcome.items is not p.items:
+                    p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
+                plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
+            except errors.HotloopError as exc:
+                if prefix is not None:  # name the item's place in the whole input
+                    reuse.shift(exc, prefix.n)
+                raise
             if outcome is not None:
                 plan.states = outcome.states
                 plan.flags = outcome.tally() or None
