@@ -84,7 +84,8 @@ def _full_body(history: list[dict]) -> bytes:
 
 class PrefixTurn:
     """Pre-inference work of a full-history HTTP turn (no ``previous_response_id``) whose prefix is
-    cached: the raw-bytes match, the suffix's decoding and analysis. Compare with TurnPrepare."""
+    cached: the match on the body's bytes, the suffix's decoding and analysis. Compare with
+    TurnPrepare."""
 
     params = [1, 100]
     param_names = ["turn"]
@@ -115,9 +116,12 @@ class PrefixTurn:
                 reuse.adopt(entry)
             n = entry.input_len
             reg = reuse.registration(raw, plan.prepared.items)
-            head = reuse.head_of(reg) if reg is not None else None
+            head = reuse.head_of(reg.raw) if reg is not None else None
             last = itemlib.fingerprint(entry.context.items[n - 1])
-            self.prefixes.put(Prefix(entry, n, last, nbytes, reg if head is not None else None, head, calls))
+            if reg is not None and head is not None:
+                self.prefixes.put(Prefix(entry, n, last, nbytes, reg.raw, head, calls, reg.lead))
+            else:
+                self.prefixes.put(Prefix(entry, n, last, nbytes, None, None, calls))
             history += resp["output"]
         history.append({"role": "user", "content": [{"type": "input_text", "text": _text(rng, 2048)}]})
         self.body = _full_body(history)

@@ -76,6 +76,52 @@ def test_raw_split_needs_the_same_bytes_and_an_item_boundary() -> None:
     assert reuse.split_raw(cache, "alice", spaced) is None or reuse.split_raw(cache, "alice", spaced)[0].n == 2  # type: ignore[index]
 
 
+def _body(texts: list[str], before: str = '"model":"m"', after: str = '"metadata":{"a":"b"}') -> bytes:
+    items = ",".join(json.dumps({"role": "user", "content": t}) for t in texts)
+    return ("{" + before + ',"input":[' + items + "]," + after + "}").encode()
+
+
+def _register(cache: PrefixCache, body: bytes, texts: list[str]) -> None:
+    req, hit, raw = reuse.decode_create(body, cache, "alice")
+    reg = reuse.registration(raw, [])
+    assert reg is not None
+    e = _entry(texts)
+    last = itemlib.fingerprint(e.context.items[-1])
+    cache.put(Prefix(e, len(texts), last, e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead))
+
+
+def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    _register(cache, _body(texts), texts)
+    # the same fields before input, the same items, one more: only the new item is decoded
+    req, hit, raw = reuse.decode_create(_body(texts + ["third"], after='"metadata":{"c":"d"}'), cache, "alice")
+    assert hit is not None and hit.n == 2 and cache.body_hits == 1
+    assert req.input == [{"role": "user", "content": "third"}] and req.metadata == {"c": "d"} and req.model == "m"
+    assert raw is not None and json.loads(raw.raw) == [{"role": "user", "content": t} for t in texts + ["third"]]
+    assert raw.lead == b'{"model":"m","input":'
+    # another field before input: matched by the input's own bytes instead
+    req, hit, _ = reuse.decode_create(_body(texts + ["third"], before='"model":"n"'), cache, "alice")
+    assert hit is not None and hit.n == 2 and cache.body_hits == 1 and cache.raw_hits == 2 and req.model == "n"
+    # a quoted "input" among the new items (a key, or a string that is exactly that word): not
+    # decoded as a body repeat, still a raw hit; a quote inside a string is escaped, so no match
+    req, hit, _ = reuse.decode_create(_body(texts + ["input"]), cache, "alice")
+    assert hit is not None and cache.body_hits == 1 and req.input == [{"role": "user", "content": "input"}]
+    req, hit, _ = reuse.decode_create(_body(texts + ['say "input"']), cache, "alice")
+    assert hit is not None and cache.body_hits == 2 and req.input == [{"role": "user", "content": 'say "input"'}]
+    # another owner never hits, by body or by bytes
+    req, hit, _ = reuse.decode_create(_body(texts + ["third"]), cache, "bob")
+    assert hit is None and len(req.input) == 3  # type: ignore[arg-type]
+
+
+def test_the_lead_is_only_known_when_input_is_named_once() -> None:
+    raw = b'[{"role":"user","content":"a"}]'
+    assert reuse._lead(b'{"model":"m","input":' + raw + b"}", raw) == b'{"model":"m","input":'
+    assert reuse._lead(b'{"model":"m", "input" : ' + raw + b"}", raw) == b'{"model":"m", "input" : '
+    tools = b'"tools":[{"type":"function","name":"f","parameters":{"properties":{"input":{}}}}]'
+    assert reuse._lead(b"{" + tools + b',"input":' + raw + b"}", raw) is None
+
+
 def test_bounds_by_entries_and_bytes() -> None:
     cache = PrefixCache(max_entries=2)
     for i in range(4):
@@ -136,6 +182,7 @@ def test_full_history_turns_report_the_reused_prefix(tmp_path: Path) -> None:
                     history += resp["output"]
                 assert app.engine.prefixes.hits == 5
                 assert app.engine.prefixes.raw_hits == 5
+                assert app.engine.prefixes.body_hits == 5  # the same fields before input each turn
                 # a fork off an older turn reuses only what it shares, and stays independent
                 fork = history[:3] + [{"role": "user", "content": "another way"}]
                 resp = await _post(client, {"input": fork})

@@ -118,11 +118,34 @@ def adopt(entry: CachedResponse) -> None:
     entry.base_len = 0
 
 
-def registration(raw: bytes | None, items: list[Any]) -> bytes | None:
-    """The raw bytes to register for a finished input (``None``: not registered by bytes)."""
+class RawInput:
+    """An HTTP request's ``input`` array as the client sent it (``raw``), and the body's bytes
+    before it (``lead``; ``None`` when it could not be told for sure)."""
+
+    __slots__ = ("raw", "lead")
+
+    def __init__(self, raw: bytes, lead: bytes | None) -> None:
+        self.raw = raw
+        self.lead = lead
+
+
+def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
+    """What to register by bytes for a finished input: its array without the closing bracket
+    (``None``: not registered by bytes)."""
     if raw is None or any(type(it) is ItemReference for it in items):
         return None
-    return open_array(raw)
+    opened = open_array(raw.raw)
+    return RawInput(opened, raw.lead) if opened is not None else None
+
+
+def _lead(body: bytes, raw: bytes) -> bytes | None:
+    """The body's bytes before its ``input`` array, when ``"input"`` occurs in it only once (as
+    the key: inside a string a quote is escaped) and the array's bytes are found right after."""
+    if body.count(b'"input"') != 1:
+        return None
+    at = body.find(raw)
+    key = body.find(b'"input"')
+    return body[:at] if key < at and body[key + 7 : at].strip(_WS) == b":" else None
 
 
 
@@ -162,33 +185,67 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     return False
 
 
-def decode_create(body: bytes, cache: PrefixCache | None, owner: str) -> tuple[CreateRequest, Prefix | None, bytes | None]:
-    """Decode an HTTP body for :meth:`Engine.start`: the request (with only the items after a
-    raw prefix hit as its ``input``), the hit, and the raw ``input`` array to register later.
+def _by_body(cache: PrefixCache, owner: str, body: bytes) -> tuple[Any, Prefix, RawInput] | None:
+    """A body that starts with the very bytes of a registered request up to its last input item
+    (same fields before ``input``, same items), then more items: the request decoded from a body
+    without those items (only the new ones are scanned), the hit, and its raw input."""
+    found = cache.by_body(owner, body)
+    if found is None:
+        return None
+    p, end = found
+    lead = p.lead
+    rest = body[end:].lstrip(_WS)
+    if rest[:1] != b"," or b'"input"' in rest or lead is None:
+        return None
+    lazy = _lazy_decoder.decode(lead + b"[" + rest[1:])
+    tail = bytes(lazy.input)  # "[" + the new items + "]"
+    start = len(body) - len(rest) + 1  # where the new items start in the body
+    raw = body[len(lead) : start + len(tail) - 1]
+    cache.raw_hits += 1
+    cache.body_hits += 1
+    return lazy, p, RawInput(raw, lead)
 
-    Anything unusual (a decode or validation error, ``input`` of another type) is decoded again
-    the ordinary way, so errors are exactly :func:`decode_body`'s and :func:`validate`'s.
+
+def decode_create(
+    body: bytes, cache: PrefixCache | None, owner: str
+) -> tuple[CreateRequest, Prefix | None, RawInput | None]:
+    """Decode an HTTP body for :meth:`Engine.start`: the request (with only the items after a
+    prefix hit as its ``input``), the hit, and the raw ``input`` array to register later.
+
+    A body that repeats a registered request's bytes up to its last input item is decoded
+    without them (:meth:`PrefixCache.by_body`); otherwise ``input`` is left raw by the decoder
+    and matched by its bytes (:func:`split_raw`). Anything unusual (a decode or validation
+    error, ``input`` of another type) is decoded again the ordinary way, so errors are exactly
+    :func:`decode_body`'s and :func:`validate`'s.
     """
     if cache is None or cache.max_entries <= 0:
         return decode_body(body), None, None
     try:
-        lazy = _lazy_decoder.decode(body)
-        raw = bytes(lazy.input)
-        if lazy.previous_response_id is not None or raw[:1] != b"[":
-            return decode_body(body), None, None
-        hit = split_raw(cache, owner, raw)
-        if hit is not None:
-            suffix = msgspec.json.decode(hit[1])
-            if type(suffix) is not list or hit[0].n + len(suffix) > MAX_INPUT_ITEMS:
+        prefix: Prefix | None
+        by_body = _by_body(cache, owner, body) if len(cache) else None
+        if by_body is not None:
+            lazy, prefix, raw_input = by_body
+            suffix_raw: bytes | None = bytes(lazy.input)
+        else:
+            lazy = _lazy_decoder.decode(body)
+            raw = bytes(lazy.input)
+            if lazy.previous_response_id is not None or raw[:1] != b"[":
+                return decode_body(body), None, None
+            raw_input = RawInput(raw, _lead(body, raw))
+            hit = split_raw(cache, owner, raw)
+            prefix, suffix_raw = hit if hit is not None else (None, None)
+        if prefix is not None and suffix_raw is not None:
+            suffix = msgspec.json.decode(suffix_raw)
+            if lazy.previous_response_id is not None or type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:
                 return decode_body(body), None, None
             req = _with_input(lazy, suffix)
             p = validate(req)  # the suffix alone; an error is reported against the whole input below
-            if _longer(cache, owner, hit[0].n, p.items):
-                return decode_body(body), None, raw  # matched by fingerprint in Engine.start
-            return req, hit[0], raw
-        value = msgspec.json.decode(raw)
+            if _longer(cache, owner, prefix.n, p.items):
+                return decode_body(body), None, raw_input  # matched by fingerprint in Engine.start
+            return req, prefix, raw_input
+        value = msgspec.json.decode(raw_input.raw)
         if type(value) is not list:
             return decode_body(body), None, None
-        return _with_input(lazy, value), None, raw
+        return _with_input(lazy, value), None, raw_input
     except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
         return decode_body(body), None, None

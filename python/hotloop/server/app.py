@@ -102,7 +102,8 @@ class HotloopApp:
             },
             "prefix_cache": {
                 "entries": len(eng.prefixes), "bytes": eng.prefixes.nbytes, "max_bytes": eng.prefixes.max_bytes,
-                "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits, "misses": eng.prefixes.misses,
+                "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits,
+                "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },
             "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
             "turns": [

@@ -147,7 +147,7 @@ class Engine:
         websocket: bool = False,
         tenant: Tenant = ANONYMOUS,
         prefix: Prefix | None = None,
-        raw_input: bytes | None = None,
+        raw_input: reuse.RawInput | None = None,
     ) -> "Run":
         """Everything before the first event. Raises ``HotloopError``; evicts on failure (but not
         when the tenant's own limits refuse the response: a retry must find the parent).
@@ -328,8 +328,11 @@ class Engine:
             return
         last = itemlib.fingerprint(entry.context.items[n - 1])
         raw = run.raw_input
-        head = reuse.head_of(raw) if raw is not None else None
-        self.prefixes.put(Prefix(entry, n, last, input_bytes, raw if head is not None else None, head, calls))
+        head = reuse.head_of(raw.raw) if raw is not None else None
+        if raw is None or head is None:
+            self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls))
+        else:
+            self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead))
 
     def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
         # A failed continuation evicts the referenced response from the connection's cache
@@ -452,7 +455,7 @@ class Run:
         self._watch: _Watchdog | None = None
         self._task: asyncio.Task[Any] | None = None
         self.prefix: Prefix | None = None  # the reused prefix of a full-history input
-        self.raw_input: bytes | None = None  # its raw input array to register (pipeline.reuse)
+        self.raw_input: reuse.RawInput | None = None  # its raw input array to register (pipeline.reuse)
 
     def _uncut(self) -> bool:
         """A backend that turned the steering cancellation into an error of its own: take the

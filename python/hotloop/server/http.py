@@ -186,7 +186,7 @@ class HttpTransport:
 
     async def _run_create(
         self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant,
-        prefix: Prefix | None = None, raw: bytes | None = None,
+        prefix: Prefix | None = None, raw: reuse.RawInput | None = None,
     ) -> None:
         if not req.stream:
             run = await self.app.engine.start(req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw)

@@ -34,10 +34,11 @@ class Prefix:
 
     ``last_fp`` is the fingerprint of item ``n - 1``; ``nbytes`` the size of those ``n`` items
     (:attr:`Context.nbytes` of the input); ``raw`` the JSON array the client sent without its
-    closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``).
+    closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``);
+    ``lead`` the body's bytes before that array (``{"model":..,"input":``), or ``None``.
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls")
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead")
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Prefix:
         raw: bytes | None = None,
         head: bytes | None = None,
         calls: frozenset[str] | None = None,
+        lead: bytes | None = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -57,10 +59,12 @@ class Prefix:
         self.head = head
         self.owner = entry.owner
         self.calls = calls  # call ids of the n items (None: found by walking them)
+        # the HTTP body's bytes before the input array (with ``raw``: the body up to the last item)
+        self.lead = lead if raw is not None else None
 
     @property
     def size(self) -> int:
-        return self.entry.context.nbytes + (len(self.raw) if self.raw is not None else 0)
+        return self.entry.context.nbytes + sum(len(b) for b in (self.raw, self.lead) if b is not None)
 
     def context(self) -> Context:
         """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
@@ -84,6 +88,17 @@ class Prefix:
         return e.supplied | inherited
 
 
+BODY_KEY = 256  # leading bytes of an HTTP body that index the registered requests it may repeat
+
+
+def _unlist(index: dict[tuple[str, bytes], list[Prefix]], key: tuple[str, bytes], p: Prefix) -> None:
+    lst = index.get(key)
+    if lst is not None:
+        lst[:] = [q for q in lst if q is not p]
+        if not lst:
+            del index[key]
+
+
 class PrefixCache:
     """Owner-scoped LRU of registered inputs, bounded by entries and bytes."""
 
@@ -96,10 +111,12 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._d: OrderedDict[tuple[str, int, int], Prefix] = OrderedDict()
         self._heads: dict[tuple[str, bytes], list[Prefix]] = {}
+        self._bodies: dict[tuple[str, bytes], list[Prefix]] = {}  # by the body's leading bytes
         self._lengths: dict[str, dict[int, int]] = {}  # owner -> length -> entries of that length
         self._bytes = 0
-        self.hits = 0  # requests that reused a prefix (raw_hits of them found by raw bytes)
-        self.raw_hits = 0
+        self.hits = 0  # requests that reused a prefix: raw_hits of them found by raw bytes,
+        self.raw_hits = 0  # body_hits of those by the body's bytes (by_body)
+        self.body_hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
@@ -125,6 +142,10 @@ class PrefixCache:
             lst = self._heads.setdefault((prefix.owner, prefix.head), [])
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
+        if prefix.lead is not None and prefix.raw is not None:
+            lst = self._bodies.setdefault((prefix.owner, (prefix.lead + prefix.raw[:BODY_KEY])[:BODY_KEY]), [])
+            lst.insert(0, prefix)
+            del lst[self.MAX_HEADS :]
         while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
             self._drop(next(iter(self._d)))
 
@@ -142,16 +163,14 @@ class PrefixCache:
             if not lengths:
                 del self._lengths[p.owner]
         if p.head is not None:
-            hk = (p.owner, p.head)
-            lst = self._heads.get(hk)
-            if lst is not None:
-                lst[:] = [q for q in lst if q is not p]
-                if not lst:
-                    del self._heads[hk]
+            _unlist(self._heads, (p.owner, p.head), p)
+        if p.lead is not None and p.raw is not None:
+            _unlist(self._bodies, (p.owner, (p.lead + p.raw[:BODY_KEY])[:BODY_KEY]), p)
 
     def clear(self) -> None:
         self._d.clear()
         self._heads.clear()
+        self._bodies.clear()
         self._lengths.clear()
         self._bytes = 0
 
@@ -169,6 +188,22 @@ class PrefixCache:
         if p is not None:
             self._d.move_to_end(key)
         return p
+
+    def by_body(self, owner: str, body: bytes) -> tuple[Prefix, int] | None:
+        """The longest registered request of ``owner`` whose body bytes up to its last input item
+        ``body`` starts with, and where those bytes end in ``body``."""
+        best: Prefix | None = None
+        end = 0
+        for p in self._bodies.get((owner, body[:BODY_KEY]), ()):
+            lead, raw = p.lead, p.raw
+            if lead is None or raw is None or (best is not None and p.n <= best.n):
+                continue
+            if body.startswith(lead) and body.startswith(raw, len(lead)):
+                best, end = p, len(lead) + len(raw)
+        if best is not None:
+            self._d.move_to_end((best.owner, best.n, best.last_fp))
+            return best, end
+        return None
 
     def by_raw(self, owner: str, raw: bytes, head: bytes) -> Prefix | None:
         """The longest registered input of ``owner`` whose raw bytes ``raw`` (the incoming JSON
