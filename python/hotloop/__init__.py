@@ -1,10 +1,7 @@
 """hotloop: an OpenAI Responses API server (HTTP, SSE and WebSocket mode) that keeps agent loops hot."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("hotloop")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+# The one place the version is written: pyproject.toml reads it (``dynamic = ["version"]``), so
+# the wheel's metadata, ``hotloop --version`` and this attribute agree (tests/unit/test_version.py).
+__version__ = "0.1.0"
 
 __all__ = ["__version__"]
