@@ -37,6 +37,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="env HOTLOOP_LOG_LEVEL")
     s.add_argument(
+        "--log-format", dest="log_format", choices=["text", "json"],
+        help="json: one object per line, a line per response, uvicorn's logs too (env HOTLOOP_LOG_FORMAT, default text)",
+    )
+    s.add_argument(
+        "--no-metrics", dest="metrics", action="store_const", const=False,
+        help="record no metrics and serve no /metrics (env HOTLOOP_METRICS=0)",
+    )
+    s.add_argument(
+        "--metrics-public", dest="metrics_public", action="store_const", const=True,
+        help="serve /metrics without an API key (env HOTLOOP_METRICS_PUBLIC=1)",
+    )
+    s.add_argument(
+        "--metrics-per-key", dest="metrics_per_key", action="store_const", const=True,
+        help="label per-response metrics with the key's name (env HOTLOOP_METRICS_PER_KEY=1)",
+    )
+    s.add_argument(
         "--api-key", dest="api_key",
         help="the admin key: a bearer token that may read and delete every tenant's responses (env HOTLOOP_API_KEY); "
         "per-client keys: hotloop keys create",

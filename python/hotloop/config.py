@@ -23,6 +23,10 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object per line, a line per response)
+    metrics: bool = True  # GET /metrics (Prometheus); HOTLOOP_METRICS=0 turns recording off
+    metrics_public: bool = False  # /metrics without an API key
+    metrics_per_key: bool = False  # a tenant label (the key's name) on per-response metrics
     api_key: str | None = None  # the admin key: "Authorization: Bearer <api_key>" (see hotloop.tenants)
     limit_output_reserve: int = 4096  # output tokens a response reserves under a TPM limit without max_output_tokens
     limit_max_keys: int = 10_000  # keys whose rate-limit buckets are kept in memory (least recently used dropped)

@@ -105,16 +105,16 @@ class CerebrasBackend(ChatBackend):
             raise errors.BackendUnavailable("The model backend is not started.")
         return self._client
 
-    async def _open(self, body: bytes, model: str) -> Body:
+    async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
         if self._pool is not None:
-            return await open_chat_stream(self._pool, CHAT_PATH, body, backend=self.name, model=model)
+            return await open_chat_stream(self._pool, CHAT_PATH, body, backend=self.name, model=model, request_id=request_id)
         client = self._require_client()
         try:
             resp = await client.post(
                 CHAT_PATH,
                 cast_to=httpx.Response,
                 content=body,
-                options={"headers": _STREAM_HEADERS},
+                options={"headers": {**_STREAM_HEADERS, "x-request-id": request_id} if request_id else _STREAM_HEADERS},
                 stream=True,
             )
         except APIStatusError as exc:

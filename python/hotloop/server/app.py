@@ -21,6 +21,8 @@ from hotloop.pipeline.post import Persistence
 from hotloop.server.common import Receive, Scope, Send
 from hotloop.server.engine import Engine
 from hotloop.server.http import HttpTransport
+from hotloop.server.logs import log_response
+from hotloop.server.metrics import Metrics
 from hotloop.server.ws import Deadlines, serve_websocket
 from hotloop.tenants import MemoryLimiter, Tenancy
 from hotloop.tenants.keys import KeyStore, MemoryKeyStore
@@ -43,15 +45,30 @@ class HotloopApp:
         self.started_at = time.time()
         self.ws_deadlines = Deadlines(config.ws_connection_max_age)
         self.http = HttpTransport(self)
+        # open client connections by transport (an SSE stream counts as sse, not http)
+        self.open_connections: dict[str, int] = {"http": 0, "sse": 0, "websocket": 0}
+        self.metrics: Metrics | None = None
+        self._models_task: asyncio.Task[None] | None = None
+        if config.metrics:
+            self.metrics = Metrics(self, per_key=config.metrics_per_key)
+            self.engine.observers.append(self.metrics.turn)
+        if config.log_format == "json":
+            self.engine.observers.append(log_response)
 
     # -- ASGI entry ----------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            await self._websocket(scope, receive, send)
+        if kind == "http" or kind == "websocket":
+            conns = self.open_connections
+            conns[kind] += 1
+            try:
+                if kind == "http":
+                    await self._http(scope, receive, send)
+                else:
+                    await self._websocket(scope, receive, send)
+            finally:
+                conns[kind] -= 1
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -80,10 +97,23 @@ class HotloopApp:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, tokenizer.preload)
         await self.backend.start()
+        if self.metrics is not None:
+            # the model label's values: the models the backend lists (others are "other"),
+            # learnt in the background (a slow backend does not delay the start)
+            self._models_task = loop.create_task(self._learn_models(self.metrics))
         self.persistence.start()
         self.tenancy.start(self.config.host)
 
+    async def _learn_models(self, metrics: Metrics) -> None:
+        try:
+            metrics.set_models(str(m["id"]) for m in await self.backend.list_models())
+        except Exception:
+            log.warning("could not list the backend's models for the metrics' model label")
+
     async def shutdown(self) -> None:
+        task = self._models_task
+        if task is not None and not task.done():
+            task.cancel()
         self.engine.close()
         await self.backend.close()
         await self.persistence.close()
@@ -111,6 +141,10 @@ class HotloopApp:
                 for t, c, p, e, n in eng.turn_stats
             ],
         }
+
+    def ws_queued(self) -> int:
+        """response.create frames accepted on WebSocket connections and not yet finished."""
+        return sum(c.session.queued for c in self.ws_deadlines.connections() if c.session is not None)
 
     # -- transports ----------------------------------------------------------------------------
 

@@ -86,12 +86,18 @@ class Engine:
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
         # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
         self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
+        self.conn_hits = 0  # previous_response_id found in the connection's own cache
+        self.conn_misses = 0
+        # Called once per finished response (hotloop.server.metrics and the response log line).
+        self.observers: list[Callable[["Run"], None]] = []
 
     def record(self, run: "Run", mark: float) -> None:
         now = time.thread_time()
         self.turn_stats.append(
             (run.turn.transport, (now - mark) * 1e6, (run.started_cpu - mark) * 1e6, run.turn.events, len(run.plan.items))
         )
+        for observe in self.observers:
+            observe(run)
 
     # -- resolving the parent ------------------------------------------------------------------
 
@@ -105,7 +111,9 @@ class Engine:
         if conn is not None:
             hit = conn.get(response_id)
             if hit is not None:
+                self.conn_hits += 1
                 return hit
+            self.conn_misses += 1
         hit = self.responses.get(response_id, scope)
         if hit is None:
             hit = await self.persistence.load(response_id, scope)
@@ -148,6 +156,7 @@ class Engine:
         tenant: Tenant = ANONYMOUS,
         prefix: Prefix | None = None,
         raw_input: reuse.RawInput | None = None,
+        request_id: str | None = None,
     ) -> "Run":
         """Everything before the first event. Raises ``HotloopError``; evicts on failure (but not
         when the tenant's own limits refuse the response: a retry must find the parent).
@@ -157,8 +166,11 @@ class Engine:
         array; without a hit, a full-history input is matched by fingerprint here."""
         started: list[Any] = []
         grant: Grant | None = None
+        clock = time.perf_counter
+        marks = [clock()]  # the end of each stage (Run.marks; hotloop.server.metrics.STAGES)
         try:
             p = validate(req, websocket=websocket)
+            marks.append(clock())
             scope = tenant.scope
             parent = await self.resolve(req.previous_response_id, conn, scope)
             if parent is None and prefix is None and type(req.input) is list and len(self.prefixes):
@@ -170,10 +182,12 @@ class Engine:
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
+            marks.append(clock())
             try:
                 outcome = await self.classify(p, parent, tenant) if self.classifiers else None
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
+                marks.append(clock())
                 plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
             except errors.HotloopError as exc:
                 if prefix is not None:  # name the item's place in the whole input
@@ -187,11 +201,15 @@ class Engine:
                 grant = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
             counts = self._count_later(plan)
             started.append(counts)
+            marks.append(clock())
             if req.generate is False:
                 stream: AsyncIterator[Chunk] = _warmup()
             else:
-                stream = self.backend.stream(self.backend_request(plan))
-            first = await self._first(stream)
+                breq = self.backend_request(plan)
+                breq.request_id = request_id
+                stream = self.backend.stream(breq)
+            first = await self._first(stream, request_id)
+            marks.append(clock())
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
             if grant is not None:
                 grant.finish(None)
@@ -213,6 +231,8 @@ class Engine:
         )
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.prefix = prefix
+        run.marks = marks
+        run.request_id = request_id
         if req.previous_response_id is None and raw_input is not None:
             run.raw_input = reuse.registration(raw_input, p.items)
         return run
@@ -303,7 +323,7 @@ class Engine:
         plan.settle(await counts if counts is not None else None)
         return plan.input_tokens
 
-    async def _first(self, stream: AsyncIterator[Chunk]) -> Chunk:
+    async def _first(self, stream: AsyncIterator[Chunk], request_id: str | None = None) -> Chunk:
         try:
             async with asyncio.timeout(self.config.backend_timeout):
                 return await anext(stream)
@@ -317,7 +337,7 @@ class Engine:
             raise
         except Exception:
             await _aclose(stream)
-            log.exception("backend failed before the first chunk")
+            log.exception("backend failed before the first chunk (request %s)", request_id)
             raise errors.BackendError("The model backend failed.") from None
 
     def _register(self, run: "Run", entry: CachedResponse, input_bytes: int, calls: frozenset[str]) -> None:
@@ -376,6 +396,15 @@ def _kinds(findings: Any, labels: Any) -> str:
             counts[f.kind] = counts.get(f.kind, 0) + 1
         return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
     return ", ".join(labels)
+
+
+def backend_kind(exc: BaseException) -> str:
+    """A backend failure's kind (``hotloop_backend_errors_total``)."""
+    if isinstance(exc, errors.BackendTimeout):
+        return "timeout"
+    if isinstance(exc, errors.BackendUnavailable):
+        return "unavailable"
+    return "error"
 
 
 # New input with this much text (or more) is classified in the tokenizer thread; see Engine.classify.
@@ -456,6 +485,11 @@ class Run:
         self._task: asyncio.Task[Any] | None = None
         self.prefix: Prefix | None = None  # the reused prefix of a full-history input
         self.raw_input: reuse.RawInput | None = None  # its raw input array to register (pipeline.reuse)
+        # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
+        self.marks: list[float] = []
+        self.ended = 0.0  # perf_counter once cached and handed to the store
+        self.request_id: str | None = None
+        self.failure: str | None = None  # why the backend failed it (hotloop_backend_errors_total)
 
     def _uncut(self) -> bool:
         """A backend that turned the steering cancellation into an error of its own: take the
@@ -538,20 +572,24 @@ class Run:
                                 break
                     watchdog.disarm()
                 except TimeoutError:
+                    self.failure = "timeout"
                     await self._settle()
                     yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
                 except errors.HotloopError as exc:
+                    self.failure = backend_kind(exc)
                     await self._settle()
                     yield turn.finish(STEERED) if self._uncut() else turn.fail(exc)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     if not self._uncut():
-                        log.exception("backend stream failed")
+                        log.exception("backend stream failed (request %s)", self.request_id)
+                    self.failure = "error"
                     await self._settle()
                     yield turn.finish(STEERED) if self._cut_done else turn.fail(errors.BackendError("The model backend failed."))
                 else:
                     if not turn.done:
+                        self.failure = "ended_early"
                         await self._settle()
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
@@ -565,8 +603,10 @@ class Run:
             # themselves in a way a leaving client's cancellation could interrupt (see
             # Persistence.submit), so a client that closes right after the terminal event cannot
             # lose them.
+            self.marks.append(time.perf_counter())
             if turn.done:
                 await engine.complete(self)
+            self.ended = time.perf_counter()
             await _aclose(self._stream)
 
     def _release(self) -> None:

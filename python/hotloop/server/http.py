@@ -1,6 +1,9 @@
 """HTTP: the REST routes, ``POST /v1/responses`` as JSON or SSE, and the service endpoints.
 
-Every response carries ``x-request-id``. Errors are rendered in the OpenAI shape; anything
+Every response carries ``x-request-id`` and ``server-timing`` (``total``, and for
+``POST /v1/responses`` ``pre``, the work before the backend call, and ``ttft``, the time to the
+backend's first chunk; an SSE stream's headers go out at its first event, so they carry ``pre``
+and ``ttft`` but no ``total``). Errors are rendered in the OpenAI shape; anything
 unexpected is logged and answered with a generic 500 (no internals reach a client). A client that
 goes away while its response is generated cancels the generation.
 """
@@ -20,6 +23,7 @@ from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
+from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
 
@@ -44,45 +48,63 @@ class HttpTransport:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
         rid = request_id()
         started = False
         tenant: Tenant | None = None  # the caller, once authenticated
+        timing: list[str] = []  # server-timing entries known before the response (pre, ttft)
 
-        async def respond(status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        async def respond(
+            status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None, content_type: bytes | None = None
+        ) -> None:
             nonlocal started
             started = True
-            hdrs = [JSON_HEADER, (b"x-request-id", rid.encode())] + (headers or [])
+            total = f"total;dur={(time.perf_counter() - t0) * 1e3:.3f}"
+            hdrs = [
+                (b"content-type", content_type) if content_type else JSON_HEADER,
+                (b"x-request-id", rid.encode()),
+                (b"server-timing", ", ".join(timing + [total]).encode()),
+            ] + (headers or [])
             if tenant is not None:
                 hdrs += self.app.tenancy.headers(tenant)  # the caller's rate limits, if any
             await send({"type": "http.response.start", "status": status, "headers": hdrs})
             await send({"type": "http.response.body", "body": body})
 
         try:
-            if scope["path"].rstrip("/") not in _PUBLIC:
+            path = scope["path"].rstrip("/")
+            if path not in _PUBLIC and not (path == "/metrics" and self.app.config.metrics_public):
                 # once per request: who is calling, and may it make one more request
                 tenant = await self.app.tenancy.authenticate(scope)
                 self.app.tenancy.admit(tenant)
-            await self._route(scope, receive, send, respond, rid, tenant)
+            await self._route(scope, receive, send, respond, rid, tenant, timing)
         except _ClientGone:
             # nobody to answer: one line, no traceback (leaving is normal)
             log.info("http client left before its response was complete: %s %s", scope.get("method"), scope.get("path"))
             return
         except errors.HotloopError as exc:
+            if self.app.metrics is not None:
+                self.app.metrics.error(exc)
             if not started:
                 hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
                 if exc.status == 429 or exc.status >= 500:
                     hdrs.append((b"x-should-retry", b"true"))
                 await respond(exc.status, ev.http_error_body(exc), hdrs)
         except Exception:
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"), rid)
+            if self.app.metrics is not None:
+                self.app.metrics.error(errors.ServerError())
             if not started:
                 await respond(500, ev.http_error_body(errors.ServerError()))
 
     async def _route(
-        self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant | None
+        self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant | None,
+        timing: list[str],
     ) -> None:
         method = scope["method"]
         path: str = scope["path"].rstrip("/") or "/"
+        if path == "/metrics" and self.app.metrics is not None:
+            self._method(method, "GET")
+            return await respond(200, self.app.metrics.render(), content_type=METRICS_CONTENT_TYPE.encode())
         if path in _PUBLIC:
             body = encode(
                 {
@@ -106,7 +128,7 @@ class HttpTransport:
         if path == "/v1/responses":
             if method != "POST":
                 raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
-            return await self._create(scope, receive, send, respond, rid, tenant)
+            return await self._create(scope, receive, send, respond, rid, tenant, timing)
         if path == "/v1/models":
             self._method(method, "GET")
             models = await self.app.backend.list_models()
@@ -159,15 +181,18 @@ class HttpTransport:
             if not msg.get("more_body"):
                 return b"".join(chunks)
 
-    async def _create(self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant) -> None:
+    async def _create(
+        self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant, timing: list[str]
+    ) -> None:
         mark = time.thread_time()
+        t0 = time.perf_counter()
         engine = self.app.engine
         # A full-history input is matched against the owner's cached prefixes by its raw bytes.
         req, prefix, raw = reuse.decode_create(await self._body(receive), engine.prefixes, tenant.id)
         # The response runs while another task waits for the client to go away: a client that
         # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
         # the backend stops producing tokens nobody will read.
-        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw))
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,10 +211,15 @@ class HttpTransport:
 
     async def _run_create(
         self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant,
-        prefix: Prefix | None = None, raw: reuse.RawInput | None = None,
+        prefix: Prefix | None = None, raw: reuse.RawInput | None = None, t0: float = 0.0,
+        timing: list[str] | None = None,
     ) -> None:
+        timing = [] if timing is None else timing
         if not req.stream:
-            run = await self.app.engine.start(req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw)
+            run = await self.app.engine.start(
+                req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid
+            )
+            timing += _timing(run, t0)
             response = await run.drain()
             self.app.engine.record(run, mark)
             if response["status"] == "failed":
@@ -197,21 +227,29 @@ class HttpTransport:
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
                 raise exc
             return await respond(200, encode(response), _truncated(run.plan.truncated))
-        run = await self.app.engine.start(req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw)
+        run = await self.app.engine.start(
+            req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid
+        )
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())] + self.app.tenancy.headers(tenant)
+                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())]
+                + [(b"server-timing", ", ".join(_timing(run, t0)).encode())] + self.app.tenancy.headers(tenant)
                 + _truncated(run.plan.truncated),
             }
         )
         sse = ev.sse
+        conns = self.app.open_connections
+        conns["http"] -= 1  # while it streams, the connection counts as an SSE stream
+        conns["sse"] += 1
         try:
             async with contextlib.aclosing(run.frames()) as frames:
                 async for batch in frames:
                     await send({"type": "http.response.body", "body": b"".join([sse(f) for f in batch]), "more_body": True})
         finally:
+            conns["sse"] -= 1
+            conns["http"] += 1
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.app.engine.record(run, mark)
@@ -295,6 +333,13 @@ async def _disconnected(receive: Receive) -> None:
     while True:
         if (await receive())["type"] == "http.disconnect":
             return
+
+
+def _timing(run: Any, t0: float) -> list[str]:
+    """``server-timing`` entries known once the backend's first chunk is in: ``pre`` (the request
+    read, validated, resolved, classified and prepared) and ``ttft``, in milliseconds."""
+    m = run.marks
+    return [f"pre;dur={(m[4] - t0) * 1e3:.3f}", f"ttft;dur={(m[5] - t0) * 1e3:.3f}"]
 
 
 def _truncated(dropped: int) -> list[tuple[bytes, bytes]]:

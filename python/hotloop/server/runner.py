@@ -9,6 +9,7 @@ uses uvicorn's httptools protocol under the server's connection limit and reques
 from __future__ import annotations
 
 import logging
+import logging.config
 from typing import Any
 
 from hotloop import backends
@@ -17,6 +18,7 @@ from hotloop.models import ModelLimitsError
 from hotloop.pipeline.classifiers import ClassifierLoadError
 from hotloop.pipeline.post import Persistence
 from hotloop.server.app import HotloopApp, make_tenancy
+from hotloop.server.logs import log_config
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
@@ -64,6 +66,7 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         log_level=config.log_level,
         access_log=config.log_level == "debug",
         timeout_graceful_shutdown=5,
+        log_config=log_config(config.log_level, config.log_format),
         **extra,
     )
 
@@ -75,7 +78,7 @@ def serve(config: Config) -> int:
     """Run until stopped; the process exit code (non-zero when start-up failed)."""
     import uvicorn
 
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         app = make_app(config)
     except (ClassifierLoadError, ModelLimitsError) as exc:  # a bad --classifier / --model-limits: say what

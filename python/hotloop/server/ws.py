@@ -297,6 +297,10 @@ class Connection:
                 self._runs.pop(ended.response_id, None)
             self._wake_reader()
 
+    def _count_error(self, exc: errors.HotloopError) -> None:
+        if self.app.metrics is not None:
+            self.app.metrics.error(exc)
+
     async def _run(self, engine: Engine, action: RunCreate) -> Ended:
         req = action.request
         stream_id = req.stream_id
@@ -308,15 +312,21 @@ class Connection:
             await self._send({"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"})
             raise _Disconnected() from None
         except errors.HotloopError as exc:
+            self._count_error(exc)
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return Ended()
+        rid_ = request_id()  # this response's request id (logs, the backend's x-request-id)
         try:
-            run: Run = await engine.start(req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant)
+            run: Run = await engine.start(
+                req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant, request_id=rid_
+            )
         except errors.HotloopError as exc:
+            self._count_error(exc)
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return Ended()
         except Exception:
-            log.exception("unhandled error starting a websocket response")
+            log.exception("unhandled error starting a websocket response (request %s)", rid_)
+            self._count_error(errors.ServerError())
             await self.send_frame(ev.ws_error(errors.ServerError(), stream_id)[1])
             return Ended()
         rid = str(run.response["id"])
@@ -396,6 +406,9 @@ class Deadlines:
         self._conns[conn] = deadline
         if self._timer is None:
             self._timer = loop.call_at(deadline, self._fire)
+
+    def connections(self) -> list["Connection"]:
+        return list(self._conns)
 
     def remove(self, conn: Connection) -> None:
         self._conns.pop(conn, None)  # the timer stays: it finds the next deadline when it fires

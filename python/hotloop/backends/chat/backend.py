@@ -77,7 +77,7 @@ class ChatBackend:
         self._models_at = -MODELS_TTL
         self._renders = RenderCache(self.dialect)
 
-    async def _open(self, body: bytes, model: str) -> Body:
+    async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
         raise NotImplementedError
 
     async def _get_models(self) -> bytes:
@@ -124,7 +124,7 @@ class ChatBackend:
         while True:
             yielded = False
             try:
-                resp = await self._open(body, model)
+                resp = await self._open(body, model, req.request_id)
                 try:
                     assembler = ChunkAssembler()
                     feed = SseDecoder(MAX_SSE_EVENT_BYTES).feed

@@ -629,9 +629,12 @@ class Pool:
 
 
 
-async def open_chat_stream(pool: Pool, path: str, body: bytes, *, backend: str, model: str) -> Response:
-    """``POST`` a streaming chat-completions body; a non-2xx answer becomes its typed error."""
-    resp = await pool.stream("POST", path, body)
+async def open_chat_stream(
+    pool: Pool, path: str, body: bytes, *, backend: str, model: str, request_id: str | None = None
+) -> Response:
+    """``POST`` a streaming chat-completions body (with ``x-request-id`` when given); a non-2xx
+    answer becomes its typed error."""
+    resp = await pool.stream("POST", path, body, f"x-request-id: {request_id}\r\n" if request_id else "")
     if resp.status >= 300:
         payload = await pool.error_body(resp)
         raise status_error(resp.status, resp.headers, payload, backend=backend, model=model)

@@ -1,0 +1,280 @@
+"""Prometheus metrics: ``GET /metrics`` in the text exposition format.
+
+The engine records a few ``time.perf_counter()`` marks per response where each stage runs
+(:class:`~hotloop.server.engine.Run.marks`); :meth:`Metrics.turn` turns them into histogram
+observations in one call when the response is over, into plain per-label-set lists rendered at
+scrape time (a few microseconds per response). Gauges that mirror state the server already
+keeps (active responses, the store's write queue, cache counters, open connections) are read
+by a callback collector at scrape time, so they cost nothing per response.
+
+Label sets are bounded: ``model`` is one of the models the backend lists (or its default), any
+other name is recorded as ``other``; ``transport`` is ``json``, ``sse`` or ``ws``; ``status`` and
+``code`` come from the server's own error classes; ``tenant`` (the key's name) only with
+``--metrics-per-key``.
+
+Multiprocess: with ``PROMETHEUS_MULTIPROC_DIR`` set (several server processes behind one port),
+``/metrics`` serves the aggregate of every process's files via prometheus-client's
+``MultiProcessCollector``; the callback gauges are then left out (they are per process).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Iterable
+
+from bisect import bisect_left
+
+from hotloop import errors
+from hotloop.tenants import LimitExceeded
+from hotloop.server.engine import backend_kind
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from hotloop.server.app import HotloopApp
+    from hotloop.server.engine import Run
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Stages of one response, in order (seconds).
+STAGES = ("parse", "resolve", "classify", "prepare", "first_token", "generation", "persist")
+_LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)
+_RATE_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000)
+OTHER = "other"
+
+
+class _Series:
+    """One label set's per-response histograms and counters, as plain lists: a response's
+    observation is a few ``bisect`` calls and list updates (no locks, no label look-ups)."""
+
+    __slots__ = ("stage_buckets", "stage_sums", "rate_buckets", "rate_sum", "statuses", "tokens")
+
+    def __init__(self) -> None:
+        self.stage_buckets = [[0] * (len(_LATENCY_BUCKETS) + 1) for _ in STAGES]
+        self.stage_sums = [0.0] * len(STAGES)
+        self.rate_buckets = [0] * (len(_RATE_BUCKETS) + 1)
+        self.rate_sum = 0.0
+        self.statuses: dict[str, int] = {}
+        self.tokens = [0, 0, 0]  # input, output, cached
+
+
+class Metrics:
+    """The server's metrics on a dedicated registry."""
+
+    def __init__(self, app: "HotloopApp", per_key: bool = False) -> None:
+        self.app = app
+        self.per_key = per_key
+        self.models: frozenset[str] = frozenset({app.backend.default_model})
+        self.series: dict[tuple[str, ...], _Series] = {}
+        self.labelnames = ("transport", "model", "tenant") if per_key else ("transport", "model")
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.errors = Counter("hotloop_errors", "Errors answered to clients, by status and code.", ("status", "code"), registry=r)
+        self.rate_limited = Counter("hotloop_rate_limited", "Requests refused by a key's rate limits.", registry=r)
+        self.backend_errors = Counter("hotloop_backend_errors", "Model backend failures, by kind.", ("kind",), registry=r)
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if self.multiprocess:
+            # Each process writes its values to files the scrape aggregates: the per-response
+            # series go through prometheus-client's own (slower, file-backed) metric objects.
+            from prometheus_client import multiprocess
+
+            tl = self.labelnames
+            self.mp_stage = Histogram(
+                "hotloop_stage_seconds", _STAGE_HELP, ("stage", *tl), registry=r, buckets=_LATENCY_BUCKETS
+            )
+            self.mp_responses = Counter("hotloop_responses", _RESPONSES_HELP, ("status", *tl), registry=r)
+            self.mp_tokens = Counter("hotloop_tokens", _TOKENS_HELP, ("kind", *tl), registry=r)
+            self.mp_rate = Histogram("hotloop_output_tokens_per_second", _RATE_HELP, tl, registry=r, buckets=_RATE_BUCKETS)
+            self.scrape_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scrape_registry)
+        else:
+            r.register(_SeriesCollector(self))
+            r.register(_StateCollector(app))
+            self.scrape_registry = r
+
+    def set_models(self, ids: Iterable[str]) -> None:
+        self.models = frozenset(ids) | {self.app.backend.default_model}
+
+    def model(self, name: str | None) -> str:
+        if name is None:
+            return self.app.backend.default_model
+        return name if name in self.models else OTHER
+
+    def turn(self, run: "Run") -> None:
+        """Observe one finished response (one call per response)."""
+        model = run.prepared.req.model
+        model = self.app.backend.default_model if model is None else model if model in self.models else OTHER
+        key = (run.turn.transport, model, run.tenant.name) if self.per_key else (run.turn.transport, model)
+        if self.multiprocess:
+            return self._turn_mp(run, key)
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = _Series()
+        m = run.marks
+        n = len(m)
+        buckets, sums = s.stage_buckets, s.stage_sums
+        prev = m[0]
+        for i in range(1, n if n < 7 else 7):
+            d = m[i] - prev
+            prev = m[i]
+            buckets[i - 1][bisect_left(_LATENCY_BUCKETS, d)] += 1
+            sums[i - 1] += d
+        if n == 7 and run.ended:
+            d = run.ended - m[6]
+            buckets[6][bisect_left(_LATENCY_BUCKETS, d)] += 1
+            sums[6] += d
+        response = run.turn.response
+        status = response["status"]
+        st = s.statuses
+        st[status] = st.get(status, 0) + 1
+        usage = response.get("usage")
+        if usage:
+            out = usage["output_tokens"]
+            tokens = s.tokens
+            tokens[0] += usage["input_tokens"]
+            tokens[1] += out
+            details = usage.get("input_tokens_details")
+            if details:
+                tokens[2] += details.get("cached_tokens") or 0
+            if n == 7 and out > 0:
+                gen = m[6] - m[5]
+                if gen > 0:
+                    rate = out / gen
+                    s.rate_buckets[bisect_left(_RATE_BUCKETS, rate)] += 1
+                    s.rate_sum += rate
+        if status == "failed":
+            self.backend_errors.labels(run.failure or "error").inc()
+
+    def _turn_mp(self, run: "Run", key: tuple[str, ...]) -> None:
+        m = run.marks
+        ends = m[1:7] + ([run.ended] if len(m) == 7 and run.ended else [])
+        for name, prev, t in zip(STAGES, m, ends):
+            self.mp_stage.labels(name, *key).observe(t - prev)
+        response = run.turn.response
+        status = str(response["status"])
+        self.mp_responses.labels(status, *key).inc()
+        usage = response.get("usage")
+        if usage:
+            out = int(usage["output_tokens"])
+            self.mp_tokens.labels("input", *key).inc(int(usage["input_tokens"]))
+            self.mp_tokens.labels("output", *key).inc(out)
+            self.mp_tokens.labels("cached", *key).inc(
+                int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+            )
+            if len(m) == 7 and out > 0 and m[6] > m[5]:
+                self.mp_rate.labels(*key).observe(out / (m[6] - m[5]))
+        if status == "failed":
+            self.backend_errors.labels(run.failure or "error").inc()
+
+    def error(self, exc: errors.HotloopError) -> None:
+        """An error answered before a response started (an HTTP error, a WebSocket error frame)."""
+        self.errors.labels(str(exc.status), _bounded_code(exc.code or "none")).inc()
+        if isinstance(exc, LimitExceeded):
+            self.rate_limited.inc()
+        elif isinstance(exc, errors.BackendError):
+            self.backend_errors.labels(backend_kind(exc)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.scrape_registry)
+
+
+_STAGE_HELP = "Time spent in each stage of a response."
+_RESPONSES_HELP = "Responses by final status."
+_TOKENS_HELP = "Tokens by kind (input, output, cached)."
+_RATE_HELP = "Output tokens per second of generation, per response."
+
+
+def _histogram(
+    fam: HistogramMetricFamily, labels: list[str], bounds: tuple[float, ...], counts: list[int], total: float
+) -> None:
+    acc = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, c in zip(bounds, counts):
+        acc += c
+        buckets.append((floatToGoString(bound), acc))
+    buckets.append(("+Inf", acc + counts[-1]))
+    fam.add_metric(labels, buckets, total)
+
+
+class _SeriesCollector:
+    """The per-response series (:class:`_Series`), rendered at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        names = list(self.metrics.labelnames)
+        stage = HistogramMetricFamily("hotloop_stage_seconds", _STAGE_HELP, labels=["stage", *names])
+        rate = HistogramMetricFamily("hotloop_output_tokens_per_second", _RATE_HELP, labels=names)
+        responses = CounterMetricFamily("hotloop_responses", _RESPONSES_HELP, labels=["status", *names])
+        tokens = CounterMetricFamily("hotloop_tokens", _TOKENS_HELP, labels=["kind", *names])
+        for key, s in list(self.metrics.series.items()):
+            labels = list(key)
+            for i, name in enumerate(STAGES):
+                _histogram(stage, [name, *labels], _LATENCY_BUCKETS, list(s.stage_buckets[i]), s.stage_sums[i])
+            _histogram(rate, labels, _RATE_BUCKETS, list(s.rate_buckets), s.rate_sum)
+            for status, n in list(s.statuses.items()):
+                responses.add_metric([str(status), *labels], n)
+            for kind, n in zip(("input", "output", "cached"), list(s.tokens)):
+                tokens.add_metric([kind, *labels], n)
+        yield stage
+        yield rate
+        yield responses
+        yield tokens
+
+
+def _bounded_code(code: str) -> str:
+    """Error codes come from the server's own error classes, but a backend's code may be relayed:
+    keep the label short and of a plain shape."""
+    if len(code) > 40 or not code.replace("_", "").replace("-", "").isalnum():
+        return OTHER
+    return code
+
+
+class _StateCollector:
+    """Gauges and counters read from the server's state at scrape time."""
+
+    def __init__(self, app: "HotloopApp") -> None:
+        self.app = app
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        app = self.app
+        eng = app.engine
+        yield GaugeMetricFamily("hotloop_active_responses", "Responses in flight.", value=eng.active)
+        conns = GaugeMetricFamily("hotloop_open_connections", "Open client connections by transport.", labels=["transport"])
+        for transport, n in sorted(app.open_connections.items()):
+            conns.add_metric([transport], n)
+        yield conns
+        p = app.persistence
+        yield GaugeMetricFamily("hotloop_store_queue_depth", "Store writes waiting.", value=len(p._jobs))
+        yield GaugeMetricFamily("hotloop_store_pending_responses", "Responses not yet written to the store.", value=len(p.pending))
+        yield CounterMetricFamily("hotloop_store_written", "Store writes done.", value=p.written)
+        yield CounterMetricFamily("hotloop_store_failed", "Store writes failed.", value=p.failed)
+        q = GaugeMetricFamily("hotloop_ws_queued_creates", "response.create frames queued on WebSocket connections.")
+        q.add_metric([], app.ws_queued())
+        yield q
+        for name, helptext, hits, misses in (
+            ("prefix_cache", "Full-history inputs matched to a cached prefix.", eng.prefixes.hits, eng.prefixes.misses),
+            ("token_cache", "Token counts found in the cache.", eng.tokens.hits, eng.tokens.misses),
+        ):
+            c = CounterMetricFamily(f"hotloop_{name}_lookups", helptext, labels=["result"])
+            c.add_metric(["hit"], hits)
+            c.add_metric(["miss"], misses)
+            yield c
+        cc = CounterMetricFamily(
+            "hotloop_connection_cache_lookups", "previous_response_id found in the connection's cache.", labels=["result"]
+        )
+        cc.add_metric(["hit"], eng.conn_hits)
+        cc.add_metric(["miss"], eng.conn_misses)
+        yield cc

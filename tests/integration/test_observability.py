@@ -1,0 +1,166 @@
+"""Metrics, server-timing and logs on a real server: ``GET /metrics`` (Prometheus text format)
+after turns over HTTP, SSE and WebSocket; its authorisation; the model label's bound; the
+``server-timing`` header; ``--log-format json``; ``x-request-id`` sent on to the backend."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect as ws_connect
+
+from tests.conftest import Server, run_server
+from tests.integration.test_websocket import raw_until_terminal
+from tests.mock_chat_server import MockChatServer, Reply
+
+ADMIN = "sk-admin-observability"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("observed")
+    with run_server(tmp, "--sim-rate", "0", "--api-key", ADMIN, "--log-format", "json", "--store", "memory") as s:
+        yield s
+
+
+def samples(server: Server, headers: dict[str, str] = AUTH) -> dict[str, list[Any]]:
+    r = httpx.get(server.base + "/metrics", headers=headers, timeout=5)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: dict[str, list[Any]] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def create(server: Server, **body: Any) -> httpx.Response:
+    payload = {"model": "hotloop-sim", "input": "hi", **body}
+    return httpx.post(server.v1 + "/responses", json=payload, headers=AUTH, timeout=10)
+
+
+def test_metrics_after_turns_over_http_sse_and_websocket(observed: Server) -> None:
+    assert create(observed).status_code == 200
+    with httpx.stream("POST", observed.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi", "stream": True},
+                      headers=AUTH, timeout=10) as r:
+        assert r.status_code == 200
+        r.read()
+    with ws_connect(observed.ws + "/responses", additional_headers=AUTH, open_timeout=10) as ws:
+        for _ in range(2):
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi"}))
+            assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
+    assert create(observed, model="no-such-model-xyz").status_code == 200  # the simulator answers any model
+    m = samples(observed)
+    counts = {(s.labels["stage"], s.labels["transport"]): s.value for s in m["hotloop_stage_seconds_count"]}
+    for transport in ("json", "sse", "ws"):
+        for stage in ("parse", "resolve", "classify", "prepare", "first_token", "generation", "persist"):
+            assert counts.get((stage, transport), 0) >= 1, (stage, transport, counts)
+    assert counts[("generation", "ws")] >= 2
+    done = {(s.labels["transport"], s.labels["model"]): s.value for s in m["hotloop_responses_total"]
+            if s.labels["status"] == "completed"}
+    assert done[("json", "hotloop-sim")] >= 1 and done[("ws", "hotloop-sim")] >= 2
+    models = {s.labels["model"] for s in m["hotloop_responses_total"]}
+    assert "no-such-model-xyz" not in models and "other" in models  # bounded label set
+    out = sum(s.value for s in m["hotloop_tokens_total"] if s.labels["kind"] == "output")
+    assert out > 0
+    assert sum(s.value for s in m["hotloop_output_tokens_per_second_count"]) >= 4
+    assert m["hotloop_store_queue_depth"][0].value >= 0
+    assert {s.labels["transport"] for s in m["hotloop_open_connections"]} == {"http", "sse", "websocket"}
+    assert {s.labels["result"] for s in m["hotloop_prefix_cache_lookups_total"]} == {"hit", "miss"}
+
+
+def test_errors_are_counted(observed: Server) -> None:
+    r = httpx.post(observed.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi", "previous_response_id": "resp_nope"},
+                   headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+    m = samples(observed)
+    codes = {(s.labels["status"], s.labels["code"]): s.value for s in m["hotloop_errors_total"]}
+    assert codes[("400", "previous_response_not_found")] >= 1
+
+
+def test_metrics_need_a_key(observed: Server) -> None:
+    assert httpx.get(observed.base + "/metrics", timeout=5).status_code == 401
+    bad = httpx.get(observed.base + "/metrics", headers={"authorization": "Bearer sk-wrong"}, timeout=5)
+    assert bad.status_code == 401
+
+
+def test_metrics_public_and_off(tmp_path: Path) -> None:
+    with run_server(tmp_path, "--api-key", ADMIN, "--metrics-public", "--store", "memory") as s:
+        assert httpx.get(s.base + "/metrics", timeout=5).status_code == 200
+        assert httpx.get(s.v1 + "/models", timeout=5).status_code == 401  # only /metrics is open
+    with run_server(tmp_path, "--no-metrics", "--store", "memory") as s:
+        assert httpx.get(s.base + "/metrics", timeout=5).status_code == 404
+
+
+_TIMING = re.compile(r"^[a-z]+;dur=\d+\.\d{3}$")
+
+
+def timing(header: str) -> dict[str, float]:
+    parts = [p.strip() for p in header.split(",")]
+    assert all(_TIMING.match(p) for p in parts), header
+    return {p.split(";")[0]: float(p.split("=")[1]) for p in parts}
+
+
+def test_server_timing(observed: Server) -> None:
+    r = create(observed)
+    t = timing(r.headers["server-timing"])
+    assert set(t) == {"pre", "ttft", "total"} and 0 <= t["pre"] <= t["ttft"] <= t["total"]
+    with httpx.stream("POST", observed.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi", "stream": True},
+                      headers=AUTH, timeout=10) as s:
+        t = timing(s.headers["server-timing"])
+        assert set(t) == {"pre", "ttft"} and t["pre"] <= t["ttft"]
+        s.read()
+    e = httpx.get(observed.v1 + "/responses/resp_nope", headers=AUTH, timeout=5)
+    assert e.status_code == 404 and set(timing(e.headers["server-timing"])) == {"total"}
+    assert set(timing(httpx.get(observed.base + "/healthz", timeout=5).headers["server-timing"])) == {"total"}
+
+
+def test_json_logs(observed: Server) -> None:
+    r = create(observed)
+    rid = r.headers["x-request-id"]
+    lines = [ln for ln in observed.logs().splitlines() if ln.strip()]
+    objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    assert all(isinstance(o, dict) and {"time", "level", "logger", "message"} <= set(o) for o in objs)
+    mine = [o for o in objs if o.get("request_id") == rid]
+    assert len(mine) == 1, mine
+    o = mine[0]
+    assert o["logger"] == "hotloop.response" and o["transport"] == "json" and o["status"] == "completed"
+    assert o["model"] == "hotloop-sim" and o["output_tokens"] > 0 and o["key"]
+    assert set(o["stages_ms"]) == {"parse", "resolve", "classify", "prepare", "first_token", "generation", "persist"}
+    assert any(o["logger"].startswith("uvicorn") for o in objs)  # uvicorn's own lines, as JSON too
+
+
+@pytest.mark.parametrize("transport", ["lean", "sdk"])
+def test_request_id_reaches_the_backend(tmp_path: Path, transport: str) -> None:
+    with MockChatServer() as mock:
+        env = {"HOTLOOP_BACKEND_TRANSPORT": transport, "HOTLOOP_BACKEND_API_KEY": "k", "HOTLOOP_BACKEND_RETRIES": "0"}
+        args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model", "--store", "memory")
+        with run_server(tmp_path, *args, env=env) as s:
+            r = httpx.post(s.v1 + "/responses", json={"model": "mock-model", "input": "hi"}, timeout=10)
+            assert r.status_code == 200, r.text
+            chats = [q for q in mock.requests if q.path.endswith("/chat/completions")]
+            assert chats[-1].headers["x-request-id"] == r.headers["x-request-id"]
+            # a backend failure: counted by kind, and its log line names the request
+            mock.push(Reply.error(500, {"message": "boom"}))
+            bad = httpx.post(s.v1 + "/responses", json={"model": "mock-model", "input": "hi"}, timeout=10)
+            assert bad.status_code >= 500
+            m = samples(s, {})
+            assert sum(x.value for x in m["hotloop_backend_errors_total"]) >= 1
+            assert sum(x.value for x in m["hotloop_errors_total"] if x.labels["status"] == str(bad.status_code)) >= 1
+
+
+def test_multiprocess_mode(tmp_path: Path) -> None:
+    mp = tmp_path / "prom"
+    mp.mkdir()
+    with run_server(tmp_path, "--store", "memory", "--sim-rate", "0", env={"PROMETHEUS_MULTIPROC_DIR": str(mp)}) as s:
+        assert httpx.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=10).status_code == 200
+        m = samples(s, {})
+        counts = {s_.labels["stage"]: s_.value for s_ in m["hotloop_stage_seconds_count"]}
+        assert set(counts) == {"parse", "resolve", "classify", "prepare", "first_token", "generation", "persist"}
+        assert any(f.name.endswith(".db") for f in mp.iterdir())  # values written to the shared directory
