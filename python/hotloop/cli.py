@@ -72,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds for a request's head and body to arrive, then 408 and close (env HOTLOOP_REQUEST_READ_TIMEOUT, default 30)",
     )
     s.add_argument(
+        "--shutdown-grace",
+        dest="shutdown_grace",
+        type=int,
+        help="seconds HTTP responses in flight may take to finish after SIGTERM/SIGINT, then they are cancelled "
+        "(env HOTLOOP_SHUTDOWN_GRACE, default 30)",
+    )
+    s.add_argument(
         "--secrets",
         choices=["off", "flag", "redact", "block"],
         help="what the built-in secrets classifier does with credentials in new input: off, flag (ledger and log "

@@ -59,6 +59,7 @@ class Config:
     # bounds
     max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
     max_connections: int = 10_000  # open client connections, HTTP and WebSocket (beyond: 503)
+    shutdown_grace: int = 30  # seconds responses in flight may take to finish on SIGTERM/SIGINT
     request_read_timeout: float = 30.0  # seconds for a request's head and body to arrive (then 408, closed)
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
     ws_max_queued: int = 64  # response.create frames waiting on one connection

@@ -1,0 +1,47 @@
+"""Graceful shutdown: SIGTERM to a real server mid-stream lets the stream finish (within
+``--shutdown-grace``), flushes the store, and the response is readable after a restart."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import run_server
+
+
+def test_sigterm_mid_stream_finishes_and_persists(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {"HOTLOOP_DATA_DIR": str(data)}
+    args = ("--sim-rate", "40", "--sim-output-tokens", "60", "--shutdown-grace", "20")
+    events: list[dict[str, object]] = []
+    with run_server(tmp_path, *args, env=env) as s:
+        body = {"model": "hotloop-sim", "input": "hi", "stream": True}
+        with httpx.stream("POST", s.v1 + "/responses", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == 3:
+                    s.proc.send_signal(signal.SIGTERM)  # mid-stream: ~1.5 s of output still to come
+                    sent = time.monotonic()
+        assert events[-1]["type"] == "response.completed", events[-1]
+        assert time.monotonic() - sent > 0.5  # the stream really was in flight when the signal came
+        assert s.proc.wait(timeout=20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        # new connections are refused once it is stopping (the process is gone now)
+        try:
+            httpx.get(s.base + "/healthz", timeout=1)
+            refused = False
+        except httpx.HTTPError:
+            refused = True
+        assert refused
+    resp = events[-1]["response"]
+    assert isinstance(resp, dict)
+    with run_server(tmp_path, env=env) as s2:
+        got = httpx.get(f"{s2.v1}/responses/{resp['id']}", timeout=5)
+        assert got.status_code == 200 and got.json()["status"] == "completed"
+        assert got.json()["output"] == resp["output"]
