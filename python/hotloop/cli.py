@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "--shutdown-grace",
         dest="shutdown_grace",
         type=int,
-        help="seconds HTTP responses in flight may take to finish after SIGTERM/SIGINT, then they are cancelled "
+        help="seconds responses in flight may take to finish after SIGTERM/SIGINT, then they are cancelled "
         "(env HOTLOOP_SHUTDOWN_GRACE, default 30)",
     )
     s.add_argument(

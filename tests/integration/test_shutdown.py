@@ -1,5 +1,6 @@
-"""Graceful shutdown: SIGTERM to a real server mid-stream lets the stream finish (within
-``--shutdown-grace``), flushes the store, and the response is readable after a restart."""
+"""Graceful shutdown: SIGTERM to a real server mid-stream (SSE, WebSocket) lets the response
+finish (within ``--shutdown-grace``), flushes the store, and the response is readable after a
+restart; the WebSocket is then closed with 1012."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import run_server
 
@@ -45,3 +50,31 @@ def test_sigterm_mid_stream_finishes_and_persists(tmp_path: Path) -> None:
         got = httpx.get(f"{s2.v1}/responses/{resp['id']}", timeout=5)
         assert got.status_code == 200 and got.json()["status"] == "completed"
         assert got.json()["output"] == resp["output"]
+
+
+def test_sigterm_lets_a_websocket_response_finish(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {"HOTLOOP_DATA_DIR": str(data)}
+    args = ("--sim-rate", "40", "--sim-output-tokens", "60", "--shutdown-grace", "20")
+    frames: list[dict[str, Any]] = []
+    with run_server(tmp_path, *args, env=env) as s:
+        with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi"}))
+            while True:
+                try:
+                    frames.append(json.loads(ws.recv(timeout=20)))
+                except ConnectionClosed:
+                    break
+                if len(frames) == 3:
+                    s.proc.send_signal(signal.SIGTERM)
+                if frames[-1]["type"] in ("response.completed", "response.failed", "error"):
+                    break
+            assert frames[-1]["type"] == "response.completed", frames[-1]
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+        assert s.proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    rid = frames[-1]["response"]["id"]
+    with run_server(tmp_path, env=env) as s2:
+        got = httpx.get(f"{s2.v1}/responses/{rid}", timeout=5)
+        assert got.status_code == 200 and got.json()["status"] == "completed"

@@ -65,7 +65,8 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         lifespan="on",
         log_level=config.log_level,
         access_log=config.log_level == "debug",
-        # SIGTERM/SIGINT: stop accepting, let HTTP responses in flight finish within the grace,
+        # SIGTERM/SIGINT: stop accepting, let responses in flight finish within the grace (a WebSocket
+        # closes once idle: CorkedWebSocketProtocol.shutdown),
         # then cancel them; the lifespan shutdown flushes the store's queue before exit.
         timeout_graceful_shutdown=config.shutdown_grace,
         log_config=log_config(config.log_level, config.log_format),

@@ -21,7 +21,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
-from hotloop.server.wsproto import ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
+from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
 from hotloop.state.context import ConnectionCache
 from hotloop.tenants import ANONYMOUS, Tenant
 
@@ -99,6 +99,9 @@ class Connection:
         on_gone = ext.get(ON_CLIENT_GONE)
         if on_gone is not None:  # the server says at once when the client leaves, read or not
             on_gone(self._client_left)
+        on_busy = ext.get(ON_BUSY)
+        if on_busy is not None:  # a server shutdown waits for the responses running here
+            on_busy(lambda: bool(self._lane_tasks))
         self.opened_at = asyncio.get_running_loop().time()
         self.session: Session | None = None
         self.cache: ConnectionCache | None = None

@@ -53,6 +53,11 @@ ON_CLIENT_GONE = "hotloop.websocket.on_client_gone"
 """Scope extension: ``on_client_gone(callback)`` registers ``callback()``, called once, at once,
 when the client goes away (its close frame, a FIN or a reset): not when the server closed first.
 The application learns it even while it is not reading (e.g. while queued frames wait)."""
+ON_BUSY = "hotloop.websocket.on_busy"
+"""Scope extension: ``on_busy(busy)`` registers ``busy() -> bool``, true while responses run on
+the connection: a server shutdown closes the connection (1012) only once it turns false (uvicorn
+cancels what still runs when its graceful-shutdown timeout passes)."""
+_DRAIN_POLL = 0.05  # seconds between looks at a busy connection while the server shuts down
 
 _OPEN = State.OPEN
 
@@ -184,6 +189,20 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._flush_scheduled = False
         self._on_gone: Any = None
         self._app_closed = False
+        self._busy: Any = None
+
+    def _on_busy(self, busy: Any) -> None:
+        self._busy = busy
+
+    def shutdown(self) -> None:
+        busy = self._busy
+        closing = self.transport.is_closing()
+        if busy is not None and self.handshake_complete and not self.close_sent and not closing and busy():
+            # responses in flight on this connection finish first; look again shortly
+            self.loop.call_later(_DRAIN_POLL, self.shutdown)
+            return
+        if not closing:
+            super().shutdown()
 
     def _on_client_gone(self, callback: Any) -> None:
         self._on_gone = callback
@@ -217,6 +236,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         extensions[SEND_TEXTS] = self.send_texts
         extensions[WAIT_WRITABLE] = self.wait_writable
         extensions[ON_CLIENT_GONE] = self._on_client_gone
+        extensions[ON_BUSY] = self._on_busy
 
     def _flush(self) -> None:
         self._flush_scheduled = False
