@@ -18,12 +18,19 @@ from websockets.sync.client import connect as ws_connect
 from tests.conftest import run_server
 
 
+# a 1.5 s answer (60 tokens at 40/s): SIGTERM after its first events lands mid-response
+SLOW = ("--sim-rate", "40", "--sim-output-tokens", "60", "--shutdown-grace", "20")
+
+
+def data_env(tmp_path: Path) -> dict[str, str]:
+    """One data directory for the server and the one restarted after it."""
+    return {"HOTLOOP_DATA_DIR": str(tmp_path / "data")}
+
+
 def test_sigterm_mid_stream_finishes_and_persists(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    env = {"HOTLOOP_DATA_DIR": str(data)}
-    args = ("--sim-rate", "40", "--sim-output-tokens", "60", "--shutdown-grace", "20")
+    env = data_env(tmp_path)
     events: list[dict[str, object]] = []
-    with run_server(tmp_path, *args, env=env) as s:
+    with run_server(tmp_path, *SLOW, env=env) as s:
         body = {"model": "hotloop-sim", "input": "hi", "stream": True}
         with httpx.stream("POST", s.v1 + "/responses", json=body, timeout=30) as r:
             assert r.status_code == 200
@@ -53,11 +60,9 @@ def test_sigterm_mid_stream_finishes_and_persists(tmp_path: Path) -> None:
 
 
 def test_sigterm_lets_a_websocket_response_finish(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    env = {"HOTLOOP_DATA_DIR": str(data)}
-    args = ("--sim-rate", "40", "--sim-output-tokens", "60", "--shutdown-grace", "20")
+    env = data_env(tmp_path)
     frames: list[dict[str, Any]] = []
-    with run_server(tmp_path, *args, env=env) as s:
+    with run_server(tmp_path, *SLOW, env=env) as s:
         with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
             ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi"}))
             while True:

@@ -202,6 +202,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.loop.call_later(_DRAIN_POLL, self.shutdown)
             return
         if not closing:
+            self._flush()  # frames still corked go out before the close frame
             super().shutdown()
 
     def _on_client_gone(self, callback: Any) -> None:
