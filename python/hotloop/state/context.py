@@ -35,7 +35,7 @@ import msgspec
 
 from hotloop import _accel
 from hotloop.protocol.request import FunctionCall, Item
-from hotloop.state.store import LEGACY_OWNER
+from hotloop.state.store import LEGACY_OWNER, visible
 
 
 # Per-item bytes beyond its content that an item costs in a cached context (the item and part
@@ -170,7 +170,7 @@ class CachedResponse:
 
     def visible(self, scope: str | None) -> bool:
         """Whether a caller of ``scope`` (``None``: every owner) may see this response."""
-        return scope is None or self.owner == scope
+        return visible(self.owner, scope)
 
     def minted_item(self, item_id: str) -> Item | None:
         """One of its *own* items whose id the server minted, by id (``item_reference``)."""

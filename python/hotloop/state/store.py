@@ -151,7 +151,8 @@ def _flags(minted: list[bool]) -> list[bool] | None:
     return minted if any(minted) else None
 
 
-def _visible(owner: str, scope: str | None) -> bool:
+def visible(owner: str, scope: str | None) -> bool:
+    """Whether a caller of ``scope`` (``None``: every owner, the admin) may see what ``owner`` stored."""
     return scope is None or owner == scope
 
 
@@ -284,7 +285,7 @@ class MemoryStore:
 
     def _live_node(self, response_id: str, scope: str | None = None) -> _Node | None:
         node = self._nodes.get(response_id)
-        if node is None or not node.live or not _visible(node.rec.owner, scope):
+        if node is None or not node.live or not visible(node.rec.owner, scope):
             return None
         if time.time() - node.at > self.ttl_seconds:
             self._kill(response_id, node)
@@ -336,7 +337,7 @@ class MemoryStore:
     def delete(self, response_id: str, scope: str | None = None) -> bool:
         with self._lock:
             node = self._nodes.get(response_id)
-            if node is None or not node.live or not _visible(node.rec.owner, scope):
+            if node is None or not node.live or not visible(node.rec.owner, scope):
                 return False
             self._kill(response_id, node)
             return True

@@ -48,10 +48,6 @@ class Limits:
     tpm: int | None = None  # tokens per minute (input plus output)
     max_concurrent: int | None = None  # responses in flight at once
 
-    @property
-    def any(self) -> bool:
-        return self.rpm is not None or self.tpm is not None or self.max_concurrent is not None
-
 
 UNLIMITED = Limits()
 
