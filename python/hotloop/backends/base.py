@@ -33,7 +33,7 @@ class BackendRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     metadata: dict[str, Any] = {}
     user: str | None = None
-    request_id: str | None = None  # the client request's x-request-id, sent on to the backend
+    request_id: str | None = None  # the id hotloop gave the client's request (x-request-id), sent on to the backend
 
 
 class Backend(Protocol):

@@ -29,7 +29,7 @@ from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutErr
 
 from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import Pool, lean_pool, open_chat_stream
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
 from hotloop.config import Config
 
@@ -65,12 +65,6 @@ class CerebrasBackend(ChatBackend):
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
         self._config = config
         self._client: AsyncCerebras | None = None
-        self._pool: Pool | None = None
-
-    @property
-    def transport(self) -> str:
-        """The transport in use: ``lean`` or ``sdk``."""
-        return "lean" if self._pool is not None else "sdk"
 
     async def start(self) -> None:
         if not self._api_key:
@@ -93,9 +87,7 @@ class CerebrasBackend(ChatBackend):
         log.info("cerebras backend: %s transport to %s", self.transport, self._client.base_url)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.aclose()
-            self._pool = None
+        await self._close_pool()
         if self._client is not None:
             await self._client.close()
             self._client = None

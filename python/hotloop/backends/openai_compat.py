@@ -21,7 +21,7 @@ import httpx
 
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import Pool, lean_pool, open_chat_stream
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
 from hotloop.config import Config
 
@@ -43,12 +43,6 @@ class OpenAICompatBackend(ChatBackend):
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
         self._config = config
         self._client: httpx.AsyncClient | None = None
-        self._pool: Pool | None = None
-
-    @property
-    def transport(self) -> str:
-        """The transport in use: ``lean`` or ``sdk``."""
-        return "lean" if self._pool is not None else "sdk"
 
     async def start(self) -> None:
         if not self._base_url:
@@ -80,9 +74,7 @@ class OpenAICompatBackend(ChatBackend):
                 log.info("openai-compat backend: default model %s", self.default_model)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.aclose()
-            self._pool = None
+        await self._close_pool()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

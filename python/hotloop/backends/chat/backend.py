@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 import msgspec
 
@@ -23,6 +23,9 @@ from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, en
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
 from hotloop.models import reported_window
 from hotloop.protocol.chunks import Chunk
+
+if TYPE_CHECKING:
+    from hotloop.backends.chat.http1 import Pool
 
 log = logging.getLogger("hotloop.backends")
 
@@ -76,6 +79,17 @@ class ChatBackend:
         self.context_windows: dict[str, int] = {}
         self._models_at = -MODELS_TTL
         self._renders = RenderCache(self.dialect)
+        self._pool: Pool | None = None  # the lean transport's pool; None: the sdk transport
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``lean`` or ``sdk``."""
+        return "lean" if self._pool is not None else "sdk"
+
+    async def _close_pool(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
 
     async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
         raise NotImplementedError

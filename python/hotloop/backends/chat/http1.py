@@ -47,7 +47,7 @@ import os
 import ssl
 import urllib.request
 from collections import deque
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -519,14 +519,6 @@ class Pool:
                 conn.drop()
             raise
         return resp
-
-    async def request(self, method: str, path: str, body: bytes | None = None, limit: int = 8 * 1024 * 1024) -> tuple[int, dict[str, str], bytes]:
-        """A whole small request: status, headers and the body (at most ``limit`` bytes)."""
-        resp = await self.stream(method, path, body)
-        try:
-            return resp.status, resp.headers, await resp.read(limit)
-        finally:
-            await resp.aclose()
 
     async def error_body(self, resp: Response) -> object:
         """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON."""
