@@ -24,6 +24,9 @@ Scenarios:
   through a naive one-hop proxy (:mod:`hotloop.bench.naive`, needs ``hotloop[bench]``).
 * ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
   connection, and server CPU per delta event with many concurrent WebSocket streams.
+* ``loop`` (:mod:`hotloop.bench.loop`, its own options: ``hotloop bench loop -h``): scripted agent
+  loops over the four transports against the direct floor, every stream and turn checked, against
+  a hotloop started here or any Responses server by URL.
 """
 
 from __future__ import annotations
@@ -353,8 +356,13 @@ def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["loop"]:
+        from hotloop.bench.loop import main as loop_main
+
+        return loop_main(argv[1:])
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -374,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = p.parse_args(argv)
+    if args.scenario == "loop":
+        p.error("loop takes its own options, after its name: hotloop bench loop [options] (hotloop bench loop -h)")
     results = []
     if args.scenario in ("all", "stream"):
         results.append(bench_stream(args.tokens, args.rate))

@@ -11,6 +11,12 @@ chunks at ``rate`` tokens/s (rate 0: unpaced) after ``ms`` milliseconds, as text
 ``-tool``, as one function call (``run``) whose arguments arrive over the chunks, e.g.
 ``bench-4000-4000`` or ``bench-1000-40-tool-ttft20``. Any other id gets 16 tokens unpaced. Raw
 asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server.
+
+Context echo: a request whose body carries nonces (``hlctx-`` and 8 hex digits, as ``hotloop
+bench loop`` puts one in every input it sends) is answered with the word ``seen-<n>-<crc>`` in
+place of its first word: ``n`` nonces, in the order they appear, with the CRC-32 of them joined by
+commas. The client, knowing what it sent, can tell from the answer whether the model received the
+whole conversation (:func:`echo`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import time
+import zlib
 
 _WORDS = [" alpha", " beta", " gamma", " delta", " kappa", " sigma"]
+NONCE = re.compile(rb"hlctx-[0-9a-f]{8}")
+SEEN = re.compile(r"seen-(\d+)-([0-9a-f]{8})")
+
+
+def echo(nonces: list[bytes]) -> str:
+    """The context echo word for the nonces a request carried, in order."""
+    return f"seen-{len(nonces)}-{zlib.crc32(b','.join(nonces)):08x}"
 
 
 def _params(model: str) -> tuple[float, int, bool, float]:
@@ -70,7 +85,7 @@ def _arguments(tokens: int) -> list[str]:
     return ['{"cmd": "', *words, '"}']
 
 
-async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int) -> None:
+async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int, seen: str | None = None) -> None:
     rate, tokens, tool, ttft = _params(model)
     writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
@@ -84,6 +99,8 @@ async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int) 
     t0 = loop.time()
     interval = 1.0 / rate if rate > 0 else 0.0
     pieces = _arguments(tokens) if tool else [_WORDS[i % len(_WORDS)] for i in range(tokens)]
+    if seen is not None and len(pieces) > (1 if tool else 0):
+        pieces[1 if tool else 0] = " " + seen
     if not tool:
         writer.write(_chunk(0, created, model, ""))
     for i, piece in enumerate(pieces):
@@ -117,7 +134,8 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             body = await reader.readexactly(length) if length else b""
             if method == "POST" and path.endswith("/chat/completions"):
                 req = json.loads(body)
-                await _stream(writer, str(req.get("model", "")), len(body) // 4)
+                nonces = NONCE.findall(body)
+                await _stream(writer, str(req.get("model", "")), len(body) // 4, echo(nonces) if nonces else None)
             elif path.endswith("/models"):
                 data = json.dumps({"object": "list", "data": [{"id": "bench-4000-4000", "object": "model", "created": 0, "owned_by": "bench"}]}).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))

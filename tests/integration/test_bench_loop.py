@@ -1,0 +1,201 @@
+"""``hotloop bench loop`` end to end: real ``hotloop serve`` processes, the real mock model, and a
+small fake Responses server whose faults the checks must catch (exit code 1) while its correct
+mode passes (exit code 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from hotloop.bench import mock_process
+from hotloop.protocol import events as ev
+
+SMALL = ["--bytes", "512", "--output-tokens", "8", "--ttft", "5", "--rate", "2000"]
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
+    return subprocess.run(
+        [sys.executable, "-m", "hotloop", "bench", "loop", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_loop_ten_turns_all_transports_and_direct() -> None:
+    r = _bench("--turns", "10", "--json", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    report = json.loads(r.stdout)
+    assert report["ok"] is True and report["violation_count"] == 0 and report["violations"] == []
+    assert report["context_check"] == "echo"
+    assert set(report["transports"]) == {"http-full", "http-prev", "ws-prev", "ws-full"}
+    direct = report["direct"]
+    assert direct["turns"] == 10 and direct["failed_turns"] == 0
+    # the mock waits 5 ms, then streams 8 tokens at 2,000/s: a turn takes at least ~8 ms
+    assert 5 <= direct["ttft_p50_ms"] < direct["turn_p50_ms"] < 2000
+    for name, s in report["transports"].items():
+        assert s["turns"] == 10 and s["failed_turns"] == 0, name
+        assert 5 <= s["ttft_p50_ms"] <= s["ttft_p95_ms"], name
+        assert s["ttft_p50_ms"] < s["turn_p50_ms"] <= s["turn_p95_ms"] < 2000, name
+        assert 0.5 < s["over_direct_p50"] < 20, name
+        assert s["added_p50_ms"] == pytest.approx(s["added_p50_ms"]) and s["added_p50_ms"] > -50, name
+        assert 0 < s["server_cpu_per_turn_ms"] < 1000, name
+        assert len(s["series"]["turn_ms"]) == 10 and len(s["series"]["server_cpu_ms"]) == 10, name
+        assert s["wall_s"] >= sum(s["series"]["turn_ms"]) / 1e3 * 0.9, name
+    # the human report names everything too
+    r = _bench("--turns", "3", *SMALL, "--transports", "ws-prev")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "direct" in r.stdout and "ws-prev" in r.stdout and "violations: none" in r.stdout
+
+
+def test_loop_simulator_backend_usage_check() -> None:
+    r = _bench("--turns", "5", "--json", "--backend", "simulator", "--transports", "http-prev,ws-prev", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    report = json.loads(r.stdout)
+    assert report["context_check"] == "usage" and report["ok"] is True
+    assert set(report["transports"]) == {"http-prev", "ws-prev"} and report["direct"]["turns"] == 5
+
+
+class _Fake(BaseHTTPRequestHandler):
+    """Just enough of ``POST /v1/responses`` (SSE) in front of the mock model, with a fault:
+    ``forget`` drops the history of ``previous_response_id``; ``badseq`` skips a sequence number;
+    ``ok`` has none; ``plain`` answers by itself (a model that is not the mock)."""
+
+    protocol_version = "HTTP/1.1"
+    mode = "ok"
+    upstream = ""
+    history: dict[str, list[dict[str, Any]]] = {}
+    ids = itertools.count()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        prev = [] if self.mode == "forget" else self.history.get(body.get("previous_response_id") or "", [])
+        messages = prev + _messages(body["input"])
+        chat = {"model": body["model"], "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in body["tools"]]}
+        if self.mode == "plain":  # a model that is not the mock: no context echo
+            raw = b'data: {"choices":[{"delta":{"tool_calls":[{"id":"call_p","function":{"arguments":"{\\"cmd\\": \\"ls\\"}"}}]}}]}\n'
+        else:
+            raw = httpx.post(self.upstream + "/v1/chat/completions", json=chat, timeout=30).content
+        pieces, call_id = [], "call_x"
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:]).get("choices", ()):
+                    for tc in (choice.get("delta") or {}).get("tool_calls") or ():
+                        call_id = tc.get("id") or call_id
+                        pieces.append(tc["function"].get("arguments") or "")
+        rid = f"resp_{next(self.ids)}"
+        call = {"type": "function_call", "id": "fc_" + rid, "call_id": call_id, "name": "run", "arguments": "", "status": "in_progress"}
+        done = {**call, "arguments": "".join(pieces), "status": "completed"}
+        resp = {"id": rid, "object": "response", "status": "in_progress", "model": body["model"], "output": []}
+        events: list[dict[str, Any]] = [{"type": ev.CREATED, "response": resp}, {"type": ev.OUTPUT_ITEM_ADDED, "output_index": 0, "item": call}]
+        events += [{"type": ev.FUNCTION_CALL_ARGUMENTS_DELTA, "output_index": 0, "item_id": call["id"], "delta": p} for p in pieces]
+        events += [
+            {"type": ev.FUNCTION_CALL_ARGUMENTS_DONE, "output_index": 0, "item_id": call["id"], "arguments": done["arguments"]},
+            {"type": ev.OUTPUT_ITEM_DONE, "output_index": 0, "item": done},
+            {"type": ev.COMPLETED, "response": {**resp, "status": "completed", "output": [done],
+                                                "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}},
+        ]
+        out = b""
+        for seq, e in enumerate(events):
+            if self.mode == "badseq" and seq >= 3:
+                seq += 1
+            out += f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': seq})}\n\n".encode()
+        self.history[rid] = messages + _messages([done])
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+def _messages(items: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for it in items:
+        if it.get("type") == "function_call":
+            out.append({"role": "assistant", "tool_calls": [{"id": it["call_id"], "type": "function",
+                                                             "function": {"name": it["name"], "arguments": it["arguments"]}}]})
+        elif it.get("type") == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
+        else:
+            out.append({"role": it["role"], "content": it["content"]})
+    return out
+
+
+@contextlib.contextmanager
+def _fake(mode: str) -> Iterator[tuple[str, str]]:
+    """(fake server URL, mock URL)."""
+    with mock_process() as (mock, _pid):
+        handler = type("Handler", (_Fake,), {"mode": mode, "upstream": mock, "history": {}})
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        try:
+            yield f"http://127.0.0.1:{srv.server_address[1]}", mock
+        finally:
+            srv.shutdown()
+            srv.server_close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "transport", "expect"),
+    [("ok", "http-prev", None), ("forget", "http-prev", "lost context"), ("badseq", "http-full", "sequence_number")],
+)
+def test_foreign_server_faults_are_violations(mode: str, transport: str, expect: str | None) -> None:
+    with _fake(mode) as (url, mock):
+        model = "bench-2000-8-tool"
+        r = _bench("--url", url, "--model", model, "--direct-url", mock, "--turns", "4", "--transports", transport,
+                   "--bytes", "256", "--json")
+    report = json.loads(r.stdout)
+    assert report["context_check"].startswith("echo (detected"), report["context_check"]
+    assert report["direct"]["turns"] == 4 and "server_cpu_per_turn_ms" not in report["transports"][transport]
+    if expect is None:
+        assert r.returncode == 0 and report["ok"] and report["violations"] == [], report["violations"]
+        return
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert report["ok"] is False and report["violation_count"] >= 1
+    whats = [v["what"] for v in report["violations"]]
+    assert all(v["transport"] == transport for v in report["violations"])
+    assert any(expect in w for w in whats), whats
+    if mode == "forget":  # turn 1 is the first to continue a response
+        assert min(v["turn"] for v in report["violations"]) == 1
+
+
+def test_foreign_server_without_the_mock_has_no_context_check() -> None:
+    with _fake("plain") as (url, _mock):
+        r = _bench("--url", url, "--model", "m", "--turns", "3", "--transports", "http-full", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["context_check"] == "not available (foreign server)" and report["direct"] is None
+    assert report["transports"]["http-full"]["turns"] == 3
+    # nothing listening: every transport's turn fails, which is a violation too
+    r = _bench("--url", "http://127.0.0.1:9", "--model", "m", "--turns", "1", "--json")
+    assert r.returncode == 1
+    violations = json.loads(r.stdout)["violations"]
+    assert {v["transport"] for v in violations} == {"http-full", "http-prev", "ws-prev", "ws-full"}
+    assert all(v["what"].startswith("turn failed") for v in violations), violations
+
+
+def test_usage_errors_exit_2() -> None:
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from hotloop.bench.loop import main\n"
+        "sys.exit(main(['--turns', '1', '--plot', 'x.png']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "matplotlib" in r.stderr
+    r = _bench("--transports", "carrier-pigeon")
+    assert r.returncode == 2 and "carrier-pigeon" in r.stderr
+    r = _bench("--url", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--model" in r.stderr
