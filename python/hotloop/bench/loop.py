@@ -32,10 +32,14 @@ Checks, on every turn of every transport (a violation makes the exit code 1):
   must exceed the last turn's by at least the new input's tokens). Against a foreign server it is
   "not available", unless that server's model is the mock (the echo is then detected and checked).
 
-Reported per transport: end-to-end wall time, time to first token (first text or arguments
-delta) and turn time p50/p95, time added over direct (p50 of the per-turn differences, and the
-ratio of the p50s), server CPU per turn (whole process, every thread, from ``/proc``) when the
-server is a hotloop started here, and per-turn series (median over agents) in ``--json``.
+Every transport (and direct) first runs a checked warm-up conversation of two turns (reported as
+agent -1 if it violates anything), then the measured agents. Reported per transport: end-to-end
+wall time, time to first token (first text or arguments delta) and turn time (send to terminal
+event) p50/p95, time added over direct (p50 of the per-turn differences, and the ratio of the
+p50s), events per turn, and when the server is a hotloop started here its CPU per turn and per
+event (whole process, every thread, from ``/proc``; per event includes the turn's fixed costs);
+the mean turn time of the first and last tenth of the turns; per-turn series (median over agents)
+in ``--json``.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class StreamCheck:
 
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self.events = 0
         self.seq = 0
         self.first = True
         self.terminal: dict[str, Any] | None = None
@@ -92,6 +97,7 @@ class StreamCheck:
             self.problems.append(what)
 
     def feed(self, e: dict[str, Any]) -> None:
+        self.events += 1
         kind = e.get("type")
         if not isinstance(kind, str):
             self._bad("an event without a type")
@@ -173,9 +179,11 @@ class ChatCheck:
         self.text: list[str] = []
         self.args: list[str] = []
         self.call_id: str | None = None
+        self.chunks = 0
 
     def feed(self, chunk: dict[str, Any]) -> bool:
         """True when the chunk carried generated content (text or arguments)."""
+        self.chunks += 1
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         got = False
@@ -311,6 +319,7 @@ class Outcome:
     output: list[dict[str, Any]]
     usage: dict[str, Any] | None
     seen: str | None  # the mock's context echo found in the output, if any
+    events: int = 0  # events in the response's stream
 
 
 @dataclass
@@ -398,6 +407,7 @@ class TurnRecord:
     turn: int
     wall: float
     ttft: float | None
+    events: int = 0  # Responses events (direct: chat chunks) of the turn's stream
     cpu_ns: int | None = None
 
 
@@ -491,7 +501,7 @@ async def _responses_turn(
         raise TurnFailed(f"the turn did not complete: {detail[:300]}")
     resp = t["response"]
     output = list(resp.get("output") or [])
-    return Outcome(resp.get("id"), output, resp.get("usage"), _seen_in(output)), ttft, end
+    return Outcome(resp.get("id"), output, resp.get("usage"), _seen_in(output), check.events), ttft, end
 
 
 class _Conn:
@@ -563,7 +573,7 @@ async def _agent_responses(
                 return
             loop.check_context(rec, agent, i, out)
             agent.answered(out)
-            tick(TurnRecord(index, i, wall, ttft))
+            tick(TurnRecord(index, i, wall, ttft, out.events))
     finally:
         await conn.close()
 
@@ -600,7 +610,7 @@ async def _agent_direct(
             if seen is None or seen.group(0) != want:
                 rec.violate(index, i, f"lost context: the model received {seen.group(0) if seen else 'no context echo'}, the client sent {want}")
             agent.chat_answered(check.call_id, args, content)
-            tick(TurnRecord(index, i, wall, ttft))
+            tick(TurnRecord(index, i, wall, ttft, check.chunks))
     finally:
         http.close()
 
@@ -696,6 +706,8 @@ def summarize(run: Run, turns: int, direct: Run | None) -> dict[str, Any]:
     ttfts = [r.ttft for r in run.records if r.ttft is not None]
     s: dict[str, Any] = {"turns": len(walls), "failed_turns": run.failed_turns, "wall_s": round(run.wall, 3)}
     if walls:
+        s["events_per_turn"] = round(sum(r.events for r in run.records) / len(walls), 2)
+    if walls:
         s.update(turn_p50_ms=_ms(_pct(walls, 0.5)), turn_p95_ms=_ms(_pct(walls, 0.95)), turn_mean_ms=_ms(statistics.mean(walls)))
     if ttfts:
         s.update(ttft_p50_ms=_ms(_pct(ttfts, 0.5)), ttft_p95_ms=_ms(_pct(ttfts, 0.95)))
@@ -708,6 +720,10 @@ def summarize(run: Run, turns: int, direct: Run | None) -> dict[str, Any]:
         s["over_direct_p50"] = round(_pct(walls, 0.5) / _pct([r.wall for r in direct.records], 0.5), 4)
     if run.cpu_ns is not None and walls:
         s["server_cpu_per_turn_ms"] = round(run.cpu_ns / len(walls) / 1e6, 3)
+        events = sum(r.events for r in run.records)
+        if events:
+            # the turn's fixed costs included: an upper bound of the streaming cost per event
+            s["server_cpu_per_event_us"] = round(run.cpu_ns / events / 1e3, 2)
         per = [float(r.cpu_ns) for r in run.records if r.cpu_ns is not None]
         if per:
             s["server_cpu_per_turn_p50_ms"] = round(_pct(per, 0.5) / 1e6, 3)
@@ -915,7 +931,7 @@ def parser() -> argparse.ArgumentParser:
                    "arguments instead, and the direct floor is then paced to their length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tool outputs and the simulator (default 0)")
     p.add_argument("--turns", type=int, default=100, help="turns per agent (default 100)")
-    p.add_argument("--bytes", type=int, default=2048, help="bytes of each tool result sent (default 2048)")
+    p.add_argument("--bytes", type=int, default=4096, help="bytes of each tool result sent (default 4096)")
     p.add_argument("--concurrency", type=int, default=1, help="agents running at once per transport (default 1)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma-separated subset of {','.join(TRANSPORTS)}")
     p.add_argument("--no-direct", action="store_true", help="skip the direct floor")
