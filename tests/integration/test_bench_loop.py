@@ -199,3 +199,17 @@ def test_usage_errors_exit_2() -> None:
     assert r.returncode == 2 and "carrier-pigeon" in r.stderr
     r = _bench("--url", "http://127.0.0.1:9")
     assert r.returncode == 2 and "--model" in r.stderr
+
+
+def test_plot(tmp_path: Any) -> None:
+    """With matplotlib (hotloop[bench]) a PNG of both panels; without it, exit 2 and no file."""
+    import importlib.util
+
+    out = tmp_path / "loop.png"
+    r = _bench("--turns", "3", *SMALL, "--transports", "ws-prev,http-full", "--plot", str(out))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert r.returncode == 2 and "matplotlib" in r.stderr and not out.exists()
+        return
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000

@@ -773,27 +773,54 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _smooth(ys: list[float | None], k: int) -> list[float | None]:
+    """Rolling median over ``k`` turns (centred), so growth shows through the noise."""
+    out: list[float | None] = []
+    for i in range(len(ys)):
+        window = [y for y in ys[max(0, i - k // 2) : i + k // 2 + 1] if y is not None]
+        out.append(statistics.median(window) if window else None)
+    return out
+
+
 def plot(report: dict[str, Any], path: str) -> None:
-    """Per-turn latency (median over agents) against turn index, each transport and the floor."""
+    """Per-turn latency (median over agents) against turn index, each transport and the direct
+    floor (thin: every turn; thick: rolling median); below, server CPU per turn when measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     rows = list(report["transports"].items())
-    for name, s in rows:
-        ys = s["series"]["turn_ms"]
-        ax.plot(range(1, len(ys) + 1), ys, label=name, linewidth=1.2)
+    cpu = any("server_cpu_ms" in s["series"] for _, s in rows)
+    fig, axes = plt.subplots(2 if cpu else 1, 1, figsize=(8, 7 if cpu else 4.5), dpi=120, sharex=True, squeeze=False)
+    ax = axes[0][0]
+    n = report["config"]["turns"]
+    k = max(1, n // 20) | 1
+    lines: list[tuple[str, list[float | None], dict[str, Any]]] = [(name, s["series"]["turn_ms"], {}) for name, s in rows]
     if report.get("direct"):
-        ys = report["direct"]["series"]["turn_ms"]
-        ax.plot(range(1, len(ys) + 1), ys, label="direct (floor)", color="black", linestyle="--", linewidth=1.2)
+        lines.append(("direct (floor)", report["direct"]["series"]["turn_ms"], {"color": "black", "linestyle": "--"}))
+    for name, ys, style in lines:
+        xs = range(1, len(ys) + 1)
+        (line,) = ax.plot(xs, _smooth(ys, k), label=name, linewidth=1.6, **style)
+        ax.plot(xs, ys, color=line.get_color(), alpha=0.25, linewidth=0.8)
     cfg = report["config"]
-    ax.set_xlabel("turn")
-    ax.set_ylabel("turn time, ms (send to terminal event)")
-    ax.set_title(f"hotloop bench loop: {cfg['bytes']} B tool output per turn, {cfg['concurrency']} agent(s)", fontsize=10)
+    ax.set_ylabel("turn time, ms")
+    ax.set_title(
+        f"hotloop bench loop: {cfg['turns']} turns, {cfg['bytes']} B tool output per turn, {cfg['concurrency']} agent(s)"
+        + (f"; rolling median of {k}" if k > 1 else ""), fontsize=9,
+    )
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    if cpu:
+        ax2 = axes[1][0]
+        for name, s in rows:
+            ys = s["series"].get("server_cpu_ms")
+            if ys:
+                ax2.plot(range(1, len(ys) + 1), _smooth(ys, k), label=name, linewidth=1.6)
+        ax2.set_ylabel("server CPU per turn, ms")
+        ax2.grid(alpha=0.3)
+        ax2.set_ylim(bottom=0)
+    axes[-1][0].set_xlabel("turn (history grows by one tool call and its output per turn)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
