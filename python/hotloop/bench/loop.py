@@ -936,11 +936,12 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hotloop bench loop",
-        description=__doc__.split("\n\n")[0].strip("`: ").replace("``", ""),
+        description=(__doc__ or "").replace(":mod:", "").replace(":func:", "").replace("`", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "Exit status: 0 when every stream and every turn passed the checks, 1 on any violation or "
-            "failed turn, 2 on a usage error (e.g. --plot without matplotlib). The lost-context check "
-            "needs the mock as the model: it is 'not available' against a foreign --url server unless "
+            "Exit status: 0 when every stream and every turn passed the checks, 1 on any violation or\n"
+            "failed turn, 2 on a usage error (e.g. --plot without matplotlib). The lost-context check\n"
+            "needs the mock as the model: it is 'not available' against a foreign --url server unless\n"
             "that server's model is python -m hotloop.bench.mockchat."
         ),
     )
@@ -986,7 +987,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from hotloop.bench.wsload import _run
 
-    report = _run(run_all(args))
+    try:
+        report = _run(run_all(args))
+    except RuntimeError as exc:  # a server or the mock did not start
+        print(f"hotloop bench loop: {exc}", file=sys.stderr)
+        return 1
     if args.plot:
         plot(report, args.plot)
     if args.json:
