@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         help="json: one object per line, a line per response, uvicorn's logs too (env HOTLOOP_LOG_FORMAT, default text)",
     )
     s.add_argument(
+        "--access-log", dest="access_log", action="store_const", const=True,
+        help="log a line per HTTP request and WebSocket connection (uvicorn's access log; on with --log-level debug; "
+        "env HOTLOOP_ACCESS_LOG=1)",
+    )
+    s.add_argument(
         "--no-metrics", dest="metrics", action="store_const", const=False,
         help="record no metrics and serve no /metrics (env HOTLOOP_METRICS=0)",
     )
@@ -58,6 +63,21 @@ def _parser() -> argparse.ArgumentParser:
         "per-client keys: hotloop keys create",
     )
     s.add_argument("--store", choices=["sqlite", "memory"], help="response store (env HOTLOOP_STORE, default sqlite)")
+    s.add_argument(
+        "--store-sync",
+        dest="store_sync",
+        choices=["normal", "full"],
+        help="normal: stored responses are written off the critical path, durable within milliseconds of their "
+        "terminal event (README, Crash safety); full: written and synced before the terminal event is sent, "
+        "nothing completed is ever lost (env HOTLOOP_STORE_SYNC, default normal)",
+    )
+    s.add_argument(
+        "--store-max-lag",
+        dest="store_max_lag",
+        type=float,
+        help="seconds the oldest queued store write may wait before finished turns wait for the writer: the bound "
+        "on what a crash can lose with --store-sync normal (env HOTLOOP_STORE_MAX_LAG, default 0.2)",
+    )
     s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
     s.add_argument(
         "--max-connections",
@@ -75,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         "--shutdown-grace",
         dest="shutdown_grace",
         type=int,
-        help="seconds responses in flight may take to finish after SIGTERM/SIGINT, then they are cancelled "
+        help="seconds responses in flight may take to finish after SIGTERM/SIGINT, then they fail with server_error "
         "(env HOTLOOP_SHUTDOWN_GRACE, default 30)",
     )
     s.add_argument(

@@ -23,6 +23,7 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    access_log: bool = False  # uvicorn's access log (a line per request; always on at log level debug)
     log_format: str = "text"  # text | json (one JSON object per line, a line per response)
     metrics: bool = True  # GET /metrics (Prometheus); HOTLOOP_METRICS=0 turns recording off
     metrics_public: bool = False  # /metrics without an API key
@@ -53,6 +54,9 @@ class Config:
     classifiers: str = ""  # user classifiers, comma-separated module:attr (--classifier, repeatable)
     # storage
     store: str = "sqlite"  # sqlite | memory
+    # normal: a response is durable within the writer's queue time after its terminal event (README,
+    # Crash safety); full: stored, with SQLite synchronous=FULL, before its terminal event is sent
+    store_sync: str = "normal"
     data_dir: str = field(default_factory=_default_data_dir)
     store_ttl_seconds: float = 30 * 24 * 3600
     store_max_responses: int = 10_000
@@ -76,6 +80,7 @@ class Config:
     prefix_cache_bytes: int = 128 * 1024 * 1024  # their contexts and raw bytes; one entry at most a quarter
     max_pending_writes: int = 1024
     max_pending_write_bytes: int = 256 * 1024 * 1024  # estimated bytes of queued store writes
+    store_max_lag: float = 0.2  # seconds the oldest queued store write may wait (then turns wait: README, Crash safety)
 
     @property
     def classifier_specs(self) -> list[str]:

@@ -182,6 +182,15 @@ class ServerOverloaded(ServerError):
     code = "server_overloaded"
 
 
+class ServerShuttingDown(ServerError):
+    """A response still running when the server's shutdown grace ran out."""
+
+    status = 503
+
+    def __init__(self, message: str = "The server is shutting down; the response was stopped before it finished.") -> None:
+        super().__init__(message)
+
+
 class BackendError(HotloopError):
     """The model backend failed (5xx, malformed stream, disconnect)."""
 

@@ -25,7 +25,7 @@ AUTH = {"authorization": f"Bearer {ADMIN}"}
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("observed")
-    with run_server(tmp, "--sim-rate", "0", "--api-key", ADMIN, "--log-format", "json", "--store", "memory") as s:
+    with run_server(tmp, "--sim-rate", "0", "--api-key", ADMIN, "--log-format", "json", "--access-log", "--store", "memory") as s:
         yield s
 
 
@@ -134,6 +134,8 @@ def test_json_logs(observed: Server) -> None:
     assert o["model"] == "hotloop-sim" and o["output_tokens"] > 0 and o["key"]
     assert set(o["stages_ms"]) == {"parse", "resolve", "classify", "prepare", "first_token", "generation", "persist"}
     assert any(o["logger"].startswith("uvicorn") for o in objs)  # uvicorn's own lines, as JSON too
+    access = [o for o in objs if o["logger"] == "uvicorn.access"]  # --access-log
+    assert any("POST /v1/responses" in o["message"] for o in access), access[-3:]
 
 
 @pytest.mark.parametrize("transport", ["lean", "sdk"])

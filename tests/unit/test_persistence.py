@@ -190,6 +190,35 @@ def test_pending_writes_are_bounded_by_bytes_and_never_dropped() -> None:
     asyncio.run(main())
 
 
+def test_a_writer_behind_by_max_lag_makes_submissions_wait() -> None:
+    """The crash-loss bound: while the oldest queued write has waited ``max_lag``, finished turns
+    wait (in order, nothing dropped); a younger queue admits at once."""
+    store = GatedStore()
+
+    async def main() -> None:
+        entries = [_entry(f"resp_{i}") for i in range(4)]
+        p = Persistence(store, max_pending=100, max_lag=0.05)
+        gate = threading.Event()
+        for e in entries:
+            store.gates[e.id] = gate
+        await p.submit(entries[0])  # the writer takes it and blocks on the gate
+        await asyncio.to_thread(store.entered.setdefault("resp_0", threading.Event()).wait, 30)
+        await asyncio.wait_for(p.submit(entries[1]), 1)  # queued: young, admitted at once
+        await asyncio.sleep(0.1)  # resp_1 is now older than max_lag
+        third = asyncio.ensure_future(p.submit(entries[2]))
+        fourth = asyncio.ensure_future(p.submit(entries[3]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not third.done() and not fourth.done()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(third, fourth), 30)
+        await p.flush()
+        assert store.order == [e.id for e in entries]
+        await p.close()
+
+    asyncio.run(main())
+
+
 def test_a_record_larger_than_the_byte_bound_is_admitted_alone() -> None:
     store = MemoryStore()
 

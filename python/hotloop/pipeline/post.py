@@ -16,10 +16,13 @@ Usage records are batched: they accumulate in memory and go to the store as one 
 ``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
 append for its ledger entry, not a thread hand-off.
 
-Bounds: the write queue holds at most ``max_pending`` jobs (default 1,024) and at most
+Bounds: the write queue holds at most ``max_pending`` jobs (default 1,024), at most
 ``max_pending_bytes`` of estimated record bytes (default 256 MiB; one record larger than that is
-still admitted into an empty queue). When either is reached, ``submit`` waits, in FIFO order
-(back-pressure on the turn that finished, never on one in flight): records are never dropped.
+still admitted into an empty queue), and nothing older than ``max_lag`` seconds (default 0.2):
+while the oldest queued job has waited that long, the writer is behind, so a crash would lose
+more than the documented bound (README, Crash safety). When any is reached, ``submit`` waits, in
+FIFO order (back-pressure on the turn that finished, never on one in flight): records are never
+dropped.
 The usage buffer holds at most ``USAGE_BATCH`` records before it is queued.
 
 :meth:`Persistence.flush` is a barrier: every job gets a sequence number and ``flush`` waits until
@@ -45,6 +48,8 @@ from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseSt
 log = logging.getLogger("hotloop.post")
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_LAG = 0.2  # seconds the oldest queued write may wait before submissions wait too
+CLOSE_FLUSH_SECONDS = 30.0  # the bound on writing the queue out at shutdown
 ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
 
 
@@ -177,6 +182,7 @@ class _Job(NamedTuple):
     kind: str  # "put" (payload: Snapshot) or "usage" (payload: list[UsageRecord])
     payload: Any
     nbytes: int
+    at: float  # time.monotonic() when queued
 
 
 class Persistence:
@@ -184,11 +190,16 @@ class Persistence:
     USAGE_BATCH = 512
 
     def __init__(
-        self, store: ResponseStore, max_pending: int = 1024, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+        self,
+        store: ResponseStore,
+        max_pending: int = 1024,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        max_lag: float = DEFAULT_MAX_LAG,
     ) -> None:
         self.store = store
         self.max_pending = max(1, max_pending)
         self.max_pending_bytes = max_pending_bytes
+        self.max_lag = max_lag
         self.pending: dict[str, CachedResponse] = {}
         self._jobs: deque[_Job] = deque()  # queued, in sequence order
         self._jobs_bytes = 0
@@ -241,9 +252,17 @@ class Persistence:
             else:  # busy writer: try again later, the buffer stays bounded
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
+        """Write everything queued (waiting at most ``timeout`` seconds: a store that hangs cannot
+        hold the process forever; what is lost then is logged), then close the store."""
         if self._task is not None:
-            await self.flush()
+            try:
+                await asyncio.wait_for(self.flush(), timeout)
+            except TimeoutError:
+                log.error(
+                    "store flush at shutdown timed out after %.0f s: %d queued write(s) not stored",
+                    timeout, len(self._jobs) + len(self._blocked),
+                )
             self._task.cancel()
             try:
                 await self._task
@@ -257,11 +276,15 @@ class Persistence:
 
     def _job(self, kind: str, payload: Any, nbytes: int) -> _Job:
         self._seq += 1
-        return _Job(self._seq, kind, payload, nbytes)
+        return _Job(self._seq, kind, payload, nbytes, time.monotonic())
 
     def _has_room(self, nbytes: int) -> bool:
         jobs = self._jobs
-        return len(jobs) < self.max_pending and (not jobs or self._jobs_bytes + nbytes <= self.max_pending_bytes)
+        return not jobs or (
+            len(jobs) < self.max_pending
+            and self._jobs_bytes + nbytes <= self.max_pending_bytes
+            and time.monotonic() - jobs[0].at < self.max_lag
+        )
 
     def _push(self, job: _Job) -> None:
         self._jobs.append(job)

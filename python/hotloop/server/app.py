@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from hotloop import tokenizer
+from hotloop import errors, tokenizer
 from hotloop.backends.base import Backend
 from hotloop.config import Config
 from hotloop.pipeline.post import Persistence
@@ -43,6 +43,7 @@ class HotloopApp:
         self.tenancy = tenancy if tenancy is not None else make_tenancy(config, MemoryKeyStore())
         self.engine = Engine(config, backend, persistence, self.tenancy)
         self.started_at = time.time()
+        self._abort_timer: asyncio.TimerHandle | None = None  # the end of the shutdown grace
         self.ws_deadlines = Deadlines(config.ws_connection_max_age)
         self.http = HttpTransport(self)
         # open client connections by transport (an SSE stream counts as sse, not http)
@@ -110,7 +111,20 @@ class HotloopApp:
         except Exception:
             log.warning("could not list the backend's models for the metrics' model label")
 
+    def stopping(self, grace: float) -> None:
+        """The server has stopped accepting (SIGTERM/SIGINT): responses in flight have ``grace``
+        seconds to finish, then they end with ``response.failed`` (``server_error``)."""
+        if self._abort_timer is None:
+            self._abort_timer = asyncio.get_running_loop().call_later(grace, self._abort_in_flight)
+
+    def _abort_in_flight(self) -> None:
+        n = self.engine.abort_all(errors.ServerShuttingDown())
+        if n:
+            log.warning("shutdown grace over: %d response(s) in flight end with server_error", n)
+
     async def shutdown(self) -> None:
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
         task = self._models_task
         if task is not None and not task.done():
             task.cancel()

@@ -73,8 +73,10 @@ class Engine:
         )
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
-        self.active = 0
+        self.runs: set[Run] = set()  # the responses streaming now (abort_all fails them)
         self.completed = 0
+        # --store-sync full: a stored response's write is finished before its terminal event is sent
+        self.sync = config.store_sync == "full"
         # One thread counts the tokens of large new inputs while the backend generates.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
@@ -90,6 +92,17 @@ class Engine:
         self.conn_misses = 0
         # Called once per finished response (hotloop.server.metrics and the response log line).
         self.observers: list[Callable[["Run"], None]] = []
+
+    @property
+    def active(self) -> int:
+        return len(self.runs)
+
+    def abort_all(self, exc: errors.HotloopError) -> int:
+        """End every response in flight with ``response.failed`` (``exc``) as soon as it can
+        (the end of the shutdown grace); how many there were."""
+        for run in list(self.runs):
+            run.abort(exc)
+        return len(self.runs)
 
     def record(self, run: "Run", mark: float) -> None:
         now = time.thread_time()
@@ -157,17 +170,20 @@ class Engine:
         prefix: Prefix | None = None,
         raw_input: reuse.RawInput | None = None,
         request_id: str | None = None,
+        received: float | None = None,
     ) -> "Run":
         """Everything before the first event. Raises ``HotloopError``; evicts on failure (but not
         when the tenant's own limits refuse the response: a retry must find the parent).
 
         ``prefix`` is a raw-bytes prefix hit (:func:`hotloop.pipeline.reuse.decode_create`; then
         ``req.input`` holds only the items after it) and ``raw_input`` the request's raw ``input``
-        array; without a hit, a full-history input is matched by fingerprint here."""
+        array; without a hit, a full-history input is matched by fingerprint here. ``received``:
+        ``perf_counter()`` when the request began to be read (HTTP: before its body), so that the
+        ``parse`` stage covers reading and decoding it too; by default now."""
         started: list[Any] = []
         grant: Grant | None = None
         clock = time.perf_counter
-        marks = [clock()]  # the end of each stage (Run.marks; hotloop.server.metrics.STAGES)
+        marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
         try:
             p = validate(req, websocket=websocket)
             marks.append(clock())
@@ -479,7 +495,9 @@ class Run:
         self.conn = conn
         self.started_cpu = time.thread_time()
         self._steered = False  # steering asked this response to stop at a safe boundary
-        self._cut = False  # ... and cut the backend wait short for it
+        self._abort: errors.HotloopError | None = None  # ... or to fail now (abort)
+        self._sealed = False  # cached and stored before its terminal event (--store-sync full)
+        self._cut = False  # ... and cut the backend wait short for either
         self._cut_done = False
         self._watch: _Watchdog | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -507,13 +525,29 @@ class Run:
         such a boundary the wait ends now and the backend stream is cancelled; otherwise the
         stop comes after the chunk that reaches one (or the response ends on its own)."""
         self._steered = True
+        if self.turn.steerable:
+            self._interrupt()
+
+    def abort(self, exc: errors.HotloopError) -> None:
+        """End with ``response.failed`` (``exc``) at once: now if the run is waiting on the
+        backend, else after the chunk it is handling (or when its client has taken the frames
+        already produced)."""
+        if self._abort is None and not self.turn.done:
+            self._abort = exc
+            self._interrupt()
+
+    def _interrupt(self) -> None:
         watch = self._watch
         task = self._task
-        if watch is not None and watch.since is not None and task is not None and self.turn.steerable:
+        if watch is not None and watch.since is not None and task is not None and not self._cut:
             # The run's task is suspended in the backend await (``since`` is set only there), so
-            # the cancellation lands in it, and the run turns it into the steered ending.
+            # the cancellation lands in it, and the run turns it into the steered or failed ending.
             self._cut = True
             task.cancel()
+
+    def _stop(self) -> list[Frame]:
+        """The ending a steer or an abort asked for, after an interrupted backend wait."""
+        return self.turn.fail(self._abort) if self._abort is not None else self.turn.finish(STEERED)
 
     @property
     def response(self) -> dict[str, Any]:
@@ -528,10 +562,31 @@ class Run:
             self.turn.input_tokens = plan.input_tokens
             self.turn.cached_tokens = plan.cached_tokens
 
-    async def frames(self) -> AsyncGenerator[list[Frame], None]:
+    def frames(self) -> AsyncGenerator[list[Frame], None]:
+        """The response's frames in batches, its terminal event last; with ``--store-sync full``
+        the batch holding a stored response's terminal event waits until the write is done."""
+        return self._synced() if self.engine.sync else self._frames()
+
+    async def _synced(self) -> AsyncGenerator[list[Frame], None]:
+        async with contextlib.aclosing(self._frames()) as frames:
+            async for out in frames:
+                if self.turn.done and not self._sealed:
+                    await self._seal()
+                yield out
+
+    async def _seal(self) -> None:
+        """Cache and store the finished response now, and wait for its write (the store's
+        barrier), before its terminal event goes out."""
+        self._sealed = True
+        self.marks.append(time.perf_counter())
+        await self.engine.complete(self)
+        if self.turn.response["status"] in ("completed", "incomplete"):  # submitted: ledger, maybe store
+            await self.engine.persistence.flush()
+
+    async def _frames(self) -> AsyncGenerator[list[Frame], None]:
         turn = self.turn
         engine = self.engine
-        engine.active += 1
+        engine.runs.add(self)
         self._task = asyncio.current_task()
         try:
             if type(self._first) in _TERMINAL_CHUNKS:
@@ -546,6 +601,10 @@ class Run:
                         watchdog.arm(scope)
                         self._watch = watchdog
                         while True:
+                            if self._abort is not None:  # aborted while its client took frames
+                                await self._settle()
+                                yield turn.fail(self._abort)
+                                break
                             watchdog.since = loop.time()
                             try:
                                 chunk = await anext(it)
@@ -554,16 +613,20 @@ class Run:
                             except asyncio.CancelledError:
                                 if not self._uncut():
                                     raise  # not steering, or the connection is going away as well
-                                # steered while waiting on the backend: its stream is closed below
+                                # steered or aborted while waiting on the backend: its stream is
+                                # closed below
                                 watchdog.since = None
                                 await self._settle()
-                                yield turn.finish(STEERED)
+                                yield self._stop()
                                 break
                             watchdog.since = None
                             if type(chunk) in _TERMINAL_CHUNKS:
                                 await self._settle()
                             out = turn.feed(chunk)
-                            if self._steered and turn.steerable:
+                            if self._abort is not None and not turn.done:
+                                await self._settle()
+                                out += turn.fail(self._abort)
+                            elif self._steered and turn.steerable:
                                 await self._settle()
                                 out += turn.finish(STEERED)
                             if out:
@@ -578,7 +641,7 @@ class Run:
                 except errors.HotloopError as exc:
                     self.failure = backend_kind(exc)
                     await self._settle()
-                    yield turn.finish(STEERED) if self._uncut() else turn.fail(exc)
+                    yield self._stop() if self._uncut() else turn.fail(exc)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -586,7 +649,7 @@ class Run:
                         log.exception("backend stream failed (request %s)", self.request_id)
                     self.failure = "error"
                     await self._settle()
-                    yield turn.finish(STEERED) if self._cut_done else turn.fail(errors.BackendError("The model backend failed."))
+                    yield self._stop() if self._cut_done else turn.fail(errors.BackendError("The model backend failed."))
                 else:
                     if not turn.done:
                         self.failure = "ended_early"
@@ -596,16 +659,17 @@ class Run:
                     watchdog.disarm()
                     self._watch = None
         finally:
-            engine.active -= 1
+            engine.runs.discard(self)
             self._release()
             # Once the terminal event exists the response is real: its caching and storage come
             # before anything that may suspend (closing the backend stream), and never suspend
             # themselves in a way a leaving client's cancellation could interrupt (see
             # Persistence.submit), so a client that closes right after the terminal event cannot
             # lose them.
-            self.marks.append(time.perf_counter())
-            if turn.done:
-                await engine.complete(self)
+            if not self._sealed:
+                self.marks.append(time.perf_counter())
+                if turn.done:
+                    await engine.complete(self)
             self.ended = time.perf_counter()
             await _aclose(self._stream)
 

@@ -217,7 +217,7 @@ class HttpTransport:
         timing = [] if timing is None else timing
         if not req.stream:
             run = await self.app.engine.start(
-                req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid
+                req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid, received=t0
             )
             timing += _timing(run, t0)
             response = await run.drain()
@@ -228,7 +228,7 @@ class HttpTransport:
                 raise exc
             return await respond(200, encode(response), _truncated(run.plan.truncated))
         run = await self.app.engine.start(
-            req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid
+            req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid, received=t0
         )
         await send(
             {

@@ -8,8 +8,10 @@ uses uvicorn's httptools protocol under the server's connection limit and reques
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.config
+from collections.abc import Iterator
 from typing import Any
 
 from hotloop import backends
@@ -26,16 +28,20 @@ from hotloop.tenants.keys import open_key_store
 
 
 def make_store(config: Config) -> ResponseStore:
+    if config.store_sync not in ("normal", "full"):
+        raise ValueError(f"unknown store sync {config.store_sync!r}; choose 'normal' or 'full'")
     if config.store == "memory":
         return MemoryStore(config.store_max_responses, config.store_ttl_seconds)
     if config.store == "sqlite":
-        return SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds)
+        return SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync)
     raise ValueError(f"unknown store {config.store!r}; choose 'sqlite' or 'memory'")
 
 
 def make_app(config: Config) -> HotloopApp:
     backend = backends.create(config)
-    persistence = Persistence(make_store(config), config.max_pending_writes, config.max_pending_write_bytes)
+    persistence = Persistence(
+        make_store(config), config.max_pending_writes, config.max_pending_write_bytes, config.store_max_lag
+    )
     tenancy = make_tenancy(config, open_key_store(config.store, config.db_path))
     return HotloopApp(config, backend, persistence, tenancy)
 
@@ -64,29 +70,54 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         ws_max_size=config.max_body_bytes,
         lifespan="on",
         log_level=config.log_level,
-        access_log=config.log_level == "debug",
+        access_log=config.access_log or config.log_level == "debug",
         # SIGTERM/SIGINT: stop accepting, let responses in flight finish within the grace (a WebSocket
-        # closes once idle: CorkedWebSocketProtocol.shutdown),
-        # then cancel them; the lifespan shutdown flushes the store's queue before exit.
-        timeout_graceful_shutdown=config.shutdown_grace,
+        # closes with 1001 once idle: CorkedWebSocketProtocol.shutdown); at its end they fail with
+        # server_error (HotloopApp.stopping), and what still runs ABORT_WINDOW later is cancelled;
+        # the lifespan shutdown then flushes the store's queue (Persistence.close, bounded).
+        timeout_graceful_shutdown=config.shutdown_grace + ABORT_WINDOW,
         log_config=log_config(config.log_level, config.log_format),
         **extra,
     )
 
 
 STARTUP_FAILURE = 3  # uvicorn's exit code when the application failed to start
+ABORT_WINDOW = 2  # seconds after the grace for failed responses' last events to reach their clients
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with hotloop's ending: the shutdown grace is announced to the
+        application, and a stop asked for by SIGTERM/SIGINT that completed exits 0 (uvicorn would
+        re-raise the signal, so the process would end by it)."""
+
+        app: HotloopApp
+        grace: float
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            self.app.stopping(self.grace)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
 
 
 def serve(config: Config) -> int:
-    """Run until stopped; the process exit code (non-zero when start-up failed)."""
-    import uvicorn
-
+    """Run until stopped; the process exit code (0 after a graceful stop, 3 when start-up failed)."""
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         app = make_app(config)
-    except (ClassifierLoadError, ModelLimitsError) as exc:  # a bad --classifier / --model-limits: say what
+    except (ClassifierLoadError, ModelLimitsError, ValueError) as exc:  # a bad setting: say what
         logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
         return STARTUP_FAILURE
-    server = uvicorn.Server(uvicorn_config(app, config))
+    server = _server_class()(uvicorn_config(app, config))
+    server.app, server.grace = app, config.shutdown_grace
     server.run()
     return 0 if server.started else STARTUP_FAILURE

@@ -55,7 +55,7 @@ when the client goes away (its close frame, a FIN or a reset): not when the serv
 The application learns it even while it is not reading (e.g. while queued frames wait)."""
 ON_BUSY = "hotloop.websocket.on_busy"
 """Scope extension: ``on_busy(busy)`` registers ``busy() -> bool``, true while responses run on
-the connection: a server shutdown closes the connection (1012) only once it turns false (uvicorn
+the connection: a server shutdown closes the connection (1001) only once it turns false (uvicorn
 cancels what still runs when its graceful-shutdown timeout passes)."""
 _DRAIN_POLL = 0.05  # seconds between looks at a busy connection while the server shuts down
 
@@ -201,9 +201,18 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             # responses in flight on this connection finish first; look again shortly
             self.loop.call_later(_DRAIN_POLL, self.shutdown)
             return
-        if not closing:
-            self._flush()  # frames still corked go out before the close frame
+        if closing:
+            return
+        self._flush()  # frames still corked go out before the close frame
+        if self.close_sent or not self.handshake_complete:
             super().shutdown()
+            return
+        # uvicorn's own shutdown closes with 1012 (service restart); hotloop says 1001 (going away)
+        self.stop_keepalive()
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": 1001})
+        self.conn.send_close(1001, "server shutting down")
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.transport.close()
 
     def _on_client_gone(self, callback: Any) -> None:
         self._on_gone = callback

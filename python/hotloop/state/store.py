@@ -492,7 +492,13 @@ class SQLiteStore:
         path: str | Path,
         max_responses: int = DEFAULT_MAX_RESPONSES,
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        sync: str = "normal",
     ) -> None:
+        """``sync``: ``normal`` (WAL with synchronous=NORMAL: a committed write survives the
+        process being killed, the last ones may not survive a power cut) or ``full``
+        (synchronous=FULL: every commit is on disk when ``put`` returns)."""
+        if sync not in ("normal", "full"):
+            raise ValueError(f"unknown store sync {sync!r}; choose 'normal' or 'full'")
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -506,7 +512,7 @@ class SQLiteStore:
         self._deleted = False  # deletes since the last blob collection (which runs on prune)
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")
             self._db.execute(f"PRAGMA cache_size={-CACHE_KIB}")
             self._db.executescript(_SCHEMA)
@@ -699,20 +705,30 @@ class SQLiteStore:
         ]
         found = [(d, r.model, r.key, k, n) for d, r in zip(days, recs) if r.findings for k, n in r.findings.items()]
         with self._lock:
+            db = self._db
+            db.execute("BEGIN")  # one batch, one commit (one sync with --store-sync full)
+            try:
+                self._add_usage(rows, found)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def _add_usage(self, rows: list[tuple[Any, ...]], found: list[tuple[Any, ...]]) -> None:
+        self._db.executemany(
+            f"INSERT INTO key_usage({_USAGE_COLUMNS}, flagged) "
+            "VALUES (?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
+            "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
+            "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens, "
+            "flagged=flagged+excluded.flagged",
+            rows,
+        )
+        if found:
             self._db.executemany(
-                f"INSERT INTO key_usage({_USAGE_COLUMNS}, flagged) "
-                "VALUES (?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
-                "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
-                "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens, "
-                "flagged=flagged+excluded.flagged",
-                rows,
+                "INSERT INTO key_findings(day, model, key, kind, count) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(day, model, key, kind) DO UPDATE SET count=count+excluded.count",
+                found,
             )
-            if found:
-                self._db.executemany(
-                    "INSERT INTO key_findings(day, model, key, kind, count) VALUES (?,?,?,?,?) "
-                    "ON CONFLICT(day, model, key, kind) DO UPDATE SET count=count+excluded.count",
-                    found,
-                )
 
     def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
