@@ -799,10 +799,17 @@ def plot(report: dict[str, Any], path: str) -> None:
     lines: list[tuple[str, list[float | None], dict[str, Any]]] = [(name, s["series"]["turn_ms"], {}) for name, s in rows]
     if report.get("direct"):
         lines.append(("direct (floor)", report["direct"]["series"]["turn_ms"], {"color": "black", "linestyle": "--"}))
+    shown: list[float] = []
     for name, ys, style in lines:
         xs = range(1, len(ys) + 1)
-        (line,) = ax.plot(xs, _smooth(ys, k), label=name, linewidth=1.6, **style)
+        smooth = _smooth(ys, k)
+        shown += [y for y in smooth if y is not None]
+        (line,) = ax.plot(xs, smooth, label=name, linewidth=1.6, **style)
         ax.plot(xs, ys, color=line.get_color(), alpha=0.25, linewidth=0.8)
+    if k > 1 and shown:  # the medians' range: single slow turns (in the p95 columns) run off it
+        low, high = min(shown), max(shown)
+        pad = max(0.5, (high - low) * 0.3)
+        ax.set_ylim(max(0.0, low - pad), high + pad)
     cfg = report["config"]
     ax.set_ylabel("turn time, ms")
     ax.set_title(
