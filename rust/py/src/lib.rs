@@ -42,12 +42,19 @@ impl Fingerprinter {
     }
 }
 
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
 /// A fingerprint from Python: exactly 16 bytes, read little-endian.
 fn fp_of(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
     let bytes = obj.cast::<PyBytes>().map_err(|_| {
         PyTypeError::new_err(format!(
             "a fingerprint must be bytes, not {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            type_name(obj)
         ))
     })?;
     let raw: [u8; core::FINGERPRINT_LEN] = bytes.as_bytes().try_into().map_err(|_| {
@@ -63,12 +70,14 @@ fn fp_of(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
 /// A sequence of fingerprints (a str is refused, as by pyo3's `Vec` extraction).
 fn fps_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err("expected a sequence of fingerprints, got str"));
+        return Err(PyTypeError::new_err(
+            "expected a sequence of fingerprints, got str",
+        ));
     }
     let seq = obj.cast::<PySequence>().map_err(|_| {
         PyTypeError::new_err(format!(
             "expected a sequence of fingerprints, got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            type_name(obj)
         ))
     })?;
     let mut out = Vec::with_capacity(seq.len().unwrap_or(0));
