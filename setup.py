@@ -8,7 +8,6 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 CYTHON_MODULES = {
-    "hotloop._canon": "cython_ext/canon.pyx",
     "hotloop._frames": "cython_ext/frames.pyx",
 }
 

@@ -39,54 +39,38 @@ def _tool_item(i: int) -> dict[str, Any]:
     }
 
 
-def _canonical_reference(obj: Any) -> bytes:
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+KEY = bytes(range(32))
+_canonical = msgspec.json.Encoder(order="sorted").encode  # hotloop.pipeline.items' canonical form
 
 
 class Fingerprint:
-    params = (IMPL_NAMES, [200, 65536])
+    params = (IMPL_NAMES, [100, 2048, 204800])
     param_names = ["impl", "size"]
 
     def setup(self, impl: str, size: int) -> None:
-        self.fn = IMPLS[impl]["fingerprint"]
+        self.fn = IMPLS[impl]["Fingerprinter"](KEY)
         self.data = (b"0123456789abcdef" * (size // 16 + 1))[:size]
-        want = int.from_bytes(hashlib.blake2b(self.data, digest_size=8).digest(), "little")
-        assert self.fn(self.data) == want
+        assert self.fn(self.data) == hashlib.blake2b(self.data, digest_size=16, key=KEY).digest()
 
     def time_fingerprint(self, impl: str, size: int) -> None:
         self.fn(self.data)
 
 
-class CanonicalJson:
+class ItemFingerprint:
+    """canonical form + fingerprint of one item: the per-item work of a new turn."""
+
     params = (IMPL_NAMES, ["message_2kb", "tool_call"])
     param_names = ["impl", "item"]
 
     def setup(self, impl: str, item: str) -> None:
-        self.fn = IMPLS[impl]["canonical_json"]
-        self.obj = _message_item(1) if item == "message_2kb" else _tool_item(1)
-        assert self.fn(self.obj) == _canonical_reference(self.obj)
+        self.fp = IMPLS[impl]["Fingerprinter"](KEY)
+        self.item = _message_item(7) if item == "message_2kb" else _tool_item(7)
+        ref = json.dumps(self.item, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        assert json.loads(_canonical(self.item)) == self.item and len(_canonical(self.item)) == len(ref)
+        assert self.fp(_canonical(self.item)) == _pure.Fingerprinter(KEY)(_canonical(self.item))
 
-    def time_canonical_json(self, impl: str, item: str) -> None:
-        self.fn(self.obj)
-
-
-class ItemFingerprint:
-    """canonical_json + fingerprint of one item: the per-item work of a new turn."""
-
-    params = IMPL_NAMES
-    param_names = ["impl"]
-
-    def setup(self, impl: str) -> None:
-        self.canon = IMPLS[impl]["canonical_json"]
-        self.fp = IMPLS[impl]["fingerprint"]
-        self.item = _message_item(7)
-        ref = _canonical_reference(self.item)
-        assert self.fp(self.canon(self.item)) == _pure.fingerprint(ref)
-
-    def time_item_fingerprint(self, impl: str) -> None:
-        self.fp(self.canon(self.item))
+    def time_item_fingerprint(self, impl: str, item: str) -> None:
+        self.fp(_canonical(self.item))
 
 
 class ItemChainOps:
@@ -97,11 +81,13 @@ class ItemChainOps:
 
     def setup(self, impl: str) -> None:
         cls = IMPLS[impl]["ItemChain"]
-        self.fps = [_pure.fingerprint(str(i).encode()) for i in range(1000)]
+        fingerprint = _pure.Fingerprinter(KEY)
+        self.fps = [fingerprint(str(i).encode()) for i in range(1000)]
         self.tokens = [(i * 37) % 500 for i in range(1000)]
         self.chain = cls()
         self.chain.extend(self.fps, self.tokens)
-        self.new_fps = self.fps[:990] + [1, 2, 3]
+        self.extra = [bytes([i]) * 16 for i in (1, 2, 3)]
+        self.new_fps = self.fps[:990] + self.extra
         assert self.chain.common_prefix(self.new_fps) == 990
         assert self.chain.tokens_upto(990) == sum(self.tokens[:990])
         assert self.chain.total_tokens == sum(self.tokens)
@@ -113,7 +99,7 @@ class ItemChainOps:
     def time_copy_truncate_extend(self, impl: str) -> None:
         c = self.chain.copy()
         c.truncate(990)
-        c.extend([1, 2, 3], [10, 20, 30])
+        c.extend(self.extra, [10, 20, 30])
 
 
 def _delta_event(i: int) -> bytes:

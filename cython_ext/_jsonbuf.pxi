@@ -1,16 +1,14 @@
-# Shared by canon.pyx and frames.pyx (textually included, not a module): a growable byte buffer
-# that starts on the stack, and JSON writers for str/int/float with exactly the escaping that
-# both json.dumps(ensure_ascii=False) and msgspec.json use: \" \\ \b \f \n \r \t, other
+# Included by frames.pyx (textually, not a module): a growable byte buffer that starts on the
+# stack, and JSON writers for str and int with exactly the escaping that both
+# json.dumps(ensure_ascii=False) and msgspec.json use: \" \\ \b \f \n \r \t, other
 # characters below U+0020 as \u00XX (lowercase hex), everything else (DEL, U+2028, astral) as
 # UTF-8. Lone surrogates are reported to the caller (return 1), which raises or falls back.
 # Non-ASCII str is UTF-8 encoded by CPython's codec first, then scanned 8 bytes at a time.
 
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_AsUTF8String
-from cpython.conversion cimport PyOS_double_to_string, Py_DTSF_ADD_DOT_0
-from libc.string cimport memcpy, strlen
+from libc.string cimport memcpy
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object o)
@@ -194,24 +192,3 @@ cdef int jb_longlong(JBuf* b, long long v) except -1:
         i -= 1
         tmp[i] = b'-'
     return jb_write(b, tmp + i, 24 - i)
-
-
-cdef inline int jb_int(JBuf* b, object o) except -1:
-    """Write an int (or int subclass) the way int.__repr__ spells its value."""
-    cdef int overflow = 0
-    cdef long long v = PyLong_AsLongLongAndOverflow(o, &overflow)
-    cdef str r
-    if overflow == 0:
-        return jb_longlong(b, v)
-    r = int.__repr__(o)
-    return jb_write(b, <const char*>PyUnicode_DATA(r), PyUnicode_GET_LENGTH(r))
-
-
-cdef inline int jb_double(JBuf* b, double d) except -1:
-    """Write a finite double exactly as float.__repr__ does."""
-    cdef char* r = PyOS_double_to_string(d, b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
-    try:
-        jb_write(b, r, <Py_ssize_t>strlen(r))
-    finally:
-        PyMem_Free(r)
-    return 0

@@ -8,6 +8,8 @@
 and exceptions are the twin's by construction.
 """
 
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+
 include "_jsonbuf.pxi"
 
 cdef object _pure_delta = None

@@ -1,9 +1,9 @@
 """The one place that picks native or pure-Python implementations.
 
-Import accelerated names from here, never from ``hotloop._native``, ``hotloop._canon``,
-``hotloop._frames`` or ``hotloop._pure`` directly::
+Import accelerated names from here, never from ``hotloop._native``, ``hotloop._frames`` or
+``hotloop._pure`` directly::
 
-    from hotloop._accel import ItemChain, SseDecoder, item_fingerprint, encode_delta
+    from hotloop._accel import Fingerprinter, ItemChain, SseDecoder, encode_delta
     from hotloop._accel import SecretScanner, SECRET_PATTERNS
 
 ``HOTLOOP_PURE_PYTHON=1`` (also ``true``/``yes``/``on``) forces the pure twins. Otherwise the
@@ -28,14 +28,12 @@ __all__ = [
     "NATIVE",
     "PURE_REQUESTED",
     "SECRET_PATTERNS",
+    "Fingerprinter",
     "ItemChain",
     "SecretScanner",
     "SseDecoder",
-    "canonical_json",
     "encode_delta",
     "encode_sse",
-    "fingerprint",
-    "item_fingerprint",
 ]
 
 PURE_ENV = "HOTLOOP_PURE_PYTHON"
@@ -51,8 +49,7 @@ PURE_REQUESTED: bool = pure_requested()
 
 # module providing each name -> the names it provides
 _PROVIDERS: dict[str, tuple[str, ...]] = {
-    "hotloop._native": ("fingerprint", "ItemChain", "SseDecoder", "SecretScanner"),
-    "hotloop._canon": ("canonical_json",),
+    "hotloop._native": ("Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner"),
     "hotloop._frames": ("encode_delta", "encode_sse"),
 }
 
@@ -92,19 +89,17 @@ if _ERRORS:
     )
 
 if TYPE_CHECKING:
-    from hotloop._canon import canonical_json as canonical_json
     from hotloop._frames import encode_delta as encode_delta
     from hotloop._frames import encode_sse as encode_sse
+    from hotloop._native import Fingerprinter as Fingerprinter
     from hotloop._native import ItemChain as ItemChain
     from hotloop._native import SecretScanner as SecretScanner
     from hotloop._native import SseDecoder as SseDecoder
-    from hotloop._native import fingerprint as fingerprint
 else:
-    fingerprint = _IMPLS["fingerprint"]
+    Fingerprinter = _IMPLS["Fingerprinter"]
     ItemChain = _IMPLS["ItemChain"]
     SseDecoder = _IMPLS["SseDecoder"]
     SecretScanner = _IMPLS["SecretScanner"]
-    canonical_json = _IMPLS["canonical_json"]
     encode_delta = _IMPLS["encode_delta"]
     encode_sse = _IMPLS["encode_sse"]
 
@@ -125,7 +120,3 @@ def implementations() -> dict[str, dict[str, Any]]:
             native[name] = getattr(module, name)
     return {"native": native, "pure": {name: getattr(_pure, name) for name in native}}
 
-
-def item_fingerprint(item: object) -> int:
-    """Fingerprint of one conversation item: ``fingerprint(canonical_json(item))``."""
-    return fingerprint(canonical_json(item))

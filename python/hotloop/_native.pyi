@@ -8,26 +8,41 @@ classes; import them through ``hotloop._accel``, which picks one.
 from collections.abc import Sequence
 from typing import final
 
-__all__ = ["fingerprint", "ItemChain", "SecretScanner", "SseDecoder"]
+__all__ = ["Fingerprinter", "ItemChain", "SecretScanner", "SseDecoder"]
 
-def fingerprint(data: bytes) -> int:
-    """BLAKE2b with an 8-byte digest (digest length 8 in the parameter block, not a truncated
-    BLAKE2b-512) of ``data``, as the little-endian unsigned 64-bit int of those 8 bytes.
+@final
+class Fingerprinter:
+    """Item fingerprints under one secret key: keyed BLAKE2b with a 16-byte digest (digest and
+    key length in the parameter block, not a truncated BLAKE2b-512), by the ``blake2b_simd``
+    crate.
 
-    Equals ``int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")``. Inputs of
-    16 KiB or more are hashed with the GIL released.
-
-    :raises TypeError: ``data`` is not ``bytes`` (bytearray and memoryview are refused too).
+    ``Fingerprinter(key)(data)`` equals ``hashlib.blake2b(data, digest_size=16, key=key).digest()``.
+    The key is kept in Rust and never shown (``repr`` hides it).
     """
+
+    def __new__(cls, key: bytes) -> Fingerprinter:
+        """Fingerprints under ``key``.
+
+        :raises ValueError: ``key`` is shorter than 16 or longer than 64 bytes.
+        :raises TypeError: ``key`` is not ``bytes``.
+        """
+
+    def __call__(self, data: bytes) -> bytes:
+        """The 16-byte fingerprint of ``data``. Inputs of 16 KiB or more are hashed with the GIL
+        released.
+
+        :raises TypeError: ``data`` is not ``bytes`` (bytearray and memoryview are refused too).
+        """
 
 @final
 class ItemChain:
     """An ordered chain of conversation items, each a ``(fingerprint, tokens)`` pair, with
     running token sums, held in Rust.
 
-    Fingerprints are unsigned 64-bit ints (``fingerprint``/``item_fingerprint`` values), token
-    counts unsigned 32-bit ints; other values raise ``OverflowError`` (out of range) or
-    ``TypeError`` (not an int). The chain is bounded: growing it beyond ``max_items`` raises
+    Fingerprints are 16-byte ``bytes`` (``Fingerprinter`` values): another type raises
+    ``TypeError``, another length ``ValueError``. Token counts are unsigned 32-bit ints; other
+    values raise ``OverflowError`` (out of range) or ``TypeError`` (not an int); token counts are
+    checked before fingerprints. The chain is bounded: growing it beyond ``max_items`` raises
     ``OverflowError`` and leaves it unchanged.
     """
 
@@ -37,18 +52,21 @@ class ItemChain:
         :raises ValueError: ``max_items`` is negative.
         """
 
-    def push(self, fp: int, tokens: int) -> None:
+    def push(self, fp: bytes, tokens: int) -> None:
         """Append one item.
 
-        :raises OverflowError: the chain already holds ``max_items`` items, or ``fp``/``tokens``
-            is out of range.
+        :raises OverflowError: the chain already holds ``max_items`` items, or ``tokens`` is out
+            of range.
+        :raises ValueError: ``fp`` is not 16 bytes long.
         """
 
-    def extend(self, fps: Sequence[int], tokens: Sequence[int]) -> None:
+    def extend(self, fps: Sequence[bytes], tokens: Sequence[int]) -> None:
         """Append many items, all or nothing.
 
-        :raises ValueError: ``fps`` and ``tokens`` differ in length.
-        :raises OverflowError: the chain would exceed ``max_items``, or a value is out of range.
+        :raises ValueError: ``fps`` and ``tokens`` differ in length, or a fingerprint is not 16
+            bytes long.
+        :raises OverflowError: the chain would exceed ``max_items``, or a token count is out of
+            range.
         """
 
     def __len__(self) -> int:
@@ -62,9 +80,9 @@ class ItemChain:
     def max_items(self) -> int:
         """The capacity bound given to the constructor."""
 
-    def common_prefix(self, fps: Sequence[int]) -> int:
+    def common_prefix(self, fps: Sequence[bytes]) -> int:
         """How many leading entries of ``fps`` equal this chain's fingerprints (every entry of
-        ``fps`` is validated as an unsigned 64-bit int)."""
+        ``fps`` is validated as a 16-byte ``bytes``)."""
 
     def tokens_upto(self, n: int) -> int:
         """Sum of the tokens of the first ``n`` items (``tokens_upto(0) == 0``).
@@ -82,7 +100,7 @@ class ItemChain:
     def copy(self) -> ItemChain:
         """An independent copy (same items and ``max_items``)."""
 
-    def fingerprints(self) -> list[int]:
+    def fingerprints(self) -> list[bytes]:
         """The fingerprints, in order (a new list)."""
 
 @final

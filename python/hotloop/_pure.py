@@ -1,7 +1,7 @@
 """Pure-Python twins of every native accelerator.
 
 Each name here has the same API, results and exception classes as its native counterpart
-(``hotloop._native`` in Rust, ``hotloop._canon`` and ``hotloop._frames`` in Cython); the tests in
+(``hotloop._native`` in Rust, ``hotloop._frames`` in Cython); the tests in
 ``tests/unit/test_native_twins.py`` and ``tests/property/test_native_twins_props.py`` prove it.
 Do not import this module to pick an implementation: use ``hotloop._accel``, which is the one
 place that chooses (``HOTLOOP_PURE_PYTHON=1`` forces these twins).
@@ -19,7 +19,6 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from hashlib import blake2b
-from json.encoder import encode_basestring as _json_str
 from typing import Any, SupportsIndex
 
 import msgspec
@@ -28,37 +27,29 @@ __all__ = [
     "DEFAULT_MAX_BUFFER",
     "DEFAULT_MAX_ITEMS",
     "DEFAULT_MAX_MATCHES",
-    "MAX_DEPTH",
+    "FINGERPRINT_LEN",
+    "MAX_KEY_LEN",
+    "MIN_KEY_LEN",
     "SECRET_PATTERNS",
+    "Fingerprinter",
     "ItemChain",
     "SecretScanner",
     "SseDecoder",
-    "canonical_json",
     "encode_delta",
     "encode_sse",
-    "fingerprint",
     "shannon_entropy",
 ]
 
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BUFFER = 8 * 1024 * 1024
-MAX_DEPTH = 256
 DEFAULT_MAX_MATCHES = 10_000
 
 _U32_MAX = (1 << 32) - 1
-_U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 
 
-# -- integer conversions with the semantics of pyo3's u32/u64/i64 extraction -------------------
-
-
-def _u64(x: SupportsIndex) -> int:
-    v = operator.index(x)
-    if not 0 <= v <= _U64_MAX:
-        raise OverflowError(f"{v} does not fit in an unsigned 64-bit integer")
-    return v
+# -- integer conversions with the semantics of pyo3's u32/i64 extraction -------------------
 
 
 def _u32(x: SupportsIndex) -> int:
@@ -83,14 +74,50 @@ def _int_seq(x: object, conv: Callable[[Any], int]) -> list[int]:
     return [conv(v) for v in x]
 
 
-# -- fingerprint -------------------------------------------------------------------------------
+# -- Fingerprinter -----------------------------------------------------------------------------
+
+MIN_KEY_LEN = 16
+MAX_KEY_LEN = 64
+FINGERPRINT_LEN = 16
 
 
-def fingerprint(data: bytes) -> int:
-    """BLAKE2b with an 8-byte digest of ``data``, as a little-endian unsigned 64-bit int."""
-    if not isinstance(data, bytes):
-        raise TypeError(f"fingerprint() argument must be bytes, not {type(data).__name__}")
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+class Fingerprinter:
+    """Keyed BLAKE2b item fingerprints with a 16-byte digest; see
+    ``hotloop._native.Fingerprinter`` for the contract."""
+
+    __slots__ = ("_base",)
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        if not MIN_KEY_LEN <= len(key) <= MAX_KEY_LEN:
+            raise ValueError(f"a fingerprint key must be {MIN_KEY_LEN} to {MAX_KEY_LEN} bytes, got {len(key)}")
+        # Copying a keyed state is cheaper than keying a new one per call (same digest).
+        self._base = blake2b(digest_size=FINGERPRINT_LEN, key=key)
+
+    def __call__(self, data: bytes) -> bytes:
+        if not isinstance(data, bytes):
+            raise TypeError(f"data must be bytes, not {type(data).__name__}")
+        h = self._base.copy()
+        h.update(data)
+        return h.digest()
+
+    def __repr__(self) -> str:
+        return "Fingerprinter(<key hidden>)"
+
+
+def _fp(x: object) -> bytes:
+    if not isinstance(x, bytes):
+        raise TypeError(f"a fingerprint must be bytes, not {type(x).__name__}")
+    if len(x) != FINGERPRINT_LEN:
+        raise ValueError(f"a fingerprint must be {FINGERPRINT_LEN} bytes, got {len(x)}")
+    return x
+
+
+def _fp_seq(x: object) -> list[bytes]:
+    if isinstance(x, str) or not isinstance(x, Sequence):
+        raise TypeError(f"expected a sequence of fingerprints, got {type(x).__name__}")
+    return [_fp(v) for v in x]
 
 
 # -- ItemChain ---------------------------------------------------------------------------------
@@ -104,21 +131,21 @@ class ItemChain:
 
     def __init__(self, max_items: int = DEFAULT_MAX_ITEMS) -> None:
         self._max = _non_negative("max_items", max_items)
-        self._fps: list[int] = []
+        self._fps: list[bytes] = []
         self._cum: list[int] = []
 
-    def push(self, fp: int, tokens: int) -> None:
-        fp = _u64(fp)
-        tokens = _u32(tokens)
+    def push(self, fp: bytes, tokens: int) -> None:
+        tokens = _u32(tokens)  # checked first, as the native twin extracts it first
+        fp = _fp(fp)
         if len(self._fps) >= self._max:
             raise OverflowError(f"ItemChain is full (max_items={self._max})")
         cum = self._cum
         cum.append((cum[-1] if cum else 0) + tokens)
         self._fps.append(fp)
 
-    def extend(self, fps: Sequence[int], tokens: Sequence[int]) -> None:
-        new_fps = _int_seq(fps, _u64)
-        new_tokens = _int_seq(tokens, _u32)
+    def extend(self, fps: Sequence[bytes], tokens: Sequence[int]) -> None:
+        new_tokens = _int_seq(tokens, _u32)  # checked first, as the native twin extracts it first
+        new_fps = _fp_seq(fps)
         if len(new_fps) != len(new_tokens):
             raise ValueError(
                 "fps and tokens must have equal lengths "
@@ -150,8 +177,8 @@ class ItemChain:
     def max_items(self) -> int:
         return self._max
 
-    def common_prefix(self, fps: Sequence[int]) -> int:
-        other = _int_seq(fps, _u64)
+    def common_prefix(self, fps: Sequence[bytes]) -> int:
+        other = _fp_seq(fps)
         n = 0
         for a, b in zip(self._fps, other):
             if a != b:
@@ -176,7 +203,7 @@ class ItemChain:
         new._cum = self._cum.copy()
         return new
 
-    def fingerprints(self) -> list[int]:
+    def fingerprints(self) -> list[bytes]:
         return self._fps.copy()
 
 
@@ -270,86 +297,6 @@ class SseDecoder:
             raise ValueError(f"SSE line exceeds max_buffer ({limit} bytes)")
         self._line = tail
         return out
-
-
-# -- canonical_json ----------------------------------------------------------------------------
-
-
-def canonical_json(obj: object) -> bytes:
-    """``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-    allow_nan=False).encode("utf-8")`` with nesting bounded at ``MAX_DEPTH`` containers.
-
-    Values are written in traversal order and each string is UTF-8 encoded as it is written, so
-    when an input has several faults the first one met raises (the Cython twin does the same).
-    """
-    out: list[bytes] = []
-    _canon(obj, out.append, 0)
-    return b"".join(out)
-
-
-def _canon_float(o: float) -> bytes:
-    if not math.isfinite(o):
-        raise ValueError("Out of range float values are not JSON compliant: " + float.__repr__(o))
-    return float.__repr__(o).encode("ascii")
-
-
-def _canon_key(k: object) -> bytes:
-    # json's C encoder coerces keys in this order: str, float, True/False/None, int.
-    if isinstance(k, str):
-        return _json_str(k).encode("utf-8")
-    if isinstance(k, float):
-        return b'"' + _canon_float(k) + b'"'
-    if k is True:
-        return b'"true"'
-    if k is False:
-        return b'"false"'
-    if k is None:
-        return b'"null"'
-    if isinstance(k, int):
-        return b'"' + int.__repr__(k).encode("ascii") + b'"'
-    raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
-
-
-def _canon(o: object, write: Callable[[bytes], object], depth: int) -> None:
-    if o is None:
-        write(b"null")
-    elif o is True:
-        write(b"true")
-    elif o is False:
-        write(b"false")
-    elif isinstance(o, str):
-        write(_json_str(o).encode("utf-8"))
-    elif isinstance(o, int):
-        write(int.__repr__(o).encode("ascii"))
-    elif isinstance(o, float):
-        write(_canon_float(o))
-    elif isinstance(o, (list, tuple)):
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"canonical_json: nesting deeper than {MAX_DEPTH} containers")
-        write(b"[")
-        first = True
-        for x in o:
-            if not first:
-                write(b",")
-            first = False
-            _canon(x, write, depth + 1)
-        write(b"]")
-    elif isinstance(o, dict):
-        if depth >= MAX_DEPTH:
-            raise ValueError(f"canonical_json: nesting deeper than {MAX_DEPTH} containers")
-        write(b"{")
-        first = True
-        # Like json: sort the (key, value) items, then coerce keys.
-        for k, v in sorted(o.items()):
-            if not first:
-                write(b",")
-            first = False
-            write(_canon_key(k))
-            write(b":")
-            _canon(v, write, depth + 1)
-        write(b"}")
-    else:
-        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
 
 
 # -- encode_delta / encode_sse -----------------------------------------------------------------

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hotloop import _canon, _frames, _pure
+from hotloop import _frames, _pure
 from hotloop import _native as native
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -31,29 +30,45 @@ any_char = st.one_of(
     st.integers(0xD800, 0xDFFF).map(chr),  # lone surrogates (st.characters never yields them)
 )
 any_text = st.text(any_char, max_size=40)
-valid_text = st.text(st.characters(codec="utf-8"), max_size=40)
 
 
-# -- fingerprint --------------------------------------------------------------------------------
+# -- Fingerprinter ------------------------------------------------------------------------------
 
 
 @SETTINGS
-@given(st.binary(max_size=600))
-def test_fingerprint(data: bytes) -> None:
-    want = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    assert native.fingerprint(data) == want
-    assert _pure.fingerprint(data) == want
+@given(st.binary(min_size=16, max_size=64), st.binary(max_size=600))
+def test_fingerprint(key: bytes, data: bytes) -> None:
+    want = hashlib.blake2b(data, digest_size=16, key=key).digest()
+    assert native.Fingerprinter(key)(data) == want
+    assert _pure.Fingerprinter(key)(data) == want
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=80), st.text(max_size=40), st.none(), st.integers()))
+def test_fingerprinter_keys_agree(key: Any) -> None:
+    n = outcome(native.Fingerprinter, key)
+    p = outcome(_pure.Fingerprinter, key)
+    assert n[0] == p[0]
+    if n[0] == "err":
+        assert n == p
+    else:
+        assert n[1](b"x") == p[1](b"x")
 
 
 # -- ItemChain ----------------------------------------------------------------------------------
 
-u64ish = st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64]))
+fpish = st.one_of(
+    st.integers(0, 5).map(lambda i: bytes([i]) * 16),  # equal fingerprints are likely
+    st.binary(min_size=16, max_size=16),
+    st.binary(max_size=20),  # mostly the wrong length
+    st.sampled_from([0, "x" * 16, bytearray(16), None]),
+)
 u32ish = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([-1, 2**32]))
 small_n = st.integers(-2, 12)
 ops = st.one_of(
-    st.tuples(st.just("push"), u64ish, u32ish),
-    st.tuples(st.just("extend"), st.lists(u64ish, max_size=5), st.lists(u32ish, max_size=5)),
-    st.tuples(st.just("common_prefix"), st.lists(st.integers(0, 5), max_size=8)),
+    st.tuples(st.just("push"), fpish, u32ish),
+    st.tuples(st.just("extend"), st.lists(fpish, max_size=5), st.lists(u32ish, max_size=5)),
+    st.tuples(st.just("common_prefix"), st.lists(fpish, max_size=8)),
     st.tuples(st.just("tokens_upto"), small_n),
     st.tuples(st.just("truncate"), small_n),
     st.tuples(st.just("copy")),
@@ -74,7 +89,7 @@ def test_item_chain_random_ops(max_items: int, program: list[tuple[Any, ...]]) -
             if op == "copy":
                 chains[i] = chain.copy()
                 if len(chain) < max_items:
-                    chain.push(0, 1)  # mutating the original must not show in the copy
+                    chain.push(bytes(16), 1)  # mutating the original must not show in the copy
                 results.append(("ok", None))
             else:
                 results.append(outcome(getattr(chain, op), *args))
@@ -126,81 +141,6 @@ def test_sse_bounded_twins_agree_chunk_by_chunk(data: bytes, cuts: list[int], li
     for chunk in _chunks(data, cuts) + [b"\n\n"]:
         n, p = (outcome(d.feed, chunk) for d in decoders)
         assert n == p, chunk
-
-
-# -- canonical_json -----------------------------------------------------------------------------
-
-scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False, allow_infinity=False), valid_text,
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=5),
-        st.lists(inner, max_size=5).map(tuple),
-        st.dictionaries(valid_text, inner, max_size=5),
-    ),
-    max_leaves=30,
-)
-
-
-def reference_json(obj: Any) -> bytes:
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
-
-
-@SETTINGS
-@given(json_values)
-def test_canonical_json_equals_json_dumps(obj: Any) -> None:
-    want = reference_json(obj)
-    assert _canon.canonical_json(obj) == want
-    assert _pure.canonical_json(obj) == want
-
-
-any_key = st.one_of(any_text, st.integers(), st.floats(), st.booleans(), st.none())
-messy_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(), any_text,
-    st.sampled_from([b"x", {1, 2}, object(), 1j]),
-)
-messy_values = st.recursive(
-    messy_scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4),
-        st.lists(inner, max_size=4).map(tuple),
-        st.dictionaries(any_text, inner, max_size=4),
-        st.dictionaries(st.integers(), inner, max_size=3),
-        st.dictionaries(st.floats(), inner, max_size=3),
-        st.dictionaries(any_key, inner, max_size=3),
-    ),
-    max_leaves=20,
-)
-
-
-@SETTINGS
-@given(messy_values)
-def test_canonical_json_twins_agree_on_anything(obj: Any) -> None:
-    n = outcome(_canon.canonical_json, obj)
-    assert n == outcome(_pure.canonical_json, obj)
-    ref = outcome(reference_json, obj)
-    if ref[0] == "ok" or n[0] == "ok":
-        # Valid input: same bytes as json.dumps. Invalid input: json.dumps also fails (it may
-        # report a different fault first, e.g. a lone surrogate only after all other checks).
-        assert n[0] == ref[0]
-        if n[0] == "ok":
-            assert n == ref
-
-
-@SETTINGS
-@given(st.integers(0, 300))
-def test_canonical_json_depth(depth: int) -> None:
-    obj: Any = "leaf"
-    for i in range(depth):
-        obj = [obj] if i % 3 else {"k": obj}
-    n = outcome(_canon.canonical_json, obj)
-    assert n == outcome(_pure.canonical_json, obj)
-    assert n[0] == ("ok" if depth <= 256 else "err")
 
 
 # -- encode_delta / encode_sse ------------------------------------------------------------------

@@ -84,7 +84,7 @@ def test_context_from_the_store_estimates_sizes() -> None:
     assert loaded.context.nbytes >= entry.context.nbytes
     assert loaded.context.nbytes < entry.context.nbytes + 1000
     ctx = Context()
-    ctx.extend([Message(role="user", content="q")], [1], [2], [77])
+    ctx.extend([Message(role="user", content="q")], [bytes(16)], [2], [77])
     assert ctx.nbytes == 77
 
 

@@ -111,7 +111,7 @@ def test_open_mode_until_the_first_key() -> None:
 def _rec(rid: str, owner: str, ids: list[str], minted: list[bool], parent: str | None = None, base: int = 0) -> StoredResponse:
     items = [{"type": "message", "id": i, "role": "user", "content": [{"type": "input_text", "text": f"{owner}:{i}"}]} for i in ids]
     n = len(items)
-    return StoredResponse({"id": rid}, items, list(range(n)), [1] * n, n, parent, base, owner, minted)
+    return StoredResponse({"id": rid}, items, [i.to_bytes(16, "little") for i in range(n)], [1] * n, n, parent, base, owner, minted)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "memory"])
@@ -138,7 +138,7 @@ def test_response_cache_is_scoped_and_resolves_only_own_minted_items() -> None:
     def entry(rid: str, owner: str, ids: list[str], supplied: frozenset[str]) -> CachedResponse:
         items = [item_from_dict({"type": "message", "id": i, "role": "user", "content": owner}) for i in ids]
         ctx = Context()
-        ctx.extend(items, list(range(len(items))), [1] * len(items))
+        ctx.extend(items, [i.to_bytes(16, "little") for i in range(len(items))], [1] * len(items))
         return CachedResponse({"id": rid}, ctx, len(items), True, owner=owner, supplied=supplied)
 
     c = ResponseCache()

@@ -17,7 +17,7 @@ import pytest
 
 from hotloop import _accel
 
-NATIVE_MODULES = ("hotloop._native", "hotloop._canon", "hotloop._frames")
+NATIVE_MODULES = ("hotloop._native", "hotloop._frames")
 REQUIRE_NATIVE = os.environ.get("HOTLOOP_REQUIRE_NATIVE", "") == "1"
 
 skip_if_pure = pytest.mark.skipif(
@@ -42,11 +42,10 @@ def test_accel_resolved_every_name_natively() -> None:
     assert _accel.IMPORT_ERRORS == {}
     assert _accel.NATIVE is True
     expected = {
-        "fingerprint": "hotloop._native",
+        "Fingerprinter": "hotloop._native",
         "ItemChain": "hotloop._native",
         "SseDecoder": "hotloop._native",
         "SecretScanner": "hotloop._native",
-        "canonical_json": "hotloop._canon",
         "encode_delta": "hotloop._frames",
         "encode_sse": "hotloop._frames",
     }
@@ -66,10 +65,10 @@ def test_a_failed_native_import_is_recorded_not_hidden() -> None:
     """If an extension cannot be imported, _accel falls back to the twins but says so."""
     script = (
         "import sys, json\n"
-        "sys.modules['hotloop._canon'] = None  # makes `import hotloop._canon` raise ImportError\n"
+        "sys.modules['hotloop._frames'] = None  # makes `import hotloop._frames` raise ImportError\n"
         "from hotloop import _accel as a\n"
         "print(json.dumps([a.NATIVE, a.BACKEND_NAMES, sorted(a.IMPORT_ERRORS),\n"
-        "                  a.canonical_json({'b': 1, 'a': [2]}).decode()]))\n"
+        "                  a.encode_sse('t', b'{}').decode()]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HOTLOOP_PURE_PYTHON"}
     proc = subprocess.run(
@@ -77,10 +76,10 @@ def test_a_failed_native_import_is_recorded_not_hidden() -> None:
         check=False, cwd="/",
     )
     assert proc.returncode == 0, proc.stderr
-    native, names, errors, canon = json.loads(proc.stdout)
+    native, names, errors, sse = json.loads(proc.stdout)
     assert native is False
-    assert errors == ["hotloop._canon"]
-    assert names["canonical_json"] == "hotloop._pure"
-    assert names["fingerprint"] == "hotloop._native"
-    assert canon == '{"a":[2],"b":1}'
+    assert errors == ["hotloop._frames"]
+    assert names["encode_sse"] == "hotloop._pure"
+    assert names["Fingerprinter"] == "hotloop._native"
+    assert sse == "event: t\ndata: {}\n\n"
     assert "native extensions unavailable" in proc.stderr

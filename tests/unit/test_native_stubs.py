@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODULES = ("hotloop._native", "hotloop._canon", "hotloop._frames")
+MODULES = ("hotloop._native", "hotloop._frames")
 
 
 def test_stubtest_passes_on_the_installed_extensions(tmp_path: Path) -> None:

@@ -35,32 +35,54 @@ def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
         return ("err", type(exc))
 
 
-def reference_json(obj: Any) -> bytes:
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+# -- Fingerprinter ------------------------------------------------------------------------------
 
-
-# -- fingerprint --------------------------------------------------------------------------------
-
+KEY = bytes(range(32))
 FP_INPUTS = [b"", b"abc", b"a" * 127, b"a" * 128, b"a" * 129, bytes(range(256)) * 300]
 
 
+def fp(i: int) -> bytes:
+    """A well-formed fingerprint for chain tests."""
+    return i.to_bytes(16, "little")
+
+
 @pytest.mark.parametrize("data", FP_INPUTS, ids=lambda d: f"len{len(d)}")
-def test_fingerprint_is_blake2b_64_little_endian(impl: Impl, data: bytes) -> None:
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    assert impl["fingerprint"](data) == int.from_bytes(digest, "little")
+def test_fingerprint_is_keyed_blake2b_128(impl: Impl, data: bytes) -> None:
+    assert impl["Fingerprinter"](KEY)(data) == hashlib.blake2b(data, digest_size=16, key=KEY).digest()
 
 
 def test_fingerprint_known_vector(impl: Impl) -> None:
-    assert impl["fingerprint"](b"abc") == 0x5995D533D814BBD8
-    assert impl["fingerprint"](b"") == 0xB4B2797457A0A6E4
+    # the vectors of rust/core/src/fingerprint.rs
+    assert impl["Fingerprinter"](KEY)(b"abc").hex() == "1a64be47e4729d951c302ee543f97cf3"
+    assert impl["Fingerprinter"](KEY)(b"").hex() == "3daf97bce7888fd59773c66bf647459c"
+
+
+def test_fingerprint_depends_on_the_key(impl: Impl) -> None:
+    make = impl["Fingerprinter"]
+    assert make(b"a" * 32)(b"item") != make(b"b" * 32)(b"item")
+    assert make(b"a" * 16)(b"item") != make(b"a" * 17)(b"item")  # the key length is hashed too
+    assert make(b"k" * 64)(b"item") == hashlib.blake2b(b"item", digest_size=16, key=b"k" * 64).digest()
+    assert make(b"a" * 32)(b"item") == make(b"a" * 32)(b"item")
+
+
+@pytest.mark.parametrize(("key", "exc"), [(b"", ValueError), (b"k" * 15, ValueError), (b"k" * 65, ValueError),
+                                          ("k" * 32, TypeError), (bytearray(32), TypeError), (None, TypeError)])
+def test_fingerprinter_key_checks(impl: Impl, key: object, exc: type) -> None:
+    with pytest.raises(exc):
+        impl["Fingerprinter"](key)
 
 
 @pytest.mark.parametrize("bad", ["abc", bytearray(b"abc"), memoryview(b"abc"), None, 3])
 def test_fingerprint_refuses_non_bytes(impl: Impl, bad: object) -> None:
     with pytest.raises(TypeError):
-        impl["fingerprint"](bad)
+        impl["Fingerprinter"](KEY)(bad)
+
+
+def test_fingerprinter_never_shows_its_key(impl: Impl) -> None:
+    key = b"S3CRET-" * 4
+    f = impl["Fingerprinter"](key)
+    assert repr(f) == str(f) == "Fingerprinter(<key hidden>)"
+    assert not hasattr(f, "key")
 
 
 # -- ItemChain ----------------------------------------------------------------------------------
@@ -71,20 +93,21 @@ def test_item_chain_basics(impl: Impl) -> None:
     assert len(chain) == 0
     assert chain.total_tokens == 0
     assert chain.max_items == 100_000
-    chain.push(11, 5)
-    chain.extend([12, 13], [6, 7])
+    chain.push(fp(11), 5)
+    chain.extend([fp(12), fp(13)], [6, 7])
     assert len(chain) == 3
     assert chain.total_tokens == 18
-    assert chain.fingerprints() == [11, 12, 13]
+    assert chain.fingerprints() == [fp(11), fp(12), fp(13)]
     assert [chain.tokens_upto(n) for n in range(4)] == [0, 5, 11, 18]
-    assert chain.common_prefix([11, 12, 99]) == 2
-    assert chain.common_prefix([11, 12, 13, 14]) == 3
+    assert chain.common_prefix([fp(11), fp(12), fp(99)]) == 2
+    assert chain.common_prefix((fp(11), fp(12), fp(13), fp(14))) == 3
     assert chain.common_prefix([]) == 0
+    assert chain.common_prefix([fp(11) + b"", bytes(fp(12))]) == 2  # equal bytes, not identity
     copy = chain.copy()
     chain.truncate(1)
-    assert chain.fingerprints() == [11]
+    assert chain.fingerprints() == [fp(11)]
     assert chain.total_tokens == 5
-    assert copy.fingerprints() == [11, 12, 13]
+    assert copy.fingerprints() == [fp(11), fp(12), fp(13)]
     chain.truncate(10)
     assert len(chain) == 1
     assert repr(copy) == "ItemChain(len=3, total_tokens=18, max_items=100000)"
@@ -92,13 +115,13 @@ def test_item_chain_basics(impl: Impl) -> None:
 
 def test_item_chain_limits(impl: Impl) -> None:
     chain = impl["ItemChain"](max_items=2)
-    chain.push(2**64 - 1, 2**32 - 1)
+    chain.push(b"\xff" * 16, 2**32 - 1)
     with pytest.raises(OverflowError):
-        chain.extend([1, 2], [1, 1])  # all or nothing
+        chain.extend([fp(1), fp(2)], [1, 1])  # all or nothing
     assert len(chain) == 1
-    chain.push(0, 0)
+    chain.push(fp(0), 0)
     with pytest.raises(OverflowError):
-        chain.push(1, 1)
+        chain.push(fp(1), 1)
     assert chain.total_tokens == 2**32 - 1
     with pytest.raises(IndexError):
         chain.tokens_upto(3)
@@ -107,23 +130,36 @@ def test_item_chain_limits(impl: Impl) -> None:
     with pytest.raises(ValueError):
         chain.truncate(-1)
     with pytest.raises(ValueError):
-        chain.extend([1], [])
+        chain.extend([fp(1)], [])
     with pytest.raises(ValueError):
         impl["ItemChain"](-1)
 
 
 @pytest.mark.parametrize(
-    ("fp", "tokens", "exc"),
-    [(-1, 0, OverflowError), (2**64, 0, OverflowError), (0, 2**32, OverflowError),
-     (0, -1, OverflowError), (1.0, 0, TypeError), ("1", 0, TypeError)],
+    ("fp_", "tokens", "exc"),
+    [(b"x" * 15, 0, ValueError), (b"x" * 17, 0, ValueError), (b"", 0, ValueError), (0, 0, TypeError),
+     ("x" * 16, 0, TypeError), (bytearray(16), 0, TypeError), (fp(0), 2**32, OverflowError),
+     (fp(0), -1, OverflowError), (fp(0), 1.0, TypeError), (b"short", 2**32, OverflowError)],
 )
-def test_item_chain_value_checks(impl: Impl, fp: object, tokens: object, exc: type) -> None:
+def test_item_chain_value_checks(impl: Impl, fp_: object, tokens: object, exc: type) -> None:
     chain = impl["ItemChain"]()
     with pytest.raises(exc):
-        chain.push(fp, tokens)
+        chain.push(fp_, tokens)
     with pytest.raises(exc):
-        chain.extend([fp], [tokens])
+        chain.extend([fp_], [tokens])
     assert len(chain) == 0
+
+
+@pytest.mark.parametrize(("fps", "exc"), [("x" * 16, TypeError), (fp(1), TypeError), (None, TypeError),
+                                          ([fp(1), 1], TypeError), ([fp(1), b"x"], ValueError)])
+def test_item_chain_fingerprint_sequences(impl: Impl, fps: object, exc: type) -> None:
+    chain = impl["ItemChain"]()
+    chain.push(fp(1), 1)
+    with pytest.raises(exc):
+        chain.common_prefix(fps)
+    with pytest.raises(exc):
+        chain.extend(fps, [1, 1])
+    assert chain.fingerprints() == [fp(1)]
 
 
 # -- SseDecoder ---------------------------------------------------------------------------------
@@ -178,83 +214,6 @@ def test_sse_bounds(impl: Impl) -> None:
         dec.feed(b"data:1\ndata:2\ndata:3\ndata:4\ndata:5\n")
     with pytest.raises(TypeError):
         impl["SseDecoder"]().feed("data: x\n\n")
-
-
-# -- canonical_json -----------------------------------------------------------------------------
-
-CANON_OK: list[Any] = [
-    None, True, False, 0, -1, 2**63, -(2**64) - 5, 10**30, 0.0, -0.0, 1.5, 1e16, 1e-7, 1 / 3,
-    2.0**70, "", "plain", "q\"b\\s/", "".join(map(chr, range(0x20))) + "\x7f\u2028\u2029",
-    "\u00e9\u4e2d\U0001f600", [], (), {}, [1, [2, [3, {}]]], (1, "a", None),
-    {"b": 1, "a": [{"d": 1, "c": 2}], "": None, "\u00e9": 1, "e": 1},
-    {10: "a", 2: "b", -1: "c"}, {1.5: 0, 0.25: 1}, {True: 1, 2: 2}, {None: 0}, {False: 0},
-    {"k": {"k": {"k": [True, False, None, 1.0]}}},
-]
-
-
-@pytest.mark.parametrize("obj", CANON_OK, ids=repr)
-def test_canonical_json_equals_json_dumps(impl: Impl, obj: Any) -> None:
-    assert impl["canonical_json"](obj) == reference_json(obj)
-
-
-class ListSub(list[Any]):
-    pass
-
-
-def _cycle() -> list[Any]:
-    a: list[Any] = []
-    a.append(a)
-    return a
-
-
-def _deep(n: int) -> Any:
-    obj: Any = 0
-    for i in range(n):
-        obj = [obj] if i % 2 else {"k": obj}
-    return obj
-
-
-CANON_ERR: list[tuple[Any, type]] = [
-    (float("nan"), ValueError), (float("inf"), ValueError), ([-float("inf")], ValueError),
-    ({float("nan"): 1}, ValueError), (object(), TypeError), ({1, 2}, TypeError),
-    (b"bytes", TypeError), ({(1, 2): 0}, TypeError), ({1: 0, "a": 0}, TypeError),
-    ("\ud800", UnicodeEncodeError), ({"\udfff": 1}, UnicodeEncodeError),
-    (["ok", "x\udc80y"], UnicodeEncodeError), (_cycle(), ValueError), (_deep(257), ValueError),
-    ([object(), "\ud800"], TypeError), (["\ud800", object()], UnicodeEncodeError),
-    ([float("nan"), object()], ValueError),
-]
-
-
-@pytest.mark.parametrize(("obj", "exc"), CANON_ERR, ids=lambda v: type(v).__name__)
-def test_canonical_json_errors(impl: Impl, obj: Any, exc: type) -> None:
-    with pytest.raises(exc):
-        impl["canonical_json"](obj)
-
-
-def test_canonical_json_depth_limit_is_256(impl: Impl) -> None:
-    ok = _deep(256)
-    assert impl["canonical_json"](ok) == reference_json(ok)
-    with pytest.raises(ValueError):
-        impl["canonical_json"](_deep(257))
-
-
-def test_canonical_json_subclasses(impl: Impl) -> None:
-    import enum
-
-    class Color(enum.IntEnum):
-        RED = 3
-
-    class S(str):
-        pass
-
-    class D(dict[str, int]):
-        pass
-
-    obj = {S("s"): [Color.RED, S("v"), D(z=1, a=2), ListSub([1.25])], Color.RED: 1.0}
-    with pytest.raises(TypeError):  # str and IntEnum keys cannot be sorted together
-        reference_json(obj)
-    obj = {"s": [Color.RED, S("v"), D(z=1, a=2), ListSub([1.25])], "t": {Color.RED: 1}}
-    assert impl["canonical_json"](obj) == reference_json(obj)
 
 
 # -- encode_delta / encode_sse ------------------------------------------------------------------
@@ -413,18 +372,21 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from hotloop import _accel as a
+    from hotloop.pipeline import items
+    from hotloop.protocol.request import item_from_dict
+    fp = [bytes([i]) * 16 for i in range(10)]
     chain = a.ItemChain(10)
-    chain.extend([1, 2, 3], [4, 5, 6])
+    chain.extend(fp[1:4], [4, 5, 6])
     dec = a.SseDecoder()
     events = dec.feed(b"event: e\\r\\ndata: 1\\r") + dec.feed(b"\\n\\r\\ndata: \\xff\\n\\n")
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi\\u2028"}]}
     out = {
         "native": a.NATIVE,
         "backends": sorted(set(a.BACKEND_NAMES.values())),
-        "fingerprint": a.fingerprint(b"hello"),
-        "item_fingerprint": a.item_fingerprint(item),
-        "canonical": a.canonical_json(item).decode(),
-        "chain": [len(chain), chain.total_tokens, chain.tokens_upto(2), chain.common_prefix([1, 9])],
+        "fingerprint": a.Fingerprinter(b"k" * 32)(b"hello").hex(),
+        "item_fingerprint": (items.use_key(b"k" * 32), items.fingerprint(item_from_dict(item)).hex())[1],
+        "canonical": items.canonical(item_from_dict(item)).decode(),
+        "chain": [len(chain), chain.total_tokens, chain.tokens_upto(2), chain.common_prefix([fp[1], fp[9]])],
         "events": events,
         "delta": a.encode_delta("t", 1, "i", 0, 0, "d\\u00e9", True).decode(),
         "sse": a.encode_sse("t", b"{}").decode(),

@@ -11,7 +11,7 @@ from hotloop.state.store import MemoryStore, SQLiteStore, StoredResponse, UsageR
 
 def rec(rid: str, n: int = 3, input_len: int = 2) -> StoredResponse:
     items = [{"type": "message", "id": f"msg_{rid}_{i}", "role": "user", "content": [{"type": "input_text", "text": f"t{i}"}]} for i in range(n)]
-    return StoredResponse({"id": rid, "object": "response", "output": []}, items, [2**64 - 1 - i for i in range(n)], [5 + i for i in range(n)], input_len)
+    return StoredResponse({"id": rid, "object": "response", "output": []}, items, [bytes([255 - i]) * 16 for i in range(n)], [5 + i for i in range(n)], input_len)
 
 
 @pytest.fixture(params=["sqlite", "memory"])

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
@@ -147,8 +148,11 @@ def to_record(entry: CachedResponse) -> StoredResponse:
 def from_record(rec: History | StoredResponse) -> CachedResponse:
     """A loaded history (or a self-contained record) as a continuable cache entry."""
     items = [item_from_dict(d) for d in rec.items]
+    fps = rec.fps
+    if None in fps:  # dropped by the store (made under another key or scheme): recompute
+        fps = [itemlib.fingerprint(it) if fp is None else fp for fp, it in zip(fps, items)]
     ctx = Context()
-    ctx.extend(items, rec.fps, rec.toks)
+    ctx.extend(items, fps, rec.toks)  # type: ignore[arg-type]  # no None left
     own_from = rec.base_len if rec.parent_id is not None else 0
     minted = rec.minted or [False] * len(rec.items)
     supplied = frozenset(

@@ -58,10 +58,10 @@ class Plan:
         prepared: Prepared,
         parent: CachedResponse | None,
         new_items: list[Item],
-        fps: list[int],
+        fps: list[bytes],
         toks: list[int],
         pending: list[tuple[int, str]],
-        pending_blobs: list[tuple[int, str]],
+        pending_blobs: list[tuple[bytes, str]],
         settings: int,
         cached_tokens: int,
         cache: itemlib.TokenCache | None,
@@ -175,11 +175,11 @@ def _resolve_reference(
     return found
 
 
-def settings_tokens(p: Prepared, cache: itemlib.TokenCache | None) -> tuple[int, list[tuple[int, str]]]:
+def settings_tokens(p: Prepared, cache: itemlib.TokenCache | None) -> tuple[int, list[tuple[bytes, str]]]:
     """Tokens of what the model sees besides items (instructions, tool definitions): the known
     count, and the ``(fingerprint, text)`` of settings still to be counted."""
     n = tokenizer.TOKENS_PER_REQUEST
-    missing: list[tuple[int, str]] = []
+    missing: list[tuple[bytes, str]] = []
     blobs: list[Any] = list(p.tools)
     if p.req.instructions:
         n += tokenizer.TOKENS_PER_ITEM

@@ -64,10 +64,10 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
     total = len(items)
     if total < 2:
         return None
-    fps: list[int | None] = [None] * total
+    fps: list[bytes | None] = [None] * total
     computed = 0  # fps[:computed] are all known
 
-    def fp(i: int) -> int:
+    def fp(i: int) -> bytes:
         v = fps[i]
         if v is None:
             v = fps[i] = itemlib.fingerprint(items[i], f"input[{i}]")

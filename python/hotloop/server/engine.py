@@ -66,6 +66,8 @@ class Engine:
         self.persistence = persistence
         self.tenancy = tenancy  # None: no limits
         self.ids = IdGen()
+        # Fingerprints under the key the store keeps its fingerprints under (hotloop.state.fpkey).
+        itemlib.use_key(persistence.store.fingerprint_key)
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
         self.responses = ResponseCache(

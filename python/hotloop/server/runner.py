@@ -23,6 +23,7 @@ from hotloop.server.app import HotloopApp, make_tenancy
 from hotloop.server.logs import log_config
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
+from hotloop.state.fpkey import KeyFileError
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
 from hotloop.tenants.keys import open_key_store
 
@@ -114,7 +115,7 @@ def serve(config: Config) -> int:
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         app = make_app(config)
-    except (ClassifierLoadError, ModelLimitsError, ValueError) as exc:  # a bad setting: say what
+    except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError) as exc:  # a bad setting or key file: say what
         logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
         return STARTUP_FAILURE
     server = _server_class()(uvicorn_config(app, config))

@@ -89,12 +89,12 @@ class Context:
     def tokens(self) -> int:
         return int(self.chain.total_tokens)
 
-    def extend(self, items: list[Item], fps: list[int], toks: list[int], sizes: list[int] | None = None) -> None:
+    def extend(self, items: list[Item], fps: list[bytes], toks: list[int], sizes: list[int] | None = None) -> None:
         self.items.extend(items)
         self.extend_chain(items, fps, toks, sizes)
 
     def extend_chain(
-        self, items: list[Item], fps: list[int], toks: list[int], sizes: list[int] | None = None
+        self, items: list[Item], fps: list[bytes], toks: list[int], sizes: list[int] | None = None
     ) -> None:
         """Record ``items`` (already appended to ``self.items``) in the chain, call ids and
         ``nbytes``. ``sizes`` are the items' sizes when known (:func:`hotloop.pipeline.items.split`

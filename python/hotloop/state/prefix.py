@@ -44,7 +44,7 @@ class Prefix:
         self,
         entry: CachedResponse,
         n: int,
-        last_fp: int,
+        last_fp: bytes,
         nbytes: int,
         raw: bytes | None = None,
         head: bytes | None = None,
@@ -109,7 +109,7 @@ class PrefixCache:
     def __init__(self, max_entries: int = 512, max_bytes: int = 128 * 1024 * 1024) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._d: OrderedDict[tuple[str, int, int], Prefix] = OrderedDict()
+        self._d: OrderedDict[tuple[str, int, bytes], Prefix] = OrderedDict()
         self._heads: dict[tuple[str, bytes], list[Prefix]] = {}
         self._bodies: dict[tuple[str, bytes], list[Prefix]] = {}  # by the body's leading bytes
         self._lengths: dict[str, dict[int, int]] = {}  # owner -> length -> entries of that length
@@ -149,7 +149,7 @@ class PrefixCache:
         while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
             self._drop(next(iter(self._d)))
 
-    def _drop(self, key: tuple[str, int, int]) -> None:
+    def _drop(self, key: tuple[str, int, bytes]) -> None:
         p = self._d.pop(key, None)
         if p is None:
             return
@@ -178,11 +178,11 @@ class PrefixCache:
         """Registered input lengths of ``owner``, longest first."""
         return sorted(self._lengths.get(owner, ()), reverse=True)
 
-    def has(self, owner: str, n: int, last_fp: int) -> bool:
+    def has(self, owner: str, n: int, last_fp: bytes) -> bool:
         """Whether an input of ``n`` items ending with ``last_fp`` is registered (no LRU touch)."""
         return (owner, n, last_fp) in self._d
 
-    def get(self, owner: str, n: int, last_fp: int) -> Prefix | None:
+    def get(self, owner: str, n: int, last_fp: bytes) -> Prefix | None:
         key = (owner, n, last_fp)
         p = self._d.get(key)
         if p is not None:

@@ -61,6 +61,8 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from hotloop.state import fpkey
+
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 
@@ -87,7 +89,7 @@ class StoredResponse(NamedTuple):
 
     response: dict[str, Any]
     items: list[dict[str, Any]]  # own items: the new input, then the output
-    fps: list[int]
+    fps: list[bytes | None]  # 16-byte fingerprints; None: dropped by the store, to be recomputed
     toks: list[int]
     input_len: int
     parent_id: str | None = None
@@ -100,7 +102,8 @@ class StoredResponse(NamedTuple):
 class History(StoredResponse):
     """What :meth:`ResponseStore.get` returns: the same fields, but ``items`` (with ``fps`` and
     ``toks``) is the whole effective history: the ancestors' items, then the response's own,
-    which start at ``base_len``."""
+    which start at ``base_len``. A fingerprint is ``None`` where the SQLite store dropped it
+    (made under another key or scheme); the loader recomputes it from the item."""
 
     __slots__ = ()
 
@@ -162,6 +165,9 @@ USAGE_FIELDS = ("day", "model", "key", "responses", "input_tokens", "output_toke
 
 
 class ResponseStore(Protocol):
+    #: the key the fingerprints it stores are made under (hotloop.state.fpkey); never shown
+    fingerprint_key: bytes
+
     """``scope``: the owner whose responses a call may see; ``None``: every owner's."""
 
     def put(self, rec: StoredResponse) -> None: ...
@@ -212,6 +218,7 @@ class MemoryStore:
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         self.max_items = max_items
+        self.fingerprint_key = fpkey.PROCESS_KEY  # nothing outlives the process
         self.items = 0  # own items of every node, tombstones included
         self._nodes: dict[str, _Node] = {}
         self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
@@ -307,7 +314,7 @@ class MemoryStore:
             log.warning("stored response %s has a broken or too deep chain; treated as not found", response_id)
             return None
         items: list[dict[str, Any]] = []
-        fps: list[int] = []
+        fps: list[bytes | None] = []
         toks: list[int] = []
         minted: list[bool] = []
         for r in reversed(recs):
@@ -372,7 +379,21 @@ class MemoryStore:
         pass
 
 
-_SCHEMA = """
+# Items: ``fp`` is the 16-byte fingerprint, NULL where it was dropped (see _MIGRATE_FPS).
+_ITEMS_TABLE = """
+CREATE TABLE IF NOT EXISTS {name} (
+    response_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    hash BLOB NOT NULL,
+    fp BLOB,
+    tokens INTEGER NOT NULL,
+    item_id TEXT,
+    minted INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (response_id, pos)
+) WITHOUT ROWID;
+"""
+_SCHEMA = _ITEMS_TABLE.format(name="response_items") + """
+CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
@@ -387,16 +408,10 @@ CREATE TABLE IF NOT EXISTS blobs (
     hash BLOB PRIMARY KEY,
     body BLOB NOT NULL
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS response_items (
-    response_id TEXT NOT NULL,
-    pos INTEGER NOT NULL,
-    hash BLOB NOT NULL,
-    fp INTEGER NOT NULL,
-    tokens INTEGER NOT NULL,
-    item_id TEXT,
-    PRIMARY KEY (response_id, pos)
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash);
 CREATE TABLE IF NOT EXISTS key_usage (
     day TEXT NOT NULL,
     model TEXT NOT NULL,
@@ -442,6 +457,19 @@ _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
 CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
 """
+_ITEM_COLUMNS = "response_id, pos, hash, fp, tokens, item_id, minted"
+# Files written before fingerprints were keyed held unkeyed 64-bit INTEGER fingerprints: the table
+# is rebuilt with a BLOB column and those fingerprints dropped (NULL; loading recomputes them).
+_REBUILD_ITEMS = (
+    _ITEMS_TABLE.format(name="response_items_new"),
+    f"INSERT INTO response_items_new({_ITEM_COLUMNS})"
+    f" SELECT response_id, pos, hash, NULL, tokens, item_id, minted FROM response_items",
+    "DROP TABLE response_items",
+    "ALTER TABLE response_items_new RENAME TO response_items",
+    "CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash)",
+    "CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id)",
+)
+_FP_KEY = "fingerprint_key_id"
 
 # The ancestors of ?1 (itself at depth 0), at most MAX_CHAIN_DEPTH (?2) levels up.
 _CHAIN = (
@@ -465,25 +493,23 @@ _LOAD_ITEMS = _CHAIN + (
 )
 _POS = itemgetter(3)
 
-_U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-
-
-def _signed(fp: int) -> int:
-    return fp - _U64 if fp > _I64_MAX else fp
-
-
-def _unsigned(v: int) -> int:
-    return v + _U64 if v < 0 else v
-
-
 # SQLite's page cache (KiB): a long history's item bodies are read from memory, not the OS.
 CACHE_KIB = 32 * 1024
 
 
 class SQLiteStore:
     """The embedded default: one SQLite file in WAL mode, bounded by age and count (and a
-    ``CACHE_KIB`` page cache)."""
+    ``CACHE_KIB`` page cache).
+
+    Fingerprints are stored under the key in the file's directory (:mod:`hotloop.state.fpkey`;
+    ``:memory:`` uses the process's key). The file records which key and scheme its fingerprints
+    were made under (``meta``); when it was another (the key file was replaced, or the file
+    predates keyed fingerprints) every stored fingerprint is dropped, once, in one transaction,
+    and loading recomputes them from the items. A dropped fingerprint is recomputed on every
+    load of its item, until the response is replaced or expires.
+
+    :raises fpkey.KeyFileError: the key file is unusable (wrong size, mode or type).
+    """
 
     PRUNE_EVERY = 64
 
@@ -502,6 +528,9 @@ class SQLiteStore:
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self.fingerprint_key = fpkey.load_or_create(fpkey.key_path(self.path))
+        else:
+            self.fingerprint_key = fpkey.PROCESS_KEY
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         # One connection used from one thread at a time (the writer thread); the lock makes
@@ -523,6 +552,7 @@ class SQLiteStore:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                     except sqlite3.OperationalError:  # another process added it first
                         pass
+            self._migrate_fingerprints()
             self._db.executescript(_INDEXES)
             if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
                 try:
@@ -530,6 +560,34 @@ class SQLiteStore:
                 except sqlite3.OperationalError:  # another process migrated it first
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
+
+    def _migrate_fingerprints(self) -> None:
+        """Drop fingerprints made under another key or scheme (and rebuild an INTEGER ``fp``
+        column as BLOB): idempotent, in one transaction, safe against a concurrent opener."""
+        db = self._db
+        want = fpkey.key_id(self.fingerprint_key)
+
+        def current() -> bool:
+            fp_type = next(r[2] for r in db.execute("PRAGMA table_info(response_items)") if r[1] == "fp")
+            row = db.execute("SELECT value FROM meta WHERE name = ?", (_FP_KEY,)).fetchone()
+            return fp_type.upper() == "BLOB" and row is not None and row[0] == want
+
+        if current():
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if not current():  # another process may have migrated it meanwhile
+                fp_type = next(r[2] for r in db.execute("PRAGMA table_info(response_items)") if r[1] == "fp")
+                if fp_type.upper() != "BLOB":
+                    for stmt in _REBUILD_ITEMS:
+                        db.execute(stmt)
+                else:
+                    db.execute("UPDATE response_items SET fp = NULL WHERE fp IS NOT NULL")
+                db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", (_FP_KEY, want))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     def put(self, rec: StoredResponse) -> None:
         """Store ``rec`` (replacing a record of the same id; its children keep pointing at it).
@@ -565,7 +623,7 @@ class SQLiteStore:
                 db.executemany(
                     "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id, minted) VALUES (?,?,?,?,?,?,?)",
                     [
-                        (rid, base + i, h, _signed(fp), tk, _item_id(it), _minted(rec, i))
+                        (rid, base + i, h, fp, tk, _item_id(it), _minted(rec, i))
                         for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
                     ],
                 )
@@ -651,7 +709,7 @@ class SQLiteStore:
         return History(
             response=_dec.decode(body),
             items=[_dec.decode(r[0]) for r in rows],
-            fps=[_unsigned(r[1]) for r in rows],
+            fps=[r[1] for r in rows],
             toks=[r[2] for r in rows],
             input_len=input_len,
             parent_id=parent_id,

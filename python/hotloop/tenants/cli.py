@@ -100,9 +100,14 @@ def _keys(args: argparse.Namespace, keys: KeyStore) -> int:
 
 
 def _usage(args: argparse.Namespace, config: Config) -> int:
+    from hotloop.state.fpkey import KeyFileError
     from hotloop.state.store import SQLiteStore
 
-    store = SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds)
+    try:
+        store = SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds)
+    except KeyFileError as exc:
+        print(f"hotloop keys: {exc}", file=sys.stderr)
+        return 1
     try:
         rows = store.usage(args.key, args.since.isoformat() if args.since else None)
     finally:

@@ -1,6 +1,6 @@
 //! An ordered chain of conversation items with running token sums.
 //!
-//! Each item is a `(fingerprint, tokens)` pair. The chain answers, in O(1) or O(matched), the two
+//! Each item is a `(fingerprint, tokens)` pair (a 128-bit fingerprint, see [`crate::fingerprint`]). The chain answers, in O(1) or O(matched), the two
 //! questions a turn asks: how many leading items of a new request are already known
 //! ([`ItemChain::common_prefix`]) and how many tokens they hold ([`ItemChain::tokens_upto`]).
 
@@ -42,7 +42,7 @@ impl std::error::Error for ChainError {}
 /// The chain: fingerprints plus cumulative token counts (`cum[i]` = tokens of items `0..=i`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ItemChain {
-    fps: Vec<u64>,
+    fps: Vec<u128>,
     cum: Vec<u64>,
     max_items: usize,
 }
@@ -81,7 +81,7 @@ impl ItemChain {
     }
 
     /// Append one item.
-    pub fn push(&mut self, fp: u64, tokens: u32) -> Result<(), ChainError> {
+    pub fn push(&mut self, fp: u128, tokens: u32) -> Result<(), ChainError> {
         if self.fps.len() >= self.max_items {
             return Err(ChainError::CapacityExceeded {
                 max_items: self.max_items,
@@ -94,7 +94,7 @@ impl ItemChain {
     }
 
     /// Append many items, all or nothing.
-    pub fn extend(&mut self, fps: &[u64], tokens: &[u32]) -> Result<(), ChainError> {
+    pub fn extend(&mut self, fps: &[u128], tokens: &[u32]) -> Result<(), ChainError> {
         if fps.len() != tokens.len() {
             return Err(ChainError::LengthMismatch {
                 fps: fps.len(),
@@ -117,7 +117,7 @@ impl ItemChain {
     }
 
     /// How many leading entries of `fps` equal this chain's fingerprints.
-    pub fn common_prefix(&self, fps: &[u64]) -> usize {
+    pub fn common_prefix(&self, fps: &[u128]) -> usize {
         self.fps.iter().zip(fps).take_while(|(a, b)| a == b).count()
     }
 
@@ -139,7 +139,7 @@ impl ItemChain {
         self.cum.truncate(n);
     }
 
-    pub fn fingerprints(&self) -> &[u64] {
+    pub fn fingerprints(&self) -> &[u128] {
         &self.fps
     }
 }

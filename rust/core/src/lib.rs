@@ -1,6 +1,6 @@
 //! hotloop's native core: pure Rust, no Python.
 //!
-//! * [`blake2b64`]: the 64-bit item fingerprint (BLAKE2b with an 8-byte digest).
+//! * [`Fingerprinter`]: the 128-bit item fingerprint (keyed BLAKE2b with a 16-byte digest).
 //! * [`ItemChain`]: an ordered chain of `(fingerprint, tokens)` items with running token sums and a
 //!   capacity bound, used to find how much of a conversation is already known.
 //! * [`SseDecoder`]: an incremental WHATWG Server-Sent-Events decoder for backend streams.
@@ -12,12 +12,12 @@
 
 #![forbid(unsafe_code)]
 
-pub mod blake2b;
 pub mod chain;
+pub mod fingerprint;
 pub mod secrets;
 pub mod sse;
 
-pub use blake2b::blake2b64;
 pub use chain::{ChainError, ItemChain, DEFAULT_MAX_ITEMS};
+pub use fingerprint::{Fingerprinter, KeyLengthError, FINGERPRINT_LEN, MAX_KEY_LEN, MIN_KEY_LEN};
 pub use secrets::{PatternError, PatternSpec, SecretScanner, DEFAULT_MAX_MATCHES};
 pub use sse::{Event, FeedError, SseDecoder, SseError, DEFAULT_MAX_BUFFER};

@@ -5,22 +5,86 @@
 
 use hotloop_core::secrets::{char_offsets, redact, Finding};
 use hotloop_core::{self as core, ChainError, FeedError, PatternSpec, SseError};
-use pyo3::exceptions::{PyIndexError, PyOverflowError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySequence, PyString, PyTuple};
 
 /// Inputs at least this long are hashed with the GIL released.
 const DETACH_THRESHOLD: usize = 16 * 1024;
 
-/// BLAKE2b with an 8-byte digest of `data`, as a little-endian unsigned 64-bit int.
-#[pyfunction]
-fn fingerprint(py: Python<'_>, data: &[u8]) -> u64 {
-    if data.len() >= DETACH_THRESHOLD {
-        py.detach(|| core::blake2b64(data))
-    } else {
-        core::blake2b64(data)
+/// Keyed BLAKE2b item fingerprints (16-byte digests) under one secret key.
+#[pyclass(module = "hotloop._native", name = "Fingerprinter", frozen)]
+struct Fingerprinter {
+    inner: core::Fingerprinter,
+}
+
+#[pymethods]
+impl Fingerprinter {
+    #[new]
+    fn new(key: &[u8]) -> PyResult<Self> {
+        let inner =
+            core::Fingerprinter::new(key).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Fingerprinter { inner })
     }
+
+    fn __call__<'py>(&self, py: Python<'py>, data: &[u8]) -> Bound<'py, PyBytes> {
+        let fp = if data.len() >= DETACH_THRESHOLD {
+            py.detach(|| self.inner.fingerprint(data))
+        } else {
+            self.inner.fingerprint(data)
+        };
+        PyBytes::new(py, &fp.to_le_bytes())
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "Fingerprinter(<key hidden>)"
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// A fingerprint from Python: exactly 16 bytes, read little-endian.
+fn fp_of(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
+    let bytes = obj.cast::<PyBytes>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "a fingerprint must be bytes, not {}",
+            type_name(obj)
+        ))
+    })?;
+    let raw: [u8; core::FINGERPRINT_LEN] = bytes.as_bytes().try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "a fingerprint must be {} bytes, got {}",
+            core::FINGERPRINT_LEN,
+            bytes.as_bytes().len()
+        ))
+    })?;
+    Ok(u128::from_le_bytes(raw))
+}
+
+/// A sequence of fingerprints (a str is refused, as by pyo3's `Vec` extraction).
+fn fps_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(
+            "expected a sequence of fingerprints, got str",
+        ));
+    }
+    let seq = obj.cast::<PySequence>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "expected a sequence of fingerprints, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = Vec::with_capacity(seq.len().unwrap_or(0));
+    for item in seq.try_iter()? {
+        out.push(fp_of(&item?)?);
+    }
+    Ok(out)
 }
 
 fn chain_err(e: ChainError) -> PyErr {
@@ -37,7 +101,7 @@ fn non_negative(name: &str, n: i64) -> PyResult<usize> {
 }
 
 /// An ordered chain of conversation items, each a (fingerprint, tokens) pair, with running
-/// token sums and a capacity bound.
+/// token sums and a capacity bound. Fingerprints are 16-byte `bytes` in Python, `u128` here.
 #[pyclass(module = "hotloop._native", name = "ItemChain")]
 struct ItemChain {
     inner: core::ItemChain,
@@ -53,12 +117,12 @@ impl ItemChain {
         })
     }
 
-    fn push(&mut self, fp: u64, tokens: u32) -> PyResult<()> {
-        self.inner.push(fp, tokens).map_err(chain_err)
+    fn push(&mut self, fp: &Bound<'_, PyAny>, tokens: u32) -> PyResult<()> {
+        self.inner.push(fp_of(fp)?, tokens).map_err(chain_err)
     }
 
-    fn extend(&mut self, fps: Vec<u64>, tokens: Vec<u32>) -> PyResult<()> {
-        self.inner.extend(&fps, &tokens).map_err(chain_err)
+    fn extend(&mut self, fps: &Bound<'_, PyAny>, tokens: Vec<u32>) -> PyResult<()> {
+        self.inner.extend(&fps_of(fps)?, &tokens).map_err(chain_err)
     }
 
     fn __len__(&self) -> usize {
@@ -84,8 +148,8 @@ impl ItemChain {
         self.inner.max_items()
     }
 
-    fn common_prefix(&self, fps: Vec<u64>) -> usize {
-        self.inner.common_prefix(&fps)
+    fn common_prefix(&self, fps: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self.inner.common_prefix(&fps_of(fps)?))
     }
 
     fn tokens_upto(&self, n: i64) -> PyResult<u64> {
@@ -105,8 +169,14 @@ impl ItemChain {
         }
     }
 
-    fn fingerprints(&self) -> Vec<u64> {
-        self.inner.fingerprints().to_vec()
+    fn fingerprints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.inner
+                .fingerprints()
+                .iter()
+                .map(|fp| PyBytes::new(py, &fp.to_le_bytes())),
+        )
     }
 }
 
@@ -319,7 +389,7 @@ impl SecretScanner {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(fingerprint, m)?)?;
+    m.add_class::<Fingerprinter>()?;
     m.add_class::<ItemChain>()?;
     m.add_class::<SseDecoder>()?;
     m.add_class::<SecretScanner>()?;
