@@ -22,6 +22,8 @@ Scenarios:
   through the Cerebras backend, per transport (WebSocket continuation, HTTP full history, HTTP
   ``previous_response_id`` on SQLite), beside the same loop against the model directly and
   through a naive one-hop proxy (:mod:`hotloop.bench.naive`, needs ``hotloop[bench]``).
+* ``http-throughput`` and ``store-cpu`` (:mod:`hotloop.bench.scaleout`, not part of ``all``): HTTP
+  turns per second with 1 and 2 ``--workers``; server CPU per stored turn, SQLite against Redis.
 * ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
   connection, and server CPU per delta event with many concurrent WebSocket streams.
 * ``loop`` (:mod:`hotloop.bench.loop`, its own options: ``hotloop bench loop -h``): scripted agent
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return loop_main(argv[1:])
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -380,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
+    p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
+    p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = p.parse_args(argv)
     if args.scenario == "loop":
@@ -414,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
                     server_path=args.server_path, backend=args.fanout_backend,
                 )
             )
+    if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server
+        from hotloop.bench import scaleout
+
+        if args.scenario == "http-throughput":
+            results.append(scaleout.bench_throughput(args.clients, args.seconds))
+        else:
+            results.append(scaleout.bench_store_cpu(args.turns))
     for r in results:
         if args.json:
             print(json.dumps(r))

@@ -19,7 +19,9 @@ invalidation beyond OpenAI's rule (a continuation of a deleted response still fi
 Unreachable Redis. While the store retries writes (``store.available`` is false) and the write
 queue is full, :meth:`SharedPersistence.writable` is false and new ``store: true`` requests are
 refused with a 503 (:class:`~hotloop.errors.StoreUnavailable`) instead of queueing without bound;
-writes already acknowledged stay queued and are retried (the queue's back-pressure).
+writes already acknowledged stay queued and are retried (the queue's back-pressure). A server
+stopping while the store is unreachable retries its queued writes for ``SHUTDOWN_RETRY_SECONDS``
+more, then logs each one it could not write.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
@@ -45,6 +48,8 @@ READER_THREADS = 2
 
 class SharedPersistence(Persistence):
     """:class:`Persistence` whose misses are retried (see the module docstring)."""
+
+    SHUTDOWN_RETRY_SECONDS = 10.0  # queued writes retried this long once the server is stopping
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -145,6 +150,9 @@ class SharedPersistence(Persistence):
                     await client.aclose()
 
     async def close(self) -> None:
+        give_up_by = getattr(self.store, "give_up_by", None)
+        if give_up_by is not None:  # stopping: an unreachable store gets a last, bounded chance
+            give_up_by(time.monotonic() + self.SHUTDOWN_RETRY_SECONDS)
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -47,7 +47,8 @@ doubling to 2 s) instead of waiting for a connect timeout each. A write (``put``
 ``write_retry_seconds`` (default 10 minutes) have passed; meanwhile the writer's bounded queue
 fills and then applies back-pressure, and :attr:`available` is false so new ``store: true``
 requests beyond the queue are refused with a 503 (:mod:`hotloop.pipeline.shared`). A write that
-still fails after ``write_retry_seconds`` is logged and counted as failed
+still fails after ``write_retry_seconds`` (or, while the server stops, after
+``SharedPersistence.SHUTDOWN_RETRY_SECONDS``) is logged and counted as failed
 (``hotloop_store_failed``), never dropped silently.
 """
 
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from collections import defaultdict
@@ -322,7 +322,7 @@ class RedisStore:
         self.r = client if client is not None else sync_client(url)
         self.breaker = Breaker()
         self.available = True  # false while writes are being retried
-        self._closed = threading.Event()
+        self._give_up_at = float("inf")
         self._put = self.r.register_script(_PUT)
         self._load = self.r.register_script(_LOAD)
         self._head = self.r.register_script(_HEAD)
@@ -334,10 +334,15 @@ class RedisStore:
     def _read(self, fn: Callable[[], T]) -> T:
         return once(self.breaker, fn)
 
+    def give_up_by(self, when: float) -> None:
+        """Writes retried past ``when`` (monotonic seconds) fail (the server is stopping)."""
+        self._give_up_at = when
+
     def _write(self, fn: Callable[[], T]) -> T:
         """Retry until Redis answers or ``write_retry_seconds`` pass (then StoreUnavailable)."""
         deadline = time.monotonic() + self.write_retry_seconds
         while True:
+            deadline = min(deadline, self._give_up_at)
             try:
                 out = fn()
             except redis_errors() as exc:
@@ -346,7 +351,7 @@ class RedisStore:
                     log.warning("redis unavailable (%s); retrying the store write with backoff", type(exc).__name__)
                 self.available = False
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
+                if left <= 0:
                     log.error("a store write failed: redis unreachable for %g s", self.write_retry_seconds)
                     raise errors.StoreUnavailable() from None
                 time.sleep(min(wait, left))
@@ -496,5 +501,4 @@ class RedisStore:
         return out
 
     def close(self) -> None:
-        self._closed.set()
         self.r.close()
