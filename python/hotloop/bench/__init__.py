@@ -142,6 +142,17 @@ def _stream_once(ws: Any, model: str, sim: str | None = None) -> tuple[int, floa
             raise RuntimeError(f"stream failed: {e}")
 
 
+def wait_listening(port: int, proc: subprocess.Popen[Any], what: str, timeout: float = 30.0) -> None:
+    """Until ``proc`` accepts connections on ``port``; RuntimeError if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def mock_process() -> Iterator[tuple[str, int]]:
     """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process:
@@ -149,13 +160,7 @@ def mock_process() -> Iterator[tuple[str, int]]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)])
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the mock chat server did not start")
-            time.sleep(0.05)
+        wait_listening(port, proc, "the mock chat server")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()

@@ -17,13 +17,12 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from typing import Any, Iterator
 
-from hotloop.bench import _free_port, _proc_cpu_seconds, server
+from hotloop.bench import _free_port, _proc_cpu_seconds, server, wait_listening
 
 _BODY = json.dumps({"model": "hotloop-sim", "input": "One short turn.", "store": True}).encode()
 
@@ -101,13 +100,7 @@ def redis_server() -> Iterator[tuple[str, int]]:
         stdout=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
+        wait_listening(port, proc, "redis-server", 10.0)
         yield f"redis://127.0.0.1:{port}/0", proc.pid
     finally:
         proc.terminate()
