@@ -165,6 +165,9 @@ def serve_workers(config: Config) -> int:
 
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
+        if config.store == "memory":  # each worker would have its own: continuations would fail at random
+            log.error("start-up failed: --workers needs a shared store: --store sqlite or redis")
+            return STARTUP_FAILURE
         try:
             socks = [_listen(config.host, config.port)]
             port = socks[0].getsockname()[1]
