@@ -189,6 +189,8 @@ def test_redis_stopped_and_restarted_mid_run(tmp_path: Path) -> None:
                     assert err["type"] == "server_error" and "unavailable" in err["message"]
                     assert "Traceback" not in resp.text and "redis" not in err["message"].lower()
                 redis.start()
+                poll(lambda: httpx.get(a.base + "/hotloop/stats", headers=auth(free), timeout=10).json()["store"]["pending"] == 0,
+                     "A's queued writes to land")
                 w4 = ws_turn(ws, input=user("w4"), store=True, previous_response_id=w3["id"])
             # the writes acknowledged during the outage landed: B continues the chain
             poll(lambda: httpx.get(f"{b.v1}/responses/{w4['id']}", headers=auth(free), timeout=10).status_code == 200,

@@ -7,9 +7,10 @@ before ``response.completed`` reaches the client and normally lands within a mil
 two. So a read that misses here (a ``previous_response_id``, an ``item_reference``, a retrieve
 or ``input_items`` naming a response this process does not hold) is retried after
 ``READ_RETRY_DELAYS`` before it answers "not found": a response is readable on every process
-once ``response.completed`` has been sent plus ``VISIBILITY_BOUND`` (175 ms), unless its
-producer's write queue is backed up (then the bound is that queue's drain time) or the shared
-store is unreachable (503). A genuinely unknown id costs that bound in latency before its 400/404.
+once ``response.completed`` has been sent plus ``VISIBILITY_BOUND`` (300 ms: more than the
+writer may fall behind, ``--store-max-lag``'s default 0.2 s, plus a write; a larger
+``--store-max-lag`` widens it by the difference), unless the shared store is unreachable (503).
+A genuinely unknown id costs that bound in latency before its 400/404.
 
 Deletes are seen everywhere: with Redis, a delete is published on ``hotloop:deleted`` and every
 process drops the response from its process-wide cache (a subscriber task that reconnects with
@@ -19,9 +20,13 @@ invalidation beyond OpenAI's rule (a continuation of a deleted response still fi
 Unreachable Redis. While the store retries writes (``store.available`` is false) and the write
 queue is full, :meth:`SharedPersistence.writable` is false and new ``store: true`` requests are
 refused with a 503 (:class:`~hotloop.errors.StoreUnavailable`) instead of queueing without bound;
-writes already acknowledged stay queued and are retried (the queue's back-pressure). A server
-stopping while the store is unreachable retries its queued writes for ``SHUTDOWN_RETRY_SECONDS``
-more, then logs each one it could not write.
+writes already acknowledged stay queued and are retried (the queue's back-pressure; the queue is
+full once its oldest write has waited ``--store-max-lag``). A server stopping while the store is
+unreachable retries its queued writes within the shutdown flush bound
+(:data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`), then logs what it could not write.
+
+``--store-sync full`` makes the bound zero: a response is written to the shared store before its
+terminal event is sent, so every process can read it as soon as a client has seen it.
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from hotloop import errors
-from hotloop.pipeline.post import Persistence
+from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS, Persistence
 from hotloop.protocol.request import Item
 from hotloop.state.context import CachedResponse
 
 log = logging.getLogger("hotloop.post")
 
-READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1)
+READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.125)
 VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
 DELETED_CHANNEL = "hotloop:deleted"
 READER_THREADS = 2
@@ -48,8 +53,6 @@ READER_THREADS = 2
 
 class SharedPersistence(Persistence):
     """:class:`Persistence` whose misses are retried (see the module docstring)."""
-
-    SHUTDOWN_RETRY_SECONDS = 10.0  # queued writes retried this long once the server is stopping
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -65,7 +68,7 @@ class SharedPersistence(Persistence):
         write queue still has room for it."""
         if getattr(self.store, "available", True):
             return True
-        return not self._blocked and len(self._jobs) < self.max_pending
+        return not self._blocked and self._has_room(0)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
@@ -149,14 +152,14 @@ class SharedPersistence(Persistence):
                 with contextlib.suppress(Exception):
                     await client.aclose()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
         give_up_by = getattr(self.store, "give_up_by", None)
-        if give_up_by is not None:  # stopping: an unreachable store gets a last, bounded chance
-            give_up_by(time.monotonic() + self.SHUTDOWN_RETRY_SECONDS)
+        if give_up_by is not None:  # stopping: the writer thread, too, stops retrying within the bound
+            give_up_by(time.monotonic() + timeout)
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
         self._readers.shutdown(wait=True)
-        await super().close()
+        await super().close(timeout)

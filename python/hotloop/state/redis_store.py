@@ -48,7 +48,7 @@ doubling to 2 s) instead of waiting for a connect timeout each. A write (``put``
 fills and then applies back-pressure, and :attr:`available` is false so new ``store: true``
 requests beyond the queue are refused with a 503 (:mod:`hotloop.pipeline.shared`). A write that
 still fails after ``write_retry_seconds`` (or, while the server stops, after
-``SharedPersistence.SHUTDOWN_RETRY_SECONDS``) is logged and counted as failed
+the shutdown flush bound, ``hotloop.pipeline.post.CLOSE_FLUSH_SECONDS``) is logged and counted as failed
 (``hotloop_store_failed``), never dropped silently.
 """
 
