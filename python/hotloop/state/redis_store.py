@@ -128,7 +128,7 @@ def once(breaker: Breaker, fn: Callable[[], T]) -> T:
         out = fn()
     except redis_errors() as exc:
         breaker.failed()
-        log.warning("redis unavailable (%s); answering 503", type(exc).__name__)
+        log.warning("redis unreachable (%s)", type(exc).__name__)
         raise errors.StoreUnavailable() from None
     breaker.ok()
     return out
