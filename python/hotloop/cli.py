@@ -62,7 +62,18 @@ def _parser() -> argparse.ArgumentParser:
         help="the admin key: a bearer token that may read and delete every tenant's responses (env HOTLOOP_API_KEY); "
         "per-client keys: hotloop keys create",
     )
-    s.add_argument("--store", choices=["sqlite", "memory"], help="response store (env HOTLOOP_STORE, default sqlite)")
+    s.add_argument(
+        "--store", choices=["sqlite", "memory", "redis"],
+        help="response store; redis: shared by replicas (env HOTLOOP_STORE, default sqlite)",
+    )
+    s.add_argument(
+        "--redis-url", dest="redis_url",
+        help="redis://HOST:PORT/DB for --store redis (env HOTLOOP_REDIS_URL, default redis://127.0.0.1:6379/0)",
+    )
+    s.add_argument(
+        "--workers", type=int,
+        help="server processes sharing the port, restarted if they die (env HOTLOOP_WORKERS, default 1)",
+    )
     s.add_argument(
         "--store-sync",
         dest="store_sync",
@@ -139,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         if overrides.get("classifiers") is not None:
             overrides["classifiers"] = ",".join(overrides["classifiers"])
         config = Config.from_env(**overrides)
+        if config.workers > 1:
+            from hotloop.server.workers import serve_workers  # before prometheus-client is imported
+
+            return serve_workers(config)
         from hotloop.server.runner import serve
 
         return serve(config)

@@ -53,10 +53,12 @@ class Config:
     secrets: str = "flag"  # the built-in secrets classifier's policy: off | flag | redact | block
     classifiers: str = ""  # user classifiers, comma-separated module:attr (--classifier, repeatable)
     # storage
-    store: str = "sqlite"  # sqlite | memory
+    store: str = "sqlite"  # sqlite | memory | redis
     # normal: a response is durable within the writer's queue time after its terminal event (README,
     # Crash safety); full: stored, with SQLite synchronous=FULL, before its terminal event is sent
     store_sync: str = "normal"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # --store redis (hotloop.state.redis_store)
+    workers: int = 1  # server processes sharing the port (hotloop.server.workers)
     data_dir: str = field(default_factory=_default_data_dir)
     store_ttl_seconds: float = 30 * 24 * 3600
     store_max_responses: int = 10_000

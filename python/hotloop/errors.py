@@ -191,6 +191,15 @@ class ServerShuttingDown(ServerError):
         super().__init__(message)
 
 
+class StoreUnavailable(ServerError):
+    """The shared store (Redis) cannot be reached: 503, safe to retry."""
+
+    status = 503
+
+    def __init__(self, message: str = "The response store is unavailable. Please retry shortly.") -> None:
+        super().__init__(message)
+
+
 class BackendError(HotloopError):
     """The model backend failed (5xx, malformed stream, disconnect)."""
 

@@ -22,6 +22,8 @@ Scenarios:
   through the Cerebras backend, per transport (WebSocket continuation, HTTP full history, HTTP
   ``previous_response_id`` on SQLite), beside the same loop against the model directly and
   through a naive one-hop proxy (:mod:`hotloop.bench.naive`, needs ``hotloop[bench]``).
+* ``http-throughput`` and ``store-cpu`` (:mod:`hotloop.bench.scaleout`, not part of ``all``): HTTP
+  turns per second with 1 and 2 ``--workers``; server CPU per stored turn, SQLite against Redis.
 * ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
   connection, and server CPU per delta event with many concurrent WebSocket streams.
 * ``loop`` (:mod:`hotloop.bench.loop`, its own options: ``hotloop bench loop -h``): scripted agent
@@ -140,6 +142,17 @@ def _stream_once(ws: Any, model: str, sim: str | None = None) -> tuple[int, floa
             raise RuntimeError(f"stream failed: {e}")
 
 
+def wait_listening(port: int, proc: subprocess.Popen[Any], what: str, timeout: float = 30.0) -> None:
+    """Until ``proc`` accepts connections on ``port``; RuntimeError if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def mock_process() -> Iterator[tuple[str, int]]:
     """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process:
@@ -147,13 +160,7 @@ def mock_process() -> Iterator[tuple[str, int]]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)])
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the mock chat server did not start")
-            time.sleep(0.05)
+        wait_listening(port, proc, "the mock chat server")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
@@ -362,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return loop_main(argv[1:])
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -380,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
+    p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
+    p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     args = p.parse_args(argv)
     if args.scenario == "loop":
@@ -414,6 +423,13 @@ def main(argv: list[str] | None = None) -> int:
                     server_path=args.server_path, backend=args.fanout_backend,
                 )
             )
+    if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server
+        from hotloop.bench import scaleout
+
+        if args.scenario == "http-throughput":
+            results.append(scaleout.bench_throughput(args.clients, args.seconds))
+        else:
+            results.append(scaleout.bench_store_cpu(args.turns))
     for r in results:
         if args.json:
             print(json.dumps(r))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from hotloop.server.http import HttpTransport
 from hotloop.server.logs import log_response
 from hotloop.server.metrics import Metrics
 from hotloop.server.ws import Deadlines, serve_websocket
-from hotloop.tenants import MemoryLimiter, Tenancy
+from hotloop.tenants import Limiter, MemoryLimiter, Tenancy
 from hotloop.tenants.keys import KeyStore, MemoryKeyStore
 
 log = logging.getLogger("hotloop.server")
@@ -137,6 +138,7 @@ class HotloopApp:
         """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``)."""
         eng = self.engine
         return {
+            "pid": os.getpid(),  # which process answered (one of --workers)
             "active_responses": eng.active,
             "completed_responses": eng.completed,
             "token_cache": {"entries": len(eng.tokens), "hits": eng.tokens.hits, "misses": eng.tokens.misses},
@@ -170,5 +172,9 @@ class HotloopApp:
 
 
 def make_tenancy(config: Config, keys: KeyStore) -> Tenancy:
-    limiter = MemoryLimiter(config.limit_max_keys)
+    limiter: Limiter = MemoryLimiter(config.limit_max_keys)
+    if config.store == "redis":  # limits shared by every replica
+        from hotloop.tenants.redis_limits import RedisLimiter
+
+        limiter = RedisLimiter(config.redis_url, max_keys=config.limit_max_keys)
     return Tenancy(keys, config.api_key, limiter, output_reserve=config.limit_output_reserve)

@@ -94,6 +94,8 @@ class Engine:
         self.conn_misses = 0
         # Called once per finished response (hotloop.server.metrics and the response log line).
         self.observers: list[Callable[["Run"], None]] = []
+        # A shared store's admission check for store: true (hotloop.pipeline.shared); None: always
+        self._writable: Callable[[], bool] | None = getattr(persistence, "writable", None)
 
     @property
     def active(self) -> int:
@@ -186,6 +188,8 @@ class Engine:
         grant: Grant | None = None
         clock = time.perf_counter
         marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
+        if req.store and self._writable is not None and not self._writable():
+            raise errors.StoreUnavailable()  # the shared store is down and its write queue full
         try:
             p = validate(req, websocket=websocket)
             marks.append(clock())
@@ -216,7 +220,8 @@ class Engine:
                 plan.flags = outcome.tally() or None
             await self.fit_window(plan, req, tenant)
             if self.tenancy is not None:
-                grant = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
+                admitted = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
+                grant = admitted if admitted is None or isinstance(admitted, Grant) else await admitted
             counts = self._count_later(plan)
             started.append(counts)
             marks.append(clock())

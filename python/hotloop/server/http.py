@@ -75,7 +75,9 @@ class HttpTransport:
             if path not in _PUBLIC and not (path == "/metrics" and self.app.config.metrics_public):
                 # once per request: who is calling, and may it make one more request
                 tenant = await self.app.tenancy.authenticate(scope)
-                self.app.tenancy.admit(tenant)
+                pending = self.app.tenancy.admit(tenant)
+                if pending is not None:  # a limit shared through Redis
+                    await pending
             await self._route(scope, receive, send, respond, rid, tenant, timing)
         except _ClientGone:
             # nobody to answer: one line, no traceback (leaving is normal)

@@ -16,9 +16,11 @@ from typing import Any
 
 from hotloop import backends
 from hotloop.config import Config
+from hotloop.errors import StoreUnavailable
 from hotloop.models import ModelLimitsError
 from hotloop.pipeline.classifiers import ClassifierLoadError
 from hotloop.pipeline.post import Persistence
+from hotloop.pipeline.shared import SharedPersistence
 from hotloop.server.app import HotloopApp, make_tenancy
 from hotloop.server.logs import log_config
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
@@ -35,16 +37,25 @@ def make_store(config: Config) -> ResponseStore:
         return MemoryStore(config.store_max_responses, config.store_ttl_seconds)
     if config.store == "sqlite":
         return SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync)
-    raise ValueError(f"unknown store {config.store!r}; choose 'sqlite' or 'memory'")
+    if config.store == "redis":
+        from hotloop.state.redis_store import RedisStore
+
+        return RedisStore(config.redis_url, config.store_ttl_seconds)
+    raise ValueError(f"unknown store {config.store!r}; choose 'sqlite', 'memory' or 'redis'")
 
 
 def make_app(config: Config) -> HotloopApp:
     backend = backends.create(config)
-    persistence = Persistence(
-        make_store(config), config.max_pending_writes, config.max_pending_write_bytes, config.store_max_lag
+    store = make_store(config)
+    shared = getattr(store, "shared", False) or config.workers > 1  # other processes write it too
+    persistence = (SharedPersistence if shared else Persistence)(
+        store, config.max_pending_writes, config.max_pending_write_bytes, config.store_max_lag
     )
-    tenancy = make_tenancy(config, open_key_store(config.store, config.db_path))
-    return HotloopApp(config, backend, persistence, tenancy)
+    tenancy = make_tenancy(config, open_key_store(config.store, config.db_path, config.redis_url))
+    app = HotloopApp(config, backend, persistence, tenancy)
+    if isinstance(persistence, SharedPersistence):
+        persistence.evict = app.engine.responses.evict  # deletes made by other processes
+    return app
 
 
 def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
@@ -110,15 +121,16 @@ def _server_class() -> type:
     return Server
 
 
-def serve(config: Config) -> int:
-    """Run until stopped; the process exit code (0 after a graceful stop, 3 when start-up failed)."""
+def serve(config: Config, sock: Any = None) -> int:
+    """Run until stopped; the process exit code (0 after a graceful stop, 3 when start-up failed).
+    ``sock``: a listening socket to serve instead of binding ``host:port`` (a worker of ``--workers``)."""
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         app = make_app(config)
-    except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError) as exc:  # a bad setting or key file: say what
+    except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError, StoreUnavailable) as exc:  # a bad setting, key file or store: say what
         logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
         return STARTUP_FAILURE
     server = _server_class()(uvicorn_config(app, config))
     server.app, server.grace = app, config.shutdown_grace
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return 0 if server.started else STARTUP_FAILURE

@@ -309,7 +309,9 @@ class Connection:
         stream_id = req.stream_id
         try:
             # per response.create: a revoked key ends the connection, a limit answers 429
-            self.app.tenancy.admit(self.tenant)
+            pending = self.app.tenancy.admit(self.tenant)
+            if pending is not None:  # a limit shared through Redis
+                await pending
         except errors.AuthenticationFailed as exc:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             await self._send({"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"})

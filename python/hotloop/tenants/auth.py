@@ -31,7 +31,7 @@ import ipaddress
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Awaitable, Iterable
 
 from hotloop import errors
 from hotloop.state.store import LEGACY_OWNER
@@ -136,9 +136,13 @@ class Tenancy:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self._flush_used(force=True)
+        with contextlib.suppress(errors.StoreUnavailable):
+            await self._flush_used(force=True)
         self._pool.shutdown(wait=True)
         self.keys.close()
+        aclose = getattr(self.limiter, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
     async def _watch(self) -> None:
         while True:
@@ -146,6 +150,8 @@ class Tenancy:
             try:
                 await self.refresh()
                 await self._flush_used()
+            except errors.StoreUnavailable:  # Redis is down: keys already loaded keep working
+                log.warning("reading the key table failed: the store is unavailable")
             except Exception:  # a busy or broken key table must not stop the watcher
                 log.exception("reading the key table failed")
 
@@ -215,15 +221,20 @@ class Tenancy:
         elif tenant is ANONYMOUS and not self.open:
             raise errors.AuthenticationFailed(_BAD_KEY)
 
-    def admit(self, tenant: Tenant) -> None:
-        """One request (an HTTP request or a ``response.create``): revocation and the RPM bucket."""
+    def admit(self, tenant: Tenant) -> Awaitable[None] | None:
+        """One request (an HTTP request or a ``response.create``): revocation and the RPM bucket.
+        A shared limiter's answer is an awaitable the caller awaits (``None``: admitted)."""
         self.verify(tenant)
         if tenant.limits.rpm is not None:
-            self.limiter.take_request(tenant.id, tenant.limits)
+            return self.limiter.take_request(tenant.id, tenant.limits)
+        return None
 
-    def admit_response(self, tenant: Tenant, input_tokens: int, max_output_tokens: int | None) -> Grant | None:
+    def admit_response(
+        self, tenant: Tenant, input_tokens: int, max_output_tokens: int | None
+    ) -> Grant | Awaitable[Grant] | None:
         """Reserve a response's tokens (input plus ``max_output_tokens`` or the default output
-        reservation) and a concurrency slot; ``None`` for a tenant without such limits."""
+        reservation) and a concurrency slot; ``None`` for a tenant without such limits (a shared
+        limiter's grant comes as an awaitable)."""
         limits = tenant.limits
         if limits.tpm is None and limits.max_concurrent is None:
             return None

@@ -15,12 +15,14 @@ from datetime import date
 from typing import Any, Sequence
 
 from hotloop.config import Config
+from hotloop.errors import StoreUnavailable
 from hotloop.tenants.keys import InvalidKeyName, KeyExists, KeyStore, Limits, open_key_store
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", choices=["sqlite", "memory"], help="the store (env HOTLOOP_STORE, default sqlite)")
+    p.add_argument("--store", choices=["sqlite", "memory", "redis"], help="the store (env HOTLOOP_STORE, default sqlite)")
     p.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
+    p.add_argument("--redis-url", dest="redis_url", help="redis://HOST:PORT/DB for --store redis (env HOTLOOP_REDIS_URL)")
 
 
 def _positive(text: str) -> int:
@@ -52,7 +54,7 @@ def add_commands(sub: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    return Config.from_env(store=args.store, data_dir=args.data_dir)
+    return Config.from_env(store=args.store, data_dir=args.data_dir, redis_url=args.redis_url)
 
 
 def _when(t: float | None) -> str:
@@ -100,13 +102,13 @@ def _keys(args: argparse.Namespace, keys: KeyStore) -> int:
 
 
 def _usage(args: argparse.Namespace, config: Config) -> int:
+    from hotloop.server.runner import make_store
     from hotloop.state.fpkey import KeyFileError
-    from hotloop.state.store import SQLiteStore
 
     try:
-        store = SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds)
+        store = make_store(config)
     except KeyFileError as exc:
-        print(f"hotloop keys: {exc}", file=sys.stderr)
+        print(f"hotloop usage: {exc}", file=sys.stderr)
         return 1
     try:
         rows = store.usage(args.key, args.since.isoformat() if args.since else None)
@@ -119,12 +121,20 @@ def _usage(args: argparse.Namespace, config: Config) -> int:
 
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
-    if config.store != "sqlite":
-        print(f"hotloop {args.command}: needs the persistent store: use --store sqlite (the default)", file=sys.stderr)
+    try:
+        return _run(args, config)
+    except StoreUnavailable:
+        print(f"hotloop {args.command}: the store at {config.redis_url} is unreachable", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
+    if config.store == "memory":
+        print(f"hotloop {args.command}: needs a persistent store: --store sqlite (the default) or redis", file=sys.stderr)
         return 2
     if args.command == "usage":
         return _usage(args, config)
-    keys = open_key_store(config.store, config.db_path)
+    keys = open_key_store(config.store, config.db_path, config.redis_url)
     try:
         return _keys(args, keys)
     finally:

@@ -229,10 +229,15 @@ class SQLiteKeyStore:
             self._db.close()
 
 
-def open_key_store(store: str, db_path: str | Path) -> KeyStore:
-    """The key store beside the configured response store (``store``: ``sqlite`` or ``memory``)."""
+def open_key_store(store: str, db_path: str | Path, redis_url: str | None = None) -> KeyStore:
+    """The key store beside the configured response store (``store``: ``sqlite``, ``memory`` or
+    ``redis``, at ``redis_url``: :mod:`hotloop.tenants.redis_keys`)."""
     if store == "sqlite":
         return SQLiteKeyStore(db_path)
     if store == "memory":
         return MemoryKeyStore()
-    raise ValueError(f"unknown store {store!r}; choose 'sqlite' or 'memory'")
+    if store == "redis" and redis_url:
+        from hotloop.tenants.redis_keys import RedisKeyStore
+
+        return RedisKeyStore(redis_url)
+    raise ValueError(f"unknown store {store!r}; choose 'sqlite', 'memory' or 'redis'")

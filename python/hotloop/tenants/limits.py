@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from hotloop import errors
 from hotloop.tenants.keys import Limits
@@ -132,11 +132,14 @@ class Grant:
 
 
 class Limiter(Protocol):
-    def take_request(self, key_id: str, limits: Limits) -> None:
+    """In-process limiters answer at once; a shared one (:mod:`hotloop.tenants.redis_limits`)
+    returns an awaitable that answers (or raises) when awaited."""
+
+    def take_request(self, key_id: str, limits: Limits) -> Awaitable[None] | None:
         """Count one request. :raises RequestsLimited:"""
         ...
 
-    def admit(self, key_id: str, limits: Limits, tokens: int) -> Grant:
+    def admit(self, key_id: str, limits: Limits, tokens: int) -> Grant | Awaitable[Grant]:
         """Admit a response of ``tokens`` estimated tokens. :raises LimitExceeded:"""
         ...
 

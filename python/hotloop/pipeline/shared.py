@@ -1,0 +1,165 @@
+"""Persistence over a store other processes write too (``--store redis``, or ``--workers N``).
+
+Read-your-writes across processes. A process sees its own queued writes at once (``pending``,
+as :class:`~hotloop.pipeline.post.Persistence` always does). A response another process
+produced is in the shared store once that process's writer has written it: its write is queued
+before ``response.completed`` reaches the client and normally lands within a millisecond or
+two. So a read that misses here (a ``previous_response_id``, an ``item_reference``, a retrieve
+or ``input_items`` naming a response this process does not hold) is retried after
+``READ_RETRY_DELAYS`` before it answers "not found": a response is readable on every process
+once ``response.completed`` has been sent plus ``VISIBILITY_BOUND`` (300 ms: more than the
+writer may fall behind, ``--store-max-lag``'s default 0.2 s, plus a write; a larger
+``--store-max-lag`` widens it by the difference), unless the shared store is unreachable (503).
+A genuinely unknown id costs that bound in latency before its 400/404.
+
+Deletes are seen everywhere: with Redis, a delete is published on ``hotloop:deleted`` and every
+process drops the response from its process-wide cache (a subscriber task that reconnects with
+backoff). A WebSocket connection's own cache is the connection's, on one process, and needs no
+invalidation beyond OpenAI's rule (a continuation of a deleted response still finds it there).
+
+Unreachable Redis. While the store retries writes (``store.available`` is false) and the write
+queue is full, :meth:`SharedPersistence.writable` is false and new ``store: true`` requests are
+refused with a 503 (:class:`~hotloop.errors.StoreUnavailable`) instead of queueing without bound;
+writes already acknowledged stay queued and are retried (the queue's back-pressure; the queue is
+full once its oldest write has waited ``--store-max-lag``). A server stopping while the store is
+unreachable retries its queued writes within the shutdown flush bound
+(:data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`), then logs what it could not write.
+
+``--store-sync full`` makes the bound zero: a response is written to the shared store before its
+terminal event is sent, so every process can read it as soon as a client has seen it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+from hotloop import errors
+from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS, Persistence
+from hotloop.protocol.request import Item
+from hotloop.state.context import CachedResponse
+
+log = logging.getLogger("hotloop.post")
+
+READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.125)
+VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
+DELETED_CHANNEL = "hotloop:deleted"
+READER_THREADS = 2
+
+
+class SharedPersistence(Persistence):
+    """:class:`Persistence` whose misses are retried (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.evict: Callable[[str], None] | None = None  # the process-wide cache's evict, set by the app
+        self._listener: asyncio.Task[None] | None = None
+        # Reads run beside the writer thread, not behind it: a write being retried during an
+        # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
+        # (an entry leaves ``pending`` only once written), so reads still see their own writes.
+        self._readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="hotloop-store-read")
+
+    def writable(self) -> bool:
+        """Whether a new ``store: true`` response may start: the store takes writes, or the
+        write queue still has room for it."""
+        if getattr(self.store, "available", True):
+            return True
+        return not self._blocked and self._has_room(0)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
+
+    async def _again(self, read: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        found = await read(*args)
+        for delay in READ_RETRY_DELAYS:
+            if found is not None:
+                break
+            await asyncio.sleep(delay)
+            found = await read(*args)
+        return found
+
+    async def load(self, response_id: str, scope: str | None = None) -> CachedResponse | None:
+        return await self._again(super().load, response_id, scope)  # type: ignore[no-any-return]
+
+    async def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
+        return await self._again(super().find_item, item_id, scope)  # type: ignore[no-any-return]
+
+    async def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
+        return await self._again(super().get_response, response_id, scope)  # type: ignore[no-any-return]
+
+    async def input_items(
+        self, response_id: str, after: str | None, limit: int, order: str, scope: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool] | None | bool:
+        return await self._again(super().input_items, response_id, after, limit, order, scope)  # type: ignore[no-any-return]
+
+    def _reachable(self) -> None:
+        """A call that waits for the write queue (delete, usage) answers 503 during an outage."""
+        if not getattr(self.store, "available", True):
+            raise errors.StoreUnavailable()
+
+    async def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+        self._reachable()
+        return await super().usage(key, since)
+
+    async def delete(self, response_id: str, scope: str | None = None) -> bool:
+        self._reachable()
+        await self._again(super().get_response, response_id, scope)  # a write on its way lands first
+        deleted = await super().delete(response_id, scope)
+        if deleted:
+            await self._publish(response_id)
+        return deleted
+
+    # -- deletes seen by every process (Redis) ----------------------------------------------------
+
+    def start(self) -> None:
+        super().start()
+        url = getattr(self.store, "url", None)
+        if url is not None and self._listener is None:
+            self._listener = asyncio.get_running_loop().create_task(self._listen(url), name="hotloop-deleted")
+
+    async def _publish(self, response_id: str) -> None:
+        r = getattr(self.store, "r", None)
+        if r is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
+        except Exception:  # other processes' caches expire on their own; the delete itself is done
+            log.warning("could not publish the delete of %s to other processes", response_id)
+
+    async def _listen(self, url: str) -> None:
+        import redis.asyncio as aredis
+
+        from hotloop.state.redis_store import Breaker, redis_errors
+
+        breaker = Breaker()
+        while True:
+            client = aredis.Redis.from_url(url, socket_connect_timeout=1.0)
+            try:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(DELETED_CHANNEL)
+                breaker.ok()
+                async for msg in pubsub.listen():
+                    evict = self.evict
+                    if evict is not None and msg.get("type") == "message":
+                        evict(msg["data"].decode())
+            except redis_errors():
+                await asyncio.sleep(breaker.failed())
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+    async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
+        give_up_by = getattr(self.store, "give_up_by", None)
+        if give_up_by is not None:  # stopping: the writer thread, too, stops retrying within the bound
+            give_up_by(time.monotonic() + timeout)
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+        self._readers.shutdown(wait=True)
+        await super().close(timeout)

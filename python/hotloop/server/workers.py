@@ -1,0 +1,183 @@
+"""``hotloop serve --workers N``: N server processes on one port, supervised by the parent.
+
+The parent binds one listening socket per worker on the same address (``SO_REUSEPORT``: the
+kernel spreads new connections evenly over them) and forks N workers, each accepting on its own
+socket and running its own event loop (uvloop), app, caches and writer thread, exactly like a
+single server. The parent keeps every socket open, so connections the kernel queued on a dead
+worker's socket wait for its replacement instead of being refused. What they share is the store: SQLite in
+WAL mode (the parent creates the schema before forking; each worker's connection waits up to
+5 s on a lock) or Redis. A WebSocket is one connection, so its connection cache lives in the one
+worker that accepted it; HTTP continuations that land on another worker read the store
+(:mod:`hotloop.pipeline.shared`).
+
+Metrics: the parent points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh temporary directory (unless
+it is already set) before prometheus-client is imported, so every worker's series go to files
+there and ``/metrics`` on any worker serves the aggregate of all of them (dead workers' counters
+included); the directory is removed on exit if the parent created it.
+
+Supervision: a worker that dies is restarted (after ``RESTART_DELAY``; a worker that fails to
+start, exit code 3, stops the whole server with that code, as a single server does). SIGTERM or
+SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their responses within
+``--shutdown-grace`` and flush their stores; workers still alive ``KILL_AFTER`` seconds after
+that are killed. The parent exits 0 after a requested stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from typing import Any
+
+from hotloop.config import Config
+
+log = logging.getLogger("hotloop.server")
+
+RESTART_DELAY = 0.5  # seconds before a dead worker is replaced
+KILL_AFTER = 15.0  # seconds past --shutdown-grace before remaining workers are killed
+STARTUP_FAILURE = 3
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _prepare_store(config: Config) -> None:
+    """Create the SQLite schema once, before the workers open the file concurrently."""
+    if config.store != "sqlite":
+        return
+    from hotloop.state.store import SQLiteStore
+    from hotloop.tenants.keys import SQLiteKeyStore
+
+    SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds).close()
+    SQLiteKeyStore(config.db_path).close()
+
+
+def _worker(config: Config, sock: socket.socket) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    from hotloop.server.runner import serve
+
+    return serve(config, sock)
+
+
+class Supervisor:
+    def __init__(self, config: Config, socks: list[socket.socket]) -> None:
+        self.config = config
+        self.socks = socks  # one per worker slot
+        self.workers: dict[int, int] = {}  # pid -> slot
+        self.stopping = False
+        self.failed = False
+
+    def spawn(self, slot: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                for i, other in enumerate(self.socks):
+                    if i != slot:
+                        other.close()
+                code = _worker(self.config, self.socks[slot])
+            except BaseException:
+                logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
+            finally:
+                os._exit(code)
+        self.workers[pid] = slot
+        log.info("started worker %d", pid)
+
+    def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        first, self.stopping = not self.stopping, True
+        if first:
+            log.info("stopping %d workers", len(self.workers))
+        for pid in list(self.workers):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, pid: int, status: int) -> None:
+        slot = self.workers.pop(pid, 0)
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)
+        except Exception:  # its files stay; counters are meant to
+            pass
+        code = os.waitstatus_to_exitcode(status)
+        if self.stopping:
+            return
+        if code == STARTUP_FAILURE:
+            log.error("worker %d failed to start; stopping", pid)
+            self.failed = True
+            self.stop()
+            return
+        log.warning("worker %d exited (%d); starting another", pid, code)
+        time.sleep(RESTART_DELAY)
+        if not self.stopping:
+            self.spawn(slot)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        for slot in range(self.config.workers):
+            self.spawn(slot)
+        deadline: float | None = None
+        while self.workers:
+            if self.stopping and deadline is None:
+                deadline = time.monotonic() + self.config.shutdown_grace + KILL_AFTER
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in list(self.workers):
+                        log.error("worker %d did not stop in time; killing it", p)
+                        os.kill(p, signal.SIGKILL)
+                    deadline = time.monotonic() + 5.0
+                time.sleep(0.05)
+                continue
+            self.reap(pid, status)
+        for sock in self.socks:
+            sock.close()
+        return STARTUP_FAILURE if self.failed else 0
+
+
+def serve_workers(config: Config) -> int:
+    """Run ``config.workers`` supervised worker processes; the exit code."""
+    created = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        created = tempfile.mkdtemp(prefix="hotloop-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = created  # before prometheus-client is imported
+    from hotloop.server.logs import log_config
+
+    logging.config.dictConfig(log_config(config.log_level, config.log_format))
+    try:
+        if config.store == "memory":  # each worker would have its own: continuations would fail at random
+            log.error("start-up failed: --workers needs a shared store: --store sqlite or redis")
+            return STARTUP_FAILURE
+        try:
+            socks = [_listen(config.host, config.port)]
+            port = socks[0].getsockname()[1]
+            socks += [_listen(config.host, port) for _ in range(config.workers - 1)]
+            _prepare_store(config)
+        except OSError as exc:
+            log.error("start-up failed: %s", exc)
+            return STARTUP_FAILURE
+        log.info("serving on http://%s:%d with %d workers", config.host, config.port, config.workers)
+        return Supervisor(config, socks).run()
+    finally:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)

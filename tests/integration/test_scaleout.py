@@ -1,0 +1,334 @@
+"""Scale-out with real components: a ``redis-server`` and two ``hotloop serve --store redis``
+replicas on free ports (state made on one is continued, retrieved and referenced on the other;
+one key's limits and revocation hold across both; a replica killed mid-chain; Redis stopped and
+restarted mid-run), nginx with ``deploy/nginx.conf`` in front of them (the openai SDK's HTTP and
+WebSocket tool loops), and ``--workers 2``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+from websockets.sync.client import connect as ws_connect
+
+from hotloop.pipeline.shared import VISIBILITY_BOUND
+from tests.conftest import Server, free_port, run_server
+from tests.services import Redis, redis_server, require, stop, wait_port
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT = 8.0  # bound on every poll in these tests
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as r:
+        yield r
+
+
+def replica(tmp: Path, url: str, *args: str) -> contextlib.AbstractContextManager[Server]:
+    return run_server(tmp, "--store", "redis", "--redis-url", url, "--sim-rate", "0", *args)
+
+
+@contextlib.contextmanager
+def replicas(tmp: Path, url: str) -> Iterator[tuple[Server, Server]]:
+    with replica(tmp, url) as a, replica(tmp, url) as b:
+        yield a, b
+
+
+def keys(url: str, *args: str) -> str:
+    """``hotloop keys ...`` on the Redis store; its stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotloop", "keys", *args, "--store", "redis", "--redis-url", url],
+        capture_output=True, text=True, timeout=30, check=True,
+    )
+    return proc.stdout.strip()
+
+
+def auth(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def create(server: Server, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", **body}, headers=headers, timeout=30)
+
+
+def ws_turn(ws: Any, **body: Any) -> dict[str, Any]:
+    """One response.create on a raw WebSocket; its final response object."""
+    ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", **body}))
+    while True:
+        ev = json.loads(ws.recv(timeout=WAIT))
+        if ev["type"] in ("response.completed", "response.failed", "error"):
+            assert ev["type"] == "response.completed", ev
+            return ev["response"]  # type: ignore[no-any-return]
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
+
+
+def poll(fn: Any, what: str) -> Any:
+    deadline = time.monotonic() + WAIT
+    while True:
+        out = fn()
+        if out:
+            return out
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_state_made_on_a_is_used_on_b(redis: Redis, tmp_path: Path) -> None:
+    with replicas(tmp_path, redis.url[:-1] + "1") as (a, b):
+        r1 = create(a, {"input": "Remember the number 7.", "store": True})
+        assert r1.status_code == 200, r1.text
+        rid = r1.json()["id"]
+        out_id = r1.json()["output"][0]["id"]
+        # retrieve and list on B (no waiting: the read-your-writes bound is the server's job)
+        got = httpx.get(f"{b.v1}/responses/{rid}", timeout=10)
+        assert got.status_code == 200 and got.json()["id"] == rid
+        items = httpx.get(f"{b.v1}/responses/{rid}/input_items", params={"order": "asc"}, timeout=10)
+        assert items.status_code == 200
+        assert [it["content"][0]["text"] for it in items.json()["data"]] == ["Remember the number 7."]
+        # continue on B: the whole history comes from Redis
+        r2 = create(b, {"input": user("What was it?"), "previous_response_id": rid})
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["previous_response_id"] == rid
+        assert r2.json()["usage"]["input_tokens"] > r1.json()["usage"]["total_tokens"]
+        # an item_reference to A's output, resolved on B without previous_response_id
+        r3 = create(b, {"input": [{"type": "item_reference", "id": out_id}, *user("And again?")]})
+        assert r3.status_code == 200, r3.text
+        listed = httpx.get(f"{b.v1}/responses/{r3.json()['id']}/input_items", params={"order": "asc"}, timeout=10)
+        assert listed.json()["data"][0]["id"] == out_id
+        # a delete through B is seen by A, which held the response in its process-wide cache
+        assert httpx.get(f"{a.v1}/responses/{rid}", timeout=10).status_code == 200
+        assert httpx.delete(f"{b.v1}/responses/{rid}", timeout=10).status_code == 200
+        poll(lambda: httpx.get(f"{a.v1}/responses/{rid}", timeout=10).status_code == 404, "A to see the delete")
+        cont = create(a, {"input": user("more"), "previous_response_id": rid})
+        assert cont.status_code == 400 and cont.json()["error"]["code"] == "previous_response_not_found"
+        # unknown ids are still not found, on both
+        assert httpx.get(f"{b.v1}/responses/resp_nope", timeout=10).status_code == 404
+
+
+def test_websocket_chain_survives_its_replica(redis: Redis, tmp_path: Path) -> None:
+    url = redis.url[:-1] + "2"
+    with replica(tmp_path, url) as b:
+        with replica(tmp_path, url) as a:
+            with ws_connect(a.ws + "/responses") as ws:
+                prev = None
+                for text in ("one", "two", "three"):
+                    r = ws_turn(ws, input=user(text), store=True, **({"previous_response_id": prev} if prev else {}))
+                    prev = r["id"]
+                time.sleep(VISIBILITY_BOUND)  # the documented bound after response.completed
+                a.proc.send_signal(signal.SIGKILL)  # A dies without a graceful shutdown
+                a.proc.wait(timeout=10)
+        with ws_connect(b.ws + "/responses") as ws:  # the client reconnects to B
+            r = ws_turn(ws, input=user("four"), previous_response_id=prev, store=True)
+        assert r["previous_response_id"] == prev
+        items = httpx.get(f"{b.v1}/responses/{r['id']}/input_items", params={"order": "asc", "limit": 100}, timeout=10)
+        texts = [it["content"][0]["text"] for it in items.json()["data"] if it["type"] == "message" and it["role"] == "user"]
+        assert texts == ["one", "two", "three", "four"]
+
+
+def test_one_keys_limits_and_revocation_hold_across_replicas(redis: Redis, tmp_path: Path) -> None:
+    url = redis.url[:-1] + "3"
+    with replicas(tmp_path, url) as (a, b):
+        limited = keys(url, "create", "limited", "--rpm", "4")
+        other = keys(url, "create", "other")
+        remaining = []
+        for server in (a, b, a, b):
+            r = create(server, {"input": "hi", "store": False}, auth(limited))
+            assert r.status_code == 200, r.text
+            remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
+        assert remaining == [3, 2, 1, 0]  # one bucket, whichever replica answers
+        for server in (a, b):
+            r = create(server, {"input": "hi", "store": False}, auth(limited))
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        # a key revoked through A (the CLI on the shared store) is refused by B
+        assert create(b, {"input": "hi", "store": False}, auth(other)).status_code == 200
+        keys(url, "revoke", "other")
+        poll(lambda: create(b, {"input": "hi", "store": False}, auth(other)).status_code == 401, "B to refuse the key")
+        poll(lambda: create(a, {"input": "hi", "store": False}, auth(other)).status_code == 401, "A to refuse the key")
+
+
+def test_redis_stopped_and_restarted_mid_run(tmp_path: Path) -> None:
+    redis = Redis(tmp_path, persist=True)  # an append-only file, so a restart keeps what was written
+    redis.start()
+    try:
+        with replicas(tmp_path, redis.url) as (a, b):
+            free = keys(redis.url, "create", "free")
+            limited = keys(redis.url, "create", "limited", "--rpm", "1000")
+            for server in (a, b):  # both replicas know both keys before the outage
+                for secret in (free, limited):
+                    assert create(server, {"input": "warm", "store": False}, auth(secret)).status_code == 200
+            r1 = create(a, {"input": "stored before", "store": True}, auth(free)).json()
+            with ws_connect(a.ws + "/responses", additional_headers=auth(free)) as ws:
+                w1 = ws_turn(ws, input=user("w1"), store=True)
+                redis.stop()
+                # the connection's cache serves continuations; their writes wait in the queue
+                w2 = ws_turn(ws, input=user("w2"), store=True, previous_response_id=w1["id"])
+                w3 = ws_turn(ws, input=user("w3"), store=True, previous_response_id=w2["id"])
+                # requests that need Redis: a clear 503
+                for resp in (
+                    create(b, {"input": user("x"), "previous_response_id": r1["id"]}, auth(free)),
+                    httpx.get(f"{b.v1}/responses/{r1['id']}", headers=auth(free), timeout=10),
+                    create(b, {"input": "hi", "store": False}, auth(limited)),
+                ):
+                    assert resp.status_code == 503, resp.text
+                    err = resp.json()["error"]
+                    assert err["type"] == "server_error" and "unavailable" in err["message"]
+                    assert "Traceback" not in resp.text and "redis" not in err["message"].lower()
+                redis.start()
+                poll(lambda: httpx.get(a.base + "/hotloop/stats", headers=auth(free), timeout=10).json()["store"]["pending"] == 0,
+                     "A's queued writes to land")
+                w4 = ws_turn(ws, input=user("w4"), store=True, previous_response_id=w3["id"])
+            # the writes acknowledged during the outage landed: B continues the chain
+            poll(lambda: httpx.get(f"{b.v1}/responses/{w4['id']}", headers=auth(free), timeout=10).status_code == 200,
+                 "the queued writes")
+            r = create(b, {"input": user("w5"), "previous_response_id": w4["id"]}, auth(free))
+            assert r.status_code == 200, r.text
+            items = httpx.get(
+                f"{b.v1}/responses/{r.json()['id']}/input_items", params={"order": "asc", "limit": 100},
+                headers=auth(free), timeout=10,
+            ).json()["data"]
+            assert [it["content"][0]["text"] for it in items if it.get("role") == "user"] == ["w1", "w2", "w3", "w4", "w5"]
+            # and B reaches Redis again for everything else
+            assert create(b, {"input": "hi", "store": False}, auth(limited)).status_code == 200
+            assert httpx.get(f"{b.v1}/responses/{r1['id']}", headers=auth(free), timeout=10).status_code == 200
+            assert "unavailable" in a.logs()
+    finally:
+        redis.stop()
+
+
+# -- nginx in front of two replicas ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def nginx(tmp: Path, upstreams: list[int]) -> Iterator[int]:
+    """nginx with deploy/nginx.conf, its upstreams and listen port substituted; the port."""
+    binary = require("nginx", "nginx")
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    port = free_port()
+    servers = re.findall(r"^\s*server 127\.0\.0\.1:\d+.*;$", conf, re.M)
+    assert len(servers) == len(upstreams) == 2
+    for line, up in zip(servers, upstreams):
+        conf = conf.replace(line, re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{up}", line))
+    conf, n = re.subn(r"listen 8080;", f"listen 127.0.0.1:{port};", conf)
+    assert n == 1
+    prefix = tmp / "nginx"
+    (prefix / "logs").mkdir(parents=True)
+    (prefix / "temp").mkdir()
+    path = prefix / "nginx.conf"
+    path.write_text(conf)
+    globals_ = f"daemon off; pid {prefix}/nginx.pid; error_log {prefix}/logs/stderr.log;"
+    if os.geteuid() == 0:  # workers as root too: the pytest temp directory is private
+        globals_ += " user root;"
+    log = prefix / "logs" / "run.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([binary, "-p", str(prefix), "-c", str(path), "-g", globals_], stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, proc, "nginx", log)
+        yield port
+    finally:
+        stop(proc)
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def test_openai_sdk_tool_loops_through_nginx(redis: Redis, tmp_path: Path) -> None:
+    with replicas(tmp_path, redis.url[:-1] + "5") as (a, b), nginx(tmp_path, [a.port, b.port]) as port:
+        client = OpenAI(api_key="sk-test", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=30)
+        # HTTP: each call a new connection through nginx's round of the replicas
+        prev = None
+        for turn in range(4):
+            if prev is None:
+                r = client.responses.create(model="hotloop-sim", input="Weather in Paris?", tools=TOOLS)  # type: ignore[arg-type]
+            else:
+                call = next(o for o in prev.output if o.type == "function_call")
+                r = client.responses.create(
+                    model="hotloop-sim", previous_response_id=prev.id, tools=TOOLS,  # type: ignore[arg-type]
+                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}, *user(f"And turn {turn}?")],
+                )
+            assert r.status == "completed"
+            assert any(o.type == "function_call" for o in r.output)
+            prev = r
+        # SSE through nginx (buffering off)
+        events = list(client.responses.create(model="hotloop-sim", input="hi", stream=True))
+        assert events[-1].type == "response.completed"
+        # WebSocket mode through nginx's upgrade
+        with client.responses.connect() as conn:
+            prev_id = None
+            for turn in range(3):
+                if prev_id is None:
+                    conn.response.create(model="hotloop-sim", input="Weather in Oslo?", tools=TOOLS)  # type: ignore[arg-type]
+                else:
+                    conn.response.create(
+                        model="hotloop-sim", previous_response_id=prev_id, tools=TOOLS,  # type: ignore[arg-type]
+                        input=[{"type": "function_call_output", "call_id": call_id, "output": "3C"}, *user("next?")],
+                    )
+                final = None
+                for e in conn:
+                    if e.type == "response.completed":
+                        final = e.response
+                        break
+                    assert e.type not in ("error", "response.failed"), e
+                assert final is not None and final.status == "completed"
+                call_id = next(o for o in final.output if o.type == "function_call").call_id
+                prev_id = final.id
+        # both replicas served
+        served = [httpx.get(s.base + "/hotloop/stats", timeout=10).json()["completed_responses"] for s in (a, b)]
+        assert all(n > 0 for n in served) and sum(served) == 8, served
+
+
+# -- --workers -----------------------------------------------------------------------------------
+
+
+def test_workers_serve_http_and_websocket_from_both_processes(tmp_path: Path) -> None:
+    mp = tmp_path / "metrics"
+    mp.mkdir()
+    n = 24
+    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0", env={"PROMETHEUS_MULTIPROC_DIR": str(mp)}) as s:
+        for i in range(n):  # a new connection each: the kernel spreads them over the workers
+            with httpx.Client(timeout=10) as c:
+                assert c.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": f"h{i}"}).status_code == 200
+            with ws_connect(s.ws + "/responses") as ws:
+                ws_turn(ws, input=user(f"w{i}"), store=False)
+        stats: dict[int, dict[str, Any]] = {}
+
+        def both() -> bool:
+            with httpx.Client(timeout=10) as c:
+                st = c.get(s.base + "/hotloop/stats").json()
+            stats[st["pid"]] = st
+            return len(stats) == 2
+
+        poll(both, "stats from both workers")
+        assert s.proc.pid not in stats
+        for st in stats.values():
+            transports = {t["transport"] for t in st["turns"]}
+            assert {"json", "ws"} <= transports, transports
+        assert sum(st["completed_responses"] for st in stats.values()) == 2 * n
+        # /metrics on any worker: the aggregate of both
+        metrics = httpx.get(s.base + "/metrics", timeout=10).text
+        total = sum(float(v) for v in re.findall(r'^hotloop_responses_total\{[^}]*status="completed"[^}]*\} (\S+)$', metrics, re.M))
+        assert total == 2 * n
+        # a worker that dies is replaced; the server keeps serving
+        victim = next(iter(stats))
+        os.kill(victim, signal.SIGKILL)
+        poll(lambda: f"worker {victim} exited" in s.logs() and "started worker" in s.logs().split(f"worker {victim} exited")[1],
+             "a replacement worker")
+        for i in range(6):
+            with httpx.Client(timeout=10) as c:
+                assert c.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": "again"}).status_code == 200
+    assert s.proc.returncode == 0

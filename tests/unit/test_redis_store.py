@@ -1,0 +1,177 @@
+"""The Redis store against a real ``redis-server``: the store model (parents, tombstones,
+ownership, provenance, TTL) as the SQLite store keeps it, the usage ledger, and an outage."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from hotloop import errors
+from hotloop.state.redis_store import RedisStore
+from hotloop.state.store import MissingParent, StoredResponse, UsageRecord
+from tests.services import Redis, redis_server
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as r:
+        yield r
+
+
+@pytest.fixture
+def store(redis: Redis, request: pytest.FixtureRequest) -> Iterator[RedisStore]:
+    s = RedisStore(redis.url, 3600, prefix=f"t{id(request)}:", write_retry_seconds=2.0)
+    yield s
+    s.close()
+
+
+def item(iid: str, text: str = "x") -> dict[str, Any]:
+    return {"type": "message", "role": "user", "id": iid, "content": [{"type": "input_text", "text": text}]}
+
+
+def rec(rid: str, items: list[dict[str, Any]], parent: str | None = None, base: int = 0, owner: str = "alice",
+        minted: bool = True, fps: list[Any] | None = None) -> StoredResponse:
+    return StoredResponse(
+        {"id": rid, "object": "response", "status": "completed"}, items,
+        fps if fps is not None else [base + i + 1 for i in range(len(items))], [3] * len(items), 1, parent, base, owner,
+        [minted] * len(items),
+    )
+
+
+def test_chain_loads_whole_history_and_checks_the_parent(store: RedisStore) -> None:
+    store.put(rec("r1", [item("i1"), item("i2")]))
+    store.put(rec("r2", [item("i3")], parent="r1", base=2))
+    h = store.get("r2", "alice")
+    assert h is not None
+    assert [it["id"] for it in h.items] == ["i1", "i2", "i3"]
+    assert h.fps == [1, 2, 3] and h.toks == [3, 3, 3] and h.parent_id == "r1" and h.base_len == 2
+    assert h.minted == [True, True, True]
+    with pytest.raises(MissingParent):
+        store.put(rec("r3", [item("i4")], parent="r1", base=5))  # wrong base
+    with pytest.raises(MissingParent):
+        store.put(rec("r3", [item("i4")], parent="nope", base=1))
+
+
+def test_fingerprints_are_opaque(store: RedisStore) -> None:
+    fps = [b"\x01" * 16, (1 << 64) - 1]
+    store.put(rec("f1", [item("a"), item("b")], fps=fps))
+    h = store.get("f1")
+    assert h is not None and h.fps == fps
+
+
+def test_replicas_share_one_fingerprint_key(store: RedisStore, redis: Redis) -> None:
+    """Every store on one Redis (every replica) fingerprints with one key, made by the first."""
+    from hotloop.state import fpkey
+
+    other = RedisStore(redis.url, 3600, prefix=store.prefix)
+    elsewhere = RedisStore(redis.url, 3600, prefix=store.prefix + "x:")
+    try:
+        assert len(store.fingerprint_key) == fpkey.KEY_LEN
+        assert other.fingerprint_key == store.fingerprint_key
+        assert elsewhere.fingerprint_key != store.fingerprint_key
+        assert store.fingerprint_key != fpkey.PROCESS_KEY
+        store.r.set(store.prefix + "fpkey", b"short")
+        with pytest.raises(fpkey.KeyFileError):
+            RedisStore(redis.url, 3600, prefix=store.prefix)
+    finally:
+        other.close()
+        elsewhere.close()
+
+
+def test_scope_hides_other_owners(store: RedisStore) -> None:
+    store.put(rec("s1", [item("si1")], owner="alice"))
+    assert store.get("s1", "bob") is None
+    assert store.get_response("s1", "bob") is None
+    assert store.get_item("si1", "bob") is None
+    assert not store.delete("s1", "bob")
+    assert store.get_response("s1", None) is not None  # the admin sees every owner
+    assert store.get_item("si1", "alice") == item("si1")
+    assert store.get_item("si1", None) == item("si1")
+
+
+def test_only_minted_items_resolve(store: RedisStore) -> None:
+    store.put(rec("m1", [item("client-id")], minted=False))
+    assert store.get_item("client-id", "alice") is None
+
+
+def test_delete_tombstones_a_parent_until_its_children_go(store: RedisStore) -> None:
+    store.put(rec("d1", [item("di1")]))
+    store.put(rec("d2", [item("di2")], parent="d1", base=1))
+    assert store.delete("d1", "alice")
+    assert store.get("d1", "alice") is None and store.get_response("d1") is None
+    assert store.get_item("di1", "alice") is None
+    h = store.get("d2", "alice")
+    assert h is not None and [it["id"] for it in h.items] == ["di1", "di2"]  # the tombstone's items stay
+    assert not store.delete("d1", "alice")
+    assert store.delete("d2", "alice")
+    assert store.r.keys(store.prefix + "t:alice:r:d*") == []  # the tombstone went with its last child
+    assert store.r.keys(store.prefix + "o:d*") == []
+
+
+def test_ttl_hides_and_expires(redis: Redis) -> None:
+    s = RedisStore(redis.url, 1.0, prefix="ttl:")
+    try:
+        s.put(rec("t1", [item("ti1")]))
+        assert s.get("t1") is not None
+        assert 0 < s.r.pttl("ttl:t:alice:r:t1") <= 2000
+        time.sleep(1.05)
+        assert s.get("t1") is None and s.get_response("t1") is None and s.get_item("ti1") is None
+    finally:
+        s.close()
+
+
+def test_a_child_keeps_its_ancestors_alive(redis: Redis) -> None:
+    s = RedisStore(redis.url, 1.0, prefix="anc:")
+    try:
+        s.put(rec("a1", [item("ai1")]))
+        time.sleep(0.6)
+        s.put(rec("a2", [item("ai2")], parent="a1", base=1))
+        assert s.r.pexpiretime("anc:t:alice:r:a1") >= s.r.pexpiretime("anc:t:alice:r:a2")
+        time.sleep(0.6)
+        h = s.get("a2")
+        assert h is not None and len(h.items) == 2
+        assert s.get("a1") is None  # past its own TTL: hidden, its items kept for a2
+    finally:
+        s.close()
+
+
+def test_usage_ledger_per_day_model_key(store: RedisStore) -> None:
+    now = time.time()
+    store.record_usage([
+        UsageRecord("m", 10, 5, 2, 1, now, "k1"),
+        UsageRecord("m", 1, 1, 0, 0, now, "k1", {"aws_key": 2}),
+        UsageRecord("m", 7, 7, 0, 0, now, "k2"),
+    ])
+    rows = store.usage("k1")
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["responses"], r["input_tokens"], r["output_tokens"], r["cached_tokens"], r["reasoning_tokens"]) == (2, 11, 6, 2, 1)
+    assert r["flagged"] == 1 and r["findings"] == {"aws_key": 2}
+    assert {r["key"] for r in store.usage()} == {"k1", "k2"}
+    assert store.usage(since="2999-01-01") == []
+
+
+def test_outage_reads_503_writes_wait(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as r:
+        s = RedisStore(r.url, 3600, write_retry_seconds=0.3)
+        try:
+            s.put(rec("o1", [item("oi1")]))
+            r.stop()
+            with pytest.raises(errors.StoreUnavailable):
+                s.get("o1")
+            with pytest.raises(errors.StoreUnavailable):  # the breaker answers at once
+                s.get_response("o1")
+            t0 = time.monotonic()
+            with pytest.raises(errors.StoreUnavailable):
+                s.put(rec("o2", [item("oi2")]))
+            assert time.monotonic() - t0 >= 0.25 and not s.available  # retried, then gave up
+            r.start()
+            s.write_retry_seconds = 10.0
+            time.sleep(s.breaker.backoff)
+            s.put(rec("o2", [item("oi2")]))
+            assert s.available and s.get("o2") is not None and s.get("o1") is None  # no persistence configured
+        finally:
+            s.close()
