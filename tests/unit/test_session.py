@@ -33,6 +33,41 @@ def test_malformed_frames_are_errors_not_closes() -> None:
     assert isinstance(a, SendError) and a.error.param == "model"
 
 
+def test_a_transport_decoder_takes_large_create_frames_with_the_same_admission() -> None:
+    from hotloop.protocol.request import convert_body
+    from hotloop.protocol.session import FAST_DECODE_BYTES
+
+    seen: list[int] = []
+
+    def fast(frame: str) -> tuple[object, str] | None:
+        seen.append(len(frame))
+        obj = json.loads(frame)
+        return (convert_body(obj), "extra") if obj.get("type") == "response.create" else None
+
+    sess = s(max_queued=2, decode_create=fast)
+    small = json.dumps({"type": "response.create", "model": "m", "input": "x"})
+    big = json.dumps({"type": "response.create", "model": "m", "input": "x" * FAST_DECODE_BYTES, "stream_id": "L1"})
+    [a] = sess.receive(small, 1)
+    assert isinstance(a, RunCreate) and a.decoded is None and seen == []  # small frames: the ordinary way
+    [b] = sess.receive(big, 1)
+    assert isinstance(b, RunCreate) and b.decoded == "extra" and b.size == len(big) and seen == [len(big)]
+    [c] = sess.receive(big.replace('"L1"', '"L2"'), 1)  # the queue bound holds on this path too
+    assert isinstance(c, SendError) and c.error.code == "websocket_queue_full"
+    assert sess.queued == 2
+    other = json.dumps({"type": "response.append", "input": "y" * FAST_DECODE_BYTES, "stream_id": "L3"})
+    [d] = sess.receive(other, 1)  # declined by the decoder: the ordinary dispatch and error
+    assert isinstance(d, SendError) and d.error.param == "type"
+    assert repr(sess.receive(big, 7200)) == repr(sess_expired_like(big))  # past the age limit: as ever
+
+
+def sess_expired_like(frame: str) -> list[object]:
+    """What a session without the decoder answers to ``frame`` in the same state."""
+    ref = s(max_queued=2)
+    ref.receive(json.dumps({"type": "response.create", "model": "m", "input": "x"}), 1)
+    ref.receive(frame, 1)
+    return ref.receive(frame, 7200)
+
+
 def test_queue_bound() -> None:
     sess = s(max_queued=2)
     frame = json.dumps({"type": "response.create", "model": "m", "input": "x"})

@@ -19,6 +19,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop.pipeline import items as itemlib
+from hotloop.protocol.events import CLIENT_CREATE
 from hotloop.protocol.request import MAX_INPUT_ITEMS, CreateRequest, Item, ItemReference, decode_body, validate
 from hotloop.state.context import CachedResponse
 from hotloop.state.prefix import Prefix, PrefixCache
@@ -220,6 +221,26 @@ def decode_create(
     """
     if cache is None or cache.max_entries <= 0:
         return decode_body(body), None, None
+    got = _decode(body, cache, owner)
+    return got if got is not None else (decode_body(body), None, None)
+
+
+def decode_frame(
+    frame: str, cache: PrefixCache, owner: str
+) -> tuple[CreateRequest, tuple[Prefix | None, RawInput | None]] | None:
+    """:func:`decode_create` for a WebSocket ``response.create`` frame (the session's
+    ``decode_create``): the request and ``(prefix, raw input)``, or ``None`` for any other or
+    unusual frame, which the session then decodes the ordinary way (with its own errors)."""
+    if cache.max_entries <= 0:
+        return None
+    got = _decode(frame.encode(), cache, owner)
+    if got is None or got[0].type != CLIENT_CREATE:
+        return None
+    return got[0], (got[1], got[2])
+
+
+def _decode(body: bytes, cache: PrefixCache, owner: str) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
+    """The request of ``body`` with its prefix hit and raw input (``None``: anything unusual)."""
     try:
         prefix: Prefix | None
         by_body = _by_body(cache, owner, body) if len(cache) else None
@@ -230,22 +251,24 @@ def decode_create(
             lazy = _lazy_decoder.decode(body)
             raw = bytes(lazy.input)
             if lazy.previous_response_id is not None or raw[:1] != b"[":
-                return decode_body(body), None, None
+                value = msgspec.json.decode(raw)  # a continuation, or a string input: nothing to match
+                return (_with_input(lazy, value), None, None) if value is None or type(value) is str or type(value) is list else None
             raw_input = RawInput(raw, _lead(body, raw))
             hit = split_raw(cache, owner, raw)
             prefix, suffix_raw = hit if hit is not None else (None, None)
         if prefix is not None and suffix_raw is not None:
             suffix = msgspec.json.decode(suffix_raw)
             if lazy.previous_response_id is not None or type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:
-                return decode_body(body), None, None
+                return None
             req = _with_input(lazy, suffix)
             p = validate(req)  # the suffix alone; an error is reported against the whole input below
             if _longer(cache, owner, prefix.n, p.items):
-                return decode_body(body), None, raw_input  # matched by fingerprint in Engine.start
+                # matched by fingerprint in Engine.start, which finds the longest prefix
+                return _with_input(lazy, msgspec.json.decode(raw_input.raw)), None, raw_input
             return req, prefix, raw_input
         value = msgspec.json.decode(raw_input.raw)
         if type(value) is not list:
-            return decode_body(body), None, None
+            return None
         return _with_input(lazy, value), None, raw_input
     except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
-        return decode_body(body), None, None
+        return None

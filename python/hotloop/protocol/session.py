@@ -58,7 +58,7 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -87,6 +87,7 @@ class RunCreate(msgspec.Struct):
     size: int = 0  # bytes of its frame
     steers: list[Steer] = msgspec.field(default_factory=list)  # submissions it commits
     successor_of: str | None = None  # the response it succeeds automatically (steering)
+    decoded: Any = None  # what the session's ``decode_create`` returned beside the request
 
     @property
     def lane(self) -> Lane:
@@ -146,6 +147,7 @@ class Ended(msgspec.Struct):
 Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
+FAST_DECODE_BYTES = 16 * 1024  # frames from this size on are offered to Session.decode_create first
 
 _UNSUPPORTED = {
     ev.CLIENT_INJECT: f"'{ev.CLIENT_INJECT}' is not supported by this server.",
@@ -186,7 +188,14 @@ class Session:
         max_pending_steers: int = 8,
         max_known: int = 256,
         ids: IdGen | None = None,
+        decode_create: Callable[[str], tuple[CreateRequest, Any] | None] | None = None,
     ) -> None:
+        """``decode_create``: a faster decoder the transport may offer for large frames (a
+        full-history input matched against cached prefixes by its bytes): it returns the request
+        of a well-formed ``response.create`` frame and something the transport wants back in the
+        :class:`RunCreate` (``decoded``), or ``None``, and the frame is decoded the ordinary way
+        (so every error is the ordinary one)."""
+        self.decode_create = decode_create
         self.opened_at = opened_at
         self.max_lanes = max_lanes
         self.lanes: set[str] = set()  # named lanes seen (the default lane does not count)
@@ -269,6 +278,12 @@ class Session:
             return []
         if isinstance(data, bytes):
             return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
+        fast = self.decode_create
+        if fast is not None and len(data) >= FAST_DECODE_BYTES:
+            got = fast(data)
+            if got is not None:
+                req, decoded = got
+                return self._admit(req.stream_id, now) or self._accept(req, len(data), decoded)
         try:
             frame = _decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -292,6 +307,18 @@ class Session:
                 ),
                 stream_id,
             )
+        refused = self._admit(stream_id, now)
+        if refused is not None:
+            return refused
+        try:
+            req = convert_body(frame)
+        except errors.HotloopError as exc:
+            prev = frame.get("previous_response_id")
+            return self._error(exc, stream_id, prev if isinstance(prev, str) else None)
+        return self._accept(req, len(data), None)
+
+    def _admit(self, stream_id: str | None, now: float) -> list[Action] | None:
+        """What refuses one more response on lane ``stream_id`` now (``None``: nothing)."""
         if self.expired(now):
             return self.expire()
         if self.queued >= self.max_queued:
@@ -312,14 +339,11 @@ class Session:
                 ),
                 stream_id,
             )
-        try:
-            req = convert_body(frame)
-        except errors.HotloopError as exc:
-            prev = frame.get("previous_response_id")
-            return self._error(exc, stream_id, prev if isinstance(prev, str) else None)
-        size = len(data)
+        return None
+
+    def _accept(self, req: CreateRequest, size: int, decoded: Any) -> list[Action]:
         self.queued += 1
-        return self._submit(RunCreate(req, size=size))
+        return self._submit(RunCreate(req, size=size, decoded=decoded))
 
     def _error(self, err: errors.HotloopError, stream_id: str | None, evict: str | None = None) -> list[Action]:
         """An error about a request of lane ``stream_id``: now, or behind the lane's response."""

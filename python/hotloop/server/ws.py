@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from uvicorn.protocols.utils import ClientDisconnected
 
 from hotloop import errors
+from hotloop.pipeline import reuse
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
@@ -124,9 +125,15 @@ class Connection:
             max_in_flight=cfg.ws_max_in_flight,
             max_pending_steers=cfg.ws_max_pending_steers,
             ids=self.app.engine.ids,
+            decode_create=self._decode_create,
         )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         return self.session
+
+    def _decode_create(self, frame: str) -> Any:
+        """A large ``response.create`` frame that resends a history: matched against the
+        tenant's cached prefixes by its bytes (pipeline.reuse), as an HTTP body is."""
+        return reuse.decode_frame(frame, self.app.engine.prefixes, self.tenant.id)
 
     async def send_frame(self, payload: bytes) -> None:
         await self._emit([(ev.ERROR, payload)])
@@ -322,8 +329,10 @@ class Connection:
             return Ended()
         rid_ = request_id()  # this response's request id (logs, the backend's x-request-id)
         try:
+            prefix, raw_input = action.decoded or (None, None)
             run: Run = await engine.start(
-                req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant, request_id=rid_
+                req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant, request_id=rid_,
+                prefix=prefix, raw_input=raw_input,
             )
         except errors.HotloopError as exc:
             self._count_error(exc)

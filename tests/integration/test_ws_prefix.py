@@ -1,0 +1,112 @@
+"""Prefix reuse within a WebSocket connection: a client that resends the whole history in every
+``response.create`` (no ``previous_response_id``) gets its prefix matched by raw bytes, as an HTTP
+body is, with the token counts, usage and errors of a computation from scratch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from websockets.sync.client import connect as ws_connect
+
+from hotloop.protocol.session import FAST_DECODE_BYTES
+from tests.conftest import Server, run_server
+
+SIM = ("--sim-rate", "0", "--store", "memory")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    tmp = tmp_path_factory.mktemp("wsprefix")
+    with run_server(tmp, *SIM) as s, run_server(tmp, *SIM, env={"HOTLOOP_PREFIX_CACHE_ENTRIES": "0"}) as ref:
+        yield s, ref
+
+
+def _turn(ws: Any, body: dict[str, Any]) -> dict[str, Any]:
+    ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "metadata": {"sim": "tokens:3"}, **body}))
+    while True:
+        frame = json.loads(ws.recv(timeout=20))
+        if frame["type"] in ("response.completed", "response.failed", "error"):
+            return frame  # type: ignore[no-any-return]
+
+
+def _prefix_stats(s: Server) -> dict[str, int]:
+    return httpx.get(s.base + "/hotloop/stats", timeout=5).json()["prefix_cache"]  # type: ignore[no-any-return]
+
+
+def _cached(resp: dict[str, Any]) -> int:
+    return int(resp["usage"]["input_tokens_details"]["cached_tokens"])
+
+
+def test_full_history_frames_reuse_the_prefix_by_bytes(servers: tuple[Server, Server]) -> None:
+    s, ref = servers
+    before = _prefix_stats(s)
+    history: list[dict[str, Any]] = []
+    with ws_connect(s.ws + "/responses", open_timeout=10) as ws, ws_connect(ref.ws + "/responses", open_timeout=10) as rws:
+        previous_input = 0
+        for i in range(5):
+            history.append({"role": "user", "content": f"turn {i} " + "tool output line\n" * 1000})
+            frame = _turn(ws, {"input": history, "store": False})
+            scratch = _turn(rws, {"input": history, "store": False})
+            assert frame["type"] == scratch["type"] == "response.completed", (frame, scratch)
+            resp, sresp = frame["response"], scratch["response"]
+            assert resp["usage"]["input_tokens"] == sresp["usage"]["input_tokens"]
+            assert _cached(sresp) == 0
+            assert _cached(resp) == (previous_input if i else 0)  # the previous turn's whole input
+            previous_input = resp["usage"]["input_tokens"]
+            history += resp["output"]
+    assert len(json.dumps(history)) > FAST_DECODE_BYTES
+    after = _prefix_stats(s)
+    assert after["body_hits"] - before["body_hits"] == 4  # every turn after the first, by its bytes
+
+
+def test_an_error_after_a_reused_prefix_names_its_place_in_the_whole_input(servers: tuple[Server, Server]) -> None:
+    s, ref = servers
+    errors = []
+    for server in (s, ref):
+        with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+            history: list[dict[str, Any]] = [{"role": "user", "content": "start " + "x" * 20_000}]
+            first = _turn(ws, {"input": history, "store": False})
+            assert first["type"] == "response.completed"
+            history += first["response"]["output"]
+            history.append({"role": "user", "content": [{"type": "input_text"}]})  # no text
+            errors.append(_turn(ws, {"input": history, "store": False}))
+            # the connection is still usable afterwards
+            assert _turn(ws, {"input": "hi", "store": False})["type"] == "response.completed"
+    got, want = errors
+    assert got["type"] == want["type"] == "error"
+    assert got["error"] == want["error"], (got, want)
+    assert got["error"]["param"].startswith(f"input[{len(history) - 1}]")
+
+
+def test_frames_that_are_not_plain_creates_keep_their_errors(servers: tuple[Server, Server]) -> None:
+    s, ref = servers
+    big = "y" * (FAST_DECODE_BYTES + 10)
+    frames = [
+        {"type": "response.create", "model": "hotloop-sim", "input": [{"role": "user", "content": big}], "store": "no"},
+        {"type": "response.append", "input": big},
+        {"type": "response.create", "model": "hotloop-sim", "input": 7, "instructions": big},
+    ]
+    for frame in frames:
+        answers = []
+        for server in (s, ref):
+            with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+                ws.send(json.dumps(frame))
+                answers.append(json.loads(ws.recv(timeout=20)))
+        assert answers[0]["type"] == "error" and answers[0]["error"] == answers[1]["error"], answers
+
+
+def test_store_true_full_history_is_readable(servers: tuple[Server, Server]) -> None:
+    s, _ = servers
+    with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
+        history: list[dict[str, Any]] = [{"role": "user", "content": "a" * 20_000}]
+        first = _turn(ws, {"input": history})["response"]
+        history += first["output"] + [{"role": "user", "content": "b" * 100}]
+        second = _turn(ws, {"input": history})["response"]
+        assert _cached(second) == first["usage"]["input_tokens"]
+    items = httpx.get(f"{s.v1}/responses/{second['id']}/input_items", params={"limit": 100, "order": "asc"}, timeout=5).json()
+    assert [it.get("role") for it in items["data"]] == [it.get("role") for it in history]
+    last = items["data"][-1]["content"]
+    assert (last if isinstance(last, str) else last[0]["text"]) == "b" * 100
