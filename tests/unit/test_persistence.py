@@ -270,3 +270,74 @@ def test_size_estimates_cover_every_item_kind() -> None:
     sizes = [approx_nbytes([it]) for it in items]
     assert [s > n for s, n in zip(sizes, (5000, 700, 900, 1100))] == [True] * 4
     assert approx_nbytes(items) == sum(sizes)
+
+
+class CountingSQLiteStore(SQLiteStore):
+    """SQLite whose first put waits on a gate; counts the batches (transactions) it is given."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self._in: list[int] | None = None
+
+    def batch(self) -> Any:
+        self.batches.append(0)
+        return super().batch()
+
+    def put(self, rec: Any) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+        if self.batches:
+            self.batches[-1] += 1
+        super().put(rec)
+
+
+def test_queued_writes_go_to_the_store_in_one_transaction(tmp_path: Any) -> None:
+    """What queued behind a slow write is written together (one batch), in order, and a job
+    that fails inside the batch (a parent that is not stored) is stored whole, not lost."""
+    store = CountingSQLiteStore(tmp_path / "db.sqlite3")
+
+    async def main() -> None:
+        p = Persistence(store)
+        first = _entry("resp_first")
+        await p.submit(first)
+        await asyncio.to_thread(store.entered.wait, 30)
+        unstored = _entry("resp_unstored", store=False)  # a parent the store never gets
+        entries = [_entry(f"resp_{i}") for i in range(10)] + [_entry("resp_orphan", parent=unstored)]
+        for e in entries:
+            await p.submit(e)
+        store.gate.set()
+        await p.flush()
+        # one transaction for all eleven (the orphan put twice: as a continuation, then whole)
+        assert store.batches == [len(entries) + 1]
+        for e in [first, *entries]:
+            hist = store.get(e.id)
+            assert hist is not None and hist.items == _history(e), e.id
+        assert p.written == len(entries) + 1 and p.failed == 0
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_savepoint_undoes_only_the_failed_write(tmp_path: Any) -> None:
+    store = SQLiteStore(tmp_path / "db.sqlite3")
+    from hotloop.pipeline.post import own_record, whole_record
+    from hotloop.state.store import MissingParent
+
+    a, b = _entry("resp_a"), _entry("resp_b")
+    orphan = _entry("resp_o", parent=_entry("resp_gone", store=False))
+    with store.batch():
+        store.put(whole_record(snapshot(a)))
+        with pytest.raises(MissingParent):
+            store.put(own_record(snapshot(orphan)))
+        store.put(whole_record(snapshot(b)))
+    assert store.get("resp_a") is not None and store.get("resp_b") is not None
+    assert store.get("resp_o") is None
+    with pytest.raises(RuntimeError), store.batch():
+        store.put(whole_record(snapshot(_entry("resp_c"))))
+        raise RuntimeError("the whole batch fails")
+    assert store.get("resp_c") is None  # rolled back with its transaction
+    store.close()

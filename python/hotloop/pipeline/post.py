@@ -50,6 +50,7 @@ log = logging.getLogger("hotloop.post")
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_LAG = 0.2  # seconds the oldest queued write may wait before submissions wait too
+WRITE_BATCH = 64  # queued jobs written together (one store transaction, one commit)
 CLOSE_FLUSH_SECONDS = 30.0  # the bound on writing the queue out at shutdown
 ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
 
@@ -339,22 +340,44 @@ class Persistence:
                 await self._wakeup
                 self._wakeup = None
                 continue
-            job = self._jobs.popleft()
-            self._jobs_bytes -= job.nbytes
+            queue = self._jobs
+            jobs = [queue.popleft() for _ in range(min(len(queue), WRITE_BATCH))]
+            self._jobs_bytes -= sum(job.nbytes for job in jobs)
             self._admit()
+            done: list[bool] = []
             try:
-                if job.kind == "put":
-                    await loop.run_in_executor(self._pool, self._write, job.payload)
-                    self.written += 1
-                elif job.kind == "usage":
-                    await loop.run_in_executor(self._pool, self.store.record_usage, job.payload)
-            except Exception:  # a storage failure must not kill the writer; it is logged
-                self.failed += 1
+                done = await loop.run_in_executor(self._pool, self._write_jobs, jobs)
+            except Exception:  # the batch's commit failed: none of it is stored (logged, counted)
                 log.exception("store write failed")
             finally:
-                if job.kind == "put":
-                    self.pending.pop(job.payload.entry.id, None)
-                self._finished(job.seq)
+                for i, job in enumerate(jobs):
+                    ok = i < len(done) and done[i]
+                    if job.kind == "put":
+                        self.pending.pop(job.payload.entry.id, None)
+                        self.written += ok
+                    self.failed += not ok
+                    self._finished(job.seq)
+
+    def _write_jobs(self, jobs: list[_Job]) -> list[bool]:
+        """Write queued jobs (writer thread), in order: in one store transaction when the store
+        offers one (``batch``: one commit, one disk sync, for everything queued); whether each
+        was written. A job that fails is logged and does not stop the others."""
+        batch = getattr(self.store, "batch", None)
+        if batch is None or len(jobs) == 1:
+            return [self._write_job(job) for job in jobs]
+        with batch():
+            return [self._write_job(job) for job in jobs]
+
+    def _write_job(self, job: _Job) -> bool:
+        try:
+            if job.kind == "put":
+                self._write(job.payload)
+            else:
+                self.store.record_usage(job.payload)
+            return True
+        except Exception:  # a storage failure must not kill the writer; it is logged
+            log.exception("store write failed")
+            return False
 
     def _write(self, snap: Snapshot) -> None:
         """Store one response (writer thread): its own items, or its whole history when its

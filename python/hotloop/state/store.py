@@ -48,12 +48,14 @@ Store methods are synchronous and called from one writer thread
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from itertools import count
 from operator import itemgetter
 from pathlib import Path
@@ -536,7 +538,8 @@ class SQLiteStore:
         # One connection used from one thread at a time (the writer thread); the lock makes
         # occasional use from another thread (tests, the CLI) safe too.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by writes inside batch()
+        self._batching = False
         self._writes = 0
         self._deleted = False  # deletes since the last blob collection (which runs on prune)
         with self._lock:
@@ -598,42 +601,73 @@ class SQLiteStore:
         bodies = [_enc.encode(it) for it in rec.items]
         hashes = [hashlib.blake2b(b, digest_size=16).digest() for b in bodies]
         base = rec.base_len if rec.parent_id is not None else 0
+        with self._lock, self._txn() as db:
+            if rec.parent_id is not None:
+                row = db.execute(
+                    "SELECT base_len + (SELECT COUNT(*) FROM response_items WHERE response_id = ?1)"
+                    " FROM responses WHERE id = ?1",
+                    (rec.parent_id,),
+                ).fetchone()
+                if row is None or row[0] != base:
+                    raise MissingParent(rec.parent_id)
+            db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
+            db.execute(
+                "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner,"
+                " classifier_state) VALUES (?,?,?,?,?,?,1,?,?)",
+                (
+                    rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner,
+                    _enc.encode(rec.states) if rec.states else None,
+                ),
+            )
+            db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
+            db.executemany(
+                "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id, minted) VALUES (?,?,?,?,?,?,?)",
+                [
+                    (rid, base + i, h, fp, tk, _item_id(it), _minted(rec, i))
+                    for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
+                ],
+            )
         with self._lock:
-            db = self._db
-            db.execute("BEGIN")
-            try:
-                if rec.parent_id is not None:
-                    row = db.execute(
-                        "SELECT base_len + (SELECT COUNT(*) FROM response_items WHERE response_id = ?1)"
-                        " FROM responses WHERE id = ?1",
-                        (rec.parent_id,),
-                    ).fetchone()
-                    if row is None or row[0] != base:
-                        raise MissingParent(rec.parent_id)
-                db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
-                db.execute(
-                    "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner,"
-                    " classifier_state) VALUES (?,?,?,?,?,?,1,?,?)",
-                    (
-                        rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner,
-                        _enc.encode(rec.states) if rec.states else None,
-                    ),
-                )
-                db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
-                db.executemany(
-                    "INSERT INTO response_items(response_id, pos, hash, fp, tokens, item_id, minted) VALUES (?,?,?,?,?,?,?)",
-                    [
-                        (rid, base + i, h, fp, tk, _item_id(it), _minted(rec, i))
-                        for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
-                    ],
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             self._writes += 1
             if self._writes % self.PRUNE_EVERY == 0:
                 self._prune_locked()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes made inside (``put``, ``record_usage``; from this thread) commit together: one
+        transaction, so one disk sync (``synchronous=FULL``) for all of them. Each write is a
+        savepoint in it: one that fails (``MissingParent``) is undone alone."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN")
+            self._batching = True
+            try:
+                yield
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            else:
+                db.execute("COMMIT")
+            finally:
+                self._batching = False
+
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[sqlite3.Connection]:
+        """One write's transaction (the caller holds the lock), or its savepoint inside ``batch``."""
+        db = self._db
+        begin, commit, undo = (
+            ("SAVEPOINT w", ("RELEASE w",), ("ROLLBACK TO w", "RELEASE w")) if self._batching
+            else ("BEGIN", ("COMMIT",), ("ROLLBACK",))
+        )
+        db.execute(begin)
+        try:
+            yield db
+        except BaseException:
+            for sql in undo:
+                db.execute(sql)
+            raise
+        for sql in commit:
+            db.execute(sql)
 
     def prune(self) -> int:
         """Apply the age and count bounds now; the number of live responses pruned."""
@@ -656,16 +690,11 @@ class SQLiteStore:
             ]
         if not ids and not self._deleted:
             return 0
-        db.execute("BEGIN")
-        try:
+        with self._txn():
             for rid in ids:
                 self._kill_locked(rid)
             self._deleted = False
             db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return len(ids)
 
     def _kill_locked(self, rid: str) -> None:
@@ -762,15 +791,8 @@ class SQLiteStore:
             for d, r in zip(days, recs)
         ]
         found = [(d, r.model, r.key, k, n) for d, r in zip(days, recs) if r.findings for k, n in r.findings.items()]
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN")  # one batch, one commit (one sync with --store-sync full)
-            try:
-                self._add_usage(rows, found)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with self._lock, self._txn():  # one commit (one sync with --store-sync full)
+            self._add_usage(rows, found)
 
     def _add_usage(self, rows: list[tuple[Any, ...]], found: list[tuple[Any, ...]]) -> None:
         self._db.executemany(
