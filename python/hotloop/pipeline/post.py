@@ -12,6 +12,10 @@ encoding, hashing, SQL) runs in the writer thread. A record holds its parent's i
 own items (see :mod:`hotloop.state.store`); when the parent is not stored (``store: false``, or
 removed meanwhile) the writer stores the whole history instead.
 
+The writer takes what is queued, up to ``WRITE_BATCH`` jobs, in one thread hand-off and, when the
+store offers ``batch()`` (SQLite), one transaction: one commit (one disk sync with
+``--store-sync full``) for every turn that finished meanwhile.
+
 Usage records are batched: they accumulate in memory and go to the store as one write every
 ``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
 append for its ledger entry, not a thread hand-off.
