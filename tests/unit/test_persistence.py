@@ -4,8 +4,10 @@ count and bytes (back-pressure, never dropped), continuations of unstored parent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -341,3 +343,55 @@ def test_a_batch_savepoint_undoes_only_the_failed_write(tmp_path: Any) -> None:
         raise RuntimeError("the whole batch fails")
     assert store.get("resp_c") is None  # rolled back with its transaction
     store.close()
+
+
+class SlowBatchStore(MemoryStore):
+    """A store whose commit takes 20 ms (a disk sync), in a batch or alone: counts the commits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commits = 0
+        self.batching = False
+
+    def _commit(self) -> None:
+        time.sleep(0.02)
+        self.commits += 1
+
+    def batch(self) -> Any:
+        @contextlib.contextmanager
+        def txn() -> Any:
+            self.batching = True
+            try:
+                yield
+            finally:
+                self.batching = False
+            self._commit()
+
+        return txn()
+
+    def record_usage(self, recs: Any) -> None:
+        super().record_usage(recs)
+        if not self.batching:
+            self._commit()
+
+
+def test_a_writer_behind_the_lag_still_writes_whole_batches() -> None:
+    """Past ``max_lag`` new turns wait, but the writer keeps taking whole batches: jobs that
+    waited are admitted a batch at a time, not one per commit."""
+    store = SlowBatchStore()
+
+    async def main() -> None:
+        p = Persistence(store, max_lag=0.01)
+
+        async def producer() -> None:
+            for _ in range(20):
+                await p._enqueue("usage", [], 0)
+                await asyncio.sleep(0.001)
+
+        await asyncio.gather(*(producer() for _ in range(50)))
+        await p.flush()
+        assert p.failed == 0
+        assert store.commits <= 40, store.commits  # 1,000 jobs: 16 batches of 64 at best
+        await p.close()
+
+    asyncio.run(main())

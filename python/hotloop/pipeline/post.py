@@ -209,6 +209,8 @@ class Persistence:
         self.max_pending = max(1, max_pending)
         self.max_pending_bytes = max_pending_bytes
         self.max_lag = max_lag
+        # jobs the writer takes at once: a batch when the store commits many writes together
+        self._batch = WRITE_BATCH if hasattr(store, "batch") else 1
         self.pending: dict[str, CachedResponse] = {}
         self._jobs: deque[_Job] = deque()  # queued, in sequence order
         self._jobs_bytes = 0
@@ -288,11 +290,15 @@ class Persistence:
         return _Job(self._seq, kind, payload, nbytes, time.monotonic())
 
     def _has_room(self, nbytes: int) -> bool:
+        """Whether a job of ``nbytes`` may join the queue now. Less than one batch of jobs always
+        may (the writer takes a whole batch at once, so the lag is checked from there on: a queue
+        of old jobs admitting one job per batch would make the writer slower still)."""
         jobs = self._jobs
+        n = len(jobs)
         return not jobs or (
-            len(jobs) < self.max_pending
+            n < self.max_pending
             and self._jobs_bytes + nbytes <= self.max_pending_bytes
-            and time.monotonic() - jobs[0].at < self.max_lag
+            and (n < self._batch or time.monotonic() - jobs[0].at < self.max_lag)
         )
 
     def _push(self, job: _Job) -> None:
