@@ -82,9 +82,15 @@ def test_sigterm_lets_a_websocket_response_finish(tmp_path: Path) -> None:
                     break
                 if len(frames) == 3:
                     s.proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)  # the server is stopping now
+                    # a new response on the open connection is refused: it would outlive the stop
+                    ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "more"}))
                 if frames[-1]["type"] in ("response.completed", "response.failed", "error"):
                     break
             assert frames[-1]["type"] == "response.completed", frames[-1]
+            refused = json.loads(ws.recv(timeout=10))
+            assert refused["type"] == "error" and refused["status"] == 503, refused
+            assert refused["error"]["code"] == "server_error" and "shutting down" in refused["error"]["message"]
             with pytest.raises(ConnectionClosed) as closed:
                 ws.recv(timeout=10)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -54,6 +54,7 @@ log = logging.getLogger("hotloop.post")
 
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_LAG = 0.2  # seconds the oldest queued write may wait before submissions wait too
+LOST_IDS = 1024  # failed writes remembered by id (Persistence.lost)
 WRITE_BATCH = 64  # queued jobs written together (one store transaction, one commit)
 CLOSE_FLUSH_SECONDS = 30.0  # the bound on writing the queue out at shutdown
 ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
@@ -223,6 +224,8 @@ class Persistence:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
         self.written = 0
         self.failed = 0
+        # ids of the last LOST_IDS responses whose write failed (--store-sync full reports them)
+        self._lost: OrderedDict[str, None] = OrderedDict()
         self._usage: list[UsageRecord] = []
         self._usage_timer: asyncio.TimerHandle | None = None
 
@@ -235,6 +238,10 @@ class Persistence:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hotloop-writer")
+
+    def lost(self, response_id: str) -> bool:
+        """Whether the write of ``response_id`` failed (among the last ``LOST_IDS`` failures)."""
+        return response_id in self._lost
 
     async def flush(self) -> None:
         """Wait until every job submitted before this call is written (a barrier: later jobs
@@ -363,8 +370,13 @@ class Persistence:
                 for i, job in enumerate(jobs):
                     ok = i < len(done) and done[i]
                     if job.kind == "put":
-                        self.pending.pop(job.payload.entry.id, None)
+                        rid = job.payload.entry.id
+                        self.pending.pop(rid, None)
                         self.written += ok
+                        if not ok:
+                            self._lost[rid] = None
+                            if len(self._lost) > LOST_IDS:
+                                self._lost.popitem(last=False)
                     self.failed += not ok
                     self._finished(job.seq)
 

@@ -358,6 +358,24 @@ class Turn:
         out.append(ev.event(kind, self._next(), response=r))
         return out
 
+    def retract(self, err: errors.HotloopError) -> list[Frame]:
+        """Replace the terminal event :meth:`finish` just produced, not yet sent, by
+        ``response.failed`` (``err``) with its sequence number: the server could not keep the
+        response it was about to report (``--store-sync full`` and its write failed)."""
+        r = self.response
+        if self._phase != _DONE or r.get("status") not in ("completed", "incomplete"):
+            raise RuntimeError("retract() follows finish()")
+        self._seq -= 1
+        r["status"] = "failed"
+        r["error"] = {"code": err.code or "server_error", "message": err.message}
+        r["incomplete_details"] = None
+        r["completed_at"] = None
+        out: list[Frame] = []
+        if self.transport == "sse":
+            out.append(ev.sse_error(err, self._next()))
+        out.append(ev.event(ev.FAILED, self._next(), response=r))
+        return out
+
     def fail(self, err: errors.HotloopError, *, error_event: bool = True) -> list[Frame]:
         """End with ``response.failed``.
 

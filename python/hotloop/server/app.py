@@ -115,6 +115,7 @@ class HotloopApp:
     def stopping(self, grace: float) -> None:
         """The server has stopped accepting (SIGTERM/SIGINT): responses in flight have ``grace``
         seconds to finish, then they end with ``response.failed`` (``server_error``)."""
+        self.engine.stopping = True  # a request arriving on a connection still open is refused (503)
         if self._abort_timer is None:
             self._abort_timer = asyncio.get_running_loop().call_later(grace, self._abort_in_flight)
 

@@ -76,6 +76,8 @@ class Engine:
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
         self.runs: set[Run] = set()  # the responses streaming now (abort_all fails them)
+        self.stopping = False  # the server is shutting down: no new response starts
+        self.aborting: errors.HotloopError | None = None  # ... and its grace is over (abort_all)
         self.completed = 0
         # --store-sync full: a stored response's write is finished before its terminal event is sent
         self.sync = config.store_sync == "full"
@@ -104,6 +106,7 @@ class Engine:
     def abort_all(self, exc: errors.HotloopError) -> int:
         """End every response in flight with ``response.failed`` (``exc``) as soon as it can
         (the end of the shutdown grace); how many there were."""
+        self.aborting = exc
         for run in list(self.runs):
             run.abort(exc)
         return len(self.runs)
@@ -184,6 +187,8 @@ class Engine:
         array; without a hit, a full-history input is matched by fingerprint here. ``received``:
         ``perf_counter()`` when the request began to be read (HTTP: before its body), so that the
         ``parse`` stage covers reading and decoding it too; by default now."""
+        if self.stopping:
+            raise errors.ServerShuttingDown("The server is shutting down; send the request again on a new connection.")
         started: list[Any] = []
         grant: Grant | None = None
         clock = time.perf_counter
@@ -577,23 +582,37 @@ class Run:
     async def _synced(self) -> AsyncGenerator[list[Frame], None]:
         async with contextlib.aclosing(self._frames()) as frames:
             async for out in frames:
-                if self.turn.done and not self._sealed:
-                    await self._seal()
+                if self.turn.done and not self._sealed and not await self._seal():
+                    # not stored: the client must not be told it completed
+                    out = out[:-1] + self.turn.retract(errors.ServerError("The response could not be stored."))
                 yield out
 
-    async def _seal(self) -> None:
+    async def _seal(self) -> bool:
         """Cache and store the finished response now, and wait for its write (the store's
-        barrier), before its terminal event goes out."""
+        barrier), before its terminal event goes out; false if its write failed (then it is
+        taken out of the caches again)."""
         self._sealed = True
         self.marks.append(time.perf_counter())
-        await self.engine.complete(self)
-        if self.turn.response["status"] in ("completed", "incomplete"):  # submitted: ledger, maybe store
-            await self.engine.persistence.flush()
+        engine = self.engine
+        await engine.complete(self)
+        r = self.turn.response
+        if r["status"] not in ("completed", "incomplete"):
+            return True
+        await engine.persistence.flush()  # submitted: the ledger entry, and the response if stored
+        rid = str(r["id"])
+        if not (r.get("store") and engine.persistence.lost(rid)):
+            return True
+        if self.conn is not None:
+            self.conn.evict(rid, self.prepared.req.stream_id)
+        engine.responses.evict(rid)
+        return False
 
     async def _frames(self) -> AsyncGenerator[list[Frame], None]:
         turn = self.turn
         engine = self.engine
         engine.runs.add(self)
+        if engine.aborting is not None:  # started after the grace ran out: fails at once
+            self._abort = engine.aborting
         self._task = asyncio.current_task()
         try:
             if type(self._first) in _TERMINAL_CHUNKS:
