@@ -323,12 +323,69 @@ def test_workers_serve_http_and_websocket_from_both_processes(tmp_path: Path) ->
         metrics = httpx.get(s.base + "/metrics", timeout=10).text
         total = sum(float(v) for v in re.findall(r'^hotloop_responses_total\{[^}]*status="completed"[^}]*\} (\S+)$', metrics, re.M))
         assert total == 2 * n
-        # a worker that dies is replaced; the server keeps serving
+        # a worker that dies is replaced, and the replacement serves
         victim = next(iter(stats))
         os.kill(victim, signal.SIGKILL)
-        poll(lambda: f"worker {victim} exited" in s.logs() and "started worker" in s.logs().split(f"worker {victim} exited")[1],
-             "a replacement worker")
+        replacement = new_worker(s, victim)
+        serving = poll(lambda: replacement in serving_pids(s), "the replacement worker to serve")
+        assert serving and victim not in serving_pids(s)
         for i in range(6):
             with httpx.Client(timeout=10) as c:
                 assert c.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": "again"}).status_code == 200
     assert s.proc.returncode == 0
+
+
+def serving_pids(s: Server, tries: int = 16, timeout: float = 5.0) -> set[int]:
+    """The pids of the workers answering /hotloop/stats over ``tries`` new connections (one the
+    kernel queued on a dead worker's socket waits for its replacement: ``timeout``)."""
+    pids = set()
+    for _ in range(tries):
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=timeout) as c:
+            pids.add(c.get(s.base + "/hotloop/stats").json()["pid"])
+    return pids
+
+
+def new_worker(s: Server, victim: int) -> int:
+    """The pid of the worker the parent started after ``victim`` exited (from its log)."""
+    def started() -> int | None:
+        after = s.logs().partition(f"worker {victim} exited")[2]
+        found = re.findall(r"started worker (\d+)", after)
+        return int(found[-1]) if found else None
+
+    return poll(started, "a replacement worker")  # type: ignore[no-any-return]
+
+
+def test_a_replacement_failing_to_start_does_not_stop_the_workers(tmp_path: Path) -> None:
+    """--workers 2 --store redis: Redis goes away and a worker dies meanwhile; its replacements
+    fail to start (exit 3) and are retried with a growing delay while the other worker keeps
+    serving; once Redis is back a replacement starts and serves."""
+    redis = Redis(tmp_path)
+    redis.start()
+    try:
+        with run_server(tmp_path, "--workers", "2", "--store", "redis", "--redis-url", redis.url, "--sim-rate", "0") as s:
+            pids = poll(lambda: p if len(p := serving_pids(s)) == 2 else None, "both workers")
+            victim, healthy = sorted(pids)
+            redis.stop()
+            os.kill(victim, signal.SIGKILL)
+            poll(lambda: len(re.findall(r"worker \d+ failed to start; starting another in", s.logs())) >= 2,
+                 "two failed replacements")
+            delays = [float(d) for d in re.findall(r"failed to start; starting another in (\S+) s", s.logs())]
+            assert delays[:2] == [0.5, 1.0], delays  # growing
+            # the healthy worker was not stopped: it answers (connections on the dead slot wait)
+            poll(lambda: serving_pids(s, 1, 0.5) == {healthy}, "the healthy worker to answer")
+            assert s.proc.poll() is None and "stopping" not in s.logs()
+            redis.start()
+            poll(lambda: len(serving_pids(s, 4, 1.0) - {healthy}) == 1, "a replacement to serve once Redis is back")
+            r = httpx.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}, timeout=10)
+            assert r.status_code == 200, r.text
+        assert s.proc.returncode == 0
+    finally:
+        redis.stop()
+
+
+def test_workers_are_killed_only_after_their_own_shutdown_bounds() -> None:
+    from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS
+    from hotloop.server.runner import ABORT_WINDOW
+    from hotloop.server.workers import kill_after
+
+    assert kill_after(5.0) > 5.0 + ABORT_WINDOW + CLOSE_FLUSH_SECONDS

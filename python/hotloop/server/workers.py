@@ -15,11 +15,17 @@ it is already set) before prometheus-client is imported, so every worker's serie
 there and ``/metrics`` on any worker serves the aggregate of all of them (dead workers' counters
 included); the directory is removed on exit if the parent created it.
 
-Supervision: a worker that dies is restarted (after ``RESTART_DELAY``; a worker that fails to
-start, exit code 3, stops the whole server with that code, as a single server does). SIGTERM or
-SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their responses within
-``--shutdown-grace`` and flush their stores; workers still alive ``KILL_AFTER`` seconds after
-that are killed. The parent exits 0 after a requested stop.
+Supervision: a worker that dies is replaced after ``RESTART_DELAY``. A worker of the first
+generation (the initial start) that fails to start, exit code 3, stops the whole server with that
+code, as a single server does: the settings are wrong. A replacement that fails to start (say,
+Redis is briefly unreachable) does not stop the healthy workers: it is started again after a
+delay that doubles from ``RESTART_DELAY`` to ``RESTART_DELAY_MAX`` while its slot keeps failing
+(logged each time); a worker that dies after it started is again replaced after ``RESTART_DELAY``.
+SIGTERM or SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their
+responses within ``--shutdown-grace``, fail what still runs and cancel it ``ABORT_WINDOW`` later,
+and flush their stores within ``CLOSE_FLUSH_SECONDS``; workers still alive :func:`kill_after`
+seconds after the stop (all of that plus ``KILL_MARGIN``) are killed. The parent exits 0 after a
+requested stop.
 """
 
 from __future__ import annotations
@@ -39,8 +45,21 @@ from hotloop.config import Config
 log = logging.getLogger("hotloop.server")
 
 RESTART_DELAY = 0.5  # seconds before a dead worker is replaced
-KILL_AFTER = 15.0  # seconds past --shutdown-grace before remaining workers are killed
+RESTART_DELAY_MAX = 10.0  # the bound on the doubling delay of a slot whose workers fail to start
+KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed
 STARTUP_FAILURE = 3
+
+
+def kill_after(grace: float) -> float:
+    """Seconds after a stop before workers still alive are killed: what a worker may take to stop
+    (``grace``, then :data:`~hotloop.server.runner.ABORT_WINDOW`, then the store flush,
+    :data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`) plus ``KILL_MARGIN``. Imported here, not
+    at module level: the parent imports the server modules only once it is stopping, after every
+    worker has been forked."""
+    from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS
+    from hotloop.server.runner import ABORT_WINDOW
+
+    return grace + ABORT_WINDOW + CLOSE_FLUSH_SECONDS + KILL_MARGIN
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -78,6 +97,9 @@ class Supervisor:
         self.config = config
         self.socks = socks  # one per worker slot
         self.workers: dict[int, int] = {}  # pid -> slot
+        self.first: set[int] = set()  # pids of the first generation
+        self.due: dict[int, float] = {}  # slot -> when its replacement starts (monotonic)
+        self.delay = [RESTART_DELAY] * len(socks)  # per slot: the next replacement's delay
         self.stopping = False
         self.failed = False
 
@@ -116,31 +138,50 @@ class Supervisor:
         except Exception:  # its files stay; counters are meant to
             pass
         code = os.waitstatus_to_exitcode(status)
+        first = pid in self.first
+        self.first.discard(pid)
         if self.stopping:
             return
-        if code == STARTUP_FAILURE:
+        if code == STARTUP_FAILURE and first:
             log.error("worker %d failed to start; stopping", pid)
             self.failed = True
             self.stop()
             return
-        log.warning("worker %d exited (%d); starting another", pid, code)
-        time.sleep(RESTART_DELAY)
-        if not self.stopping:
-            self.spawn(slot)
+        if code == STARTUP_FAILURE:
+            delay = self.delay[slot]
+            self.delay[slot] = min(RESTART_DELAY_MAX, delay * 2)
+            log.error("worker %d failed to start; starting another in %g s", pid, delay)
+        else:
+            delay = self.delay[slot] = RESTART_DELAY
+            log.warning("worker %d exited (%d); starting another", pid, code)
+        self.due[slot] = time.monotonic() + delay
+
+    def _replace_due(self) -> None:
+        now = time.monotonic()
+        for slot, when in list(self.due.items()):
+            if when <= now:
+                del self.due[slot]
+                self.spawn(slot)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         for slot in range(self.config.workers):
             self.spawn(slot)
+        self.first = set(self.workers)
         deadline: float | None = None
-        while self.workers:
+        while self.workers or (self.due and not self.stopping):
             if self.stopping and deadline is None:
-                deadline = time.monotonic() + self.config.shutdown_grace + KILL_AFTER
+                self.due.clear()
+                deadline = time.monotonic() + kill_after(self.config.shutdown_grace)
+            if not self.stopping:
+                self._replace_due()
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                break
+                if self.workers:
+                    break
+                pid = 0  # every slot waits for its replacement
             if pid == 0:
                 if deadline is not None and time.monotonic() > deadline:
                     for p in list(self.workers):
