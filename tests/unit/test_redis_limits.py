@@ -1,12 +1,15 @@
 """The Redis rate limiter and key store against a real ``redis-server``: two limiters (two
 replicas) share one key's buckets, token reservations are corrected, concurrency slots are
-shared and released, an unreachable Redis is a 503; keys created and revoked are seen by all."""
+shared and released, leased and renewed, taken back when an admission is given up; an unreachable
+Redis is a 503; keys created and revoked are seen by all."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -127,3 +130,96 @@ def test_key_store_shared(redis: Redis) -> None:
     finally:
         a.close()
         b.close()
+
+
+def stall(redis: Redis, seconds: float) -> threading.Thread:
+    """Redis busy for ``seconds`` (a script that spins: a slow command, a fork, a failover)."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis.url)
+    spin = "local t0 = redis.call('TIME') while (redis.call('TIME')[1] - t0[1]) * 1e6 + redis.call('TIME')[2] - t0[2] < %d do end return 1"
+    t = threading.Thread(target=lambda: (client.eval(spin % int(seconds * 1e6), 0), client.close()))
+    t.start()
+    return t
+
+
+async def until(cond: Any, what: str, bound: float = 8.0) -> None:
+    deadline = time.monotonic() + bound
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_a_given_up_admission_gives_its_slot_back(redis: Redis) -> None:
+    """An admission that times out (Redis stalled) or is cancelled while it waits may still take
+    a slot on Redis once Redis runs it; the limiter takes it back, so max_concurrent=1 is not
+    refused for the lease's length."""
+    import redis as redis_py
+
+    async def run() -> None:
+        lim = RedisLimiter(redis.url, prefix="given:")
+        r = redis_py.Redis.from_url(redis.url)
+        limits = Limits(max_concurrent=1)
+        inflight = "given:l:k:inflight"
+        g = await lim.admit("k", limits, 1)
+        g.finish(1)
+        await asyncio.gather(*lim._tasks)
+        # timed out: the script runs after the stall and takes the slot; the limiter takes it back
+        t = stall(redis, 1.5)
+        await asyncio.sleep(0.1)
+        with pytest.raises(errors.StoreUnavailable):
+            await lim.admit("k", limits, 1)
+        await asyncio.to_thread(t.join)
+        await until(lambda: r.zcard(inflight) == 0, "the slot to be taken back")
+        assert not lim.abandoned
+        await asyncio.sleep(lim.breaker.until - time.monotonic())
+        (await lim.admit("k", limits, 1)).finish(1)
+        await asyncio.gather(*lim._tasks)
+        # cancelled while waiting (the client went away)
+        t = stall(redis, 0.6)
+        await asyncio.sleep(0.1)
+        task = asyncio.get_running_loop().create_task(lim.admit("k", limits, 1))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(t.join)
+        await until(lambda: r.zcard(inflight) == 0, "the cancelled admission's slot")
+        assert not lim.abandoned
+        # given up before Redis ran it: the admission is refused there and takes nothing
+        assert r.exists("given:l:k:x:gone") == 0
+        await lim._call("abandon", [inflight, "given:l:k:x:gone"], [60, "gone"])
+        status, _ = await lim._call("admit", ["given:l:k:tpm", inflight, "given:l:k:x:gone"], [0, 1, 1, "gone", 60])
+        assert int(status) == -3 and r.zcard(inflight) == 0
+        (await lim.admit("k", limits, 1)).finish(1)
+        await lim.aclose()
+        r.close()
+
+    asyncio.run(run())
+
+
+def test_leases_are_renewed_by_their_holder_and_lapse_without_it(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot is a short lease its holder renews while the response runs; a holder that dies
+    (its renewals stop) frees the slot when the lease runs out."""
+    import hotloop.tenants.redis_limits as rl
+
+    assert rl.LEASE_SECONDS <= 60 and rl.RENEW_SECONDS < rl.LEASE_SECONDS / 2
+    monkeypatch.setattr(rl, "LEASE_SECONDS", 1.0)
+    monkeypatch.setattr(rl, "RENEW_SECONDS", 0.3)
+
+    async def run() -> None:
+        a, b = pair(redis, "lease:")
+        limits = Limits(max_concurrent=1)
+        g = await a.admit("k", limits, 1)
+        assert a.held
+        await asyncio.sleep(1.6)  # longer than the lease: renewed
+        with pytest.raises(RequestsLimited):
+            await b.admit("k", limits, 1)
+        assert a._keeper is not None
+        a._keeper.cancel()  # the holder dies: no more renewals
+        await asyncio.sleep(1.2)
+        (await b.admit("k", limits, 1)).finish(1)
+        g.finish(1)
+        await close(a, b)
+
+    asyncio.run(run())

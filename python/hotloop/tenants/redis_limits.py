@@ -11,17 +11,29 @@ Key layout (``P`` is ``hotloop:``)::
     P l:{key_id}:rpm        HASH  level, at (Redis time), cap: the requests bucket
     P l:{key_id}:tpm        HASH  the same for the tokens bucket
     P l:{key_id}:inflight   ZSET  grant ids of responses in flight, scored by lease expiry
+    P l:{key_id}:x:{gid}    STRING  a grant given up before its admission answered (one lease)
 
 A bucket's keys expire two minutes after their last use (a full bucket is the same as none). A
-concurrency slot is a lease of ``LEASE_SECONDS`` (1 hour): a replica that dies with responses in
-flight frees their slots when the leases run out.
+concurrency slot is a lease of ``LEASE_SECONDS`` (60 s) that the process holding it renews while
+its response runs: one renewal task per limiter renews every lease the process holds in one
+script call every ``RENEW_SECONDS`` (20 s), so a replica that dies with responses in flight frees
+their slots within a minute. The grants a process holds (``held``) are its responses in flight.
+
+An admission that fails on this side (the 1 s timeout: Redis slow or unreachable, or the request
+cancelled while waiting) may still have taken a slot on Redis. Its grant id is given up: a
+background removal takes the slot back and leaves a marker (``x:{gid}``) so that an admission
+still on its way to Redis is refused there instead of taking the slot afterwards. Grants given up
+wait in ``abandoned`` (at most ``MAX_ABANDONED``; beyond that the oldest are left to their lease)
+and are retried whenever Redis answers again; so are releases that failed. A given-up admission's
+token reservation is not given back (the bucket refills within a minute).
 
 This is on the request path, so it uses redis-py's asyncio client (hiredis parser) with a short
 timeout (``TIMEOUT``, 500 ms). Redis unreachable: the request is refused with a 503
 ``server_error`` (:class:`~hotloop.errors.StoreUnavailable`) at once; after a failure, requests
 fail fast for a backoff period (50 ms doubling to 2 s) and the next one after it tries to
 reconnect. A finished response's correction and slot release run in the background; if Redis is
-unreachable then, the lease frees the slot later and the correction is lost (logged).
+unreachable then, the slot release is retried (as a given-up grant) and the correction is lost
+(logged).
 
 The rate-limit headers are rendered from this process's last view of each bucket (the level the
 last script call returned, refilled locally since): exact for the request that made the call.
@@ -30,6 +42,7 @@ last script call returned, refilled locally since): exact for the request that m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -46,7 +59,10 @@ from hotloop.tenants.limits import (
 log = logging.getLogger("hotloop.tenants")
 
 TIMEOUT = 0.5
-LEASE_SECONDS = 3600.0
+LEASE_SECONDS = 60.0  # a concurrency slot's lease, renewed by its holder while the response runs
+RENEW_SECONDS = 20.0  # how often a process renews the leases it holds (a third of the lease)
+MAX_ABANDONED = 4096  # grant ids waiting for their removal; beyond it the oldest wait for their lease
+RENEW_BATCH = 1000  # leases renewed per script call
 BUCKET_TTL_MS = 120_000
 
 # Refill and take: KEYS[1] the bucket; ARGV cap, n, force (1: take even below n, the correction).
@@ -76,12 +92,13 @@ save(KEYS[1], level, now, cap)
 return {taken, tostring(level)}
 """
 
-# Admit a response: KEYS[1] tokens bucket, KEYS[2] in-flight set; ARGV tpm cap (0: none), tokens,
-# max concurrent (0: none), grant id, lease seconds. Returns {status, level}: 1 admitted,
-# -1 concurrency, -2 tokens.
+# Admit a response: KEYS[1] tokens bucket, KEYS[2] in-flight set, KEYS[3] the grant's given-up
+# marker; ARGV tpm cap (0: none), tokens, max concurrent (0: none), grant id, lease seconds.
+# Returns {status, level}: 1 admitted, -1 concurrency, -2 tokens, -3 given up by its caller.
 _ADMIT = _LUA_REFILL + """
 local cap, n, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if maxc > 0 then
+  if redis.call('EXISTS', KEYS[3]) == 1 then return {-3, '0'} end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   if redis.call('ZCARD', KEYS[2]) >= maxc then return {-1, '0'} end
 end
@@ -108,6 +125,32 @@ if cap > 0 then
   save(KEYS[1], level, now, cap)
 end
 redis.call('ZREM', KEYS[2], ARGV[3])
+return 1
+"""
+
+# Renew leases: KEYS[i] an in-flight set, ARGV[1] lease seconds, ARGV[i + 1] a grant id held in it.
+# A lease already gone (expired, or removed) is not brought back.
+_RENEW = """
+local t = redis.call('TIME')
+local lease = tonumber(ARGV[1])
+local exp = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease
+for i, k in ipairs(KEYS) do
+  if redis.call('ZADD', k, 'XX', 'CH', exp, ARGV[i + 1]) == 1 then
+    redis.call('PEXPIRE', k, math.floor(lease * 1000))
+  end
+end
+return 1
+"""
+
+# Give grants up: KEYS[2i - 1] an in-flight set, KEYS[2i] the grant's marker, ARGV[1] lease
+# seconds, ARGV[i + 1] the grant id: its slot is removed and its admission, if still on its
+# way, is refused.
+_ABANDON = """
+local ms = math.floor(tonumber(ARGV[1]) * 1000)
+for i = 1, #KEYS / 2 do
+  redis.call('ZREM', KEYS[2 * i - 1], ARGV[i + 1])
+  redis.call('SET', KEYS[2 * i], 1, 'PX', ms)
+end
 return 1
 """
 
@@ -161,6 +204,12 @@ class RedisLimiter:
         self._scripts: dict[str, Any] = {}
         self._views: OrderedDict[tuple[str, str], _View] = OrderedDict()  # (key id, kind), bounded by max_keys * 2
         self._tasks: set[asyncio.Task[None]] = set()
+        # grant id -> its in-flight set: the leases this process renews (its responses in flight)
+        self.held: dict[str, str] = {}
+        # grant id -> key id: slots to take back (given-up admissions, failed releases), bounded
+        self.abandoned: OrderedDict[str, str] = OrderedDict()
+        self._keeper: asyncio.Task[None] | None = None  # renews ``held``, removes ``abandoned``
+        self._wake: asyncio.Event | None = None
 
     def _redis(self) -> Any:
         if self._client is None:
@@ -171,13 +220,22 @@ class RedisLimiter:
             self._client = aredis.Redis.from_url(
                 self.url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT, retry=Retry(NoBackoff(), 0)
             )
-            for name, src in (("take", _TAKE), ("admit", _ADMIT), ("finish", _FINISH)):
+            for name, src in (
+                ("take", _TAKE), ("admit", _ADMIT), ("finish", _FINISH), ("renew", _RENEW), ("abandon", _ABANDON)
+            ):
                 self._scripts[name] = self._client.register_script(src)
         return self._client
 
-    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    def _check(self) -> None:
+        """Fail fast while the breaker is open (nothing is sent)."""
         if self.breaker.open:
             raise errors.StoreUnavailable("The rate-limit store is unavailable. Please retry shortly.")
+
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        self._check()
+        return await self._call(name, keys, args)
+
+    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         self._redis()
         try:
             out = await asyncio.wait_for(self._scripts[name](keys=keys, args=args), TIMEOUT * 2)
@@ -229,12 +287,21 @@ class RedisLimiter:
                 "The input or output tokens must be reduced in order to run successfully."
             )
         gid = secrets.token_hex(8)
-        status, level = await self._run(
-            "admit",
-            [self._key(key_id, "tpm"), self._key(key_id, "inflight")],
-            [cap or 0, tokens, limits.max_concurrent or 0, gid, LEASE_SECONDS],
-        )
+        inflight = self._key(key_id, "inflight")
+        self._check()
+        try:
+            status, level = await self._call(
+                "admit",
+                [self._key(key_id, "tpm"), inflight, self._key(key_id, "x:" + gid)],
+                [cap or 0, tokens, limits.max_concurrent or 0, gid, LEASE_SECONDS],
+            )
+        except BaseException:  # timed out, unreachable or cancelled: the script may have taken a slot
+            if limits.max_concurrent:
+                self._abandon(key_id, gid)
+            raise
         status, level = int(status), float(level)
+        if status == -3:  # given up meanwhile (cannot happen on this path; kept for safety)
+            raise errors.StoreUnavailable("The rate-limit store is unavailable. Please retry shortly.")
         if cap is not None and status != -1:
             self._see(key_id, "tpm", cap, level)
         if status == -1:
@@ -251,19 +318,23 @@ class RedisLimiter:
                 f"Requested {tokens}. Please try again in {duration(wait)}.",
                 headers=_retry_headers(wait),
             )
+        if limits.max_concurrent:
+            self.held[gid] = inflight
+            self._keep()
         return RedisGrant(self, key_id, limits, tokens if cap is not None else 0, gid)
 
     def release(self, grant: RedisGrant, correction: int) -> None:
         """Correct the reservation and free the slot, in the background."""
+        leased = self.held.pop(grant.gid, None) is not None  # no longer renewed
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (the server is gone): the lease frees the slot
             return
-        task = loop.create_task(self._release(grant, correction))
+        task = loop.create_task(self._release(grant, correction, leased))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, grant: RedisGrant, correction: int) -> None:
+    async def _release(self, grant: RedisGrant, correction: int, leased: bool) -> None:
         cap = grant.limits.tpm
         try:
             await self._run(
@@ -272,7 +343,9 @@ class RedisLimiter:
                 [cap or 0, correction, grant.gid],
             )
         except errors.StoreUnavailable:
-            log.warning("could not release a rate-limit grant of key %s (its lease frees it)", grant.key_id)
+            log.warning("could not release a rate-limit grant of key %s (retried in the background)", grant.key_id)
+            if leased:
+                self._abandon(grant.key_id, grant.gid)
             return
         view = self._views.get((grant.key_id, "tpm"))
         if view is not None and cap is not None:
@@ -295,9 +368,86 @@ class RedisLimiter:
             ]
         return out
 
+    # -- leases: renewed while held, taken back when given up -------------------------------------
+
+    def _abandon(self, key_id: str, gid: str) -> None:
+        """Take the slot of grant ``gid`` back in the background (retried until Redis answers)."""
+        self.held.pop(gid, None)
+        self.abandoned[gid] = key_id
+        while len(self.abandoned) > MAX_ABANDONED:
+            self.abandoned.popitem(last=False)  # its lease frees it
+        self._keep(wake=True)
+
+    def _keep(self, wake: bool = False) -> None:
+        """Start the keeper task on this loop if it is not running; ``wake``: it has slots to take back."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: leases run out on their own
+            return
+        if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._keeper = loop.create_task(self._keeper_loop(), name="hotloop-leases")
+        if wake:
+            assert self._wake is not None
+            self._wake.set()
+
+    async def _keeper_loop(self) -> None:
+        assert self._wake is not None
+        wake = self._wake
+        renew_at = time.monotonic() + RENEW_SECONDS
+        while True:
+            now = time.monotonic()
+            wait = renew_at - now
+            if self.abandoned:
+                wait = min(wait, self.breaker.until - now)
+            if wait > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), wait)
+            wake.clear()
+            if self.abandoned and not self.breaker.open:
+                await self._remove_abandoned()
+            now = time.monotonic()
+            if now >= renew_at:
+                renewed = not self.breaker.open and await self._renew()
+                renew_at = now + RENEW_SECONDS if renewed else max(self.breaker.until, now + Breaker.BASE)
+
+    async def _remove_abandoned(self) -> bool:
+        batch = list(self.abandoned.items())[:RENEW_BATCH]
+        keys: list[str] = []
+        for gid, key_id in batch:
+            keys += [self._key(key_id, "inflight"), self._key(key_id, "x:" + gid)]
+        try:
+            await self._call("abandon", keys, [LEASE_SECONDS, *(gid for gid, _ in batch)])
+        except errors.StoreUnavailable:
+            return False  # kept: retried once Redis answers
+        except Exception:
+            log.exception("taking back %d rate-limit slots failed (their leases free them)", len(batch))
+        for gid, _ in batch:
+            self.abandoned.pop(gid, None)
+        return True
+
+    async def _renew(self) -> bool:
+        held = list(self.held.items())
+        try:
+            for i in range(0, len(held), RENEW_BATCH):
+                chunk = held[i : i + RENEW_BATCH]
+                await self._call("renew", [k for _, k in chunk], [LEASE_SECONDS, *(gid for gid, _ in chunk)])
+        except errors.StoreUnavailable:
+            return False
+        except Exception:
+            log.exception("renewing %d rate-limit leases failed", len(held))
+        return True
+
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+            self._keeper = None
+        if self.abandoned and not self.breaker.open:
+            await self._remove_abandoned()  # one last try; what is left waits for its lease
         if self._client is not None:
             await self._client.aclose()
             self._client = None
