@@ -175,3 +175,71 @@ def test_outage_reads_503_writes_wait(tmp_path: Path) -> None:
             assert s.available and s.get("o2") is not None and s.get("o1") is None  # no persistence configured
         finally:
             s.close()
+
+
+class _Reports:
+    """A real client whose ``INFO server`` reports another version."""
+
+    def __init__(self, real: Any, version: str) -> None:
+        self._real = real
+        self._version = version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def info(self, section: str | None = None) -> dict[str, Any]:
+        return {**self._real.info(section), "redis_version": self._version}
+
+
+def test_redis_older_than_7_is_refused_at_start(redis: Redis) -> None:
+    """PEXPIRETIME needs Redis 7.0: an older server fails start-up with a clear message (exit 3:
+    the server catches StoreUnavailable at start-up), not every write later."""
+    from hotloop.state.redis_store import RedisVersionError, sync_client
+
+    real = sync_client(redis.url)
+    try:
+        with pytest.raises(RedisVersionError) as exc:
+            RedisStore(redis.url, 3600, prefix="ver:", client=_Reports(real, "6.2.14"))
+        assert isinstance(exc.value, errors.StoreUnavailable)
+        assert "7.0 or later" in str(exc.value) and "6.2.14" in str(exc.value)
+        RedisStore(redis.url, 3600, prefix="ver:", client=_Reports(real, "7.0.0")).close()
+    finally:
+        real.close()
+
+
+def test_after_the_give_up_time_writes_fail_without_trying(tmp_path: Path) -> None:
+    """While stopping (give_up_by passed) and Redis is known to be down, each queued write fails
+    at once instead of making one more connect attempt (a connect timeout each)."""
+    with redis_server(tmp_path) as r:
+        s = RedisStore(r.url, 3600, write_retry_seconds=0.2)
+        try:
+            r.stop()
+            with pytest.raises(errors.StoreUnavailable):
+                s.put(rec("g1", [item("gi1")]))
+            s.give_up_by(time.monotonic())
+            attempts: list[int] = []
+
+            def attempt() -> None:
+                attempts.append(1)
+                raise ConnectionError("unreachable")
+
+            for _ in range(3):
+                with pytest.raises(errors.StoreUnavailable):
+                    s._write(attempt)
+            assert attempts == []
+        finally:
+            s.close()
+
+
+def test_an_evicted_parent_is_not_recreated_without_a_ttl(store: RedisStore) -> None:
+    """Redis may evict a response's hash (maxmemory) while its owner key stays: replacing or
+    deleting a child must not recreate the parent as a hash holding only ``kids``, forever."""
+    p = store.prefix
+    store.put(rec("e1", [item("ei1")]))
+    store.put(rec("e2", [item("ei2")], parent="e1", base=1))
+    store.put(rec("e3", [item("ei3")]))
+    store.put(rec("e4", [item("ei4")], parent="e3", base=1))
+    store.r.delete(p + "t:alice:r:e1", p + "t:alice:r:e3")  # evicted
+    store.put(rec("e2", [item("ei2")]))  # replaced: its old parent loses a child
+    assert store.delete("e4", "alice")
+    assert not store.r.exists(p + "t:alice:r:e1") and not store.r.exists(p + "t:alice:r:e3")

@@ -2,7 +2,9 @@
 
 Same model as :mod:`hotloop.state.store` (parent pointers, own items, tombstones, ownership
 scopes, minted item provenance), kept in one Redis database (a single server or a primary; not
-Redis Cluster: the scripts compute key names from stored values).
+Redis Cluster: the scripts compute key names from stored values). Redis 7.0 or later is required
+(``MIN_REDIS_VERSION``: the scripts use ``PEXPIRETIME``); the version (``INFO server``) is checked
+when the store opens, and an older server fails start-up (:class:`RedisVersionError`, exit 3).
 
 Key layout (``P`` is ``hotloop:``; ``{owner}`` is the owning tenant's id, ``key_...``, ``admin``
 or ``anonymous``)::
@@ -23,6 +25,12 @@ or ``anonymous``)::
                                          is not counted twice)
     P fpkey                      STRING  the deployment's fingerprint key (32 random bytes,
                                          made by the first replica to start)
+
+The fingerprint key is read once, when a replica starts. If ``P fpkey`` is deleted or replaced
+while replicas run (a ``FLUSHDB``, an edit by hand), replicas started afterwards make a new key
+and their fingerprints no longer match those stored by the others: prefix reuse across them
+silently stops matching (answers stay correct, only the reuse is lost) until every replica has
+been restarted. Do not delete it while replicas run.
 
 TTLs replace the SQLite pruner: a response reads as not found ``ttl_seconds`` after it was
 stored (``at``), and its keys expire at that time rounded up to ``EXPIRE_GRANULARITY`` (at most
@@ -46,7 +54,8 @@ Redis unreachable. A read fails at once with :class:`~hotloop.errors.StoreUnavai
 ``server_error``); after a failure, reads fail fast for a backoff period (``Breaker``: 50 ms
 doubling to 2 s) instead of waiting for a connect timeout each. A write (``put``,
 ``record_usage``) is retried with the same backoff until Redis answers again or
-``write_retry_seconds`` (default 10 minutes) have passed; meanwhile the writer's bounded queue
+``write_retry_seconds`` (default 10 minutes) have passed (no attempt while the breaker is open;
+once the give-up time has passed while Redis is known to be down, a write fails at once); meanwhile the writer's bounded queue
 fills and then applies back-pressure, and :attr:`available` is false so new ``store: true``
 requests beyond the queue are refused with a 503 (:mod:`hotloop.pipeline.shared`). A write that
 still fails after ``write_retry_seconds`` (or, while the server stops, after
@@ -78,6 +87,7 @@ DEFAULT_WRITE_RETRY_SECONDS = 600.0
 SOCKET_TIMEOUT = 5.0  # one command (a long chain's load included)
 CONNECT_TIMEOUT = 1.0
 USAGE_BATCH_TTL = 24 * 3600
+MIN_REDIS_VERSION = (7, 0)
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
@@ -90,6 +100,22 @@ def redis_errors() -> tuple[type[BaseException], ...]:
     import redis
 
     return (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError)
+
+
+class RedisVersionError(errors.StoreUnavailable):
+    """The Redis server is older than ``MIN_REDIS_VERSION`` (the server does not start)."""
+
+
+def check_version(info: dict[str, Any]) -> None:
+    """:raises RedisVersionError: ``info`` (``INFO server``) names a version below the minimum."""
+    found = str(info.get("redis_version", "unknown"))
+    try:
+        version = tuple(int(p) for p in found.split(".")[:2])
+    except ValueError:
+        version = ()
+    if version < MIN_REDIS_VERSION:
+        want = ".".join(map(str, MIN_REDIS_VERSION))
+        raise RedisVersionError(f"Redis {want} or later is required for --store redis; the server runs {found}")
 
 
 class Breaker:
@@ -182,7 +208,7 @@ if ok then
   end
   if old[2] and old[2] ~= '' then
     local opk = rkey(old[2])
-    if opk then redis.call('HINCRBY', opk, 'kids', -1) end
+    if opk and redis.call('EXISTS', opk) == 1 then redis.call('HINCRBY', opk, 'kids', -1) end
   end
   redis.call('DEL', ok)
 end
@@ -266,6 +292,7 @@ while true do
   local o = redis.call('GET', P .. 'o:' .. cur)
   if not o then break end
   ck = P .. 't:' .. o .. ':r:' .. cur
+  if redis.call('EXISTS', ck) == 0 then break end  -- evicted: never recreate it without a TTL
   redis.call('HINCRBY', ck, 'kids', -1)
 end
 return 1
@@ -332,6 +359,7 @@ class RedisStore:
         self._head = self.r.register_script(_HEAD)
         self._delete = self.r.register_script(_DELETE)
         self._usage = self.r.register_script(_USAGE)
+        check_version(self._read(lambda: self.r.info("server")))
         self.fingerprint_key = self._shared_key()
 
     def _shared_key(self) -> bytes:
@@ -362,22 +390,27 @@ class RedisStore:
         self._give_up_at = when
 
     def _write(self, fn: Callable[[], T]) -> T:
-        """Retry until Redis answers or ``write_retry_seconds`` pass (then StoreUnavailable)."""
+        """Retry until Redis answers or ``write_retry_seconds`` pass (then StoreUnavailable).
+        No attempt is made while the breaker is open, and none once the give-up time has passed
+        while Redis is known to be down: queued writes then fail at once, not a connect timeout each."""
         deadline = time.monotonic() + self.write_retry_seconds
         while True:
             deadline = min(deadline, self._give_up_at)
+            now = time.monotonic()
+            if not self.available or self.breaker.open:  # Redis is known to be down
+                if now >= deadline:
+                    log.error("a store write failed: redis unreachable (gave up retrying)")
+                    raise errors.StoreUnavailable()
+                if self.breaker.open:
+                    time.sleep(min(self.breaker.until, deadline) - now)
+                    continue
             try:
                 out = fn()
             except redis_errors() as exc:
-                wait = self.breaker.failed()
+                self.breaker.failed()
                 if self.available:
                     log.warning("redis unavailable (%s); retrying the store write with backoff", type(exc).__name__)
                 self.available = False
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.error("a store write failed: redis unreachable for %g s", self.write_retry_seconds)
-                    raise errors.StoreUnavailable() from None
-                time.sleep(min(wait, left))
                 continue
             self.breaker.ok()
             self.available = True
