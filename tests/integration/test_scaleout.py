@@ -389,3 +389,35 @@ def test_workers_are_killed_only_after_their_own_shutdown_bounds() -> None:
     from hotloop.server.workers import kill_after
 
     assert kill_after(5.0) > 5.0 + ABORT_WINDOW + CLOSE_FLUSH_SECONDS
+
+
+def test_workers_on_sqlite_see_a_delete_made_through_another(tmp_path: Path) -> None:
+    """--workers 2 on SQLite: after a DELETE through one worker has answered, no worker serves the
+    response from its process-wide cache (retrieve, input_items, previous_response_id,
+    item_reference), on any new connection."""
+    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0") as s:
+        def fresh(method: str, path: str, **kw: Any) -> httpx.Response:
+            with httpx.Client(timeout=10) as c:
+                return c.request(method, s.v1 + path, **kw)
+
+        r = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}).json()
+        rid, out_id = r["id"], r["output"][0]["id"]
+        cached: set[int] = set()
+
+        def both_cached() -> bool:  # a continuation on each worker puts the response in its cache
+            body = {"model": "hotloop-sim", "input": "more", "previous_response_id": rid, "store": False}
+            assert fresh("POST", "/responses", json=body).status_code == 200
+            assert fresh("GET", f"/responses/{rid}").status_code == 200
+            with httpx.Client(timeout=10) as c:
+                cached.add(c.get(s.base + "/hotloop/stats").json()["pid"])
+            return len(cached) == 2
+
+        poll(both_cached, "both workers to hold the response")
+        assert fresh("DELETE", f"/responses/{rid}").status_code == 200
+        for _ in range(4):  # 16 new connections: both workers (a miss costs VISIBILITY_BOUND)
+            assert fresh("GET", f"/responses/{rid}").status_code == 404
+            assert fresh("GET", f"/responses/{rid}/input_items").status_code == 404
+            cont = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": "x", "previous_response_id": rid})
+            assert cont.status_code == 400 and cont.json()["error"]["code"] == "previous_response_not_found"
+            ref = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": [{"type": "item_reference", "id": out_id}]})
+            assert ref.status_code == 400, ref.text

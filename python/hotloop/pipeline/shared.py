@@ -12,10 +12,17 @@ writer may fall behind, ``--store-max-lag``'s default 0.2 s, plus a write; a lar
 ``--store-max-lag`` widens it by the difference), unless the shared store is unreachable (503).
 A genuinely unknown id costs that bound in latency before its 400/404.
 
-Deletes are seen everywhere: with Redis, a delete is published on ``hotloop:deleted`` and every
-process drops the response from its process-wide cache (a subscriber task that reconnects with
-backoff). A WebSocket connection's own cache is the connection's, on one process, and needs no
-invalidation beyond OpenAI's rule (a continuation of a deleted response still finds it there).
+Deletes are seen everywhere: every process drops a deleted response from its process-wide cache,
+so a retrieve, ``input_items``, ``previous_response_id`` or ``item_reference`` served from that
+cache does not find it. With Redis, a delete is published on ``hotloop:deleted`` (a subscriber
+task per process, restarted with backoff when it fails). With SQLite shared by ``--workers``, a
+delete is appended to the file's ``deleted_responses`` table (:class:`DeletionLog`, the newest
+``DELETIONS_KEPT`` rows kept), which every worker polls every ``DELETE_POLL_SECONDS`` (50 ms; one
+primary-key range query, off the event loop); the DELETE answers ``DELETE_SETTLE_SECONDS``
+(100 ms) after its row is written, so a request sent after the answer does not find the response
+on any worker whose event loop was not blocked meanwhile. Requests pay nothing for it. A WebSocket
+connection's own cache is the connection's, on one process, and needs no invalidation beyond
+OpenAI's rule (a continuation of a deleted response still finds it there).
 
 Unreachable Redis. While the store retries writes (``store.available`` is false) and the write
 queue is full, :meth:`SharedPersistence.writable` is false and new ``store: true`` requests are
@@ -34,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
@@ -49,6 +58,44 @@ READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.125)
 VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
 DELETED_CHANNEL = "hotloop:deleted"
 READER_THREADS = 2
+DELETE_POLL_SECONDS = 0.05  # how often a worker on a shared SQLite file reads the deletions
+DELETE_SETTLE_SECONDS = 2 * DELETE_POLL_SECONDS  # a DELETE's answer waits this after its row
+DELETIONS_KEPT = 100_000  # rows of deleted_responses kept (the newest)
+DELETIONS_READ = 1000  # rows a poll reads at most
+
+
+class DeletionLog:
+    """The deletes made through any worker on one SQLite file, in its ``deleted_responses``
+    table (``seq`` ascending), for the other workers' process-wide caches. Its own connection,
+    used from the reader threads under a lock."""
+
+    def __init__(self, path: str) -> None:
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5.0)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS deleted_responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)"
+            )
+
+    def record(self, response_id: str) -> None:
+        with self._lock:
+            seq = self._db.execute("INSERT INTO deleted_responses (id) VALUES (?)", (response_id,)).lastrowid or 0
+            if seq % 1024 == 0:
+                self._db.execute("DELETE FROM deleted_responses WHERE seq <= ?", (seq - DELETIONS_KEPT,))
+
+    def last(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT coalesce(max(seq), 0) FROM deleted_responses").fetchone()[0])
+
+    def since(self, seq: int) -> list[tuple[int, str]]:
+        with self._lock:
+            return self._db.execute(
+                "SELECT seq, id FROM deleted_responses WHERE seq > ? ORDER BY seq LIMIT ?", (seq, DELETIONS_READ)
+            ).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
 
 class SharedPersistence(Persistence):
@@ -57,7 +104,8 @@ class SharedPersistence(Persistence):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.evict: Callable[[str], None] | None = None  # the process-wide cache's evict, set by the app
-        self._listener: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
+        self._deletions: DeletionLog | None = None  # SQLite shared by --workers
         # Reads run beside the writer thread, not behind it: a write being retried during an
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
@@ -117,18 +165,51 @@ class SharedPersistence(Persistence):
 
     def start(self) -> None:
         super().start()
+        if self._listener is not None:
+            return
         url = getattr(self.store, "url", None)
-        if url is not None and self._listener is None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(url), name="hotloop-deleted")
+        path = getattr(self.store, "path", None)
+        loop = asyncio.get_running_loop()
+        if url is not None:
+            self._listener = loop.create_task(self._listen(url), name="hotloop-deleted")
+        elif isinstance(path, str) and path != ":memory:":
+            self._deletions = DeletionLog(path)
+            self._listener = loop.create_task(self._poll(self._deletions), name="hotloop-deleted")
 
     async def _publish(self, response_id: str) -> None:
         r = getattr(self.store, "r", None)
-        if r is None:
-            return
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
+            if r is not None:
+                await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
+            elif self._deletions is not None:
+                await self._call(self._deletions.record, response_id)
+                await asyncio.sleep(DELETE_SETTLE_SECONDS)  # the other workers' polls
         except Exception:  # other processes' caches expire on their own; the delete itself is done
             log.warning("could not publish the delete of %s to other processes", response_id)
+
+    async def _poll(self, deletions: DeletionLog) -> None:
+        """Evict what other workers deleted, every ``DELETE_POLL_SECONDS``."""
+        last: int | None = None
+        failing = False
+        while True:
+            try:
+                if last is None:
+                    last = await self._call(deletions.last)  # a new worker's cache is empty
+                    continue
+                await asyncio.sleep(DELETE_POLL_SECONDS)
+                rows = await self._call(deletions.since, last)
+            except sqlite3.Error as exc:  # busy beyond its timeout, or the file went away: try again
+                if not failing:
+                    log.warning("reading the deleted responses failed (%s); retrying", type(exc).__name__)
+                failing = True
+                await asyncio.sleep(DELETE_POLL_SECONDS)
+                continue
+            failing = False
+            evict = self.evict
+            for seq, response_id in rows:
+                if evict is not None:
+                    evict(response_id)
+                last = seq
 
     async def _listen(self, url: str) -> None:
         import redis.asyncio as aredis
@@ -148,6 +229,9 @@ class SharedPersistence(Persistence):
                         evict(msg["data"].decode())
             except redis_errors():
                 await asyncio.sleep(breaker.failed())
+            except Exception:  # anything else: say so, and subscribe again
+                log.exception("the delete subscriber failed; subscribing again")
+                await asyncio.sleep(breaker.failed())
             finally:
                 with contextlib.suppress(Exception):
                     await client.aclose()
@@ -161,5 +245,9 @@ class SharedPersistence(Persistence):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
-        self._readers.shutdown(wait=True)
+        # reads in flight finish (each bounded by the store's timeouts) off the event loop
+        await asyncio.to_thread(self._readers.shutdown, wait=True, cancel_futures=True)
+        if self._deletions is not None:
+            self._deletions.close()
+            self._deletions = None
         await super().close(timeout)
