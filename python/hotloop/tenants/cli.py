@@ -123,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args)
     try:
         return _run(args, config)
-    except StoreUnavailable:
-        print(f"hotloop {args.command}: the store at {config.redis_url} is unreachable", file=sys.stderr)
+    except StoreUnavailable as exc:
+        from hotloop.state.redis_store import RedisVersionError
+
+        why = exc.message if isinstance(exc, RedisVersionError) else f"the store at {config.redis_url} is unreachable"
+        print(f"hotloop {args.command}: {why}", file=sys.stderr)
         return 1
 
 
