@@ -120,6 +120,13 @@ def test_the_lead_is_only_known_when_input_is_named_once() -> None:
     assert reuse._lead(b'{"model":"m", "input" : ' + raw + b"}", raw) == b'{"model":"m", "input" : '
     tools = b'"tools":[{"type":"function","name":"f","parameters":{"properties":{"input":{}}}}]'
     assert reuse._lead(b"{" + tools + b',"input":' + raw + b"}", raw) is None
+    # "input" inside the array (a text, an escaped key) does not matter; after it, it does
+    said = b'[{"role":"user","content":"input"},{"role":"user","content":"say \\"input\\": 1"}]'
+    assert reuse._lead(b'{"input":' + said + b',"model":"m"}', said) == b'{"input":'
+    assert reuse._lead(b'{"input":' + raw + b',"metadata":{"input":"x"}}', raw) is None
+    # an earlier nested key followed by the same bytes is not taken for the top-level one
+    nested = b'{"metadata":{"input":' + raw + b'},"input":' + raw + b"}"
+    assert reuse._lead(nested, raw) is None
 
 
 def test_bounds_by_entries_and_bytes() -> None:

@@ -140,14 +140,28 @@ def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
 
 
 def _lead(body: bytes, raw: bytes) -> bytes | None:
-    """The body's bytes before its ``input`` array, when ``"input"`` occurs in it only once (as
-    the key: inside a string a quote is escaped) and the array's bytes are found right after."""
-    if body.count(b'"input"') != 1:
+    """The body's bytes before its ``input`` array (``raw``, the top-level value the decoder
+    found), or ``None``: the first ``"input"`` in the body must be a key (a colon follows; inside
+    a JSON string a quote is escaped, so a string cannot fake it) followed by ``raw``, and no
+    ``"input"`` may follow ``raw``. Then it is the top-level key: had an earlier nested key been
+    followed by the same bytes, the top-level key would come after them (the tail check) or
+    inside them (impossible: a bracket-balanced array cannot contain itself at an offset).
+    Compares in place; a search for ``raw`` in the body would cost about 1 us per KB."""
+    i = body.find(b'"input"')
+    if i < 0:
         return None
-    at = body.find(raw)
-    key = body.find(b'"input"')
-    return body[:at] if key < at and body[key + 7 : at].strip(_WS) == b":" else None
-
+    i += 7
+    n = len(body)
+    while i < n and body[i] in _WS:
+        i += 1
+    if body[i : i + 1] != b":":
+        return None
+    i += 1
+    while i < n and body[i] in _WS:
+        i += 1
+    if not body.startswith(raw, i) or body.find(b'"input"', i + len(raw)) >= 0:
+        return None
+    return body[:i]
 
 
 def _lazy_struct() -> Any:
