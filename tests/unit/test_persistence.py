@@ -395,3 +395,36 @@ def test_a_writer_behind_the_lag_still_writes_whole_batches() -> None:
         await p.close()
 
     asyncio.run(main())
+
+
+def _used(entry: CachedResponse) -> CachedResponse:
+    entry.response["usage"] = {
+        "input_tokens": 3, "output_tokens": 2, "total_tokens": 5,
+        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
+    }
+    return entry
+
+
+def test_ledger_batches_wait_for_a_writer_behind_only_past_their_buffer() -> None:
+    """A turn completing a usage batch while the writer is stuck does not wait for it (the
+    buffer grows, bounded); the records all reach the store once it answers."""
+    store = GatedStore()
+
+    async def main() -> None:
+        p = Persistence(store, max_pending=1)
+        gate = threading.Event()
+        blocker = _entry("resp_block")
+        store.gates[blocker.id] = gate
+        await p.submit(blocker)
+        await asyncio.to_thread(store.entered.setdefault(blocker.id, threading.Event()).wait, 30)
+        await p.submit(_entry("resp_queued"))  # the queue's one place: now it is full
+        quick = [_used(_entry(f"resp_u{i}", store=False)) for i in range(Persistence.USAGE_BATCH + 10)]
+        for e in quick:  # past a whole batch: none of these waits
+            await asyncio.wait_for(p.submit(e), 1)
+        assert len(p._usage) == len(quick)
+        gate.set()
+        await p.flush()
+        assert sum(r["responses"] for r in store.usage()) == len(quick)
+        await p.close()
+
+    asyncio.run(main())

@@ -27,7 +27,9 @@ while the oldest queued job has waited that long, the writer is behind, so a cra
 more than the documented bound (README, Crash safety). When any is reached, ``submit`` waits, in
 FIFO order (back-pressure on the turn that finished, never on one in flight): records are never
 dropped.
-The usage buffer holds at most ``USAGE_BATCH`` records before it is queued.
+The usage buffer holds ``USAGE_BATCH`` records before it is queued; while the writer is behind
+(a slow disk, Redis unreachable) it grows to at most ``USAGE_BUFFER`` records instead of making
+the turn that completes a batch wait for the writer, and only then applies back-pressure.
 
 :meth:`Persistence.flush` is a barrier: every job gets a sequence number and ``flush`` waits until
 the writer has finished the jobs submitted before the call, however many arrive after it.
@@ -198,6 +200,7 @@ class _Job(NamedTuple):
 class Persistence:
     USAGE_FLUSH_SECONDS = 1.0
     USAGE_BATCH = 512
+    USAGE_BUFFER = 16 * 512  # records buffered while the writer is behind, before turns wait for it
 
     def __init__(
         self,
@@ -424,7 +427,10 @@ class Persistence:
         rec = usage_record(entry.response, key, findings)
         if rec is not None:
             self._usage.append(rec)
-            if len(self._usage) >= self.USAGE_BATCH:
+            n = len(self._usage)
+            if n >= self.USAGE_BATCH and (n >= self.USAGE_BUFFER or (not self._blocked and self._has_room(0))):
+                # a batch is due; while the writer is behind, the buffer grows (to USAGE_BUFFER)
+                # rather than make this turn wait for a ledger write
                 await self._enqueue("usage", self._take_usage(), 0)
             elif self._usage_timer is None:
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
