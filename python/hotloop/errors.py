@@ -25,6 +25,7 @@ class HotloopError(Exception):
     """Base of every client-visible error."""
 
     status: int = 500
+    counted = False  # a failed response's error, already counted by the metrics (Metrics.turn)
     type: str = "server_error"
     code: str | None = "server_error"
 

@@ -84,6 +84,22 @@ def test_errors_are_counted(observed: Server) -> None:
     assert codes[("400", "previous_response_not_found")] >= 1
 
 
+def test_a_backend_failure_is_counted_once(observed: Server) -> None:
+    """A JSON response the backend fails mid-stream counts one backend error (not one for the
+    failed response and another for the HTTP error answering it); model failures count none."""
+
+    def backend_errors() -> float:
+        return sum(x.value for x in samples(observed).get("hotloop_backend_errors_total", []))
+
+    before = backend_errors()
+    r = create(observed, metadata={"sim": "tokens:20,error"})
+    assert r.status_code >= 500
+    assert backend_errors() == before + 1
+    r = create(observed, metadata={"sim": "fail:server_error"})  # the model's own failure
+    assert r.status_code >= 500
+    assert backend_errors() == before + 1
+
+
 def test_metrics_need_a_key(observed: Server) -> None:
     assert httpx.get(observed.base + "/metrics", timeout=5).status_code == 401
     bad = httpx.get(observed.base + "/metrics", headers={"authorization": "Bearer sk-wrong"}, timeout=5)

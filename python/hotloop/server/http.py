@@ -227,6 +227,7 @@ class HttpTransport:
             if response["status"] == "failed":
                 err = response.get("error") or {}
                 exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
+                exc.counted = True  # Metrics.turn (engine.record above) counted its failure
                 raise exc
             return await respond(200, encode(response), _truncated(run.plan.truncated))
         run = await self.app.engine.start(

@@ -147,8 +147,8 @@ class Metrics:
                     rate = out / gen
                     s.rate_buckets[bisect_left(_RATE_BUCKETS, rate)] += 1
                     s.rate_sum += rate
-        if status == "failed":
-            self.backend_errors.labels(run.failure or "error").inc()
+        if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
+            self.backend_errors.labels(run.failure).inc()
 
     def _turn_mp(self, run: "Run", key: tuple[str, ...]) -> None:
         m = run.marks
@@ -168,15 +168,15 @@ class Metrics:
             )
             if len(m) == 7 and out > 0 and m[6] > m[5]:
                 self.mp_rate.labels(*key).observe(out / (m[6] - m[5]))
-        if status == "failed":
-            self.backend_errors.labels(run.failure or "error").inc()
+        if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
+            self.backend_errors.labels(run.failure).inc()
 
     def error(self, exc: errors.HotloopError) -> None:
         """An error answered before a response started (an HTTP error, a WebSocket error frame)."""
         self.errors.labels(str(exc.status), _bounded_code(exc.code or "none")).inc()
         if isinstance(exc, LimitExceeded):
             self.rate_limited.inc()
-        elif isinstance(exc, errors.BackendError):
+        elif isinstance(exc, errors.BackendError) and not exc.counted:
             self.backend_errors.labels(backend_kind(exc)).inc()
 
     def render(self) -> bytes:
