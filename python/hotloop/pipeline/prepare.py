@@ -104,6 +104,11 @@ class Plan:
     def pending_texts(self) -> tuple[list[str], list[str]]:
         return [t for _, t in self.pending], [t for _, t in self.pending_blobs]
 
+    @property
+    def last_fp(self) -> bytes | None:
+        """The fingerprint of the last new input item (``None``: no new item)."""
+        return self._fps[-1] if self._fps else None
+
     def settle(self, counts: tuple[list[int], list[int]] | None = None) -> None:
         """Fill pending counts (``None``: count them here; else :func:`itemlib.count_pending`'s
         result) and build the context."""

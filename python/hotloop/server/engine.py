@@ -374,7 +374,8 @@ class Engine:
         n = entry.input_len
         if n == 0 or self.prefixes.max_entries <= 0 or run.plan.truncated:
             return
-        last = itemlib.fingerprint(entry.context.items[n - 1])
+        # the last input item is the plan's last new item, fingerprinted when the turn began
+        last = run.plan.last_fp or itemlib.fingerprint(entry.context.items[n - 1])
         raw = run.raw_input
         head = reuse.head_of(raw.raw) if raw is not None else None
         if raw is None or head is None:
