@@ -12,9 +12,9 @@ encoding, hashing, SQL) runs in the writer thread. A record holds its parent's i
 own items (see :mod:`hotloop.state.store`); when the parent is not stored (``store: false``, or
 removed meanwhile) the writer stores the whole history instead.
 
-The writer takes what is queued, up to ``WRITE_BATCH`` jobs, in one thread hand-off and, when the
-store offers ``batch()`` (SQLite), one transaction: one commit (one disk sync with
-``--store-sync full``) for every turn that finished meanwhile.
+When the store offers ``batch()`` (SQLite), the writer takes what is queued, up to ``WRITE_BATCH``
+jobs, in one thread hand-off and one transaction: one commit (one disk sync with
+``--store-sync full``) for every turn that finished meanwhile. Other stores get one job at a time.
 
 Usage records are batched: they accumulate in memory and go to the store as one write every
 ``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
@@ -214,7 +214,8 @@ class Persistence:
         self.max_pending_bytes = max_pending_bytes
         self.max_lag = max_lag
         # jobs the writer takes at once: a batch when the store commits many writes together
-        self._batch = WRITE_BATCH if hasattr(store, "batch") else 1
+        self._store_batch: Any = getattr(store, "batch", None)
+        self._batch = WRITE_BATCH if self._store_batch is not None else 1
         self.pending: dict[str, CachedResponse] = {}
         self._jobs: deque[_Job] = deque()  # queued, in sequence order
         self._jobs_bytes = 0
@@ -361,7 +362,7 @@ class Persistence:
                 self._wakeup = None
                 continue
             queue = self._jobs
-            jobs = [queue.popleft() for _ in range(min(len(queue), WRITE_BATCH))]
+            jobs = [queue.popleft() for _ in range(min(len(queue), self._batch))]
             self._jobs_bytes -= sum(job.nbytes for job in jobs)
             self._admit()
             done: list[bool] = []
@@ -387,10 +388,9 @@ class Persistence:
         """Write queued jobs (writer thread), in order: in one store transaction when the store
         offers one (``batch``: one commit, one disk sync, for everything queued); whether each
         was written. A job that fails is logged and does not stop the others."""
-        batch = getattr(self.store, "batch", None)
-        if batch is None or len(jobs) == 1:
-            return [self._write_job(job) for job in jobs]
-        with batch():
+        if len(jobs) == 1:
+            return [self._write_job(jobs[0])]
+        with self._store_batch():
             return [self._write_job(job) for job in jobs]
 
     def _write_job(self, job: _Job) -> bool:
