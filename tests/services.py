@@ -23,8 +23,9 @@ from tests.conftest import free_port
 START_TIMEOUT = 10.0
 
 
-def require(binary: str, package: str) -> str:
-    """The path of ``binary``; fails under CI, skips elsewhere, when it is not installed."""
+def require(binary: str, package: str, module: bool = False) -> str:
+    """The path of ``binary``; fails under CI, skips elsewhere, when it is not installed
+    (``module``: called while a test module is collected, for all of its tests)."""
     found = shutil.which(binary) or next(
         (p for d in ("/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin") if os.access(p := f"{d}/{binary}", os.X_OK)),
         None,
@@ -33,8 +34,8 @@ def require(binary: str, package: str) -> str:
         return found
     msg = f"{binary} is not installed (Debian package {package!r}; .ci/run installs it)"
     if os.environ.get("CI"):
-        pytest.fail(msg)
-    pytest.skip(msg)
+        pytest.fail(msg, pytrace=False)
+    pytest.skip(msg, allow_module_level=module)
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -30,17 +29,18 @@ import pytest
 
 from hotloop.backends.simulator import _WORDS
 from tests.conftest import Server, run_server
+from tests.services import require
 
 HERE = Path(__file__).parent
 CODEX_DIR = HERE / "codex"
 CODEX_VERSION = "0.171.0"
-NODE = shutil.which("node")
-NPM = shutil.which("npm")
+# Codex runs on Node.js: a test failure under CI (.ci/run installs it), else skipped
+NODE = require("node", "nodejs", module=True)
+NPM = require("npm", "npm", module=True)
 ANSWER_TOKENS = 20
 RUN_TIMEOUT = 60.0  # seconds for one `codex exec` (it takes well under a second against the simulator)
 
 pytestmark = [
-    pytest.mark.skipif(NODE is None or NPM is None, reason="node/npm is not installed"),
     pytest.mark.timeout(900),  # the first run installs Codex (npm ci) before the test body
 ]
 
@@ -56,7 +56,6 @@ def _installed_version() -> str | None:
 @pytest.fixture(scope="module")
 def codex() -> list[str]:
     """The command that runs the pinned Codex CLI (installing it first if needed)."""
-    assert NODE is not None and NPM is not None
     if _installed_version() != CODEX_VERSION:
         subprocess.run(
             [NPM, "ci", "--no-audit", "--no-fund"], cwd=CODEX_DIR, check=True, timeout=600, stdin=subprocess.DEVNULL

@@ -9,15 +9,16 @@ the JavaScript runtime itself is absent, and these tests skip saying so.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.services import require
+
 HERE = Path(__file__).parent
-NODE = shutil.which("node")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
+# the JavaScript clients need Node.js: a test failure under CI (.ci/run installs it), else skipped
+NODE = require("node", "nodejs", module=True)
 
 
 @pytest.fixture(scope="module")
