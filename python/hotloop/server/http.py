@@ -23,6 +23,7 @@ from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
+from hotloop.server.httpproto import ON_DISCONNECT
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
@@ -62,6 +63,7 @@ class HttpTransport:
             total = f"total;dur={(time.perf_counter() - t0) * 1e3:.3f}"
             hdrs = [
                 (b"content-type", content_type) if content_type else JSON_HEADER,
+                (b"content-length", b"%d" % len(body)),  # the whole body at once: no chunked framing
                 (b"x-request-id", rid.encode()),
                 (b"server-timing", ", ".join(timing + [total]).encode()),
             ] + (headers or [])
@@ -191,9 +193,30 @@ class HttpTransport:
         engine = self.app.engine
         # A full-history input is matched against the owner's cached prefixes by its raw bytes.
         req, prefix, raw = reuse.decode_create(await self._body(receive), engine.prefixes, tenant.id)
-        # The response runs while another task waits for the client to go away: a client that
-        # disconnects (an aborted stream, a timed-out JSON request) cancels the generation, so
-        # the backend stops producing tokens nobody will read.
+        # A client that disconnects (an aborted stream, a timed-out JSON request) cancels the
+        # generation, so the backend stops producing tokens nobody will read. hotloop's protocol
+        # calls back when the connection is lost; elsewhere another task waits for the client to
+        # go away while the response runs.
+        watch = scope.get("extensions", {}).get(ON_DISCONNECT)
+        if watch is not None:
+            task = asyncio.current_task()
+            assert task is not None
+            left = False
+
+            def on_gone() -> None:
+                nonlocal left
+                left = True
+                task.cancel()
+
+            watch(on_gone)
+            try:
+                return await self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing)
+            except asyncio.CancelledError:
+                if left and task.uncancel() == 0:  # cancelled for the client alone
+                    raise _ClientGone() from None
+                raise
+            finally:
+                watch(None)
         work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing))
         gone = asyncio.create_task(_disconnected(receive))
         try:

@@ -1,0 +1,117 @@
+"""Request bodies through hotloop's HTTP protocol: collected until complete, handed over whole.
+
+The protocol keeps a body's reads as they arrive and hands the application the whole body once
+(or BODY_BUFFER bytes, reading paused until they are taken). These tests send bodies below and
+above that bound in many small writes, on keep-alive and pipelined connections, and check that
+every request is answered exactly as the same body sent in one piece.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+
+from hotloop.server.httpproto import BODY_BUFFER
+from tests.conftest import Server
+
+WAIT = 30.0
+
+
+def _connect(server: Server) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
+    s.settimeout(WAIT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def _request(body: bytes) -> bytes:
+    return (
+        b"POST /v1/responses/input_tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+def _responses(s: socket.socket, n: int) -> list[tuple[int, dict]]:
+    """``n`` Content-Length responses read from ``s`` in order: (status, JSON body)."""
+    buf = b""
+    out: list[tuple[int, dict]] = []
+    while len(out) < n:
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            assert chunk, f"closed after {len(out)} responses"
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers["content-length"])  # hotloop sends whole JSON bodies with their length
+        while len(rest) < length:
+            chunk = s.recv(65536)
+            assert chunk
+            rest += chunk
+        out.append((int(lines[0].split()[1]), json.loads(rest[:length])))
+        buf = rest[length:]
+    return out
+
+
+def _body(words: int, seed: int) -> bytes:
+    text = " ".join(f"w{(i * 7919 + seed) % 10007}" for i in range(words))
+    return json.dumps({"model": "hotloop-sim", "input": [{"role": "user", "content": text}]}).encode()
+
+
+def _counted(server: Server, body: bytes) -> int:
+    r = httpx.post(server.v1 + "/responses/input_tokens", content=body, headers={"content-type": "application/json"}, timeout=WAIT)
+    assert r.status_code == 200, r.text
+    return int(r.json()["input_tokens"])
+
+
+def test_bodies_sent_in_small_writes_arrive_whole_below_and_above_the_buffer(server: Server) -> None:
+    small, large = _body(2_000, 1), _body(450_000, 2)
+    assert len(small) < BODY_BUFFER < 2 * BODY_BUFFER < len(large)
+    expected = [_counted(server, b) for b in (small, large)]
+    s = _connect(server)
+    try:
+        for body, want in zip((small, large, small), expected + expected[:1]):  # keep-alive: one connection
+            req = _request(body)
+            for i in range(0, len(req), 8192):
+                s.sendall(req[i : i + 8192])
+                if i % (256 * 1024) == 0:
+                    time.sleep(0.01)  # the server reads some pieces alone
+            [(status, got)] = _responses(s, 1)
+            assert status == 200 and got["input_tokens"] == want
+    finally:
+        s.close()
+
+
+def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
+    bodies = [_body(500, 3), _body(400_000, 4), _body(50, 5)]
+    expected = [_counted(server, b) for b in bodies]
+    s = _connect(server)
+    try:
+        s.sendall(b"".join(_request(b) for b in bodies))  # all three before any answer
+        got = _responses(s, 3)
+        assert [status for status, _ in got] == [200, 200, 200]
+        assert [b["input_tokens"] for _, b in got] == expected
+    finally:
+        s.close()
+
+
+def test_a_body_over_the_limit_is_refused_and_the_server_stays_usable(tmp_path) -> None:
+    from tests.conftest import run_server
+
+    env = {"HOTLOOP_MAX_BODY_BYTES": str(BODY_BUFFER + BODY_BUFFER // 2)}
+    with run_server(tmp_path, "--sim-rate", "0", env=env) as srv:
+        s = _connect(srv)
+        try:
+            req = _request(_body(600_000, 6))  # about 4 MB: over the limit, and over the buffer
+            try:
+                s.sendall(req)
+            except OSError:
+                pass  # the server may answer and close before it has read everything
+            [(status, got)] = _responses(s, 1)
+            assert status == 413 and got["error"]["type"] == "invalid_request_error"
+        finally:
+            s.close()
+        assert _counted(srv, _body(100, 7)) > 0
