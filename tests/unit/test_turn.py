@@ -202,3 +202,25 @@ def test_steered_finish_and_safe_boundaries() -> None:
     assert not calls.steerable  # inside a call's arguments
     calls.feed(TextDelta("after"))
     assert not calls.steerable  # a call was emitted: the response runs to its own end
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [TextDelta("Hel"), TextDelta("lo"), Usage(5, 2), Finish("stop")],
+        [ReasoningDelta("think"), TextDelta("ok"), ToolCallDelta(0, call_id="c", name="f", arguments="{}"), Finish("tool_calls")],
+        [TextDelta("cut"), Finish("length")],
+        [TextDelta("partial"), Failure("server_error", "boom")],
+    ],
+)
+def test_a_quiet_turn_builds_the_same_response_without_encoding_events(chunks) -> None:
+    """A non-streaming response's turn (``quiet``) numbers the same events and ends in the same
+    Response object, but encodes none of them."""
+    loud, quiet = make_turn(), make_turn(quiet=True)
+    frames = run(loud, chunks)
+    qframes = quiet.start()
+    for c in chunks:
+        qframes += quiet.feed(c)
+    assert quiet.events == loud.events == len(frames) == len(qframes)
+    assert {f for f in qframes} == {("", b"")}
+    assert quiet.response == loud.response == frames[-1]["response"]

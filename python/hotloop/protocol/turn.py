@@ -40,6 +40,22 @@ from hotloop.protocol.objects import IdGen, usage_object
 _MESSAGE = "message"
 STEERED = "steered"  # finish() reason and incomplete_details.reason of a steered response
 _text_delta = ev.text_delta
+
+
+class _Quiet:
+    """The event builders of a turn nobody reads the events of (a non-streaming response): each
+    event still takes its sequence number (counts and metrics are the same), none is encoded."""
+
+    NO_FRAME: Frame = ("", b"")
+
+    @staticmethod
+    def event(*_args: Any, **_kwargs: Any) -> Frame:
+        return _Quiet.NO_FRAME
+
+    text_delta = reasoning_delta = arguments_delta = sse_error = event
+
+
+_quiet_text_delta = _Quiet.text_delta
 _REASONING = "reasoning"
 
 # Phases of the whole response (a table: which calls are legal in which phase).
@@ -86,7 +102,11 @@ class Turn:
         cached_tokens: int = 0,
         max_tool_calls: int | None = None,
         clock: Callable[[], float],
+        quiet: bool = False,
     ) -> None:
+        # quiet: the frames are placeholders (a JSON response is built from ``response`` alone)
+        self._ev: Any = _Quiet if quiet else ev
+        self._text_delta = _quiet_text_delta if quiet else _text_delta
         self.response = response
         self.ids = ids
         self.transport = transport
@@ -148,8 +168,8 @@ class Turn:
         self._check("start")
         self._phase = _STREAMING
         return [
-            ev.event(ev.CREATED, self._next(), response=self.response),
-            ev.event(ev.IN_PROGRESS, self._next(), response=self.response),
+            self._ev.event(ev.CREATED, self._next(), response=self.response),
+            self._ev.event(ev.IN_PROGRESS, self._next(), response=self.response),
         ]
 
     def feed(self, chunk: Chunk) -> list[Frame]:
@@ -166,7 +186,7 @@ class Turn:
                 self._output_tokens_seen += 1
                 seq = self._seq
                 self._seq = seq + 1
-                return [_text_delta(seq, item.item_id, item.output_index, 0, text)]
+                return [self._text_delta(seq, item.item_id, item.output_index, 0, text)]
             return self._delta(_MESSAGE, text)
         if kind is ToolCallDelta:
             return self._call_delta(chunk)  # type: ignore[arg-type]
@@ -194,9 +214,9 @@ class Turn:
         item.parts.append(text)
         self._output_tokens_seen += 1
         if key == _MESSAGE:
-            out.append(ev.text_delta(self._next(), item.item_id, item.output_index, 0, text))
+            out.append(self._ev.text_delta(self._next(), item.item_id, item.output_index, 0, text))
         else:
-            out.append(ev.reasoning_delta(self._next(), item.item_id, item.output_index, 0, text))
+            out.append(self._ev.reasoning_delta(self._next(), item.item_id, item.output_index, 0, text))
         return out
 
     def _call_delta(self, chunk: ToolCallDelta) -> list[Frame]:
@@ -216,7 +236,7 @@ class Turn:
         if chunk.arguments:
             item.parts.append(chunk.arguments)
             self._output_tokens_seen += 1
-            out.append(ev.arguments_delta(self._next(), item.item_id, item.output_index, chunk.arguments))
+            out.append(self._ev.arguments_delta(self._next(), item.item_id, item.output_index, chunk.arguments))
         return out
 
     def _open_item(self, key: str, out: list[Frame], call: ToolCallDelta | None = None) -> _OpenItem:
@@ -254,10 +274,10 @@ class Turn:
             part = None
         self._open = item
         self._output.append(obj)
-        out.append(ev.event(ev.OUTPUT_ITEM_ADDED, self._next(), output_index=index, item=obj))
+        out.append(self._ev.event(ev.OUTPUT_ITEM_ADDED, self._next(), output_index=index, item=obj))
         if part is not None:
             out.append(
-                ev.event(
+                self._ev.event(
                     ev.CONTENT_PART_ADDED,
                     self._next(),
                     item_id=item.item_id,
@@ -271,8 +291,8 @@ class Turn:
     def _close_content(self, item: _OpenItem, done: str, part: dict[str, Any], out: list[Frame], **extra: Any) -> None:
         """The ``*.done`` event of the item's one content part, then ``content_part.done``."""
         ids = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
-        out.append(ev.event(done, self._next(), **ids, text=part["text"], **extra))
-        out.append(ev.event(ev.CONTENT_PART_DONE, self._next(), **ids, part=part))
+        out.append(self._ev.event(done, self._next(), **ids, text=part["text"], **extra))
+        out.append(self._ev.event(ev.CONTENT_PART_DONE, self._next(), **ids, part=part))
 
     def _close_item(self, status: str, out: list[Frame]) -> None:
         item = self._open
@@ -299,7 +319,7 @@ class Turn:
             index = int(item.key[5:])
             self._closed_calls.add(index)
             out.append(
-                ev.event(
+                self._ev.event(
                     ev.FUNCTION_CALL_ARGUMENTS_DONE,
                     self._next(),
                     item_id=item.item_id,
@@ -317,7 +337,7 @@ class Turn:
                 "name": item.name,
             }
         self._output[idx] = obj
-        out.append(ev.event(ev.OUTPUT_ITEM_DONE, self._next(), output_index=idx, item=obj))
+        out.append(self._ev.event(ev.OUTPUT_ITEM_DONE, self._next(), output_index=idx, item=obj))
 
     def _final_usage(self) -> dict[str, Any]:
         u = self._usage
@@ -355,7 +375,7 @@ class Turn:
             kind = ev.COMPLETED
         r["completed_at"] = int(self._clock())
         self._phase = _DONE
-        out.append(ev.event(kind, self._next(), response=r))
+        out.append(self._ev.event(kind, self._next(), response=r))
         return out
 
     def retract(self, err: errors.HotloopError) -> list[Frame]:
@@ -372,8 +392,8 @@ class Turn:
         r["completed_at"] = None
         out: list[Frame] = []
         if self.transport == "sse":
-            out.append(ev.sse_error(err, self._next()))
-        out.append(ev.event(ev.FAILED, self._next(), response=r))
+            out.append(self._ev.sse_error(err, self._next()))
+        out.append(self._ev.event(ev.FAILED, self._next(), response=r))
         return out
 
     def fail(self, err: errors.HotloopError, *, error_event: bool = True) -> list[Frame]:
@@ -390,14 +410,14 @@ class Turn:
         out: list[Frame] = []
         if self._phase == _NEW:
             self._phase = _STREAMING
-            out.append(ev.event(ev.CREATED, self._next(), response=self.response))
+            out.append(self._ev.event(ev.CREATED, self._next(), response=self.response))
         self._close_item("incomplete", out)
         if error_event and self.transport == "sse":
-            out.append(ev.sse_error(err, self._next()))
+            out.append(self._ev.sse_error(err, self._next()))
         r = self.response
         r["status"] = "failed"
         r["error"] = {"code": err.code or "server_error", "message": err.message}
         r["usage"] = self._final_usage() if self._output else None
         self._phase = _DONE
-        out.append(ev.event(ev.FAILED, self._next(), response=r))
+        out.append(self._ev.event(ev.FAILED, self._next(), response=r))
         return out

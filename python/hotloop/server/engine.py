@@ -256,6 +256,7 @@ class Engine:
             cached_tokens=plan.cached_tokens,
             max_tool_calls=req.max_tool_calls,
             clock=self.clock,
+            quiet=transport == "json",  # a non-streaming response: nobody reads its events
         )
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.prefix = prefix
