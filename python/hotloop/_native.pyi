@@ -80,9 +80,13 @@ class ItemChain:
     def max_items(self) -> int:
         """The capacity bound given to the constructor."""
 
-    def common_prefix(self, fps: Sequence[bytes]) -> int:
-        """How many leading entries of ``fps`` equal this chain's fingerprints (every entry of
-        ``fps`` is validated as a 16-byte ``bytes``)."""
+    def common_prefix(self, fps: Sequence[bytes], start: int = 0) -> int:
+        """How many leading entries of ``fps`` equal this chain's fingerprints from item
+        ``start`` on (0 when ``start`` is at or past the end; every entry of ``fps`` is validated
+        as a 16-byte ``bytes`` first).
+
+        :raises ValueError: ``start`` is negative.
+        """
 
     def tokens_upto(self, n: int) -> int:
         """Sum of the tokens of the first ``n`` items (``tokens_upto(0) == 0``).

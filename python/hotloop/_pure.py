@@ -177,10 +177,14 @@ class ItemChain:
     def max_items(self) -> int:
         return self._max
 
-    def common_prefix(self, fps: Sequence[bytes]) -> int:
+    def common_prefix(self, fps: Sequence[bytes], start: int = 0) -> int:
+        v = operator.index(start)  # as the binding's argument parsing: before the fingerprints
+        if not _I64_MIN <= v <= _I64_MAX:
+            raise OverflowError(f"start={v} does not fit in a signed 64-bit integer")
         other = _fp_seq(fps)
+        start = _non_negative("start", v)
         n = 0
-        for a, b in zip(self._fps, other):
+        for a, b in zip(self._fps[start:], other):
             if a != b:
                 break
             n += 1

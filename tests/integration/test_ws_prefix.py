@@ -45,7 +45,7 @@ def test_full_history_frames_reuse_the_prefix_by_bytes(servers: tuple[Server, Se
     before = _prefix_stats(s)
     history: list[dict[str, Any]] = []
     with ws_connect(s.ws + "/responses", open_timeout=10) as ws, ws_connect(ref.ws + "/responses", open_timeout=10) as rws:
-        previous_input = 0
+        reused = 0
         for i in range(5):
             history.append({"role": "user", "content": f"turn {i} " + "tool output line\n" * 1000})
             frame = _turn(ws, {"input": history, "store": False})
@@ -54,9 +54,12 @@ def test_full_history_frames_reuse_the_prefix_by_bytes(servers: tuple[Server, Se
             resp, sresp = frame["response"], scratch["response"]
             assert resp["usage"]["input_tokens"] == sresp["usage"]["input_tokens"]
             assert _cached(sresp) == 0
-            assert _cached(resp) == (previous_input if i else 0)  # the previous turn's whole input
-            previous_input = resp["usage"]["input_tokens"]
+            # the previous turn's whole input and the output it sent back
+            assert _cached(resp) == reused
+            assert (i == 0) == (reused == 0)
             history += resp["output"]
+            r = httpx.post(ref.v1 + "/responses/input_tokens", json={"model": "hotloop-sim", "input": history}, timeout=10)
+            reused = int(r.json()["input_tokens"])
     assert len(json.dumps(history)) > FAST_DECODE_BYTES
     after = _prefix_stats(s)
     assert after["body_hits"] - before["body_hits"] == 4  # every turn after the first, by its bytes
@@ -105,7 +108,8 @@ def test_store_true_full_history_is_readable(servers: tuple[Server, Server]) -> 
         first = _turn(ws, {"input": history})["response"]
         history += first["output"] + [{"role": "user", "content": "b" * 100}]
         second = _turn(ws, {"input": history})["response"]
-        assert _cached(second) == first["usage"]["input_tokens"]
+        whole = httpx.post(s.v1 + "/responses/input_tokens", json={"model": "hotloop-sim", "input": history[:-1]}, timeout=10)
+        assert _cached(second) == whole.json()["input_tokens"] > first["usage"]["input_tokens"]  # input and output
     items = httpx.get(f"{s.v1}/responses/{second['id']}/input_items", params={"limit": 100, "order": "asc"}, timeout=5).json()
     assert [it.get("role") for it in items["data"]] == [it.get("role") for it in history]
     last = items["data"][-1]["content"]

@@ -69,6 +69,7 @@ ops = st.one_of(
     st.tuples(st.just("push"), fpish, u32ish),
     st.tuples(st.just("extend"), st.lists(fpish, max_size=5), st.lists(u32ish, max_size=5)),
     st.tuples(st.just("common_prefix"), st.lists(fpish, max_size=8)),
+    st.tuples(st.just("common_prefix"), st.lists(fpish, max_size=8), small_n),
     st.tuples(st.just("tokens_upto"), small_n),
     st.tuples(st.just("truncate"), small_n),
     st.tuples(st.just("copy")),

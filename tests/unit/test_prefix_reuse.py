@@ -98,7 +98,7 @@ def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
     req, hit, raw = reuse.decode_create(_body(texts + ["third"], after='"metadata":{"c":"d"}'), cache, "alice")
     assert hit is not None and hit.n == 2 and cache.body_hits == 1
     assert req.input == [{"role": "user", "content": "third"}] and req.metadata == {"c": "d"} and req.model == "m"
-    assert raw is not None and json.loads(raw.raw) == [{"role": "user", "content": t} for t in texts + ["third"]]
+    assert raw is not None and json.loads(bytes(raw.raw)) == [{"role": "user", "content": t} for t in texts + ["third"]]
     assert raw.lead == b'{"model":"m","input":'
     # another field before input: matched by the input's own bytes instead
     req, hit, _ = reuse.decode_create(_body(texts + ["third"], before='"model":"n"'), cache, "alice")
@@ -177,15 +177,20 @@ def test_full_history_turns_report_the_reused_prefix(tmp_path: Path) -> None:
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
                 history: list[dict[str, Any]] = []
-                previous_input = 0
+                previous_input = previous_whole = 0
                 for i in range(6):
                     history.append({"role": "user", "content": f"turn {i} " + "words " * 50})
                     resp = await _post(client, {"input": history})
                     if i == 0:
                         assert _cached(resp) == 0
                     else:
-                        assert _cached(resp) == previous_input  # the previous turn's whole input
+                        # the previous turn's whole input and the output it sent back, as a
+                        # previous_response_id continuation would reuse them
+                        assert _cached(resp) == previous_whole > previous_input
                     previous_input = resp["usage"]["input_tokens"]
+                    chain = app.engine.responses.get(resp["id"], None).context.chain  # type: ignore[union-attr]
+                    n = len(history)
+                    previous_whole = previous_input + chain.total_tokens - chain.tokens_upto(n)
                     history += resp["output"]
                 assert app.engine.prefixes.hits == 5
                 assert app.engine.prefixes.raw_hits == 5
@@ -195,7 +200,7 @@ def test_full_history_turns_report_the_reused_prefix(tmp_path: Path) -> None:
                 resp = await _post(client, {"input": fork})
                 assert 0 < _cached(resp) < previous_input
                 resp2 = await _post(client, {"input": history + [{"role": "user", "content": "go on"}]})
-                assert _cached(resp2) == previous_input
+                assert _cached(resp2) == previous_whole
         finally:
             await app.shutdown()
 
@@ -281,7 +286,8 @@ def test_incremental_paths_equal_a_computation_from_scratch(tmp_path: Path, case
                     else:
                         body = [_spell(it, mode == "full-parts") for it in history + new]
                         resp = await _post(client, {"input": body})
-                        expect_cached = prev_input_tokens if prev is not None else 0
+                        # the previous input and the output it sent back, as a continuation
+                        expect_cached = prev_full_tokens if prev is not None else 0
                     history += new
                     scratch = await _post(rclient, {"input": history})
                     assert _cached(scratch) == 0
@@ -356,5 +362,37 @@ def test_errors_after_a_prefix_name_the_place_in_the_whole_input(tmp_path: Path)
         finally:
             await app.shutdown()
             await ref.shutdown()
+
+    uvloop.run(main())
+
+
+def test_a_resent_output_is_reused_only_when_it_is_the_one_produced(tmp_path: Path) -> None:
+    """The output a client sends back is reused (its tokens cached, not analysed again) when it
+    is the output the server produced; an edited one is the client's own new input."""
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                first_input = [{"role": "user", "content": "start " + "words " * 40}]
+                first = await _post(client, {"input": first_input})
+                out = first["output"]
+                chain = app.engine.responses.get(first["id"], None).context.chain  # type: ignore[union-attr]
+                output_tokens = chain.total_tokens - chain.tokens_upto(1)
+                new = [{"role": "user", "content": "next"}]
+                same = await _post(client, {"input": first_input + out + new})
+                assert _cached(same) == first["usage"]["input_tokens"] + output_tokens
+                edited = [dict(out[0], content=[{"type": "output_text", "text": "something else", "annotations": []}])]
+                other = await _post(client, {"input": first_input + edited + new})
+                assert _cached(other) == first["usage"]["input_tokens"]
+                # only the output: nothing is left to be the request's own, so it is not reused
+                alone = await _post(client, {"input": first_input + out})
+                assert _cached(alone) == first["usage"]["input_tokens"]
+                for r, sent in ((same, first_input + out + new), (other, first_input + edited + new), (alone, first_input + out)):
+                    counted = await client.post("/v1/responses/input_tokens", json={"model": "hotloop-sim", "input": sent})
+                    assert r["usage"]["input_tokens"] == counted.json()["input_tokens"]
+        finally:
+            await app.shutdown()
 
     uvloop.run(main())

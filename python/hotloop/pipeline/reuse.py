@@ -20,27 +20,44 @@ import msgspec
 from hotloop import errors
 from hotloop.pipeline import items as itemlib
 from hotloop.protocol.events import CLIENT_CREATE
-from hotloop.protocol.request import MAX_INPUT_ITEMS, CreateRequest, Item, ItemReference, decode_body, validate
-from hotloop.state.context import CachedResponse
+from hotloop.protocol.request import (
+    MAX_INPUT_ITEMS,
+    CreateRequest,
+    FunctionCall,
+    Item,
+    ItemReference,
+    decode_body,
+    validate,
+)
+from hotloop.state.context import CachedResponse, item_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache
 
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
 _WS = b" \t\r\n"
+_OPEN, _CLOSE = ord("["), ord("]")
+Buffer = bytes | memoryview  # raw input bytes: views of a request body are kept without a copy
 
 
-def head_of(raw: bytes) -> bytes | None:
+def head_of(raw: Buffer) -> bytes | None:
     """The index key of a raw input (``None``: too short to be matched by bytes)."""
-    return raw[:HEAD_BYTES] if len(raw) >= HEAD_BYTES else None
+    return bytes(raw[:HEAD_BYTES]) if len(raw) >= HEAD_BYTES else None
 
 
-def open_array(raw: bytes) -> bytes | None:
+def open_array(raw: Buffer) -> memoryview | None:
     """The raw JSON array ``raw`` without its closing bracket and trailing whitespace (what a
-    later input that extends it starts with), or ``None`` if it is not a non-empty array."""
-    r = raw.strip(_WS)
-    if len(r) < 2 or r[:1] != b"[" or r[-1:] != b"]":
+    later input that extends it starts with), or ``None`` if it is not a non-empty array. A view
+    of ``raw``: an input of hundreds of kilobytes is registered without a copy."""
+    i, j = 0, len(raw)
+    while i < j and raw[i] in _WS:
+        i += 1
+    while j > i and raw[j - 1] in _WS:
+        j -= 1
+    if j - i < 2 or raw[i] != _OPEN or raw[j - 1] != _CLOSE:
         return None
-    r = r[:-1].rstrip(_WS)
-    return r if len(r) > 1 else None
+    j -= 1
+    while j > i and raw[j - 1] in _WS:
+        j -= 1
+    return memoryview(raw)[i:j] if j - i > 1 else None
 
 
 def split_raw(cache: PrefixCache, owner: str, raw: bytes) -> tuple[Prefix, bytes] | None:
@@ -90,6 +107,36 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
     return None
 
 
+def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
+    """``p`` extended over the leading ``items`` that continue its entry's context, and how many
+    they are. A client that keeps its own history sends back the output of the response its
+    last input produced: those items are the entry's own (same fingerprints), already analysed,
+    fingerprinted and counted when the response finished, exactly as a ``previous_response_id``
+    continuation reuses them (and, like it, not classified as the client's input). At least one
+    item is left to be the request's own."""
+    ctx = p.entry.context
+    room = min(len(ctx.items) - p.n, len(items) - 1)
+    fps: list[bytes] = []
+    for j in range(max(0, room)):
+        item = items[j]
+        if type(item) is ItemReference:
+            break
+        try:
+            fps.append(itemlib.fingerprint(item, f"input[{p.n + j}]"))
+        except errors.HotloopError:
+            break  # reported against the request by its own analysis
+    k = ctx.chain.common_prefix(fps, p.n) if fps else 0
+    if k == 0:
+        return p, 0
+    n = p.n + k
+    added = ctx.items[p.n : n]
+    nbytes = ctx.nbytes if n == len(ctx.items) else p.nbytes + sum(map(item_nbytes, added))
+    calls = None
+    if p.calls is not None:
+        calls = p.calls | {it.call_id for it in added if type(it) is FunctionCall}  # type: ignore[union-attr]
+    return Prefix(p.entry, n, fps[k - 1], nbytes, calls=calls), k
+
+
 def parent_of(p: Prefix) -> CachedResponse:
     """A stand-in parent that holds the reused prefix (never named as the response's parent)."""
     e = p.entry
@@ -125,7 +172,7 @@ class RawInput:
 
     __slots__ = ("raw", "lead")
 
-    def __init__(self, raw: bytes, lead: bytes | None) -> None:
+    def __init__(self, raw: Buffer, lead: bytes | None) -> None:
         self.raw = raw
         self.lead = lead
 
@@ -195,7 +242,8 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     for j, item in enumerate(suffix):
         if type(item) is ItemReference:
             return False
-        if cache.has(owner, n + j + 1, itemlib.fingerprint(item, f"input[{n + j}]")):
+        # fingerprinted only where an input of that length exists (a linear conversation has none)
+        if cache.has_length(owner, n + j + 1) and cache.has(owner, n + j + 1, itemlib.fingerprint(item, f"input[{n + j}]")):
             return True
     return False
 
@@ -215,7 +263,7 @@ def _by_body(cache: PrefixCache, owner: str, body: bytes) -> tuple[Any, Prefix, 
     lazy = _lazy_decoder.decode(lead + b"[" + rest[1:])
     tail = bytes(lazy.input)  # "[" + the new items + "]"
     start = len(body) - len(rest) + 1  # where the new items start in the body
-    raw = body[len(lead) : start + len(tail) - 1]
+    raw = memoryview(body)[len(lead) : start + len(tail) - 1]  # a view: no copy of the history
     cache.raw_hits += 1
     cache.body_hits += 1
     return lazy, p, RawInput(raw, lead)

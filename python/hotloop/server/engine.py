@@ -205,6 +205,9 @@ class Engine:
                 if prefix is not None:
                     p = msgspec.structs.replace(p, items=p.items[prefix.n :])
             if prefix is not None:
+                prefix, k = reuse.continued(prefix, p.items)  # the output it produced, sent back
+                if k:
+                    p = msgspec.structs.replace(p, items=p.items[k:])
                 parent = reuse.parent_of(prefix)  # the reused items, analysed when they were new
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:

@@ -46,7 +46,7 @@ class Prefix:
         n: int,
         last_fp: bytes,
         nbytes: int,
-        raw: bytes | None = None,
+        raw: bytes | memoryview | None = None,
         head: bytes | None = None,
         calls: frozenset[str] | None = None,
         lead: bytes | None = None,
@@ -64,7 +64,10 @@ class Prefix:
 
     @property
     def size(self) -> int:
-        return self.entry.context.nbytes + sum(len(b) for b in (self.raw, self.lead) if b is not None)
+        # a raw view holds the whole request body it was cut from
+        raw = self.raw
+        held = 0 if raw is None else len(raw.obj) if type(raw) is memoryview else len(raw)  # type: ignore[arg-type]
+        return self.entry.context.nbytes + held + (len(self.lead) if self.lead is not None else 0)
 
     def context(self) -> Context:
         """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
@@ -143,7 +146,7 @@ class PrefixCache:
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
         if prefix.lead is not None and prefix.raw is not None:
-            lst = self._bodies.setdefault((prefix.owner, (prefix.lead + prefix.raw[:BODY_KEY])[:BODY_KEY]), [])
+            lst = self._bodies.setdefault((prefix.owner, bytes((prefix.lead + prefix.raw[:BODY_KEY])[:BODY_KEY])), [])
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
         while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
@@ -165,7 +168,7 @@ class PrefixCache:
         if p.head is not None:
             _unlist(self._heads, (p.owner, p.head), p)
         if p.lead is not None and p.raw is not None:
-            _unlist(self._bodies, (p.owner, (p.lead + p.raw[:BODY_KEY])[:BODY_KEY]), p)
+            _unlist(self._bodies, (p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])), p)
 
     def clear(self) -> None:
         self._d.clear()
@@ -177,6 +180,11 @@ class PrefixCache:
     def lengths(self, owner: str) -> list[int]:
         """Registered input lengths of ``owner``, longest first."""
         return sorted(self._lengths.get(owner, ()), reverse=True)
+
+    def has_length(self, owner: str, n: int) -> bool:
+        """Whether any input of ``n`` items of ``owner`` is registered."""
+        lengths = self._lengths.get(owner)
+        return lengths is not None and n in lengths
 
     def has(self, owner: str, n: int, last_fp: bytes) -> bool:
         """Whether an input of ``n`` items ending with ``last_fp`` is registered (no LRU touch)."""

@@ -118,7 +118,15 @@ impl ItemChain {
 
     /// How many leading entries of `fps` equal this chain's fingerprints.
     pub fn common_prefix(&self, fps: &[u128]) -> usize {
-        self.fps.iter().zip(fps).take_while(|(a, b)| a == b).count()
+        self.common_prefix_from(0, fps)
+    }
+
+    /// How many leading entries of `fps` equal this chain's fingerprints from item `start` on
+    /// (0 when `start` is at or past the end).
+    pub fn common_prefix_from(&self, start: usize, fps: &[u128]) -> usize {
+        self.fps
+            .get(start..)
+            .map_or(0, |tail| tail.iter().zip(fps).take_while(|(a, b)| a == b).count())
     }
 
     /// Sum of the tokens of the first `n` items.
@@ -209,6 +217,10 @@ mod tests {
         assert_eq!(c.common_prefix(&[1, 2, 9, 4]), 2);
         assert_eq!(c.common_prefix(&[1, 2, 3, 4, 5, 6]), 4);
         assert_eq!(c.common_prefix(&[9]), 0);
+        assert_eq!(c.common_prefix_from(2, &[3, 4, 5]), 2);
+        assert_eq!(c.common_prefix_from(2, &[3, 9]), 1);
+        assert_eq!(c.common_prefix_from(4, &[5]), 0);
+        assert_eq!(c.common_prefix_from(99, &[1]), 0);
         let copy = c.clone();
         c.truncate(2);
         assert_eq!(c.len(), 2);

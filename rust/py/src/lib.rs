@@ -148,8 +148,10 @@ impl ItemChain {
         self.inner.max_items()
     }
 
-    fn common_prefix(&self, fps: &Bound<'_, PyAny>) -> PyResult<usize> {
-        Ok(self.inner.common_prefix(&fps_of(fps)?))
+    #[pyo3(signature = (fps, start = 0))]
+    fn common_prefix(&self, fps: &Bound<'_, PyAny>, start: i64) -> PyResult<usize> {
+        let fps = fps_of(fps)?;
+        Ok(self.inner.common_prefix_from(non_negative("start", start)?, &fps))
     }
 
     fn tokens_upto(&self, n: i64) -> PyResult<u64> {
