@@ -9,6 +9,10 @@ Cerebras backend. Measured side by side in one run:
   the whole chat history each turn): the floor every transport is compared with. Its wall time
   per turn is the baseline, and the mock's own CPU per turn is a yardstick for "one process
   streaming these chunks".
+* ``relay floor``: the least any proxy of these streams does. One uvloop protocol reads each of
+  the mock's chunks over a keep-alive connection and writes it, unparsed, to a client socket in
+  another process; nothing is parsed, validated, counted or framed. Its CPU per turn (the
+  request is a fixed 2 KB one) is the floor a Responses server's CPU per turn is compared with.
 * ``ws-prev``: one WebSocket, ``previous_response_id``, only the new tool output, ``store: false``.
 * ``http-full``: ``POST`` with SSE, the whole history each turn, ``store: false``.
 * ``http-prev``: ``POST`` with SSE, ``previous_response_id``, ``store: true`` on SQLite.
@@ -101,6 +105,70 @@ class _RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+_SINK = (
+    "import socket\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
+    "c, _ = s.accept()\n"
+    "while c.recv(1 << 16):\n"
+    "    pass\n"
+)
+
+
+def relay_floor(url: str, model: str, turns: int) -> float:
+    """CPU of a bare relay per turn of the mock's stream, in milliseconds (see the module
+    docstring): this thread's CPU over ``turns`` requests on one keep-alive connection."""
+    import asyncio
+
+    import uvloop
+
+    class _Relay(asyncio.Protocol):
+        def __init__(self, sink: asyncio.BaseTransport) -> None:
+            self.sink = sink
+            self.done: asyncio.Future[None] | None = None
+
+        def data_received(self, data: bytes) -> None:
+            self.sink.write(data)  # type: ignore[attr-defined]
+            if data.endswith(b"\r\n0\r\n\r\n") and self.done is not None and not self.done.done():
+                self.done.set_result(None)
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        sink_proc = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE)
+        try:
+            assert sink_proc.stdout is not None
+            sink_port = int(sink_proc.stdout.readline())
+            sink, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", sink_port)
+            port = int(url.rsplit(":", 1)[1])
+            upstream, relay = await loop.create_connection(lambda: _Relay(sink), "127.0.0.1", port)
+            for t in (sink, upstream):
+                t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            messages = [{"role": "user", "content": "x" * 2048}]
+            body = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\n"
+            request += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+
+            async def turn() -> None:
+                relay.done = loop.create_future()
+                upstream.write(request)
+                await asyncio.wait_for(relay.done, 60)
+
+            for _ in range(3):  # warm-up
+                await turn()
+            t0 = time.thread_time()
+            for _ in range(turns):
+                await turn()
+            cpu = time.thread_time() - t0
+            upstream.close()
+            sink.close()
+            return cpu * 1e3 / turns
+        finally:
+            sink_proc.terminate()
+            sink_proc.wait(10)
+
+    return uvloop.run(run())
 
 
 def _output(rng: random.Random, nbytes: int) -> str:
@@ -260,6 +328,7 @@ def bench_agent_turns(
         m0 = process_cpu_ns(mock_pid)
         direct = _direct(url, model, turns, new_bytes, seed)
         mock_cpu_ms = (process_cpu_ns(mock_pid) - m0) / 1e6 / turns
+        floor_ms = relay_floor(url, model, turns)
         os.environ.setdefault("CEREBRAS_API_KEY", "bench")
         runs: list[tuple[str, tuple[str, ...], Callable[..., None]]] = [
             ("ws-prev", (), _ws_prev),
@@ -284,5 +353,9 @@ def bench_agent_turns(
         "new_bytes": new_bytes,
         "direct_wall_per_turn_p50_ms": round(_pct(direct, 0.5) * 1e3, 2),
         "mock_cpu_per_turn_ms": round(mock_cpu_ms, 3),
-        "transports": results,
+        "relay_floor_cpu_per_turn_ms": round(floor_ms, 3),
+        "transports": [
+            dict(row, cpu_p50_hotloop_over_relay_floor=round(row["hotloop"]["cpu_per_turn_p50_ms"] / floor_ms, 2))
+            for row in results
+        ],
     }
