@@ -232,7 +232,8 @@ def _chained_turn(ws: Any, frame: dict[str, Any], prev: str | None) -> str:
             raise RuntimeError(f"turn failed: {e}")
 
 
-def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
+def _ws_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[None]:
+    """Chained WebSocket turns, one per ``next()``."""
     from websockets.sync.client import connect
 
     rng = random.Random(seed)
@@ -248,13 +249,14 @@ def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
                 "metadata": {"sim": "text,tokens:16"},
             }
             prev = _chained_turn(ws, frame, prev)
+            yield None
 
 
-def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[int, int]]:
-    """A client resending its whole history each turn; ``(input_tokens, cached_tokens)`` per turn."""
+def _http_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[tuple[int, int]]:
+    """A client resending its whole history, one turn per ``next()``: ``(input_tokens,
+    cached_tokens)`` of each."""
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
-    usage: list[tuple[int, int]] = []
     with httpx.Client(base_url=base + "/v1", timeout=60) as client:
         for _ in range(turns):
             history.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]})
@@ -262,31 +264,41 @@ def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[i
             r.raise_for_status()
             body = r.json()
             u = body["usage"]
-            usage.append((int(u["input_tokens"]), int(u["input_tokens_details"]["cached_tokens"])))
             history.extend(body["output"])
-    return usage
+            yield int(u["input_tokens"]), int(u["input_tokens_details"]["cached_tokens"])
+
+
+def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
+    for _ in _ws_turns(base, turns, new_bytes, seed):
+        pass
+
+
+def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[int, int]]:
+    """A client resending its whole history each turn; ``(input_tokens, cached_tokens)`` per turn."""
+    return list(_http_turns(base, turns, new_bytes, seed))
 
 
 def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str, Any]:
     """``ws-loop``: chained WebSocket turns. ``http-loop``: a client resending its whole history
-    over HTTP (prefix reuse), then the same conversation as chained WebSocket turns on the same
-    server, reporting the cached tokens and the ratio of the two costs."""
+    over HTTP (prefix reuse) and, on the same server, the same conversation as chained WebSocket
+    turns, the two interleaved turn by turn (so that a machine slowing down for a while slows
+    both alike), reporting the cached tokens and the ratio of the two costs."""
     usage: list[tuple[int, int]] = []
     ws_cpu: list[float] = []
     with server("--sim-rate", "0") as (base, _pid):
         (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
+        if kind == "http-loop":
+            _ws_loop(base, 3, new_bytes, seed + 2)
         skip = len(_stats(base))
         if kind == "ws-loop":
             _ws_loop(base, turns, new_bytes, seed)
         else:
-            usage = _http_loop(base, turns, new_bytes, seed)
-        stats = _stats(base)
-        cpu = [t["cpu_us"] for t in stats[skip:]]
-        if kind == "http-loop":
-            _ws_loop(base, 3, new_bytes, seed + 2)  # warm-up
-            skip = len(_stats(base))
-            _ws_loop(base, turns, new_bytes, seed)
-            ws_cpu = [t["cpu_us"] for t in _stats(base)[skip:]]
+            for u, _ in zip(_http_turns(base, turns, new_bytes, seed), _ws_turns(base, turns, new_bytes, seed)):
+                usage.append(u)
+        stats = _stats(base)[skip:]
+        # turn_stats' transport: "ws" for WebSocket turns, "json" for non-streaming HTTP
+        cpu = [t["cpu_us"] for t in stats if (t["transport"] == "ws") == (kind == "ws-loop")]
+        ws_cpu = [t["cpu_us"] for t in stats if t["transport"] == "ws"] if kind == "http-loop" else []
     head = statistics.mean(cpu[:5])
     tail = statistics.mean(cpu[-5:])
     out: dict[str, Any] = {
@@ -311,6 +323,8 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
                 "ws_last5_mean_us": round(tail_ws, 1),
                 "http_over_ws_p50": round(_pct(cpu, 0.5) / _pct(ws_cpu, 0.5), 3),
                 "http_over_ws_last5": round(tail / tail_ws, 3),
+                # turn i over HTTP against turn i over WebSocket, run one after the other
+                "http_over_ws_paired_p50": round(_pct([h / w for h, w in zip(cpu, ws_cpu)], 0.5), 3),
             }
         )
     return out

@@ -94,16 +94,17 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
     for n in cache.lengths(owner):
         if n > total:
             continue
-        p = cache.get(owner, n, fp(n - 1))
-        if p is None:
+        group = cache.variants(owner, n, fp(n - 1))
+        if not group:
             continue
         if any(type(it) is ItemReference for it in items[:n]):
             return None
         while computed < n:
             fp(computed)
             computed += 1
-        if p.entry.context.chain.common_prefix(fps[:n]) >= n:  # type: ignore[arg-type]  # all computed
-            return p
+        for p in group:
+            if p.entry.context.chain.common_prefix(fps[:n]) >= n:  # type: ignore[arg-type]  # all computed
+                return p
     return None
 
 

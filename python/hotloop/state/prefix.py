@@ -9,7 +9,9 @@ and the classifier states, so only the suffix is analysed.
 
 Matching is exact. Each entry is indexed by ``(owner, length, fingerprint of its last item)``;
 a probe is verified against the whole cached chain (:meth:`ItemChain.common_prefix`), so a hash
-collision on the index key can never make a wrong hit. Entries also keep the raw JSON bytes of
+collision on the index key can never make a wrong hit. A key keeps up to ``VARIANTS`` entries
+whose earlier items differ; a registration of the same items replaces the older one, except that
+one registered without its raw bytes never replaces one that has them. Entries also keep the raw JSON bytes of
 their input items as the client sent them (when the transport has them): a request whose input
 bytes start with the same items is matched without decoding or fingerprinting those items.
 
@@ -91,6 +93,13 @@ class Prefix:
         return e.supplied | inherited
 
 
+def _same_items(a: Prefix, b: Prefix) -> bool:
+    """Whether two registrations of one index key hold the same items (their chains agree on
+    all ``n`` fingerprints; a key names only the last one)."""
+    n = a.n
+    return b.n == n and a.entry.context.chain.common_prefix(b.entry.context.chain.fingerprints()[:n]) >= n
+
+
 BODY_KEY = 256  # leading bytes of an HTTP body that index the registered requests it may repeat
 
 
@@ -108,14 +117,21 @@ class PrefixCache:
     # Entries kept per (owner, leading raw bytes): forks of one conversation, and conversations
     # that start alike (one system prompt); the rest are still found by fingerprint.
     MAX_HEADS = 64
+    # Entries kept per index key (owner, length, last item's fingerprint): conversations that
+    # differ earlier but reach the same length with the same last item (the same scripted turns
+    # against a model that answered differently) each keep theirs instead of evicting each other
+    # every turn. A registration of the same items replaces the older one.
+    VARIANTS = 4
 
     def __init__(self, max_entries: int = 512, max_bytes: int = 128 * 1024 * 1024) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._d: OrderedDict[tuple[str, int, bytes], Prefix] = OrderedDict()
+        # index key -> its entries, newest first; LRU over keys
+        self._d: OrderedDict[tuple[str, int, bytes], list[Prefix]] = OrderedDict()
         self._heads: dict[tuple[str, bytes], list[Prefix]] = {}
         self._bodies: dict[tuple[str, bytes], list[Prefix]] = {}  # by the body's leading bytes
         self._lengths: dict[str, dict[int, int]] = {}  # owner -> length -> entries of that length
+        self._count = 0
         self._bytes = 0
         self.hits = 0  # requests that reused a prefix: raw_hits of them found by raw bytes,
         self.raw_hits = 0  # body_hits of those by the body's bytes (by_body)
@@ -123,7 +139,7 @@ class PrefixCache:
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._d)
+        return self._count
 
     @property
     def nbytes(self) -> int:
@@ -136,8 +152,23 @@ class PrefixCache:
         if size > self.max_bytes // 4:
             return
         key = (prefix.owner, prefix.n, prefix.last_fp)
-        self._drop(key)
-        self._d[key] = prefix
+        for old in self._d.get(key, ()):
+            if _same_items(old, prefix):
+                if prefix.raw is None and old.raw is not None:
+                    # The same input again, registered without its bytes (a chained response's,
+                    # a small WebSocket frame's): the entry that has them serves both ways of
+                    # matching. Replacing it would send every later request of the conversation
+                    # matched by its bytes to a full decode and fingerprint match.
+                    self._d.move_to_end(key)
+                    return
+                self._remove(key, old)
+                break
+        group = self._d.get(key)
+        if group is None:
+            group = self._d[key] = []
+        group.insert(0, prefix)
+        self._d.move_to_end(key)
+        self._count += 1
         self._bytes += size
         lengths = self._lengths.setdefault(prefix.owner, {})
         lengths[prefix.n] = lengths.get(prefix.n, 0) + 1
@@ -149,13 +180,18 @@ class PrefixCache:
             lst = self._bodies.setdefault((prefix.owner, bytes((prefix.lead + prefix.raw[:BODY_KEY])[:BODY_KEY])), [])
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
-        while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
-            self._drop(next(iter(self._d)))
+        while len(group) > self.VARIANTS:
+            self._remove(key, group[-1])
+        while self._count > self.max_entries or self._bytes > self.max_bytes:
+            oldest = next(iter(self._d))
+            self._remove(oldest, self._d[oldest][-1])
 
-    def _drop(self, key: tuple[str, int, bytes]) -> None:
-        p = self._d.pop(key, None)
-        if p is None:
-            return
+    def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
+        group = self._d[key]
+        group.remove(p)
+        if not group:
+            del self._d[key]
+        self._count -= 1
         self._bytes -= p.size
         lengths = self._lengths[p.owner]
         left = lengths[p.n] - 1
@@ -175,6 +211,7 @@ class PrefixCache:
         self._heads.clear()
         self._bodies.clear()
         self._lengths.clear()
+        self._count = 0
         self._bytes = 0
 
     def lengths(self, owner: str) -> list[int]:
@@ -190,12 +227,15 @@ class PrefixCache:
         """Whether an input of ``n`` items ending with ``last_fp`` is registered (no LRU touch)."""
         return (owner, n, last_fp) in self._d
 
-    def get(self, owner: str, n: int, last_fp: bytes) -> Prefix | None:
+    def variants(self, owner: str, n: int, last_fp: bytes) -> list[Prefix]:
+        """The registered inputs of ``n`` items ending with ``last_fp``, newest first (the caller
+        verifies which, if any, holds its items)."""
         key = (owner, n, last_fp)
-        p = self._d.get(key)
-        if p is not None:
-            self._d.move_to_end(key)
-        return p
+        group = self._d.get(key)
+        if group is None:
+            return []
+        self._d.move_to_end(key)
+        return group
 
     def by_body(self, owner: str, body: bytes) -> tuple[Prefix, int] | None:
         """The longest registered request of ``owner`` whose body bytes up to its last input item
