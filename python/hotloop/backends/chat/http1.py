@@ -367,13 +367,18 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         return not self.closed and t is not None and not t.is_closing() and now - self.idle_since < self.expiry
 
-    def send(self, data: bytes, resp: Response) -> None:
+    def send(self, head: bytes, body: bytes | None, resp: Response) -> None:
         self.resp = resp
         self.parser = httptools.HttpResponseParser(self)
         self.keep_alive = True
         self.draining = False
         self._arm(self.pool.first_byte_timeout)
-        self.transport.write(data)  # type: ignore[union-attr]
+        if body:
+            # head and body in one writev, without copying the body (a conversation's history)
+            # into a joined buffer first
+            self.transport.writelines((head, body))  # type: ignore[union-attr]
+        else:
+            self.transport.write(head)  # type: ignore[union-attr]
 
     def _arm(self, seconds: float) -> None:
         """(Re)start the request's one timer: ``_check`` in ``seconds``."""
@@ -506,12 +511,10 @@ class Pool:
         ``headers`` are extra header lines, pre-formatted (``"name: value\\r\\n"``). Raises
         ``BackendUnavailable`` (no connection), ``BackendTimeout`` or ``TransientBackendError``.
         """
-        data = self._head(method, path, len(body) if body is not None else None, headers)
-        if body:
-            data += body
+        head = self._head(method, path, len(body) if body is not None else None, headers)
         conn = await self._acquire()
         resp = Response(conn)
-        conn.send(data, resp)
+        conn.send(head, body, resp)
         try:
             await resp.head()
         except BaseException:
