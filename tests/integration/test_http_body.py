@@ -115,3 +115,24 @@ def test_a_body_over_the_limit_is_refused_and_the_server_stays_usable(tmp_path) 
         finally:
             s.close()
         assert _counted(srv, _body(100, 7)) > 0
+
+
+def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(server: Server) -> None:
+    body = _body(450_000, 8)  # above BODY_BUFFER as well
+    want = _counted(server, body)
+    s = _connect(server)
+    try:
+        head = _request(body)[: -len(body)]
+        s.sendall(head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1))
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = s.recv(65536)
+            assert chunk
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 100 Continue\r\n")  # nothing of the body was sent yet
+        for i in range(0, len(body), 65536):
+            s.sendall(body[i : i + 65536])
+        [(status, answer)] = _responses(s, 1)
+        assert status == 200 and answer["input_tokens"] == want
+    finally:
+        s.close()
