@@ -40,6 +40,7 @@ from hotloop.protocol.objects import IdGen, usage_object
 _MESSAGE = "message"
 STEERED = "steered"  # finish() reason and incomplete_details.reason of a steered response
 _text_delta = ev.text_delta
+_REASONING = "reasoning"
 
 
 class _Quiet:
@@ -56,7 +57,6 @@ class _Quiet:
 
 
 _quiet_text_delta = _Quiet.text_delta
-_REASONING = "reasoning"
 
 # Phases of the whole response (a table: which calls are legal in which phase).
 _NEW, _STREAMING, _DONE = "new", "streaming", "done"

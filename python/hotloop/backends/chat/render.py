@@ -379,9 +379,7 @@ def encode_request(req: BackendRequest, dialect: Dialect, cache: RenderCache | N
     parts = [_encoder.encode(m) for m in _system(req)]
     _, encoded = cache.render(req.items)
     parts += encoded
-    if not parts:
-        return _encoder.encode(render(req, dialect, msgspec.Raw(b"[]")))
-    # one copy of the history: the brackets go on the first and last (small) messages
-    parts[0] = b"[" + parts[0]
-    parts[-1] = parts[-1] + b"]"
-    return _encoder.encode(render(req, dialect, msgspec.Raw(b",".join(parts))))
+    if parts:  # one copy of the history: the brackets go on the first and last (small) messages
+        parts[0] = b"[" + parts[0]
+        parts[-1] += b"]"
+    return _encoder.encode(render(req, dialect, msgspec.Raw(b",".join(parts) if parts else b"[]")))
