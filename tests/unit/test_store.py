@@ -118,3 +118,36 @@ def test_memory_item_index_survives_deleting_a_continuation() -> None:
     assert m.delete("resp_b")
     assert m.get_item(a.items[0]["id"]) == a.items[0]
     assert m.delete("resp_a") and m.get_item(a.items[0]["id"]) is None
+
+
+def test_two_processes_writing_one_sqlite_file_never_lose_a_batch(tmp_path) -> None:
+    """Two stores on one file (two ``--workers``): a batch that has read before the other
+    committed must wait for its turn to write, not fail (a deferred transaction's stale
+    snapshot failed every write of the batch with "database is locked")."""
+    import threading
+
+    path = tmp_path / "shared.sqlite3"
+    a, b = SQLiteStore(path), SQLiteStore(path)
+    a.put(rec("resp_parent"))
+    other_done = threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            b.put(rec("resp_other"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        other_done.set()
+
+    with a.batch():
+        assert a.get_response("resp_parent") is not None  # a read inside the batch
+        t = threading.Thread(target=other)
+        t.start()
+        other_done.wait(0.5)  # the other process commits now if nothing holds the write lock
+        a.put(rec("resp_mine"))
+    t.join(10)
+    assert not errors
+    for rid in ("resp_parent", "resp_other", "resp_mine"):
+        assert a.get_response(rid) is not None and b.get_response(rid) is not None
+    a.close()
+    b.close()

@@ -639,7 +639,7 @@ class SQLiteStore:
         savepoint in it: one that fails (``MissingParent``) is undone alone."""
         with self._lock:
             db = self._db
-            db.execute("BEGIN")
+            db.execute("BEGIN IMMEDIATE")  # see _txn
             self._batching = True
             try:
                 yield
@@ -653,11 +653,17 @@ class SQLiteStore:
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Connection]:
-        """One write's transaction (the caller holds the lock), or its savepoint inside ``batch``."""
+        """One write's transaction (the caller holds the lock), or its savepoint inside ``batch``.
+
+        ``BEGIN IMMEDIATE``: writes read first (a parent, a row to delete). In WAL mode a deferred
+        transaction whose snapshot another connection (another ``--workers`` process) committed
+        past fails its first write at once with "database is locked", without the busy timeout,
+        and inside a batch every later write of the batch with it; taking the write lock at the
+        start makes the other process wait its turn instead."""
         db = self._db
         begin, commit, undo = (
             ("SAVEPOINT w", ("RELEASE w",), ("ROLLBACK TO w", "RELEASE w")) if self._batching
-            else ("BEGIN", ("COMMIT",), ("ROLLBACK",))
+            else ("BEGIN IMMEDIATE", ("COMMIT",), ("ROLLBACK",))
         )
         db.execute(begin)
         try:
@@ -768,21 +774,14 @@ class SQLiteStore:
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
     def delete(self, response_id: str, scope: str | None = None) -> bool:
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN")
-            try:
-                found = db.execute(
-                    "SELECT 1 FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
-                ).fetchone()
-                if found is not None:
-                    self._kill_locked(response_id)
-                    self._deleted = True
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            return found is not None
+        with self._lock, self._txn() as db:
+            found = db.execute(
+                "SELECT 1 FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
+            ).fetchone()
+            if found is not None:
+                self._kill_locked(response_id)
+                self._deleted = True
+        return found is not None
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         days = [time.strftime("%Y-%m-%d", time.gmtime(r.at)) for r in recs]
