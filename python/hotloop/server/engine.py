@@ -670,17 +670,21 @@ class Run:
                     await self._settle()
                     yield turn.fail(errors.BackendTimeout("The model backend stopped sending output."))
                 except errors.HotloopError as exc:
-                    self.failure = backend_kind(exc)
+                    # a steered or aborted run ends as asked, and is no backend failure
+                    stopped = self._uncut()
+                    if not stopped:
+                        self.failure = backend_kind(exc)
                     await self._settle()
-                    yield self._stop() if self._uncut() else turn.fail(exc)
+                    yield self._stop() if stopped else turn.fail(exc)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    if not self._uncut():
+                    stopped = self._uncut()
+                    if not stopped:
                         log.exception("backend stream failed (request %s)", self.request_id)
-                    self.failure = "error"
+                        self.failure = "error"
                     await self._settle()
-                    yield self._stop() if self._cut_done else turn.fail(errors.BackendError("The model backend failed."))
+                    yield self._stop() if stopped else turn.fail(errors.BackendError("The model backend failed."))
                 else:
                     if not turn.done:
                         self.failure = "ended_early"
