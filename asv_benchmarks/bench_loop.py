@@ -97,16 +97,17 @@ class PipelineTurn:
         _pipeline_turn(self.parent, self.body, self.ids, itemlib.TokenCache(16), self.n)
 
 
-def _record(n: int, rid: str, parent: str | None, base: int, rng: random.Random) -> Any:
+def _record(n: int, rid: str, parent: str | None, base: int, rng: random.Random, output: str | None = None) -> Any:
     from hotloop.state.store import StoredResponse
 
     items = [
-        {"type": "function_call_output", "call_id": f"call_{n}", "output": _output(rng)},
+        {"type": "function_call_output", "call_id": f"call_{n}", "output": _output(rng) if output is None else output},
         {"type": "function_call", "id": f"fc_{rid}", "call_id": f"call_{n + 1}", "name": "run", "status": "completed",
          "arguments": "".join(ARG_PIECES)},
     ]
     response = {"id": rid, "object": "response", "status": "completed", "model": "m", "output": [items[1]]}
-    return StoredResponse(response, items, [n * 2 + 1, n * 2 + 2], [380, 26], 1, parent, base)
+    fps = [(n * 2 + 1).to_bytes(16, "little"), (n * 2 + 2).to_bytes(16, "little")]  # 16-byte, as served
+    return StoredResponse(response, items, fps, [380, 26], 1, parent, base)
 
 
 class StoreTurn:
@@ -128,6 +129,7 @@ class StoreTurn:
             parent = rid
         assert parent is not None
         self.last = parent
+        self.output = _output(rng)  # the timed write's tool output, made here: not timed
         self.rng = rng
         self.turns = turns
         self.count = 0
@@ -142,7 +144,7 @@ class StoreTurn:
 
     def time_put_turn(self, turns: int) -> None:
         self.count += 1
-        self.store.put(_record(self.turns, f"resp_x{self.count:08d}", self.last, 2 * self.turns, self.rng))
+        self.store.put(_record(self.turns, f"resp_x{self.count:08d}", self.last, 2 * self.turns, self.rng, self.output))
 
     def time_load_history(self, turns: int) -> None:
         self.store.get(self.last)
@@ -170,7 +172,9 @@ class LoopbackTurn:
         rng = random.Random(0)
         if transport == "ws-prev":
             self.ws = self.stack.enter_context(connect(base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None))
-            resp = self._ws({"type": ev.CLIENT_CREATE, **first})
+            # the parent is stored: every timed turn forks from it (the connection's cache holds
+            # only its latest response, which the previous timed turn replaced)
+            resp = self._ws({"type": ev.CLIENT_CREATE, **first, "store": True})
             call = resp["output"][0]
             self.frame = json.dumps({
                 "type": ev.CLIENT_CREATE, "model": "hotloop-sim", "tools": [TOOL], "tool_choice": "required", "store": False,
@@ -193,15 +197,20 @@ class LoopbackTurn:
         self.ws.send(frame if isinstance(frame, str) else json.dumps(frame))
         while True:
             e = json.loads(self.ws.recv(timeout=60))
-            if e["type"] in (ev.COMPLETED, ev.FAILED, ev.ERROR):
-                return e.get("response") or e  # type: ignore[no-any-return]
+            if e["type"] == ev.COMPLETED:
+                return e["response"]  # type: ignore[no-any-return]
+            if e["type"] in (ev.FAILED, ev.ERROR):
+                raise AssertionError(f"the turn failed: {e}")  # never time an error
 
     def _post(self, body: bytes) -> dict[str, Any]:
         r = self.http.post("/responses", content=body, headers={"content-type": "application/json"})
         r.raise_for_status()
         for line in reversed(r.content.split(b"\n")):  # the stream ends with the terminal event
             if line.startswith(b"data: {"):
-                return json.loads(line[6:]).get("response") or {}  # type: ignore[no-any-return]
+                e = json.loads(line[6:])
+                if e["type"] != ev.COMPLETED:
+                    raise AssertionError(f"the turn failed: {e}")  # never time an error
+                return e["response"]  # type: ignore[no-any-return]
         raise AssertionError(f"no event in {r.content[:200]!r}")
 
     def teardown(self, transport: str) -> None:
