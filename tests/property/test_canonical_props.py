@@ -36,6 +36,16 @@ def _shuffled(obj: Any, rnd: random.Random) -> Any:
     return obj
 
 
+def _floats(obj: Any) -> list[float]:
+    if type(obj) is float:
+        return [obj]
+    if isinstance(obj, dict):
+        return [f for v in obj.values() for f in _floats(v)]
+    if isinstance(obj, list):
+        return [f for v in obj for f in _floats(v)]
+    return []
+
+
 @SETTINGS
 @given(json_values, st.integers(0, 2**32))
 def test_canonical_form_is_compact_sorted_json_of_the_value(obj: Any, seed: int) -> None:
@@ -44,7 +54,7 @@ def test_canonical_form_is_compact_sorted_json_of_the_value(obj: Any, seed: int)
     assert json.loads(data) == obj
     # compact and sorted: json.dumps' layout, up to float spelling (msgspec writes 1e16, json 1e+16)
     ref = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    assert (data == ref) or b"e" in ref
+    assert data == ref or any("e" in repr(f) for f in _floats(obj))
 
 
 @SETTINGS

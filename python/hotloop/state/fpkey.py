@@ -74,6 +74,15 @@ def load_or_create(path: str | Path) -> bytes:
 
 
 def _read(path: Path) -> bytes:
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a directory, no permission: refused with the start-up exit code
+        raise KeyFileError(f"fingerprint key {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+
+
+def _read_key(path: Path) -> bytes:
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
