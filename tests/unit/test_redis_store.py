@@ -152,6 +152,9 @@ def test_usage_ledger_per_day_model_key(store: RedisStore) -> None:
     assert r["flagged"] == 1 and r["findings"] == {"aws_key": 2}
     assert {r["key"] for r in store.usage()} == {"k1", "k2"}
     assert store.usage(since="2999-01-01") == []
+    # the batch's marker lives as long as its retries can (at least an hour), not a day
+    [marker] = store.r.keys(store.prefix + "u:batch:*")
+    assert 3000 < store.r.ttl(marker) <= 3600
 
 
 def test_outage_reads_503_writes_wait(tmp_path: Path) -> None:

@@ -21,8 +21,9 @@ or ``anonymous``)::
     P u:rows                     SET     "{day}\\t{model}\\t{key}" of every usage ledger row
     P u:{day}\\t{model}\\t{key}    HASH    responses, input_tokens, output_tokens, cached_tokens,
                                          reasoning_tokens, flagged, f:{kind} (findings)
-    P u:batch:{uuid}             STRING  a usage batch already applied (24 h: a retried batch
-                                         is not counted twice)
+    P u:batch:{uuid}             STRING  a usage batch already applied (kept for twice the write
+                                         retry time, at least 1 h: a retried batch is not counted
+                                         twice; with --store-sync full there is one per response)
     P fpkey                      STRING  the deployment's fingerprint key (32 random bytes,
                                          made by the first replica to start)
 
@@ -86,7 +87,7 @@ EXPIRE_GRANULARITY = 3600.0  # seconds; expiry times are rounded up to this (cap
 DEFAULT_WRITE_RETRY_SECONDS = 600.0
 SOCKET_TIMEOUT = 5.0  # one command (a long chain's load included)
 CONNECT_TIMEOUT = 1.0
-USAGE_BATCH_TTL = 24 * 3600
+USAGE_BATCH_MIN_TTL = 3600  # seconds a batch's marker outlives its last possible retry, at least
 MIN_REDIS_VERSION = (7, 0)
 
 _enc = msgspec.msgpack.Encoder()
@@ -526,7 +527,8 @@ class RedisStore:
             acc[5] += 1 if r.findings else 0
             for kind, n in (r.findings or {}).items():
                 found[row][kind] = found[row].get(kind, 0) + n
-        args: list[Any] = [self.prefix, uuid.uuid4().hex, USAGE_BATCH_TTL]
+        ttl = int(max(USAGE_BATCH_MIN_TTL, 2 * self.write_retry_seconds))  # retries stop before that
+        args: list[Any] = [self.prefix, uuid.uuid4().hex, ttl]
         for row, acc in rows.items():
             args += [row, *acc, json.dumps(found.get(row, {}))]
         self._write(lambda: self._usage(args=args))
