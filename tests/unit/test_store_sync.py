@@ -70,3 +70,27 @@ def test_full_sync_completes_when_the_write_succeeds(tmp_path: Path) -> None:
 def test_normal_sync_reports_completed_before_the_write(tmp_path: Path) -> None:
     events, _, _, _ = uvloop.run(_run(tmp_path, "normal", fail=True))
     assert events[-1]["type"] == "response.completed"  # sent before the write (which failed)
+
+
+def test_a_failed_write_under_full_sync_answers_a_json_request_500_not_502(tmp_path: Path) -> None:
+    """The server, not the backend, failed it: a server_error, not a bad gateway."""
+
+    async def main() -> tuple[int, dict[str, Any]]:
+        app = make_app(Config(store="sqlite", data_dir=str(tmp_path), sim_rate=0, store_sync="full"))
+        await app.startup()
+
+        def broken(rec: Any) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        app.persistence.store.put = broken  # type: ignore[method-assign]
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/responses", json={"model": "hotloop-sim", "input": "hi", "metadata": {"sim": "tokens:5"}})
+                return r.status_code, r.json()
+        finally:
+            await app.shutdown()
+
+    status, body = uvloop.run(main())
+    assert status == 500
+    assert body["error"]["type"] == "server_error" and body["error"]["message"] == "The response could not be stored."
+    assert "disk" not in json.dumps(body)

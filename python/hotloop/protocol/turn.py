@@ -122,6 +122,7 @@ class Turn:
         self._calls = 0
         self._dropped_calls: set[int] = set()
         self._usage: Usage | None = None
+        self.error: errors.HotloopError | None = None  # what a failed response failed with
         self._output_tokens_seen = 0  # deltas counted, used when the backend reports no usage
 
     # -- helpers -------------------------------------------------------------------------------
@@ -386,6 +387,7 @@ class Turn:
         if self._phase != _DONE or r.get("status") not in ("completed", "incomplete"):
             raise RuntimeError("retract() follows finish()")
         self._seq -= 1
+        self.error = err
         r["status"] = "failed"
         r["error"] = {"code": err.code or "server_error", "message": err.message}
         r["incomplete_details"] = None
@@ -414,6 +416,7 @@ class Turn:
         self._close_item("incomplete", out)
         if error_event and self.transport == "sse":
             out.append(self._ev.sse_error(err, self._next()))
+        self.error = err
         r = self.response
         r["status"] = "failed"
         r["error"] = {"code": err.code or "server_error", "message": err.message}

@@ -248,8 +248,12 @@ class HttpTransport:
             response = await run.drain()
             self.app.engine.record(run, mark)
             if response["status"] == "failed":
-                err = response.get("error") or {}
-                exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
+                exc = run.turn.error
+                if exc is None or isinstance(exc, (errors.BackendError, errors.ModelError)):
+                    # the backend or the model failed it: a bad gateway
+                    err = response.get("error") or {}
+                    exc = errors.BackendError(str(err.get("message") or "The response failed."), code=err.get("code"))
+                # else the server stopped it (a shutdown abort: 503) or could not store it (500)
                 exc.counted = True  # Metrics.turn (engine.record above) counted its failure
                 raise exc
             return await respond(200, encode(response), _truncated(run.plan.truncated))
