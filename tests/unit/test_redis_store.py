@@ -246,3 +246,45 @@ def test_an_evicted_parent_is_not_recreated_without_a_ttl(store: RedisStore) -> 
     store.put(rec("e2", [item("ei2")]))  # replaced: its old parent loses a child
     assert store.delete("e4", "alice")
     assert not store.r.exists(p + "t:alice:r:e1") and not store.r.exists(p + "t:alice:r:e3")
+
+
+def test_the_delete_subscriber_forgets_the_cache_after_missing_deletes(tmp_path: Path) -> None:
+    """Redis does not replay what was published while nobody listened: after the subscriber
+    reconnects, the process forgets its cached responses instead of serving a deleted one."""
+    import asyncio
+
+    from hotloop.pipeline.shared import DELETED_CHANNEL, SharedPersistence
+
+    with redis_server(tmp_path) as r:
+        store = RedisStore(r.url, 3600, write_retry_seconds=0.3)
+
+        async def main() -> tuple[list[str], int]:
+            p = SharedPersistence(store)
+            evicted: list[str] = []
+            forgotten = [0]
+            p.evict = evicted.append
+            p.forget = lambda: forgotten.__setitem__(0, forgotten[0] + 1)
+            p.start()
+            try:
+                for _ in range(100):  # subscribed: a published delete arrives
+                    store.r.publish(DELETED_CHANNEL, "resp_a")
+                    await asyncio.sleep(0.05)
+                    if evicted:
+                        break
+                assert evicted and forgotten[0] == 0  # the first subscription missed nothing
+                r.stop()
+                await asyncio.sleep(0.3)
+                r.start()
+                for _ in range(200):
+                    if forgotten[0]:
+                        break
+                    await asyncio.sleep(0.05)
+                return evicted, forgotten[0]
+            finally:
+                await p.close(1.0)
+
+        try:
+            evicted, forgotten = asyncio.run(main())
+        finally:
+            store.close()
+    assert evicted[0] == "resp_a" and forgotten == 1

@@ -104,6 +104,8 @@ class SharedPersistence(Persistence):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.evict: Callable[[str], None] | None = None  # the process-wide cache's evict, set by the app
+        # and its clear: deletes published while the subscriber was away are not replayed
+        self.forget: Callable[[], None] | None = None
         self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
         self._deletions: DeletionLog | None = None  # SQLite shared by --workers
         # Reads run beside the writer thread, not behind it: a write being retried during an
@@ -217,19 +219,27 @@ class SharedPersistence(Persistence):
         from hotloop.state.redis_store import Breaker, redis_errors
 
         breaker = Breaker()
+        missed = False  # whether deletes may have been published while no subscription listened
         while True:
             client = aredis.Redis.from_url(url, socket_connect_timeout=1.0)
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(DELETED_CHANNEL)
                 breaker.ok()
+                if missed and self.forget is not None:
+                    # Redis does not replay them: forget every cached response instead, so a
+                    # response deleted meanwhile is not served from this process's cache
+                    self.forget()
+                missed = False
                 async for msg in pubsub.listen():
                     evict = self.evict
                     if evict is not None and msg.get("type") == "message":
                         evict(msg["data"].decode())
             except redis_errors():
+                missed = True
                 await asyncio.sleep(breaker.failed())
             except Exception:  # anything else: say so, and subscribe again
+                missed = True
                 log.exception("the delete subscriber failed; subscribing again")
                 await asyncio.sleep(breaker.failed())
             finally:

@@ -55,6 +55,7 @@ def make_app(config: Config) -> HotloopApp:
     app = HotloopApp(config, backend, persistence, tenancy)
     if isinstance(persistence, SharedPersistence):
         persistence.evict = app.engine.responses.evict  # deletes made by other processes
+        persistence.forget = app.engine.responses.clear  # ... while their news could be missed
     return app
 
 

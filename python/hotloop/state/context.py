@@ -331,6 +331,12 @@ class ResponseCache:
             self._items -= len(e.context)
             self._bytes -= self._sizes.pop(response_id)
 
+    def clear(self) -> None:
+        self._d.clear()
+        self._sizes.clear()
+        self._items = 0
+        self._bytes = 0
+
     def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
         """A server-minted item among the own items of the cached responses ``scope`` may see,
         by id (newest responses first)."""
