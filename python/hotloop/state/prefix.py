@@ -97,7 +97,9 @@ def _same_items(a: Prefix, b: Prefix) -> bool:
     """Whether two registrations of one index key hold the same items (their chains agree on
     all ``n`` fingerprints; a key names only the last one)."""
     n = a.n
-    return b.n == n and a.entry.context.chain.common_prefix(b.entry.context.chain.fingerprints()[:n]) >= n
+    if b.n != n:
+        return False
+    return a.entry is b.entry or a.entry.context.chain.common_prefix(b.entry.context.chain.fingerprints()[:n]) >= n
 
 
 BODY_KEY = 256  # leading bytes of an HTTP body that index the registered requests it may repeat
