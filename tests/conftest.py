@@ -3,18 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import httpx
 import pytest
 
+if TYPE_CHECKING:
+    from tests.mock_chat_server import MockChatServer
+
 STARTUP_TIMEOUT = 30.0
+TERMINAL_EVENTS = ("response.completed", "response.failed", "response.incomplete", "error")
+
+
+def raw_until_terminal(ws: Any) -> list[dict[str, Any]]:
+    """The JSON events a sync ``websockets`` client receives up to and including a terminal
+    one (or an error frame)."""
+    out = []
+    while True:
+        e = json.loads(ws.recv(timeout=30))
+        out.append(e)
+        if e["type"] in TERMINAL_EVENTS:
+            return out
+
+
+@pytest.fixture(scope="module")
+def mock() -> Iterator["MockChatServer"]:
+    """The scripted chat-completions mock (tests.mock_chat_server), one per test module."""
+    from tests.mock_chat_server import MockChatServer
+
+    with MockChatServer() as m:
+        yield m
 
 
 def free_port() -> int:

@@ -28,12 +28,6 @@ SEARCH_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def mock() -> Iterator[MockChatServer]:
-    with MockChatServer() as m:
-        yield m
-
-
 @pytest.fixture(autouse=True)
 def _fresh_mock(mock: MockChatServer) -> None:
     mock.reset()

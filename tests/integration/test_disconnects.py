@@ -259,12 +259,6 @@ def test_storm_against_the_simulator(slow_sim: Server, transport: str) -> None:
 # -- the chat backends against the mock -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mock() -> Iterator[MockChatServer]:
-    with MockChatServer() as m:
-        yield m
-
-
 def _backend_server(tmp: Path, mock: MockChatServer, backend: str) -> Any:
     env = {**QUEUED_ENV, "HOTLOOP_BACKEND_TIMEOUT": "30", "HOTLOOP_BACKEND_IDLE_TIMEOUT": "30", "CEREBRAS_API_KEY": "test", "CEREBRAS_BASE_URL": mock.url}
     if backend == "cerebras":

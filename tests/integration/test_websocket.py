@@ -12,7 +12,7 @@ from openai import OpenAI
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from tests.conftest import run_server
+from tests.conftest import raw_until_terminal, run_server
 
 
 def until_terminal(conn) -> list:
@@ -22,15 +22,6 @@ def until_terminal(conn) -> list:
         if e.type in ("response.completed", "response.failed", "response.incomplete", "error"):
             return out
     raise AssertionError("connection closed before a terminal event")
-
-
-def raw_until_terminal(ws) -> list[dict]:
-    out = []
-    while True:
-        e = json.loads(ws.recv(timeout=30))
-        out.append(e)
-        if e["type"] in ("response.completed", "response.failed", "response.incomplete", "error"):
-            return out
 
 
 def test_cache_holds_only_the_latest_unstored_response(server) -> None:

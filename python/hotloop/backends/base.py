@@ -9,12 +9,32 @@ are raised as :class:`hotloop.errors.HotloopError` subclasses (``RateLimited``, 
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, Union
+from typing import Any, AsyncIterator, Callable, Protocol, Union
 
 import msgspec
 
 from hotloop.protocol.chunks import Chunk
 from hotloop.protocol.request import FunctionTool, Item, TextFormat
+
+
+class PushSlot:
+    """Where a consumer that can take chunks synchronously says so (push delivery).
+
+    A backend whose transport calls back on each network read may hand that read's chunks to
+    ``fn`` from the callback, without waking the task that iterates the stream. ``fn`` returns
+    how many of them (a prefix) it took; the backend yields the rest, and everything after them,
+    through the iterator as usual. The iterator therefore stays the complete, ordered stream for
+    a consumer that never sets ``fn``, and a backend that ignores the slot is correct too.
+
+    The backend calls ``fn`` only while the iterating task is suspended waiting for the backend's
+    next bytes (every chunk before has been yielded and handled), so pushed and yielded chunks
+    keep their order; an exception from ``fn`` is raised by the iterator.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self) -> None:
+        self.fn: Callable[[list[Chunk]], int] | None = None
 
 
 class BackendRequest(msgspec.Struct, kw_only=True):
@@ -34,6 +54,7 @@ class BackendRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] = {}
     user: str | None = None
     request_id: str | None = None  # the id hotloop gave the client's request (x-request-id), sent on to the backend
+    push: PushSlot | None = None  # the consumer's synchronous chunk sink, if it has one (PushSlot)
 
 
 class Backend(Protocol):

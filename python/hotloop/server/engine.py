@@ -30,7 +30,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable
 import msgspec
 
 from hotloop import errors
-from hotloop.backends.base import Backend, BackendRequest
+from hotloop.backends.base import Backend, BackendRequest, PushSlot
 from hotloop.config import Config
 from hotloop.models import ModelLimits, ModelRegistry
 from hotloop.pipeline import classifiers
@@ -191,6 +191,7 @@ class Engine:
             raise errors.ServerShuttingDown("The server is shutting down; send the request again on a new connection.")
         started: list[Any] = []
         grant: Grant | None = None
+        slot: PushSlot | None = None
         clock = time.perf_counter
         marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
         if req.store and self._writable is not None and not self._writable():
@@ -238,6 +239,8 @@ class Engine:
             else:
                 breq = self.backend_request(plan)
                 breq.request_id = request_id
+                if websocket:  # its client takes frames synchronously (Run.emit)
+                    breq.push = slot = PushSlot()
                 stream = self.backend.stream(breq)
             first = await self._first(stream, request_id)
             marks.append(clock())
@@ -264,6 +267,7 @@ class Engine:
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.prefix = prefix
         run.marks = marks
+        run.push_slot = slot
         run.request_id = request_id
         if req.previous_response_id is None and raw_input is not None:
             run.raw_input = reuse.registration(raw_input, p.items)
@@ -525,6 +529,13 @@ class Run:
         self.ended = 0.0  # perf_counter once cached and handed to the store
         self.request_id: str | None = None
         self.failure: str | None = None  # why the backend failed it (hotloop_backend_errors_total)
+        # Push delivery: the backend's slot for a synchronous chunk sink, and the client's
+        # synchronous send of a batch of frames (set by the WebSocket connection; it sets it
+        # back to None while the client is not taking frames). With both, the backend's read
+        # callback hands delta chunks to :meth:`_push`, and their frames go out without a
+        # wake-up of this run's task; everything else goes through :meth:`frames`.
+        self.push_slot: PushSlot | None = None
+        self.emit: Callable[[list[Frame]], None] | None = None
 
     def _uncut(self) -> bool:
         """A backend that turned the steering cancellation into an error of its own: take the
@@ -561,6 +572,29 @@ class Run:
             # the cancellation lands in it, and the run turns it into the steered or failed ending.
             self._cut = True
             task.cancel()
+
+    def _push(self, chunks: list[Chunk]) -> int:
+        """Take one backend read's chunks from its read callback (PushSlot): the deltas before
+        any terminal chunk, while the client takes frames and nobody is stopping the run; their
+        frames are sent at once, in one batch. Called only while the run's task waits on the
+        backend (see PushSlot), so the order of frames is the stream's."""
+        emit = self.emit
+        if emit is None or self._abort is not None or self._steered:
+            return 0
+        feed = self.turn.feed
+        out: list[Frame] = []
+        n = 0
+        for chunk in chunks:
+            if type(chunk) in _TERMINAL_CHUNKS:
+                break
+            out += feed(chunk)
+            n += 1
+        watch = self._watch
+        if n and watch is not None:
+            watch.since = watch.loop.time()  # the backend is not silent
+        if out:
+            emit(out)
+        return n
 
     def _stop(self) -> list[Frame]:
         """The ending a steer or an abort asked for, after an interrupted backend wait."""
@@ -631,6 +665,8 @@ class Run:
                     async with asyncio.timeout(None) as scope:
                         watchdog.arm(scope)
                         self._watch = watchdog
+                        if self.push_slot is not None:
+                            self.push_slot.fn = self._push
                         while True:
                             if self._abort is not None:  # aborted while its client took frames
                                 await self._settle()
@@ -691,6 +727,8 @@ class Run:
                         await self._settle()
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
+                    if self.push_slot is not None:
+                        self.push_slot.fn = None
                     watchdog.disarm()
                     self._watch = None
         finally:

@@ -95,7 +95,7 @@ class Connection:
         self.app = app
         self._send = send
         ext = extensions or {}
-        self._send_texts: Callable[[list[Frame]], bool] | None = ext.get(SEND_TEXTS)
+        self._send_texts: Callable[..., bool] | None = ext.get(SEND_TEXTS)
         self._wait_writable: Callable[[], Awaitable[None]] | None = ext.get(WAIT_WRITABLE)
         on_gone = ext.get(ON_CLIENT_GONE)
         if on_gone is not None:  # the server says at once when the client leaves, read or not
@@ -355,20 +355,42 @@ class Connection:
         async with contextlib.aclosing(run.frames()) as frames:
             if send_texts is not None and wait_writable is not None:
                 # The server's batch send: one call per batch, awaiting only under back-pressure.
-                n = 0
-                async for batch in frames:
+
+                def emit(batch: list[Frame]) -> None:
+                    """Push delivery (Run.emit): the frames of one backend read's deltas, sent
+                    from its read callback in one write; pushing stops while the client is slow
+                    or gone, and the loop below (which waits for it, or fails) starts it again."""
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
-                    if run.turn.done:
-                        session.ending(stream_id, run.turn.status)
-                    n += 1
-                    if not send_texts(batch):
-                        await wait_writable()
-                    elif len(lanes) > 1 or not n & _ALONE_YIELD:
-                        # Fair: other lanes run between this lane's batches, and even alone a
-                        # backend whose chunks are always ready lets the reader in now and then
-                        # (a steer, another lane's request).
-                        await asyncio.sleep(0)
+                    try:
+                        if send_texts(batch, True):
+                            return
+                    except ClientDisconnected:
+                        pass
+                    run.emit = None
+
+                run.emit = emit
+                n = 0
+                try:
+                    async for batch in frames:
+                        if suffix:
+                            batch = [(t, p[:-1] + suffix) for t, p in batch]
+                        if run.turn.done:
+                            session.ending(stream_id, run.turn.status)
+                        n += 1
+                        if not send_texts(batch):
+                            run.emit = None
+                            await wait_writable()
+                            run.emit = emit
+                            continue
+                        run.emit = emit  # the client took this batch: push (again)
+                        if len(lanes) > 1 or not n & _ALONE_YIELD:
+                            # Fair: other lanes run between this lane's batches, and even alone
+                            # a backend whose chunks are always ready lets the reader in now and
+                            # then (a steer, another lane's request).
+                            await asyncio.sleep(0)
+                finally:
+                    run.emit = None  # no cycle through the closure
             else:
                 send = self._send
                 async for batch in frames:

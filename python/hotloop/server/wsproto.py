@@ -262,10 +262,11 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
-    def send_texts(self, events: list[tuple[Any, bytes]]) -> bool:
+    def send_texts(self, events: list[tuple[Any, bytes]], now: bool = False) -> bool:
         """Send the UTF-8 payload of each ``(name, payload)`` pair (the shape of
         :data:`hotloop.protocol.events.Frame`) as one text message; whether the client can take
-        more now.
+        more now. ``now``: write at once instead of at the end of this loop iteration (a caller
+        that already sends everything it has in one call, such as a read callback).
 
         Raises ``ClientDisconnected`` once the connection is gone or closing. After ``False``
         the caller awaits :meth:`wait_writable` before sending again (back-pressure).
@@ -282,7 +283,9 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 n = len(p)
                 cork.append(headers[n] if n < _NHEADERS else frame_header(n))
                 cork.append(p)
-            if not self._flush_scheduled:
+            if now:
+                self._flush()
+            elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
         else:
@@ -292,6 +295,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             except InvalidState:
                 raise ClientDisconnected() from None
             self._corked(conn.data_to_send())
+            if now:
+                self._flush()
         return self._writable._set
 
     async def wait_writable(self) -> None:

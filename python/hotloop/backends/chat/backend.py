@@ -131,9 +131,11 @@ class ChatBackend:
 
     async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
         """One response as chunks. The body loop is inlined (one async generator per response,
-        not one per layer): each network read costs one resumption of this generator."""
+        not one per layer): each network read costs one resumption of this generator, or none
+        when the consumer takes chunks by push (``req.push``, a transport with ``Body.push``)."""
         body = encode_request(req, self.dialect, self._renders)
         model = req.model
+        slot = req.push
         attempt = 0
         while True:
             yielded = False
@@ -144,11 +146,76 @@ class ChatBackend:
                     feed = SseDecoder(MAX_SSE_EVENT_BYTES).feed
                     decode = chunk_decoder.decode
                     done = False
-                    async for raw in resp:
+                    # What push delivery decoded but did not deliver, for this loop: the
+                    # assembler's chunks the sink refused, then the SSE events after them.
+                    outs: list[Chunk] = []
+                    carry: list[tuple[str, str]] = []
+                    failed: list[BaseException] = []
+
+                    def push(raw: bytes) -> bool | None:
+                        """Called from the transport's read callback while this generator is
+                        parked waiting for bytes: decode the read and hand its chunks to the
+                        sink, up to what needs this loop ([DONE], an error event, bad JSON).
+                        None: not taken (the sink is gone); False: this loop has work now."""
+                        nonlocal yielded
+                        sink = slot.fn  # type: ignore[union-attr]
+                        if sink is None:
+                            return None
                         try:
                             events = feed(raw)
                         except ValueError:
-                            raise errors.BackendError(_MALFORMED) from None
+                            failed.append(errors.BackendError(_MALFORMED))
+                            return False
+                        made: list[Chunk] = []
+                        for i, (event, data) in enumerate(events):
+                            if data == "[DONE]" or event == "error":
+                                carry.extend(events[i:])
+                                break
+                            try:
+                                chunk = decode(data)
+                            except msgspec.DecodeError:
+                                carry.extend(events[i:])
+                                break
+                            if chunk.error is not None:
+                                carry.extend(events[i:])
+                                break
+                            made += assembler.feed(chunk)
+                        if made:
+                            try:
+                                taken = sink(made)
+                            except Exception as exc:  # the consumer's own failure: raised below
+                                failed.append(exc)
+                                return False
+                            if taken:
+                                yielded = True
+                            if taken < len(made):
+                                outs.extend(made[taken:])
+                        return not (outs or carry)
+
+                    if slot is not None and hasattr(resp, "push"):
+                        resp.push = push  # type: ignore[attr-defined]
+                    it = resp.__aiter__()
+                    while True:
+                        if failed:
+                            raise failed[0]
+                        if outs:
+                            pending, outs[:] = outs[:], []
+                            for out in pending:
+                                yielded = True
+                                yield out
+                        if carry:
+                            events, carry[:] = carry[:], []
+                        else:
+                            try:
+                                raw = await anext(it)
+                            except StopAsyncIteration:
+                                break
+                            if not raw:
+                                continue  # woken by push delivery: see outs, carry, failed
+                            try:
+                                events = feed(raw)
+                            except ValueError:
+                                raise errors.BackendError(_MALFORMED) from None
                         for event, data in events:
                             if data == "[DONE]":
                                 done = True
@@ -175,6 +242,8 @@ class ChatBackend:
                         yielded = True
                         yield out
                 finally:
+                    if slot is not None and hasattr(resp, "push"):
+                        resp.push = None  # type: ignore[attr-defined]
                     await resp.aclose()
                 return
             except errors.HotloopError as exc:

@@ -47,7 +47,7 @@ import os
 import ssl
 import urllib.request
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -128,7 +128,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
-        "_head_bytes", "_released", "_loop",
+        "_head_bytes", "_released", "_loop", "push", "_kick",
     )
 
     def __init__(self, conn: "_Conn") -> None:
@@ -143,6 +143,12 @@ class Response:
         self._error: BaseException | None = None
         self._head_bytes = 0
         self._released = False
+        # Push delivery (hotloop.backends.base.PushSlot): called with each read's body bytes
+        # while the reader is parked waiting for them; returns None if it did not take them
+        # (they are queued for the reader as usual), True if it handled them all, False if it
+        # kept some for the reader, which is then woken to see them (``__anext__`` returns b"").
+        self.push: Callable[[bytes], bool | None] | None = None
+        self._kick = False
 
     # -- parser callbacks (called by _Conn) ----------------------------------------------------
 
@@ -193,6 +199,9 @@ class Response:
 
     async def __anext__(self) -> bytes:
         while True:
+            if self._kick:
+                self._kick = False
+                return b""
             chunks = self._chunks
             if chunks:
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -336,11 +345,22 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.resp
         assert resp is not None
+        w = resp._waiter
+        waiting = w is not None and not w.done()
+        push = resp.push
+        if push is not None and waiting and not resp._chunks:
+            # the reader is parked and has handled everything before: these bytes may go on now
+            taken = push(body)
+            if taken:
+                return
+            if taken is not None:  # partly handled: the reader takes the rest
+                resp._kick = True
+                w.set_result(None)  # type: ignore[union-attr]
+                return
         resp._chunks.append(body)  # written here, not in a Response method: one call per read
         resp._pending += len(body)
-        w = resp._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if waiting:
+            w.set_result(None)  # type: ignore[union-attr]
         if resp._pending > MAX_PENDING_BYTES:
             self.pause()
 

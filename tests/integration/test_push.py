@@ -1,0 +1,236 @@
+"""Push delivery (``hotloop.backends.base.PushSlot``): a chat backend on the lean transport hands
+each network read's chunks to a synchronous sink from its read callback.
+
+Against the scripted mock chat server on a real loopback socket: whatever the sink takes or
+refuses, the chunks it took followed by the ones the stream yielded are exactly the stream
+without a sink, in order, and failures surface the same way. End to end, a WebSocket response
+(push) carries the same events as the same answer streamed over HTTP (no push), also when its
+client stops reading for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from hotloop import errors
+from hotloop.backends import create
+from hotloop.backends.base import BackendRequest, PushSlot
+from hotloop.config import Config
+from hotloop.protocol.chunks import Chunk
+from hotloop.protocol.request import decode_items
+from tests.conftest import Server, raw_until_terminal, run_server
+from tests.mock_chat_server import Event, MockChatServer, Reply, Sleep, chunk, text_events, tool_events, usage
+
+GAP = 0.004  # between scripted events: each arrives in a read of its own while the reader waits
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mock(mock: MockChatServer) -> None:
+    mock.reset()
+
+
+def paced(events: list[Event]) -> list[Event]:
+    """``events`` with a pause before each, except for a burst of three in the middle that is
+    sent without pauses (several chunks in one read)."""
+    out: list[Event] = []
+    burst = range(len(events) // 2, len(events) // 2 + 3)
+    for i, e in enumerate(events):
+        if i not in burst:
+            out.append(Sleep(GAP))
+        out.append(e)
+    return out
+
+
+def answer() -> list[Event]:
+    """Reasoning, text and two tool calls, then the finish and usage chunks."""
+    text = text_events("the quick brown fox jumps over the lazy dog", pieces=9, reasoning="think about it", finish="tool_calls")
+    calls = tool_events([("call_a", "search", '{"q":"alpha beta"}'), ("call_b", "open", '{"path":"x.py"}')], pieces=4)
+    return text[:-2] + calls[1:-2] + [chunk({}, "tool_calls"), chunk(usage=usage(40, 30), choices=False)]
+
+
+def request(slot: PushSlot | None) -> BackendRequest:
+    return BackendRequest(
+        model="mock-model", instructions=None, items=decode_items("hi"), tools=[], tool_choice="auto",
+        parallel_tool_calls=True, push=slot,
+    )
+
+
+def run_stream(mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None) -> tuple[list[Chunk], BaseException | None, int]:
+    """One streamed answer through the openai-compat backend on the lean transport, with a sink
+    that takes what ``take`` says (none: no sink). Returns every chunk in the order the consumer
+    got it (taken by the sink or yielded), the exception the stream raised, and the sink's calls."""
+    mock.push(Reply.stream(events))
+    got: list[Chunk] = []
+    calls = 0
+
+    def sink(chunks: list[Chunk]) -> int:
+        nonlocal calls
+        calls += 1
+        n = take(chunks)  # type: ignore[misc]
+        got.extend(chunks[:n])
+        return n
+
+    async def main() -> BaseException | None:
+        config = Config(backend="openai-compat", base_url=mock.v1, model="mock-model", backend_api_key="k", backend_idle_timeout=5)
+        backend = create(config)
+        await backend.start()
+        slot = PushSlot() if take is not None else None
+        try:
+            stream = backend.stream(request(slot))
+            if slot is not None:
+                slot.fn = sink  # as a run does: once the stream is under way
+            try:
+                async for c in stream:
+                    got.append(c)
+            except Exception as exc:  # noqa: BLE001 - compared below
+                return exc
+            return None
+        finally:
+            await backend.close()  # type: ignore[attr-defined]
+
+    exc = asyncio.run(asyncio.wait_for(main(), 30))
+    return got, exc, calls
+
+
+POLICIES: dict[str, Callable[[list[Chunk]], int]] = {
+    "all": len,
+    "none": lambda chunks: 0,
+    "first": lambda chunks: 1,
+    "not-terminal": lambda chunks: next((i for i, c in enumerate(chunks) if type(c).__name__ in ("Finish", "Usage")), len(chunks)),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_pushed_then_yielded_is_the_stream(mock: MockChatServer, policy: str) -> None:
+    events = paced(answer())
+    plain, exc0, _ = run_stream(mock, events, None)
+    assert exc0 is None and len(plain) > 20
+    got, exc, calls = run_stream(mock, events, POLICIES[policy])
+    assert exc is None
+    assert got == plain
+    assert calls >= 10  # the sink was offered the reads (not everything went through the iterator)
+
+
+def test_a_sink_that_takes_everything_gets_every_delta(mock: MockChatServer) -> None:
+    events = paced(answer())
+    plain, _, _ = run_stream(mock, events, None)
+    taken: list[Chunk] = []
+
+    def take(chunks: list[Chunk]) -> int:
+        taken.extend(chunks)
+        return len(chunks)
+
+    got, exc, _ = run_stream(mock, events, take)
+    assert exc is None and got == plain
+    # everything before [DONE] was pushed; only what the stream's end makes is yielded
+    assert taken == plain[: len(taken)] and len(taken) >= len(plain) - 2
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ("data: {not json\n\n", errors.BackendError),
+        ('event: error\ndata: {"error": {"message": "overloaded", "status_code": 503}}\n\n', errors.HotloopError),
+        ('data: {"error": {"message": "bad things", "code": 400}}\n\n', errors.HotloopError),
+    ],
+)
+def test_failures_mid_stream_surface_the_same_way(mock: MockChatServer, bad: str, error: type) -> None:
+    head = text_events("one two three four", pieces=4)[:-2]
+    events = paced(head)[:-1] + [Sleep(GAP), bad]
+    plain, exc0, _ = run_stream(mock, events, None)
+    got, exc, calls = run_stream(mock, events, len)
+    assert isinstance(exc0, error) and type(exc) is type(exc0) and str(exc) == str(exc0)
+    assert got == plain and calls >= 3
+
+
+def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:
+    class Broken(Exception):
+        pass
+
+    seen: list[int] = []
+
+    def take(chunks: list[Chunk]) -> int:
+        seen.append(len(chunks))
+        if len(seen) == 3:
+            raise Broken()
+        return len(chunks)
+
+    got, exc, calls = run_stream(mock, paced(answer()), take)
+    assert isinstance(exc, Broken) and calls == 3
+
+
+# -- end to end: a server on the lean transport ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compat(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    env = {"HOTLOOP_BACKEND_API_KEY": "k", "HOTLOOP_BACKEND_IDLE_TIMEOUT": "5", "HOTLOOP_BACKEND_RETRIES": "0"}
+    args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model", "--store", "memory")
+    with run_server(tmp_path_factory.mktemp("push"), *args, env=env) as s:
+        yield s
+
+
+_VARYING = ("id", "item_id", "call_id", "created_at", "completed_at")
+
+
+def _comparable(events: list[dict[str, Any]]) -> list[str]:
+    """Events without what differs between two responses (ids, times), at any depth."""
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items() if k not in _VARYING}
+        if isinstance(v, list):
+            return [strip(x) for x in v]
+        return v
+
+    return [json.dumps(strip(e), sort_keys=True) for e in events]
+
+
+def _over_http(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        raw = r.read().decode()
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def _over_ws(server: Server, body: dict[str, Any], pause: float = 0.0) -> list[dict[str, Any]]:
+    with connect(server.base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
+        ws.send(json.dumps({"type": "response.create", **body}))
+        if pause:
+            time.sleep(pause)  # the server keeps streaming into a socket nobody reads
+        return raw_until_terminal(ws)
+
+
+def test_websocket_events_match_http(compat: Server, mock: MockChatServer) -> None:
+    body = {"model": "mock-model", "input": "go", "store": False}
+    mock.push(Reply.stream(paced(answer())))
+    http = _over_http(compat, body)
+    mock.push(Reply.stream(paced(answer())))
+    ws = _over_ws(compat, body)
+    assert ws[-1]["type"] == "response.completed"
+    assert [e["sequence_number"] for e in ws] == list(range(len(ws)))
+    assert _comparable(ws) == _comparable(http)
+
+
+def test_a_client_that_stops_reading_gets_everything_in_order(compat: Server, mock: MockChatServer) -> None:
+    """Deltas of 8 KB, more than the socket and the server's write buffer hold while the client
+    does not read: the server stops pushing, waits for the client, and goes on."""
+    pieces = [f"{i:05d}" + "x" * 8187 for i in range(400)]
+    events: list[Event] = [chunk({"role": "assistant", "content": ""})]
+    for p in pieces:
+        events += [Sleep(0.0005), chunk({"content": p})]
+    events += [chunk({}, "stop"), chunk(usage=usage(5, 400), choices=False)]
+    mock.push(Reply.stream(events))
+    got = _over_ws(compat, {"model": "mock-model", "input": "go", "store": False}, pause=1.0)
+    assert got[-1]["type"] == "response.completed"
+    deltas = [e["delta"] for e in got if e["type"] == "response.output_text.delta"]
+    assert deltas == pieces
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert got[-1]["response"]["output"][0]["content"][0]["text"] == "".join(pieces)
