@@ -3,9 +3,9 @@ each network read's chunks to a synchronous sink from its read callback.
 
 Against the scripted mock chat server on a real loopback socket: whatever the sink takes or
 refuses, the chunks it took followed by the ones the stream yielded are exactly the stream
-without a sink, in order, and failures surface the same way. End to end, a WebSocket response
-(push) carries the same events as the same answer streamed over HTTP (no push), also when its
-client stops reading for a while.
+without a sink, in order, and failures surface the same way. End to end, WebSocket and SSE
+responses carry the same events pushed (the lean transport) as through the response's task (the
+SDK transport, which never pushes), also when their client stops reading for a while.
 """
 
 from __future__ import annotations
@@ -169,11 +169,24 @@ def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:
 # -- end to end: a server on the lean transport ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def compat(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
-    env = {"HOTLOOP_BACKEND_API_KEY": "k", "HOTLOOP_BACKEND_IDLE_TIMEOUT": "5", "HOTLOOP_BACKEND_RETRIES": "0"}
+def _server(tmp: Any, mock: MockChatServer, transport: str) -> Any:
+    env = {"HOTLOOP_BACKEND_API_KEY": "k", "HOTLOOP_BACKEND_IDLE_TIMEOUT": "5", "HOTLOOP_BACKEND_RETRIES": "0",
+           "HOTLOOP_BACKEND_TRANSPORT": transport}
     args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model", "--store", "memory")
-    with run_server(tmp_path_factory.mktemp("push"), *args, env=env) as s:
+    return run_server(tmp, *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def lean(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    """The lean transport: chunks are pushed to WebSocket and SSE clients."""
+    with _server(tmp_path_factory.mktemp("lean"), mock, "lean") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def sdk(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    """The SDK transport: no push delivery, every chunk goes through the response's task."""
+    with _server(tmp_path_factory.mktemp("sdk"), mock, "sdk") as s:
         yield s
 
 
@@ -193,13 +206,6 @@ def _comparable(events: list[dict[str, Any]]) -> list[str]:
     return [json.dumps(strip(e), sort_keys=True) for e in events]
 
 
-def _over_http(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=30) as r:
-        assert r.status_code == 200
-        raw = r.read().decode()
-    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
-
-
 def _over_ws(server: Server, body: dict[str, Any], pause: float = 0.0) -> list[dict[str, Any]]:
     with connect(server.base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
         ws.send(json.dumps({"type": "response.create", **body}))
@@ -208,18 +214,36 @@ def _over_ws(server: Server, body: dict[str, Any], pause: float = 0.0) -> list[d
         return raw_until_terminal(ws)
 
 
-def test_websocket_events_match_http(compat: Server, mock: MockChatServer) -> None:
+def _over(server: Server, client: str, body: dict[str, Any], pause: float = 0.0) -> list[dict[str, Any]]:
+    if client == "ws":
+        return _over_ws(server, body, pause)
+    with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        if pause:
+            time.sleep(pause)  # the server keeps streaming into a socket nobody reads
+        raw = r.read().decode()
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def test_pushed_events_match_the_task_path(lean: Server, sdk: Server, mock: MockChatServer) -> None:
+    """The same answer over WebSocket and SSE, pushed (lean transport) and not (SDK transport):
+    the same events."""
     body = {"model": "mock-model", "input": "go", "store": False}
-    mock.push(Reply.stream(paced(answer())))
-    http = _over_http(compat, body)
-    mock.push(Reply.stream(paced(answer())))
-    ws = _over_ws(compat, body)
-    assert ws[-1]["type"] == "response.completed"
-    assert [e["sequence_number"] for e in ws] == list(range(len(ws)))
-    assert _comparable(ws) == _comparable(http)
+    runs = {}
+    for name, server in (("lean", lean), ("sdk", sdk)):
+        for client in ("ws", "sse"):
+            mock.push(Reply.stream(paced(answer())))
+            events = _over(server, client, body)
+            assert events[-1]["type"] == "response.completed", (name, client)
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            runs[name, client] = _comparable(events)
+    first = runs["sdk", "sse"]
+    assert len(first) > 30
+    assert all(r == first for r in runs.values())
 
 
-def test_a_client_that_stops_reading_gets_everything_in_order(compat: Server, mock: MockChatServer) -> None:
+@pytest.mark.parametrize("client", ["ws", "sse"])
+def test_a_client_that_stops_reading_gets_everything_in_order(lean: Server, mock: MockChatServer, client: str) -> None:
     """Deltas of 8 KB, more than the socket and the server's write buffer hold while the client
     does not read: the server stops pushing, waits for the client, and goes on."""
     pieces = [f"{i:05d}" + "x" * 8187 for i in range(400)]
@@ -228,7 +252,7 @@ def test_a_client_that_stops_reading_gets_everything_in_order(compat: Server, mo
         events += [Sleep(0.0005), chunk({"content": p})]
     events += [chunk({}, "stop"), chunk(usage=usage(5, 400), choices=False)]
     mock.push(Reply.stream(events))
-    got = _over_ws(compat, {"model": "mock-model", "input": "go", "store": False}, pause=1.0)
+    got = _over(lean, client, {"model": "mock-model", "input": "go", "store": False}, pause=1.0)
     assert got[-1]["type"] == "response.completed"
     deltas = [e["delta"] for e in got if e["type"] == "response.output_text.delta"]
     assert deltas == pieces

@@ -239,7 +239,7 @@ class Engine:
             else:
                 breq = self.backend_request(plan)
                 breq.request_id = request_id
-                if websocket:  # its client takes frames synchronously (Run.emit)
+                if transport != "json":  # a streaming client may take frames synchronously (Run.emit)
                     breq.push = slot = PushSlot()
                 stream = self.backend.stream(breq)
             first = await self._first(stream, request_id)

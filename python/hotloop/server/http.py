@@ -14,16 +14,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
 
 from hotloop import __version__, errors
 from hotloop.pipeline import reuse
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
+from hotloop.protocol.events import Frame
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
-from hotloop.server.httpproto import ON_DISCONNECT
+from hotloop.server.httpproto import ON_DISCONNECT, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
@@ -197,7 +198,9 @@ class HttpTransport:
         # generation, so the backend stops producing tokens nobody will read. hotloop's protocol
         # calls back when the connection is lost; elsewhere another task waits for the client to
         # go away while the response runs.
-        watch = scope.get("extensions", {}).get(ON_DISCONNECT)
+        extensions = scope.get("extensions", {})
+        watch = extensions.get(ON_DISCONNECT)
+        send_now = extensions.get(SEND_NOW)
         if watch is not None:
             task = asyncio.current_task()
             assert task is not None
@@ -210,14 +213,14 @@ class HttpTransport:
 
             watch(on_gone)
             try:
-                return await self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing)
+                return await self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now)
             except asyncio.CancelledError:
                 if left and task.uncancel() == 0:  # cancelled for the client alone
                     raise _ClientGone() from None
                 raise
             finally:
                 watch(None)
-        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing))
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -237,7 +240,7 @@ class HttpTransport:
     async def _run_create(
         self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant,
         prefix: Prefix | None = None, raw: reuse.RawInput | None = None, t0: float = 0.0,
-        timing: list[str] | None = None,
+        timing: list[str] | None = None, send_now: Callable[[bytes], bool] | None = None,
     ) -> None:
         timing = [] if timing is None else timing
         if not req.stream:
@@ -273,11 +276,15 @@ class HttpTransport:
         conns = self.app.open_connections
         conns["http"] -= 1  # while it streams, the connection counts as an SSE stream
         conns["sse"] += 1
+        emit = _emitter(run, send_now) if send_now is not None else None
         try:
             async with contextlib.aclosing(run.frames()) as frames:
+                run.emit = emit
                 async for batch in frames:
                     await send({"type": "http.response.body", "body": b"".join([sse(f) for f in batch]), "more_body": True})
+                    run.emit = emit
         finally:
+            run.emit = None  # no cycle through the closure
             conns["sse"] -= 1
             conns["http"] += 1
             with contextlib.suppress(Exception):
@@ -356,6 +363,19 @@ class HttpTransport:
 
 class _ClientGone(Exception):
     """The HTTP client disconnected; there is nobody to answer."""
+
+
+def _emitter(run: Any, send_now: Callable[[bytes], bool]) -> Callable[[list[Frame]], None]:
+    """Push delivery for an SSE stream (Run.emit): the events of one backend read's deltas,
+    written from its read callback; pushing stops while the client is slow or gone, and the
+    streaming loop (whose ``send`` waits for the client) starts it again."""
+    sse = ev.sse
+
+    def emit(batch: list[Frame]) -> None:
+        if not send_now(b"".join([sse(f) for f in batch])):
+            run.emit = None
+
+    return emit
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -43,6 +43,13 @@ connection is lost before the response is complete; ``on_disconnect(None)`` take
 spares a request a task waiting on ``receive()`` for ``http.disconnect`` (other servers, and tests
 driving the ASGI app directly, do not offer it)."""
 
+SEND_NOW = "hotloop.http.send_now"
+"""Scope extension: ``send_now(body)`` writes ``body`` at once as the next piece of the request's
+streaming (chunked) response, which must have started; from synchronous code, such as a backend
+read callback (push delivery). Returns whether the client takes more now: false if the write
+buffer is above its high-water mark (the caller's next ``send`` waits, as usual) or if the client
+has gone (nothing is written)."""
+
 # Request body bytes buffered before the application is woken to take them (and reading pauses
 # until it has): a body up to this size reaches the application in one piece, at its end.
 BODY_BUFFER = 1024 * 1024
@@ -135,6 +142,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not before and cycle is not None:  # a request for the application (no upgrade)
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[ON_DISCONNECT] = functools.partial(self._on_disconnect, cycle)
+            extensions[SEND_NOW] = functools.partial(_send_now, cycle)
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot
@@ -231,3 +239,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def _send_now(cycle: Any, body: bytes) -> bool:
+    """:data:`SEND_NOW` for one request's ``RequestResponseCycle`` (what its ``send`` does for a
+    ``more_body`` piece of a chunked response, without the wait)."""
+    if cycle.disconnected:
+        return False
+    if not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
+        raise RuntimeError("send_now needs a started streaming (chunked) response")
+    if body:
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+    return not cycle.flow.write_paused
