@@ -217,3 +217,18 @@ def test_plot(tmp_path: Any) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+@pytest.mark.parametrize("transport", ["ws-prev", "http-prev"])
+def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
+    """``hotloop bench paired``: two real servers on the real mock, the same conversation's turns
+    alternating between them; both report CPU for every turn."""
+    env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
+    args = ["paired", "--turns", "4", "--tool-tokens", "4", "--turn-transport", transport, "--json"]
+    proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["scenario"] == "paired" and out["transport"] == transport and out["turns"] == 4
+    assert [s["server"] for s in out["servers"]] == ["A", "B"]
+    assert all(s["python_path"] == "(installed)" and s["cpu_per_turn_mean_ms"] > 0 for s in out["servers"])
+    assert 0.2 < out["b_over_a_paired_median"] < 5

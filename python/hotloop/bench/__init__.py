@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return loop_main(argv[1:])
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu", "paired"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
@@ -397,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         "--fanout-backend", choices=["simulator", "cerebras"], default="simulator",
         help="ws-fanout: the simulator, or the Cerebras backend against the paced mock",
     )
-    p.add_argument("--server-path", help="idle-ws, ws-fanout: a python/ directory first on the server's PYTHONPATH")
+    p.add_argument("--server-path", help="idle-ws, ws-fanout, paired (server B): a python/ directory first on the server's PYTHONPATH")
+    p.add_argument("--base-path", help="paired: server A's python/ directory (default: the installed hotloop)")
+    p.add_argument(
+        "--turn-transport", choices=["ws-prev", "http-full", "http-prev"], default="ws-prev",
+        help="paired: the transport of the alternating turns",
+    )
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
@@ -437,6 +442,14 @@ def main(argv: list[str] | None = None) -> int:
                     server_path=args.server_path, backend=args.fanout_backend,
                 )
             )
+    if args.scenario == "paired":  # not in "all": it compares two trees
+        from hotloop.bench.turns import bench_paired
+
+        results.append(
+            bench_paired(
+                args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens
+            )
+        )
     if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server
         from hotloop.bench import scaleout
 

@@ -21,6 +21,14 @@ Server CPU is the whole server process (every thread: event loop, tokenizer, sto
 with nanosecond resolution from ``/proc/<pid>/task/*/schedstat`` after each turn. Reported per
 transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 (growth with history), and
 wall time per turn against direct (p50 of the per-turn differences).
+
+``hotloop bench paired`` (:func:`bench_paired`) compares two versions of the server on one
+transport: two servers (``--base-path`` and ``--server-path``, each a ``python/`` source tree put
+first on its ``PYTHONPATH``; either may be left out for the installed one) on one mock, the same
+conversation's turns alternating between them, each server's CPU read per turn. Both see the
+same machine at the same time, so the median of the paired ratios (B's turn i over A's turn i)
+shows differences of a few percent that separate runs on a noisy machine hide; a server against
+itself gives about 1.00.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -358,4 +367,109 @@ def bench_agent_turns(
             dict(row, cpu_p50_hotloop_over_relay_floor=round(row["hotloop"]["cpu_per_turn_p50_ms"] / floor_ms, 2))
             for row in results
         ],
+    }
+
+
+_LOOPS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
+    "ws-prev": ((), _ws_prev),
+    "http-full": ((), _http_full),
+    "http-prev": (("--store", "sqlite"), _http_prev),
+}
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stepper:
+    """One of the turn loops in a thread of its own, one turn per :meth:`step`."""
+
+    def __init__(self, loop: Callable[..., None], base: str, model: str, new_bytes: int, seed: int) -> None:
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._stop = False
+        self._started = False
+        self.error: BaseException | None = None
+
+        def tick(sent: float) -> None:
+            self._done.release()
+            self._go.acquire()
+            if self._stop:
+                raise _Stopped()
+
+        def run() -> None:
+            try:
+                loop(base, model, 1 << 30, new_bytes, seed, tick)
+            except _Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported by step()
+                self.error = exc
+                self._done.release()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def step(self, timeout: float = 120.0) -> None:
+        if self._started:
+            self._go.release()
+        self._started = True
+        if not self._done.acquire(timeout=timeout):
+            raise RuntimeError(f"a turn took more than {timeout:g} s")
+        if self.error is not None:
+            raise RuntimeError(f"the turn loop failed: {self.error!r}") from self.error
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.release()
+        self._thread.join(10)
+
+
+def bench_paired(
+    base_path: str | None, server_path: str | None, transport: str = "ws-prev", turns: int = 100,
+    new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20, seed: int = 0,
+) -> dict[str, Any]:
+    """Server A (``base_path``) against server B (``server_path``), turn by turn (module docstring)."""
+    model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
+    extra, loop = _LOOPS[transport]
+    os.environ.setdefault("CEREBRAS_API_KEY", "bench")
+    with contextlib.ExitStack() as stack:
+        url, _ = stack.enter_context(mock_process())
+        args = ("--backend", "cerebras", "--base-url", url, *extra)
+        servers = [stack.enter_context(server(*args, pythonpath=p)) for p in (base_path, server_path)]
+        steppers = []
+        for base, _ in servers:
+            st = _Stepper(loop, base, model, new_bytes, seed)
+            stack.callback(st.close)
+            steppers.append(st)
+        for _ in range(5):  # warm-up: connections, caches, the tokenizer
+            for st in steppers:
+                st.step()
+        marks = [process_cpu_ns(pid) for _, pid in servers]
+        cpu: list[list[float]] = [[], []]
+        for k in range(turns):
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):  # neither always goes first
+                steppers[i].step()
+                # from the end of this server's previous turn: what it did after answering
+                # (storage, the ledger) while the other server ran counts as well
+                now = process_cpu_ns(servers[i][1])
+                cpu[i].append((now - marks[i]) / 1e6)
+                marks[i] = now
+    ratios = [b / a for a, b in zip(cpu[0], cpu[1]) if a > 0]
+    side = [
+        {
+            "server": name,
+            "python_path": path or "(installed)",
+            "cpu_per_turn_p50_ms": round(_pct(c, 0.5), 3),
+            "cpu_per_turn_mean_ms": round(statistics.mean(c), 3),
+        }
+        for name, path, c in (("A", base_path, cpu[0]), ("B", server_path, cpu[1]))
+    ]
+    return {
+        "scenario": "paired",
+        "transport": transport,
+        "model": model,
+        "turns": turns,
+        "servers": side,
+        "b_over_a_paired_median": round(statistics.median(ratios), 3),
+        "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),
     }
