@@ -530,8 +530,8 @@ class Run:
         self.request_id: str | None = None
         self.failure: str | None = None  # why the backend failed it (hotloop_backend_errors_total)
         # Push delivery: the backend's slot for a synchronous chunk sink, and the client's
-        # synchronous send of a batch of frames (set by the WebSocket connection; it sets it
-        # back to None while the client is not taking frames). With both, the backend's read
+        # synchronous send of a batch of frames (set by the WebSocket or SSE streaming loop,
+        # which sets it back to None while the client is not taking frames). With both, the backend's read
         # callback hands delta chunks to :meth:`_push`, and their frames go out without a
         # wake-up of this run's task; everything else goes through :meth:`frames`.
         self.push_slot: PushSlot | None = None

@@ -18,7 +18,7 @@ import msgspec
 from hotloop import errors
 from hotloop._accel import SseDecoder
 from hotloop.backends.base import BackendRequest, model_object
-from hotloop.backends.chat.assemble import ChunkAssembler, chunk_decoder
+from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
 from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
 from hotloop.models import reported_window
@@ -141,10 +141,12 @@ class ChatBackend:
             yielded = False
             try:
                 resp = await self._open(body, model, req.request_id)
+                pushes = False
                 try:
                     assembler = ChunkAssembler()
                     feed = SseDecoder(MAX_SSE_EVENT_BYTES).feed
                     decode = chunk_decoder.decode
+                    ordinary = _ordinary
                     done = False
                     # What push delivery decoded but did not deliver, for this loop: the
                     # assembler's chunks the sink refused, then the SSE events after them.
@@ -168,15 +170,8 @@ class ChatBackend:
                             return False
                         made: list[Chunk] = []
                         for i, (event, data) in enumerate(events):
-                            if data == "[DONE]" or event == "error":
-                                carry.extend(events[i:])
-                                break
-                            try:
-                                chunk = decode(data)
-                            except msgspec.DecodeError:
-                                carry.extend(events[i:])
-                                break
-                            if chunk.error is not None:
+                            chunk = ordinary(event, data)
+                            if chunk is None:
                                 carry.extend(events[i:])
                                 break
                             made += assembler.feed(chunk)
@@ -192,7 +187,8 @@ class ChatBackend:
                                 outs.extend(made[taken:])
                         return not (outs or carry)
 
-                    if slot is not None and hasattr(resp, "push"):
+                    pushes = slot is not None and hasattr(resp, "push")
+                    if pushes:
                         resp.push = push  # type: ignore[attr-defined]
                     it = resp.__aiter__()
                     while True:
@@ -217,16 +213,17 @@ class ChatBackend:
                             except ValueError:
                                 raise errors.BackendError(_MALFORMED) from None
                         for event, data in events:
-                            if data == "[DONE]":
-                                done = True
-                                break
-                            try:
-                                chunk = decode(data)
-                            except msgspec.DecodeError:
-                                if not data.strip():
-                                    continue
-                                raise errors.BackendError(_MALFORMED) from None
-                            if chunk.error is not None or event == "error":
+                            chunk = ordinary(event, data)
+                            if chunk is None:  # [DONE], blank or bad JSON, or an error
+                                if data == "[DONE]":
+                                    done = True
+                                    break
+                                try:
+                                    chunk = decode(data)
+                                except msgspec.DecodeError:
+                                    if not data.strip():
+                                        continue
+                                    raise errors.BackendError(_MALFORMED) from None
                                 status = chunk.status_code or _error_status(chunk.error)
                                 raise status_error(status, {}, {"error": chunk.error}, backend=self.name, model=model)
                             for out in assembler.feed(chunk):
@@ -242,7 +239,7 @@ class ChatBackend:
                         yielded = True
                         yield out
                 finally:
-                    if slot is not None and hasattr(resp, "push"):
+                    if pushes:
                         resp.push = None  # type: ignore[attr-defined]
                     await resp.aclose()
                 return
@@ -256,6 +253,19 @@ class ChatBackend:
                     "%s backend: retrying in %.3gs (%s, attempt %d)", self.name, delay, type(exc).__name__, attempt
                 )
                 await asyncio.sleep(delay)
+
+
+def _ordinary(event: str, data: str) -> ChatChunk | None:
+    """The chunk of an SSE event with nothing special about it: not ``[DONE]``, not an error
+    event or error chunk, valid JSON. None for the others, which the stream loop handles (push
+    delivery leaves them to it)."""
+    if data == "[DONE]" or event == "error":
+        return None
+    try:
+        chunk = chunk_decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return None if chunk.error is not None else chunk
 
 
 def _error_status(error: object) -> int:
