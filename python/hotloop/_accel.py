@@ -24,8 +24,13 @@ from hotloop import _pure
 
 __all__ = [
     "BACKEND_NAMES",
+    "DeltaLane",
     "IMPORT_ERRORS",
     "NATIVE",
+    "PLAIN_ARGUMENTS",
+    "PLAIN_NOTHING",
+    "PLAIN_REASONING",
+    "PLAIN_TEXT",
     "PURE_REQUESTED",
     "SECRET_PATTERNS",
     "Fingerprinter",
@@ -34,6 +39,7 @@ __all__ = [
     "SseDecoder",
     "encode_delta",
     "encode_sse",
+    "plain_delta",
 ]
 
 PURE_ENV = "HOTLOOP_PURE_PYTHON"
@@ -49,7 +55,7 @@ PURE_REQUESTED: bool = pure_requested()
 
 # module providing each name -> the names it provides
 _PROVIDERS: dict[str, tuple[str, ...]] = {
-    "hotloop._native": ("Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner"),
+    "hotloop._native": ("Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner", "DeltaLane", "plain_delta"),
     "hotloop._frames": ("encode_delta", "encode_sse"),
 }
 
@@ -94,7 +100,9 @@ if TYPE_CHECKING:
     from hotloop._native import Fingerprinter as Fingerprinter
     from hotloop._native import ItemChain as ItemChain
     from hotloop._native import SecretScanner as SecretScanner
+    from hotloop._native import DeltaLane as DeltaLane
     from hotloop._native import SseDecoder as SseDecoder
+    from hotloop._native import plain_delta as plain_delta
 else:
     Fingerprinter = _IMPLS["Fingerprinter"]
     ItemChain = _IMPLS["ItemChain"]
@@ -102,9 +110,15 @@ else:
     SecretScanner = _IMPLS["SecretScanner"]
     encode_delta = _IMPLS["encode_delta"]
     encode_sse = _IMPLS["encode_sse"]
+    DeltaLane = _IMPLS["DeltaLane"]
+    plain_delta = _IMPLS["plain_delta"]
 
 #: the one secret pattern table; both ``SecretScanner`` implementations are built from it
 SECRET_PATTERNS = _pure.SECRET_PATTERNS
+#: the kinds of plain delta (``plain_delta``, ``DeltaLane``), the same in both implementations
+PLAIN_NOTHING, PLAIN_TEXT, PLAIN_REASONING, PLAIN_ARGUMENTS = (
+    _pure.PLAIN_NOTHING, _pure.PLAIN_TEXT, _pure.PLAIN_REASONING, _pure.PLAIN_ARGUMENTS,
+)
 
 
 def implementations() -> dict[str, dict[str, Any]]:

@@ -6,9 +6,98 @@ classes; import them through ``hotloop._accel``, which picks one.
 """
 
 from collections.abc import Sequence
-from typing import final
 
-__all__ = ["Fingerprinter", "ItemChain", "SecretScanner", "SseDecoder"]
+from typing import Any, Final, final
+
+__all__ = [
+    "PLAIN_ARGUMENTS",
+    "PLAIN_NOTHING",
+    "PLAIN_REASONING",
+    "PLAIN_TEXT",
+    "DeltaLane",
+    "Fingerprinter",
+    "ItemChain",
+    "SecretScanner",
+    "SseDecoder",
+    "plain_delta",
+]
+
+PLAIN_NOTHING: Final[int]  # 0: a chunk that changes nothing
+PLAIN_TEXT: Final[int]  # 1: message text
+PLAIN_REASONING: Final[int]  # 2: reasoning text
+PLAIN_ARGUMENTS: Final[int]  # 3: tool-call arguments
+
+def plain_delta(data: str) -> tuple[int, int, str] | None:
+    """Whether one chat-completions stream event's data (JSON) only continues the open output
+    item, and its piece: ``(PLAIN_TEXT, 0, text)``, ``(PLAIN_REASONING, 0, text)``,
+    ``(PLAIN_ARGUMENTS, index, arguments)`` (the call's ``index`` as the server numbers it;
+    the arguments may be empty), ``(PLAIN_NOTHING, 0, "")``, or None: the event is for the
+    general path (the chunk decoder and assembler).
+
+    Plain means: a JSON object whose ``error``, ``usage`` and ``status_code`` are absent or null
+    and whose ``choices`` is absent or holds at most one choice; that choice has ``index`` absent
+    or the integer 0, ``finish_reason`` absent or null, and ``delta`` absent, null, or an object
+    whose ``content``, ``reasoning``, ``reasoning_content`` and ``refusal`` are absent, null or
+    strings (``refusal`` empty) and ``tool_calls`` absent, null or an array, with at most one
+    non-empty piece among content, reasoning (``reasoning``, else ``reasoning_content``) and a
+    single tool call. The tool call has an integer ``index``, an ``id`` that is absent, null or
+    empty, and ``function`` absent, null, or an object whose ``name`` and ``arguments`` are
+    absent, null or strings. Other keys are ignored.
+
+    The JSON is read strictly: a duplicate key, NaN, a number beyond the float range, a lone
+    surrogate or nesting deeper than 127 levels gives None, and ``-0`` is a float (no integer
+    index). So whatever this accepts, msgspec's typed decoder reads with the same values.
+
+    :raises TypeError: ``data`` is not ``str``.
+    :raises UnicodeEncodeError: ``data`` holds a lone surrogate.
+    """
+
+@final
+class DeltaLane:
+    """The open output item whose plain deltas :meth:`SseDecoder.feed_lane` turns into events:
+    ``kind`` (``PLAIN_TEXT``, ``PLAIN_REASONING`` or ``PLAIN_ARGUMENTS``), ``call`` (for
+    arguments: the call's index in the response; ``feed_lane`` does not read it), the event's
+    fields as ``hotloop._frames.encode_delta`` takes them, and ``parts``, the item's pieces so
+    far, which ``feed_lane`` appends to. ``seq`` is the sequence number of the next event and
+    ``taken`` counts the pieces taken (both start at 0; ``feed_lane`` adds to them, the owner
+    sets them). ``emit`` is for the owner: a callable, or None, never called here.
+    """
+
+    def __new__(
+        cls, kind: int, call: int, event_type: str, item_id: str, output_index: int,
+        content_index: int, logprobs: bool, parts: list[str],
+    ) -> DeltaLane:
+        """:raises TypeError: an argument of the wrong type.
+        :raises OverflowError: an int that does not fit in a signed 64-bit integer."""
+
+    @property
+    def kind(self) -> int: ...
+    @property
+    def call(self) -> int: ...
+    @property
+    def event_type(self) -> str: ...
+    @property
+    def item_id(self) -> str: ...
+    @property
+    def output_index(self) -> int: ...
+    @property
+    def content_index(self) -> int: ...
+    @property
+    def logprobs(self) -> bool: ...
+    @property
+    def parts(self) -> list[str]: ...
+    @property
+    def seq(self) -> int: ...
+    @seq.setter
+    def seq(self, value: int) -> None: ...
+    @property
+    def taken(self) -> int: ...
+    @taken.setter
+    def taken(self, value: int) -> None: ...
+    @property
+    def emit(self) -> Any: ...
+    @emit.setter
+    def emit(self, value: Any) -> None: ...
 
 @final
 class Fingerprinter:
@@ -143,6 +232,24 @@ class SseDecoder:
             line) does. The decoder is then failed: this and every later ``feed`` raise
             ``ValueError`` and no events are returned.
         :raises TypeError: ``data`` is not ``bytes``.
+        """
+
+    def feed_lane(
+        self, data: bytes, lane: DeltaLane, index: int, args: list[str] | None
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, str]]]:
+        """``feed``, taking the leading plain deltas of ``lane``'s item: events of type
+        ``message`` whose data is valid UTF-8 and whose :func:`plain_delta` is of the lane's
+        kind (for arguments, of the call the server numbers ``index``), or ``PLAIN_NOTHING``,
+        are taken in order until the first that is not. Each non-empty piece taken is appended
+        to ``lane.parts`` (and to ``args`` unless None) and becomes one Responses event
+        ``(lane.event_type, json)`` (``encode_delta`` with the lane's fields) numbered from
+        ``lane.seq``; ``lane.seq`` and ``lane.taken`` advance by their count. Returns those
+        events, and the events from the first one not taken exactly as ``feed`` returns them.
+
+        :raises ValueError: as ``feed`` (nothing is taken then).
+        :raises TypeError: ``data`` is not ``bytes``, ``lane`` not a ``DeltaLane``, ``index``
+            not an int, or ``args`` neither a list nor None.
+        :raises OverflowError: ``index`` does not fit in a signed 64-bit integer.
         """
 
 @final

@@ -13,6 +13,7 @@ extensions are unavailable, so they avoid gratuitous per-byte or per-char Python
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import operator
 import re
@@ -30,13 +31,19 @@ __all__ = [
     "FINGERPRINT_LEN",
     "MAX_KEY_LEN",
     "MIN_KEY_LEN",
+    "PLAIN_ARGUMENTS",
+    "PLAIN_NOTHING",
+    "PLAIN_REASONING",
+    "PLAIN_TEXT",
     "SECRET_PATTERNS",
     "Fingerprinter",
     "ItemChain",
     "SecretScanner",
+    "DeltaLane",
     "SseDecoder",
     "encode_delta",
     "encode_sse",
+    "plain_delta",
     "shannon_entropy",
 ]
 
@@ -56,6 +63,13 @@ def _u32(x: SupportsIndex) -> int:
     v = operator.index(x)
     if not 0 <= v <= _U32_MAX:
         raise OverflowError(f"{v} does not fit in an unsigned 32-bit integer")
+    return v
+
+
+def _i64(x: SupportsIndex) -> int:
+    v = operator.index(x)
+    if not _I64_MIN <= v <= _I64_MAX:
+        raise OverflowError(f"{v} does not fit in a signed 64-bit integer")
     return v
 
 
@@ -237,8 +251,51 @@ class SseDecoder:
         return self._max
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
+        return [_event_tuple(ty, payload) for ty, payload in self._checked(data, "feed")]
+
+    def feed_lane(self, data: bytes, lane: DeltaLane, index: int,
+                  args: list[str] | None) -> tuple[list[tuple[str, bytes]], list[tuple[str, str]]]:
+        """``feed``, taking the leading plain deltas of ``lane``'s item (see the native stub)."""
+        if not isinstance(lane, DeltaLane):
+            raise TypeError(f"feed_lane() argument 'lane' must be DeltaLane, not {type(lane).__name__}")
+        index = _i64(index)
+        if args is not None and not isinstance(args, list):
+            raise TypeError(f"feed_lane() argument 'args' must be list or None, not {type(args).__name__}")
+        events = self._checked(data, "feed_lane")
+        kind = lane.kind
+        frames: list[tuple[str, bytes]] = []
+        taken = 0
+        seq = lane.seq
+        if kind in (PLAIN_TEXT, PLAIN_REASONING, PLAIN_ARGUMENTS):
+            for ty, payload in events:
+                if ty != b"message":
+                    break
+                try:
+                    piece = plain_delta(payload.decode("utf-8"))
+                except UnicodeDecodeError:
+                    break
+                if piece is None:
+                    break
+                k, i, text = piece
+                if k != PLAIN_NOTHING:
+                    if k != kind or (k == PLAIN_ARGUMENTS and i != index):
+                        break
+                    if text:
+                        frames.append((lane.event_type, encode_delta(
+                            lane.event_type, seq + len(frames), lane.item_id, lane.output_index,
+                            lane.content_index, text, lane.logprobs,
+                        )))
+                        lane.parts.append(text)
+                        if args is not None:
+                            args.append(text)
+                taken += 1
+        lane.seq = seq + len(frames)
+        lane.taken += len(frames)
+        return frames, [_event_tuple(ty, payload) for ty, payload in events[taken:]]
+
+    def _checked(self, data: bytes, name: str) -> list[tuple[bytes, bytes]]:
         if not isinstance(data, bytes):
-            raise TypeError(f"feed() argument must be bytes, not {type(data).__name__}")
+            raise TypeError(f"{name}() argument 'data' must be bytes, not {type(data).__name__}")
         if self._failed:
             raise ValueError("SSE decoder failed earlier and accepts no more input")
         try:
@@ -251,7 +308,8 @@ class SseDecoder:
             self._event = b""
             raise
 
-    def _feed(self, data: bytes) -> list[tuple[str, str]]:
+    def _feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        """The events completed by ``data``: (type, data) as bytes, type ``message`` by default."""
         if self._skip_lf and data:
             self._skip_lf = False
             if data[0] == 10:
@@ -263,7 +321,7 @@ class SseDecoder:
             tail = lines.pop()
         elif lines and lines[-1][-1] == 13:
             self._skip_lf = True
-        out: list[tuple[str, str]] = []
+        out: list[tuple[bytes, bytes]] = []
         limit = self._max
         for raw in lines:
             line = raw[:-2] if raw[-2:] == b"\r\n" else raw[:-1]
@@ -275,12 +333,7 @@ class SseDecoder:
                     line = line[3:]
             if not line:
                 if self._data:
-                    out.append(
-                        (
-                            self._event.decode("utf-8", "replace") if self._event else "message",
-                            b"\n".join(self._data).decode("utf-8", "replace"),
-                        )
-                    )
+                    out.append((self._event or b"message", b"\n".join(self._data)))
                     self._data = []
                     self._data_len = 0
                 self._event = b""
@@ -301,6 +354,186 @@ class SseDecoder:
             raise ValueError(f"SSE line exceeds max_buffer ({limit} bytes)")
         self._line = tail
         return out
+
+
+def _event_tuple(ty: bytes, payload: bytes) -> tuple[str, str]:
+    return ("message" if ty == b"message" else ty.decode("utf-8", "replace"), payload.decode("utf-8", "replace"))
+
+
+# -- plain_delta -------------------------------------------------------------------------------
+
+PLAIN_NOTHING, PLAIN_TEXT, PLAIN_REASONING, PLAIN_ARGUMENTS = 0, 1, 2, 3
+_MAX_NESTING = 127  # serde_json's recursion limit: 128 nested arrays/objects are an error
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _too_deep(text: str) -> bool:
+    if text.count("[") + text.count("{") <= _MAX_NESTING:
+        return False
+    depth = deepest = 0
+    for ch in _JSON_STRING.sub("", text):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest > _MAX_NESTING
+
+
+def _negative_zero_float(literal: str) -> int | float:
+    return -0.0 if literal == "-0" else int(literal)
+
+
+class _Repeated:
+    """The value of a key that appears more than once in its object."""
+
+
+_REPEATED = _Repeated()
+
+
+def _mark_repeated(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        out[key] = _REPEATED if key in out else value
+    return out
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value as the native reader sees it: what msgspec reads (NaN, numbers beyond the
+    f64 range and lone surrogates are errors), except that nesting deeper than 127 levels is an
+    error, ``-0`` is a float, and a key that appears twice in its object has the value
+    ``_REPEATED`` (refused where the rules read it, ignored elsewhere)."""
+    msgspec.json.decode(text)  # the errors msgspec finds
+    if _too_deep(text):
+        raise ValueError("nested too deeply")
+    return json.loads(text, object_pairs_hook=_mark_repeated, parse_int=_negative_zero_float)
+
+
+def _int(value: Any) -> int | None:
+    """A JSON integer within i64, else None."""
+    return value if type(value) is int and _I64_MIN <= value <= _I64_MAX else None
+
+
+def _opt_str(obj: dict[str, Any], key: str) -> tuple[bool, str]:
+    """(valid, the string or ""): absent, null or a string is valid."""
+    v = obj.get(key)
+    if v is None:
+        return True, ""
+    if type(v) is str:
+        return True, v
+    return False, ""
+
+
+def plain_delta(data: str) -> tuple[int, int, str] | None:
+    """One stream event's plain delta as ``(kind, index, text)``, or None when the general path
+    must read it; see ``hotloop._native.plain_delta`` (the rules) and ``rust/core/src/plain.rs``."""
+    if type(data) is not str:
+        raise TypeError(f"plain_delta() argument 'data' must be str, not {type(data).__name__}")
+    data.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, as in the native call
+    try:
+        top = _json_value(data)
+    except ValueError:
+        return None
+    if type(top) is not dict or any(top.get(k) is not None for k in ("error", "usage", "status_code")):
+        return None
+    choices = top.get("choices", [])
+    if type(choices) is not list or len(choices) > 1:
+        return None
+    if not choices:
+        return PLAIN_NOTHING, 0, ""
+    choice = choices[0]
+    if type(choice) is not dict:
+        return None
+    if "index" in choice and _int(choice["index"]) != 0:
+        return None
+    if choice.get("finish_reason") is not None:
+        return None
+    delta = choice.get("delta")
+    if delta is None:
+        return PLAIN_NOTHING, 0, ""
+    if type(delta) is not dict:
+        return None
+    pieces = [_opt_str(delta, k) for k in ("content", "reasoning", "reasoning_content", "refusal")]
+    if not all(ok for ok, _ in pieces) or pieces[3][1]:
+        return None
+    content, reasoning = pieces[0][1], pieces[1][1] or pieces[2][1]
+    calls = delta.get("tool_calls")
+    if calls is None:
+        calls = []
+    elif type(calls) is not list:
+        return None
+    if content and not reasoning and not calls:
+        return PLAIN_TEXT, 0, content
+    if reasoning and not content and not calls:
+        return PLAIN_REASONING, 0, reasoning
+    if not content and not reasoning and not calls:
+        return PLAIN_NOTHING, 0, ""
+    if content or reasoning or len(calls) != 1 or type(calls[0]) is not dict:
+        return None
+    call = calls[0]
+    index = _int(call.get("index"))
+    ok, call_id = _opt_str(call, "id")
+    if index is None or not ok or call_id:
+        return None
+    function = call.get("function")
+    if function is None:
+        return PLAIN_ARGUMENTS, index, ""
+    if type(function) is not dict or not _opt_str(function, "name")[0]:
+        return None
+    ok, arguments = _opt_str(function, "arguments")
+    return (PLAIN_ARGUMENTS, index, arguments) if ok else None
+
+
+class DeltaLane:
+    """The output item whose plain deltas ``SseDecoder.feed_lane`` turns into events; see
+    ``hotloop._native.DeltaLane``."""
+
+    __slots__ = ("_kind", "_call", "_event_type", "_item_id", "_output_index", "_content_index", "_logprobs",
+                 "_parts", "_seq", "_taken", "emit")
+
+    def __init__(self, kind: int, call: int, event_type: str, item_id: str, output_index: int,
+                 content_index: int, logprobs: bool, parts: list[str]) -> None:
+        for name, value in (("event_type", event_type), ("item_id", item_id)):
+            if not isinstance(value, str):
+                raise TypeError(f"argument '{name}' must be str, not {type(value).__name__}")
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"argument 'logprobs' must be bool, not {type(logprobs).__name__}")
+        if not isinstance(parts, list):
+            raise TypeError(f"argument 'parts' must be list, not {type(parts).__name__}")
+        self._kind, self._call = _i64(kind), _i64(call)
+        self._event_type, self._item_id = event_type, item_id
+        self._output_index, self._content_index = _i64(output_index), _i64(content_index)
+        self._logprobs = logprobs
+        self._parts = parts
+        self._seq = self._taken = 0
+        self.emit: Any = None
+
+    kind = property(lambda self: self._kind, doc="PLAIN_TEXT, PLAIN_REASONING or PLAIN_ARGUMENTS")
+    call = property(lambda self: self._call, doc="the call's index in the response (arguments)")
+    event_type = property(lambda self: self._event_type)
+    item_id = property(lambda self: self._item_id)
+    output_index = property(lambda self: self._output_index)
+    content_index = property(lambda self: self._content_index)
+    logprobs = property(lambda self: self._logprobs)
+    parts = property(lambda self: self._parts, doc="the item's pieces so far (appended to)")
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the next event."""
+        return self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self._seq = _i64(value)
+
+    @property
+    def taken(self) -> int:
+        """Pieces taken (added to by ``feed_lane``; the owner sets it back)."""
+        return self._taken
+
+    @taken.setter
+    def taken(self, value: int) -> None:
+        self._taken = _i64(value)
 
 
 # -- encode_delta / encode_sse -----------------------------------------------------------------

@@ -19,11 +19,12 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from hotloop import errors
+from hotloop import _accel, errors
 from hotloop.backends import create
-from hotloop.backends.base import BackendRequest, PushSlot
+from hotloop.backends.base import BackendRequest, PushSlot, plain_chunks
 from hotloop.config import Config
-from hotloop.protocol.chunks import Chunk
+from hotloop._accel import PLAIN_ARGUMENTS, PLAIN_REASONING, PLAIN_TEXT, DeltaLane
+from hotloop.protocol.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallDelta
 from hotloop.protocol.request import decode_items
 from tests.conftest import Server, raw_until_terminal, run_server
 from tests.mock_chat_server import Event, MockChatServer, Reply, Sleep, chunk, text_events, tool_events, usage
@@ -36,15 +37,17 @@ def _fresh_mock(mock: MockChatServer) -> None:
     mock.reset()
 
 
-def paced(events: list[Event]) -> list[Event]:
-    """``events`` with a pause before each, except for a burst of three in the middle that is
-    sent without pauses (several chunks in one read)."""
+def paced(events: list[Event], burst_at: int | None = None) -> list[Event]:
+    """``events`` with a pause before each, except for a burst of three (in the middle, or from
+    ``burst_at``) that is sent in one write (several chunks in one read)."""
     out: list[Event] = []
-    burst = range(len(events) // 2, len(events) // 2 + 3)
+    start = len(events) // 2 if burst_at is None else burst_at
     for i, e in enumerate(events):
-        if i not in burst:
-            out.append(Sleep(GAP))
-        out.append(e)
+        if i == start:
+            burst = events[start : start + 3]
+            out += [Sleep(GAP), "".join(b if isinstance(b, str) else f"data: {json.dumps(b)}\n\n" for b in burst)]  # type: ignore[misc]
+        elif not start < i < start + 3:
+            out += [Sleep(GAP), e]
     return out
 
 
@@ -62,33 +65,78 @@ def request(slot: PushSlot | None) -> BackendRequest:
     )
 
 
-def run_stream(mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None) -> tuple[list[Chunk], BaseException | None, int]:
+PlainTake = Callable[[type[Chunk], int, list[str]], int]
+
+
+def run_stream(
+    mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None,
+    take_plain: PlainTake | None = None, plain_calls: list[int] | None = None, lanes: list[int] | None = None,
+) -> tuple[list[Chunk], BaseException | None, int]:
     """One streamed answer through the openai-compat backend on the lean transport, with a sink
-    that takes what ``take`` says (none: no sink). Returns every chunk in the order the consumer
-    got it (taken by the sink or yielded), the exception the stream raised, and the sink's calls."""
+    that takes what ``take`` says (none: no sink) and, with ``take_plain``, a plain sink too
+    (its calls' sizes are appended to ``plain_calls``). With ``lanes`` (a list for the sizes of
+    the lane's batches), the consumer also offers a lane (``PushSlot.lane``) for the item its
+    last chunk belongs to, as a run does for its open item. Returns every chunk in the order
+    the consumer got it (taken by a sink, sent through the lane, or yielded), the exception the
+    stream raised, and the sink's calls."""
     mock.push(Reply.stream(events))
     got: list[Chunk] = []
     calls = 0
+    slot = PushSlot() if take is not None else None
+
+    def relane(chunk: Chunk | None) -> None:
+        """A lane for the item ``chunk`` continues, if it is a delta (None: keep the lane)."""
+        assert slot is not None
+        if lanes is None or chunk is None:
+            return
+        kind = {TextDelta: PLAIN_TEXT, ReasoningDelta: PLAIN_REASONING, ToolCallDelta: PLAIN_ARGUMENTS}.get(type(chunk))
+        if kind is None:
+            slot.lane = None
+            return
+        call = chunk.index if type(chunk) is ToolCallDelta else 0  # type: ignore[union-attr]
+        lane = DeltaLane(kind, call, "delta", "item", 0, 0, False, [])
+        lane.emit = lambda frames: lane_sent(kind, call, frames)
+        slot.lane = lane
+
+    def lane_sent(kind: int, call: int, frames: list[Any]) -> None:
+        assert lanes is not None
+        lanes.append(len(frames))
+        texts = [json.loads(payload)["delta"] for _, payload in frames]
+        got.extend(plain_chunks({PLAIN_TEXT: TextDelta, PLAIN_REASONING: ReasoningDelta}.get(kind, ToolCallDelta), call, texts))
 
     def sink(chunks: list[Chunk]) -> int:
         nonlocal calls
         calls += 1
         n = take(chunks)  # type: ignore[misc]
         got.extend(chunks[:n])
+        relane(chunks[n - 1] if n else None)
+        return n
+
+    def plain_sink(kind: type[Chunk], index: int, texts: list[str]) -> int:
+        assert texts and all(texts)
+        n = take_plain(kind, index, texts)  # type: ignore[misc]
+        if plain_calls is not None:
+            plain_calls.append(len(texts))
+        taken = plain_chunks(kind, index, texts[:n])
+        got.extend(taken)
+        relane(taken[-1] if taken else None)
         return n
 
     async def main() -> BaseException | None:
         config = Config(backend="openai-compat", base_url=mock.v1, model="mock-model", backend_api_key="k", backend_idle_timeout=5)
         backend = create(config)
         await backend.start()
-        slot = PushSlot() if take is not None else None
         try:
             stream = backend.stream(request(slot))
             if slot is not None:
                 slot.fn = sink  # as a run does: once the stream is under way
+                if take_plain is not None:
+                    slot.plain = plain_sink
             try:
                 async for c in stream:
                     got.append(c)
+                    if slot is not None:
+                        relane(c)
             except Exception as exc:  # noqa: BLE001 - compared below
                 return exc
             return None
@@ -118,6 +166,85 @@ def test_pushed_then_yielded_is_the_stream(mock: MockChatServer, policy: str) ->
     assert calls >= 10  # the sink was offered the reads (not everything went through the iterator)
 
 
+def _every_other() -> PlainTake:
+    calls = 0
+
+    def take(kind: type[Chunk], index: int, texts: list[str]) -> int:
+        nonlocal calls
+        calls += 1
+        return len(texts) if calls % 2 else 0
+
+    return take
+
+
+PLAIN_POLICIES: dict[str, Callable[[], PlainTake]] = {
+    "all": lambda: lambda kind, index, texts: len(texts),
+    "none": lambda: lambda kind, index, texts: 0,
+    "every-other": _every_other,
+}
+
+
+def odd_shapes() -> list[Event]:
+    """Chunks that look like continuations and are not all plain: a name repeated in every
+    arguments delta, content and reasoning in one chunk, a refusal, a usage chunk with content,
+    a tool call without an index, one that carries its id again, empty and choice-less chunks."""
+    def call(i: int | None, args: str, **extra: Any) -> dict[str, Any]:
+        tc: dict[str, Any] = {"function": {"arguments": args, **extra.pop("function", {})}, **extra}
+        if i is not None:
+            tc["index"] = i
+        return {"tool_calls": [tc]}
+
+    return [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "let me "}), chunk({"reasoning": "", "reasoning_content": "see"}),
+        chunk({"content": "Hello"}), chunk({}), chunk(choices=False),
+        chunk({"content": " there", "reasoning": "hmm"}),
+        chunk({"content": ","}, usage=usage(3, 3)),
+        chunk({"refusal": " no"}), chunk({"content": " yes"}),
+        chunk(call(0, "", id="call_a", type="function", function={"name": "f"})),
+        chunk(call(0, '{"a":', function={"name": "f"})), chunk(call(0, ' 1')),
+        chunk(call(0, ', "b"', id="call_a")), chunk(call(None, ': 2}')),
+        chunk(call(1, "", id="call_b", function={"name": "g"})), chunk(call(1, "{}")),
+        chunk({"content": "after"}), chunk({"content": " the calls"}),
+        chunk({}, "tool_calls"), chunk(usage=usage(40, 30), choices=False),
+    ]
+
+
+@pytest.mark.parametrize("plain_policy", sorted(PLAIN_POLICIES))
+@pytest.mark.parametrize("policy", ["all", "none"])
+@pytest.mark.parametrize("shape", ["answer", "odd"])
+def test_plain_pieces_then_chunks_are_the_stream(mock: MockChatServer, policy: str, plain_policy: str, shape: str) -> None:
+    """With a plain sink too: what it took (as the chunks it stands for), what the chunk sink
+    took and what was yielded are, in order, exactly the stream without a sink."""
+    # the burst: three text deltas, or two arguments deltas and one that is not plain
+    events = paced(answer(), burst_at=11) if shape == "answer" else paced(odd_shapes(), burst_at=11)
+    plain, exc0, _ = run_stream(mock, events, None)
+    assert exc0 is None and len(plain) > 15
+    sizes: list[int] = []
+    got, exc, _ = run_stream(mock, events, POLICIES[policy], PLAIN_POLICIES[plain_policy](), sizes)
+    assert exc is None
+    assert got == plain
+    assert len(sizes) >= (10 if shape == "answer" else 5)  # the plain sink was offered runs
+    assert max(sizes) >= 2  # ... and the burst's pieces in one call
+
+
+@pytest.mark.parametrize("policy", ["all", "none", "first"])
+@pytest.mark.parametrize("shape", ["answer", "odd"])
+def test_lane_events_then_chunks_are_the_stream(mock: MockChatServer, policy: str, shape: str) -> None:
+    """With a lane offered for the consumer's open item, as a run offers it: the deltas the lane
+    sent (read back from its events), what the sinks took and what was yielded are, in order,
+    exactly the stream without a sink."""
+    events = paced(answer(), burst_at=11) if shape == "answer" else paced(odd_shapes(), burst_at=11)
+    plain, exc0, _ = run_stream(mock, events, None)
+    assert exc0 is None
+    batches: list[int] = []
+    got, exc, _ = run_stream(mock, events, POLICIES[policy], PLAIN_POLICIES["all"](), None, batches)
+    assert exc is None
+    assert got == plain
+    if _accel.BACKEND_NAMES["SseDecoder"] == "hotloop._native":
+        assert len(batches) >= (10 if shape == "answer" else 3) and max(batches) >= 2  # the lane was used
+
+
 def test_a_sink_that_takes_everything_gets_every_delta(mock: MockChatServer) -> None:
     events = paced(answer())
     plain, _, _ = run_stream(mock, events, None)
@@ -143,11 +270,11 @@ def test_a_sink_that_takes_everything_gets_every_delta(mock: MockChatServer) -> 
 )
 def test_failures_mid_stream_surface_the_same_way(mock: MockChatServer, bad: str, error: type) -> None:
     head = text_events("one two three four", pieces=4)[:-2]
-    events = paced(head)[:-1] + [Sleep(GAP), bad]
+    events = paced(head, burst_at=1) + [Sleep(GAP), bad]
     plain, exc0, _ = run_stream(mock, events, None)
     got, exc, calls = run_stream(mock, events, len)
     assert isinstance(exc0, error) and type(exc) is type(exc0) and str(exc) == str(exc0)
-    assert got == plain and calls >= 3
+    assert got == plain and calls >= 2  # the burst and the last delta (the role chunk makes none)
 
 
 def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import msgspec
@@ -253,3 +254,93 @@ def test_secret_scanner_twins_agree(
 def test_secret_scanner_twins_agree_on_noise(text: str) -> None:
     assert _NATIVE_SCANNER.scan(text) == _PURE_SCANNER.scan(text)
     assert _NATIVE_SCANNER.redact(text) == _PURE_SCANNER.redact(text)
+
+
+# -- plain_delta / SseDecoder.feed_lane -------------------------------------------------------------
+
+# text without lone surrogates (mostly), so that most generated chunks are valid JSON
+_valid_text = st.text(st.one_of(st.characters(min_codepoint=0, max_codepoint=0x1F), st.sampled_from('"\\/\x7f\u2028\u00e9\U0001f600'),
+                                st.characters(codec="utf-8")), max_size=12)
+_some_text = st.one_of(_valid_text, _valid_text, _valid_text, any_text)
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(allow_nan=False, allow_infinity=False),
+                    _some_text, st.sampled_from(["", "a", "{", "-0"]))
+_json_any = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.sampled_from(["x", "id", "type"]), inner, max_size=3)),
+                         max_leaves=6)
+
+
+def _maybe(key: str, value: Any) -> Any:
+    """A value for ``key``: usually the expected shape, sometimes anything."""
+    return st.one_of(*[value] * 7, _json_any).map(lambda v: (key, v))
+
+
+def _obj(*fields: Any) -> Any:
+    """A dict of a random subset of ``fields`` (each a strategy of (key, value)), plus noise."""
+    return st.tuples(*[st.one_of(st.none(), f, f, f) for f in fields], st.lists(st.tuples(st.sampled_from(["x", "role"]), _json_any), max_size=2)).map(
+        lambda parts: dict([p for p in parts[:-1] if p is not None] + parts[-1]))
+
+
+_piece_text = st.one_of(st.sampled_from(["", "a", '{"', "\n", "\u00e9"]), _some_text)
+_function = _obj(_maybe("name", st.one_of(st.none(), _piece_text)), _maybe("arguments", st.one_of(st.none(), _piece_text)))
+_tool_call = _obj(_maybe("index", st.one_of(st.integers(-1, 3), st.just(2**63))), _maybe("id", st.sampled_from([None, "", "call_1"])),
+                  _maybe("function", st.one_of(st.none(), _function)))
+_delta = st.one_of(
+    _obj(_maybe("content", _piece_text)),
+    _obj(_maybe("reasoning", _piece_text)),
+    _obj(_maybe("reasoning", st.sampled_from(["", None])), _maybe("reasoning_content", _piece_text)),
+    _obj(_maybe("tool_calls", st.lists(_tool_call, min_size=1, max_size=1))),
+    _obj(*[_maybe(k, st.one_of(st.none(), _piece_text)) for k in ("content", "reasoning", "reasoning_content", "refusal")],
+         _maybe("tool_calls", st.one_of(st.none(), st.lists(_tool_call, max_size=2)))),
+)
+_choice = _obj(_maybe("index", st.sampled_from([0, 0, 1, 0.0])), _maybe("finish_reason", st.sampled_from([None, None, "", "stop"])),
+               _maybe("delta", st.one_of(st.none(), _delta)))
+_chunk = _obj(_maybe("choices", st.lists(_choice, min_size=1, max_size=2)), _maybe("usage", st.none()),
+              _maybe("error", st.none()), _maybe("status_code", st.none()))
+
+
+# the usual envelope around a random delta: most of these are plain
+_usual = st.builds(lambda d, extra: {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": None}], **extra},
+                   _delta, st.dictionaries(st.sampled_from(["usage", "model", "x"]), st.one_of(st.none(), _scalar), max_size=1))
+
+
+@st.composite
+def _chunk_json(draw: Any) -> str:
+    """A chunk's JSON, sometimes with a key repeated, escaped or spaced out."""
+    text = json.dumps(draw(st.one_of(_usual, _chunk)), ensure_ascii=draw(st.booleans()))
+    edit = draw(st.sampled_from(["none", "none", "repeat", "spaces", "escape-key"]))
+    if edit == "repeat":
+        for key in ("content", "choices", "index", "x", "arguments"):
+            if f'"{key}": ' in text:
+                text = text.replace(f'"{key}": ', f'"{key}": null, "{key}": ', 1)
+                break
+    elif edit == "spaces":
+        text = " \n" + text.replace(", ", " ,\t") + "\r\n "
+    elif edit == "escape-key":
+        text = text.replace('"content"', '"con\\u0074ent"', 1)
+    return text
+
+
+@SETTINGS
+@given(_chunk_json())
+def test_plain_delta(data: str) -> None:
+    assert outcome(native.plain_delta, data) == outcome(_pure.plain_delta, data)
+
+
+@SETTINGS
+@given(st.lists(_chunk_json(), max_size=6), st.sampled_from([0, 1, 2, 3]), st.integers(-1, 3), st.booleans(), st.data())
+def test_feed_lane(events: list[str], kind: int, index: int, with_args: bool, data: st.DataObject) -> None:
+    stream = "".join(f"data: {e}\n\n" for e in events).encode("utf-8", "surrogatepass")  # invalid UTF-8 too
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    got = []
+    for mod in (native, _pure):
+        lane = mod.DeltaLane(kind, 0, "response.function_call_arguments.delta", "fc_1", 1, -1, False, [])
+        lane.seq = 3
+        args: list[str] | None = [] if with_args else None
+        decoder = mod.SseDecoder()
+        prev = 0
+        out = []
+        for cut in cuts + [len(stream)]:
+            out.append(outcome(decoder.feed_lane, stream[prev:cut], lane, index, args))
+            prev = cut
+        got.append((out, lane.parts, lane.seq, lane.taken, args))
+    assert got[0] == got[1]

@@ -122,3 +122,94 @@ def test_turn_invariants_and_sse_chunking(spec: list[Any], reason: str, data: st
         got += decoder.feed(stream[prev:cut])
         prev = cut
     assert [(t, json.loads(d)) for t, d in got] == [(e["type"], e) for e in events]
+
+
+# -- plain deltas: the assembler's and the turn's shortcut for chunks that continue the open item --
+
+_piece = st.sampled_from(["", "a", "{", '"x"', "}", " 1", "ß"])
+_continuing = st.one_of(  # the usual shapes: one more piece of text or of a call's arguments
+    st.builds(lambda t: {"content": t}, _piece),
+    st.builds(lambda i, t: {"tool_calls": [{"index": i, "function": {"arguments": t}}]}, st.integers(0, 1), _piece),
+)
+_chat_delta = st.one_of(
+    _continuing, _continuing, _continuing,
+    st.builds(lambda t: {"reasoning": t}, _piece),
+    st.builds(lambda t: {"reasoning": "", "reasoning_content": t}, _piece),
+    st.builds(lambda t, r: {"content": t, "reasoning": r}, _piece, _piece),
+    st.builds(lambda t: {"refusal": t}, _piece),
+    st.builds(
+        lambda i, cid, name, args: {"tool_calls": [{k: v for k, v in (("index", i), ("id", cid)) if v is not None}
+                                                   | {"function": {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}}]},
+        st.one_of(st.none(), st.integers(0, 2)), st.sampled_from([None, "", "call_1", "call_2"]),
+        st.sampled_from([None, "f", "g"]), st.one_of(st.none(), _piece),
+    ),
+    st.just({"tool_calls": []}),
+    st.just({}),
+)
+_delta_chunk = st.builds(lambda d, f: {"choices": [{"index": 0, "delta": d, "finish_reason": f}]}, _chat_delta,
+                        st.sampled_from([None, None, None, "", "length", "tool_calls"]))
+_chat_chunk = st.one_of(
+    _delta_chunk, _delta_chunk, _delta_chunk, _delta_chunk,
+    st.builds(lambda d: {"choices": [{"index": 0, "delta": d}], "usage": {"prompt_tokens": 1}}, _chat_delta),
+    st.builds(lambda d: {"choices": [{"index": 1, "delta": d}]}, _chat_delta),
+    st.just({"choices": []}),
+    st.just({"choices": [{"index": 0, "delta": None}]}),
+    st.just({"choices": [{"index": 0, "delta": {}, "finish_reason": ""}]}),
+)
+
+
+def _replay(chunks: list[Any], reads: list[int] | None) -> tuple[Any, list[Any]]:
+    """Assemble ``chunks`` and feed a turn: one by one through ``feed`` (``reads`` None), or as a
+    pushing backend does, reads of ``reads[i]`` chunks whose leading plain pieces go to
+    ``Turn.plain`` at once (the chunks they stand for when it declines). The outcome (the
+    frames and the response, or the exception) and the assembler's end."""
+    from hotloop.backends.base import plain_chunks
+    from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler
+
+    decoded = [msgspec.json.decode(json.dumps(c), type=ChatChunk) for c in chunks]
+    p = validate(decode_body(b'{"model":"m","input":"x"}'))
+    ids = IdGen(deterministic=True)
+    turn = Turn(response_object(p, ids.new("resp"), 1), ids=ids, clock=lambda: 2.0, max_tool_calls=2)
+    a = ChunkAssembler()
+    frames = turn.start()
+    try:
+        if reads is None:
+            for c in decoded:
+                for out in a.feed(c):
+                    frames += turn.feed(out)
+        else:
+            at = 0
+            for n in reads + [len(decoded)]:
+                batch, at = decoded[at : at + n], at + n
+                lane, texts, rest = a.lane(), [], []
+                for i, c in enumerate(batch):
+                    piece = a.plain(c) if lane is not None else None
+                    if piece is None:
+                        rest = batch[i:]
+                        break
+                    if piece:
+                        texts.append(piece)
+                if texts:
+                    assert lane is not None
+                    got = turn.plain(lane[0], lane[1], texts)
+                    if got is None:
+                        for out in plain_chunks(lane[0], lane[1], texts):
+                            frames += turn.feed(out)
+                    else:
+                        frames += got
+                for c in rest:
+                    for out in a.feed(c):
+                        frames += turn.feed(out)
+        for out in a.end():
+            frames += turn.feed(out)
+    except Exception as exc:  # noqa: BLE001 - compared
+        return (type(exc).__name__, str(exc)), []
+    return (frames, turn.response), []
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_chat_chunk, max_size=30), st.lists(st.integers(1, 2), max_size=30))
+def test_plain_deltas_are_what_feeding_gives(chunks: list[Any], reads: list[int]) -> None:
+    """Whatever the chunks and however they are grouped into reads, taking the plain ones by the
+    shortcut gives the same frames, response and failures as feeding every chunk."""
+    assert _replay(chunks, reads) == _replay(chunks, None)

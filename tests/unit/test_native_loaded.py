@@ -46,6 +46,8 @@ def test_accel_resolved_every_name_natively() -> None:
         "ItemChain": "hotloop._native",
         "SseDecoder": "hotloop._native",
         "SecretScanner": "hotloop._native",
+        "DeltaLane": "hotloop._native",
+        "plain_delta": "hotloop._native",
         "encode_delta": "hotloop._frames",
         "encode_sse": "hotloop._frames",
     }

@@ -422,3 +422,175 @@ def test_pure_switch_in_a_subprocess_gives_identical_results() -> None:
     for key in ("native", "backends"):
         del pure[key], nat[key]
     assert pure == nat
+
+
+# -- plain_delta / DeltaLane / SseDecoder.feed_lane -----------------------------------------------
+
+PLAIN_CASES = [
+    '{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],"usage":null}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":2,"function":{"arguments":"{\\"a"}}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"","type":"function","function":{"name":"f","arguments":"x"}}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0,"function":null}]}}]}',
+    '{"choices":[{"delta":{"reasoning":"","reasoning_content":"r"}}]}',
+    '{"choices":[{"delta":{"reasoning":"a","reasoning_content":"b"}}]}',
+    '{"choices":[{"delta":{"content":"\\u00e9\\n\\ud83d\\ude00"}}]}',
+    "{}", '{"choices":[]}', '{"choices":[{"index":0}]}', '{"choices":[{"delta":null}]}',
+    '{"choices":[{"delta":{"role":"assistant","content":""}}]}', '{"choices":[{"delta":{"tool_calls":[]}}]}',
+    '{"x":1,"choices":[],"x":{"y":2,"y":3}}', '{"x":"\\ud83d\\ude00","choices":[]}',
+    "", "[DONE]", "[]", "null", "5", '"x"',
+    '{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":1}}',
+    '{"choices":[{"delta":{"content":"a"}}],"error":{"message":"x"}}',
+    '{"choices":[{"delta":{"content":"a"}}],"status_code":500}',
+    '{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}',
+    '{"choices":[{"delta":{"content":"a"},"finish_reason":""}]}',
+    '{"choices":[{"index":1,"delta":{"content":"a"}}]}', '{"choices":[{"index":0.0,"delta":{"content":"a"}}]}',
+    '{"choices":[{"index":-0,"delta":{"content":"a"}}]}', '{"choices":[{"index":true,"delta":{"content":"a"}}]}',
+    '{"choices":[{"index":null,"delta":{"content":"a"}}]}',
+    '{"choices":[{"delta":{"content":"a"}},{"index":1,"delta":{}}]}', '{"choices":null}',
+    '{"choices":[{"delta":{"content":1}}]}', '{"choices":[{"delta":{"content":"a","reasoning":"b"}}]}',
+    '{"choices":[{"delta":{"content":"a","refusal":"no"}}]}', '{"choices":[{"delta":{"refusal":"no"}}]}',
+    '{"choices":[{"delta":{"reasoning":5}}]}', '{"choices":[{"delta":{"content":"a","tool_calls":[{"index":0}]}}]}',
+    '{"choices":[{"delta":{"content":"a","tool_calls":[5]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0},{"index":1}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"x"}}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"arguments":"x"}}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":5}}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":0,"function":"f"}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":9223372036854775807}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":9223372036854775808}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":[{"index":-9223372036854775809}]}}]}',
+    '{"choices":[{"delta":{"tool_calls":{"index":0}}}]}', '{"choices":[{"delta":"x"}]}',
+    '{"choices":[{"delta":{"content":"\\ud800"}}]}', '{"choices":[],"x":"\\udc00"}',
+    '{"choices":[],"x":1e999}', '{"choices":[],"x":NaN}', '{"choices":[]} x',
+    '{"choices":[{"delta":{"content":5,"content":"b"}}]}', '{"choices":[{"delta":{"content":"a","content":"b"}}]}',
+    '{"choices":[],"choices":[]}', '{"choices":[{"delta":{"tool_calls":[{"index":0,"index":0}]}}]}',
+    '{"x":' + "[" * 126 + "]" * 126 + ',"choices":[]}', '{"x":' + "[" * 127 + "]" * 127 + ',"choices":[]}',
+    '{"x":"[[[[' + "[" * 200 + '","choices":[]}',
+]
+
+
+@pytest.mark.parametrize("data", PLAIN_CASES)
+def test_plain_delta_twins_agree(data: str) -> None:
+    native, pure = IMPLS["native"]["plain_delta"], IMPLS["pure"]["plain_delta"]
+    assert outcome(native, data) == outcome(pure, data)
+
+
+def test_plain_delta_reads_the_usual_shapes() -> None:
+    for impl in IMPLS.values():
+        plain = impl["plain_delta"]
+        assert plain(PLAIN_CASES[0]) == (_accel.PLAIN_TEXT, 0, "hi")
+        assert plain(PLAIN_CASES[1]) == (_accel.PLAIN_ARGUMENTS, 2, '{"a')
+        assert plain(PLAIN_CASES[5]) == (_accel.PLAIN_REASONING, 0, "r")
+        assert plain("{}") == (_accel.PLAIN_NOTHING, 0, "")
+        assert plain('{"choices":[{"delta":{"content":"a","content":"b"}}]}') is None
+        assert outcome(plain, b"{}") == ("err", TypeError)
+
+
+def _lane_stream(events: list[str]) -> bytes:
+    return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+def _lane(impl: Impl, kind: int, seq: int = 10) -> Any:
+    lane = impl["DeltaLane"](kind, 4, "response.output_text.delta", "msg_1", 2, 0, True, ["x"])
+    lane.seq = seq
+    return lane
+
+
+def _lane_state(lane: Any) -> tuple[Any, ...]:
+    return (lane.kind, lane.call, lane.event_type, lane.item_id, lane.output_index, lane.content_index, lane.logprobs,
+            lane.parts, lane.seq, lane.taken, lane.emit)
+
+
+@pytest.mark.parametrize(
+    ("kind", "index", "events"),
+    [
+        (1, 0, ['{"choices":[{"delta":{"content":"a"}}]}', "{}", '{"choices":[{"delta":{"content":"b\\n\\u0001"}}]}',
+                '{"choices":[{"delta":{"content":"c"},"finish_reason":"stop"}]}', "[DONE]"]),
+        (3, 1, ['{"choices":[{"delta":{"tool_calls":[{"index":1,"function":{"arguments":"{\\"x"}}]}}]}',
+                '{"choices":[{"delta":{"tool_calls":[{"index":1,"function":{"arguments":""}}]}}]}',
+                '{"choices":[{"delta":{"tool_calls":[{"index":2,"function":{"arguments":"y"}}]}}]}']),
+        (2, 0, ['{"choices":[{"delta":{"reasoning":"r"}}]}', '{"choices":[{"delta":{"content":"t"}}]}']),
+        (0, 0, ['{"choices":[{"delta":{"content":"a"}}]}']),
+        (7, 0, ['{"choices":[{"delta":{"content":"a"}}]}']),
+    ],
+)
+@pytest.mark.parametrize("with_args", [False, True])
+def test_feed_lane_twins_agree(kind: int, index: int, events: list[str], with_args: bool) -> None:
+    stream = _lane_stream(events) + b"event: error\ndata: x\n\ndata: {\xff}\n\n"
+    results = []
+    for impl in IMPLS.values():
+        lane = _lane(impl, kind)
+        args: list[str] | None = ["y"] if with_args else None
+        decoder = impl["SseDecoder"]()
+        got = []
+        for i in range(0, len(stream), 7):
+            got.append(decoder.feed_lane(stream[i : i + 7], lane, index, args))
+        results.append((got, _lane_state(lane), args))
+    assert results[0] == results[1]
+    got, state, args = results[0]
+    pieces = state[7][1:]
+    frames = [f for g in got for f in g[0]]
+    assert len(pieces) == len(frames) == state[9] and state[8] == 10 + len(pieces)
+    assert args is None or args[1:] == pieces
+    for i, (ty, payload) in enumerate(frames):
+        assert ty == "response.output_text.delta"
+        assert payload == IMPLS["pure"]["encode_delta"](ty, 10 + i, "msg_1", 2, 0, pieces[i], True)
+
+
+def test_feed_lane_takes_what_plain_delta_takes_and_feed_gives_the_rest() -> None:
+    events = ['{"choices":[{"delta":{"content":"a"}}]}', '{"choices":[]}', '{"choices":[{"delta":{"content":"b"}}]}',
+              '{"choices":[{"delta":{"content":"c"}}],"usage":{"x":1}}', '{"choices":[{"delta":{"content":"d"}}]}']
+    stream = _lane_stream(events)
+    for impl in IMPLS.values():
+        lane = _lane(impl, 1, seq=0)
+        frames, rest = impl["SseDecoder"]().feed_lane(stream, lane, 0, None)
+        assert lane.parts == ["x", "a", "b"] and len(frames) == 2 and lane.seq == 2 and lane.taken == 2
+        assert rest == impl["SseDecoder"]().feed(_lane_stream(events[3:]))
+
+
+def test_feed_lane_takes_nothing_when_the_stream_is_broken() -> None:
+    for impl in IMPLS.values():
+        lane = _lane(impl, 1, seq=0)
+        decoder = impl["SseDecoder"](64)
+        data = _lane_stream(['{"choices":[{"delta":{"content":"a"}}]}']) + b"data: " + b"x" * 100
+        assert outcome(decoder.feed_lane, data, lane, 0, None) == ("err", ValueError)
+        assert lane.parts == ["x"] and lane.seq == 0 and lane.taken == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("1", 0, "t", "i", 0, 0, True, []), (1, 0, b"t", "i", 0, 0, True, []), (1, 0, "t", None, 0, 0, True, []),
+     (1, 0, "t", "i", 0, 0, 1, []), (1, 0, "t", "i", 0, 2**63, True, []), (2**64, 0, "t", "i", 0, 0, True, []),
+     (1, 0, "t", "i", 0, 0, True, ()), (1, 0, "t", "i", 0, 0, True, None)],
+)
+def test_delta_lane_argument_errors_agree(args: tuple[Any, ...]) -> None:
+    assert outcome(IMPLS["native"]["DeltaLane"], *args) == outcome(IMPLS["pure"]["DeltaLane"], *args)
+
+
+def test_delta_lane_fields() -> None:
+    for impl in IMPLS.values():
+        parts: list[str] = []
+        lane = impl["DeltaLane"](1, 0, "t", "i", 0, 0, True, parts)
+        assert lane.parts is parts and lane.seq == 0 and lane.taken == 0 and lane.emit is None
+        lane.seq, lane.taken, lane.emit = 5, 2, print
+        assert (lane.seq, lane.taken, lane.emit) == (5, 2, print)
+        with pytest.raises(AttributeError):
+            lane.kind = 2
+        with pytest.raises(AttributeError):
+            lane.parts = []
+        with pytest.raises(TypeError):
+            lane.seq = "6"
+        with pytest.raises(OverflowError):
+            lane.taken = 2**63
+        assert (lane.seq, lane.taken) == (5, 2)
+
+
+@pytest.mark.parametrize("bad", [("x", 0, None), (b"", "0", None), (b"", 2**63, None), (b"", 0, ()), (b"", 0, "ab")])
+def test_feed_lane_argument_errors_agree(bad: tuple[Any, Any, Any]) -> None:
+    got = []
+    for impl in IMPLS.values():
+        lane = impl["DeltaLane"](1, 0, "t", "i", 0, 0, True, [])
+        got.append(outcome(impl["SseDecoder"]().feed_lane, bad[0], lane, bad[1], bad[2]))
+        got.append(outcome(impl["SseDecoder"]().feed_lane, b"", object(), 0, None))
+    assert got[:2] == got[2:]

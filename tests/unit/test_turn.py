@@ -224,3 +224,70 @@ def test_a_quiet_turn_builds_the_same_response_without_encoding_events(chunks) -
     assert quiet.events == loud.events == len(frames) == len(qframes)
     assert {f for f in qframes} == {("", b"")}
     assert quiet.response == loud.response == frames[-1]["response"]
+
+
+# -- lanes: the open item's plain deltas read without the turn (SseDecoder.feed_lane) ------------
+
+
+def _lane_read(lane, pieces: list[str]) -> list[tuple[str, bytes]]:
+    """What a backend does with a lane: its decoder (the build's, as the turn's lane) reads
+    these pieces into the item."""
+    from hotloop import _accel
+
+    chunk = lambda p: {"choices": [{"index": 0, "delta": {"content": p}}]} if lane.kind == _accel.PLAIN_TEXT else {
+        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": lane.call, "function": {"arguments": p}}]}}]}
+    data = b"".join(b"data: " + json.dumps(chunk(p)).encode() + b"\n\n" for p in pieces)
+    frames, rest = _accel.SseDecoder().feed_lane(data, lane, lane.call, None)
+    assert rest == [] and len(frames) == len(pieces)
+    return frames
+
+
+def test_a_lane_reads_like_feeding() -> None:
+    """Pieces read through the turn's lane, between chunks fed to it, give exactly the events,
+    response and usage of feeding every chunk (the lane numbers its events where the turn is)."""
+    fed = make_turn(transport="ws")
+    want = run(fed, [TextDelta("a"), TextDelta("b"), TextDelta("c"), ToolCallDelta(0, '{"x":', "call_1", "f"),
+                     ToolCallDelta(0, "1"), ToolCallDelta(0, "}"), Finish("tool_calls")])
+    turn = make_turn(transport="ws")
+    frames = turn.start() + turn.feed(TextDelta("a"))
+    lane = turn.lane()
+    assert lane is not None and lane.seq == turn._seq
+    frames += _lane_read(lane, ["b", "c"])
+    frames += turn.feed(ToolCallDelta(0, '{"x":', "call_1", "f"))
+    lane = turn.lane()
+    assert lane is not None and lane.call == 0
+    frames += _lane_read(lane, ["1"])
+    assert turn.lane() is lane  # handed over again: nothing changed
+    frames += _lane_read(lane, ["}"])
+    frames += turn.feed(Finish("tool_calls"))
+    assert [json.loads(p) for _, p in frames] == want
+    assert turn.response == fed.response and turn.events == fed.events
+
+
+def test_an_aside_moves_the_lane_on() -> None:
+    turn = make_turn(transport="ws")
+    turn.start()
+    turn.feed(TextDelta("a"))
+    lane = turn.lane()
+    _lane_read(lane, ["b"])
+    seq = turn.aside()  # a steering reply between two reads
+    assert seq == 6 and lane.seq == 7
+    frames = _lane_read(lane, ["c"])
+    assert json.loads(frames[0][1])["sequence_number"] == 7
+    out = turn.finish("stop")  # directly, as a steered run ends: it takes the lane's reads back too
+    events = [json.loads(p) for _, p in out]
+    assert events[0]["sequence_number"] == 8 and events[-1]["response"]["output"][0]["content"][0]["text"] == "abc"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 3
+
+
+def test_no_lane_without_an_open_item_or_for_a_quiet_turn() -> None:
+    turn = make_turn()
+    assert turn.lane() is None
+    turn.start()
+    assert turn.lane() is None
+    turn.feed(Usage(output_tokens=1))
+    assert turn.lane() is None
+    quiet = make_turn(quiet=True)
+    quiet.start()
+    quiet.feed(TextDelta("a"))
+    assert quiet.lane() is None

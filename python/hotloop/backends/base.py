@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator, Callable, Protocol, Union
 
 import msgspec
 
-from hotloop.protocol.chunks import Chunk
+from hotloop._accel import DeltaLane
+from hotloop.protocol.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallDelta
 from hotloop.protocol.request import FunctionTool, Item, TextFormat
 
 
@@ -29,12 +30,35 @@ class PushSlot:
     The backend calls ``fn`` only while the iterating task is suspended waiting for the backend's
     next bytes (every chunk before has been yielded and handled), so pushed and yielded chunks
     keep their order; an exception from ``fn`` is raised by the iterator.
+
+    ``plain``, when set, takes the same way a run of chunks that only continue the item the
+    stream has open, given as their pieces: ``plain(kind, index, texts)`` stands for
+    ``kind(text)`` for each text (:class:`TextDelta`, :class:`ReasoningDelta`), or for
+    ``ToolCallDelta(index, text)`` (the open call's arguments), none of them empty. It returns
+    how many it took, like ``fn``; a backend may always hand such chunks to ``fn`` instead.
+
+    ``lane``, when not None, is the consumer's open item as a :class:`DeltaLane` (kept current
+    by the consumer, None whenever it does not take chunks): a backend that reads a plain delta
+    of that item may read it into the item with ``SseDecoder.feed_lane`` and send the events
+    with ``lane.emit(events)``, without calling the consumer at all.
     """
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "plain", "lane", "lanes")
 
     def __init__(self) -> None:
         self.fn: Callable[[list[Chunk]], int] | None = None
+        self.plain: Callable[[type[Chunk], int, list[str]], int] | None = None
+        self.lane: DeltaLane | None = None
+        self.lanes = False  # set by a backend that reads lanes: only then is one kept current
+
+
+def plain_chunks(kind: type[Chunk], index: int, texts: list[str]) -> list[Chunk]:
+    """The chunks a :attr:`PushSlot.plain` call stands for."""
+    if kind is ToolCallDelta:
+        return [ToolCallDelta(index, t) for t in texts]
+    if kind is TextDelta:
+        return [TextDelta(t) for t in texts]
+    return [ReasoningDelta(t) for t in texts]
 
 
 class BackendRequest(msgspec.Struct, kw_only=True):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hotloop import errors
+from hotloop._accel import PLAIN_ARGUMENTS, PLAIN_REASONING, PLAIN_TEXT, DeltaLane
 from hotloop.protocol import events as ev
 from hotloop.protocol.chunks import (
     Chunk,
@@ -73,7 +74,7 @@ class TurnStateError(RuntimeError):
 
 
 class _OpenItem:
-    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name")
+    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane")
 
     def __init__(self, key: str, output_index: int, item_id: str) -> None:
         self.key = key
@@ -82,6 +83,7 @@ class _OpenItem:
         self.parts: list[str] = []
         self.call_id = ""
         self.name = ""
+        self.lane: DeltaLane | None = None  # Turn.lane
 
 
 class Turn:
@@ -115,6 +117,7 @@ class Turn:
         self.max_tool_calls = max_tool_calls
         self._clock = clock
         self._seq = 0
+        self._lane: DeltaLane | None = None  # the lane handed over (lane()), if any
         self._phase = _NEW
         self._open: _OpenItem | None = None
         self._output: list[dict[str, Any]] = response["output"]
@@ -143,6 +146,7 @@ class Turn:
     @property
     def events(self) -> int:
         """Events emitted so far."""
+        self._sync()
         return self._seq
 
     @property
@@ -152,7 +156,11 @@ class Turn:
     def aside(self) -> int:
         """A sequence number for an event outside the turn's own sequence that joins its stream
         (a steering reply on WebSocket), so the numbers on the wire stay increasing."""
-        return self._next()
+        self._sync()
+        seq = self._next()
+        if self._lane is not None:
+            self._lane.seq = self._seq  # the lane's next event comes after this one
+        return seq
 
     @property
     def steerable(self) -> bool:
@@ -175,6 +183,8 @@ class Turn:
 
     def feed(self, chunk: Chunk) -> list[Frame]:
         """Events for one backend chunk (usually exactly one delta event)."""
+        if self._lane is not None:
+            self._sync()
         if self._phase is not _STREAMING:
             self._check("feed")
         kind = type(chunk)
@@ -204,6 +214,77 @@ class Turn:
                 error_event=False,
             )
         raise TypeError(f"unknown chunk {chunk!r}")
+
+    def lane(self) -> DeltaLane | None:
+        """The open item's :class:`DeltaLane`, handed over: its ``seq`` is this turn's next
+        sequence number and its ``parts`` the item's pieces, so ``SseDecoder.feed_lane`` can
+        read the item's plain deltas into events without this machine. Every method of the turn
+        first takes back what the lane read since (``taken``, ``seq``); call this again after
+        any of them before reading into the lane again. None when no item is open, or the
+        events are not encoded (a quiet turn)."""
+        self._sync()
+        item = self._open
+        if item is None or self._phase is not _STREAMING or self._ev is _Quiet:
+            return None
+        lane = item.lane
+        if lane is None:
+            key = item.key
+            if key == _MESSAGE:
+                lane = DeltaLane(PLAIN_TEXT, 0, ev.OUTPUT_TEXT_DELTA, item.item_id, item.output_index, 0, True, item.parts)
+            elif key == _REASONING:
+                lane = DeltaLane(PLAIN_REASONING, 0, ev.REASONING_TEXT_DELTA, item.item_id, item.output_index, 0, False,
+                                 item.parts)
+            else:
+                lane = DeltaLane(PLAIN_ARGUMENTS, int(key[5:]), ev.FUNCTION_CALL_ARGUMENTS_DELTA, item.item_id,
+                                 item.output_index, -1, False, item.parts)
+            item.lane = lane
+        self._lane = lane
+        lane.seq = self._seq
+        return lane
+
+    def _sync(self) -> None:
+        """Take back what the handed-over lane read (:meth:`lane`): its events' numbers and its
+        pieces (already in the item's parts)."""
+        lane = self._lane
+        if lane is not None and lane.taken:
+            self._output_tokens_seen += lane.taken
+            lane.taken = 0
+            self._seq = lane.seq
+
+    def plain(self, kind: type[Chunk], index: int, texts: list[str]) -> list[Frame] | None:
+        """The frames of consecutive plain deltas of the open item: ``texts`` are the ``text``
+        of as many :class:`TextDelta` or :class:`ReasoningDelta` chunks (``kind``), or the
+        ``arguments`` of as many :class:`ToolCallDelta` chunks of call ``index`` without an id
+        or a name, none of them empty. Exactly what :meth:`feed` gives for those chunks one by
+        one, when the item they continue is open; None (nothing changed) when it is not."""
+        item = self._open
+        if item is None or self._phase is not _STREAMING:
+            return None
+        key = item.key
+        seq = self._seq
+        item_id, output_index = item.item_id, item.output_index
+        if kind is TextDelta:
+            if key != _MESSAGE:
+                return None
+            enc = self._text_delta
+            out = [enc(seq + i, item_id, output_index, 0, t) for i, t in enumerate(texts)]
+        elif kind is ToolCallDelta:
+            if key != f"call:{index}":
+                return None
+            enc = self._ev.arguments_delta
+            out = [enc(seq + i, item_id, output_index, t) for i, t in enumerate(texts)]
+        elif kind is ReasoningDelta:
+            if key != _REASONING:
+                return None
+            enc = self._ev.reasoning_delta
+            out = [enc(seq + i, item_id, output_index, 0, t) for i, t in enumerate(texts)]
+        else:
+            return None
+        n = len(texts)
+        item.parts += texts
+        self._seq = seq + n
+        self._output_tokens_seen += n
+        return out
 
     def _delta(self, key: str, text: str) -> list[Frame]:
         out: list[Frame] = []
@@ -300,6 +381,7 @@ class Turn:
         if item is None:
             return
         self._open = None
+        self._lane = None
         text = "".join(item.parts)
         idx = item.output_index
         if item.key == _MESSAGE:
@@ -359,6 +441,7 @@ class Turn:
 
     def finish(self, reason: str = "stop") -> list[Frame]:
         """Close the open item and end with ``completed`` (or ``incomplete`` on a token limit)."""
+        self._sync()
         self._check("finish")
         out: list[Frame] = []
         incomplete = reason in ("length", "content_filter", STEERED)
@@ -408,6 +491,7 @@ class Turn:
         first frame of its *next* turn. WebSocket errors before ``response.created`` are sent by
         the session as error frames instead.
         """
+        self._sync()
         self._check("fail")
         out: list[Frame] = []
         if self._phase == _NEW:

@@ -459,12 +459,16 @@ class _Watchdog:
     the backend await (time spent sending to a slow client never counts as backend silence).
     """
 
-    __slots__ = ("loop", "idle", "since", "_scope", "_handle")
+    __slots__ = ("loop", "idle", "since", "progress", "_seen", "_scope", "_handle")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
         self.loop = loop
         self.idle = idle
         self.since: float | None = None
+        # chunks may also arrive without this run (a lane, see Run._relane): a change of
+        # progress() between two checks counts as the backend speaking
+        self.progress: Callable[[], int] | None = None
+        self._seen = -1
         self._scope: asyncio.Timeout | None = None
         self._handle: asyncio.TimerHandle | None = None
 
@@ -475,6 +479,11 @@ class _Watchdog:
     def _check(self) -> None:
         now = self.loop.time()
         since = self.since
+        if since is not None and self.progress is not None:
+            seen = self.progress()
+            if seen != self._seen:
+                self._seen = seen
+                since = self.since = now
         if since is not None and now - since >= self.idle and self._scope is not None:
             self._scope.reschedule(now)
             self._handle = None
@@ -535,7 +544,7 @@ class Run:
         # callback hands delta chunks to :meth:`_push`, and their frames go out without a
         # wake-up of this run's task; everything else goes through :meth:`frames`.
         self.push_slot: PushSlot | None = None
-        self.emit: Callable[[list[Frame]], None] | None = None
+        self._emit: Callable[[list[Frame]], None] | None = None
 
     def _uncut(self) -> bool:
         """A backend that turned the steering cancellation into an error of its own: take the
@@ -553,6 +562,7 @@ class Run:
         such a boundary the wait ends now and the backend stream is cancelled; otherwise the
         stop comes after the chunk that reaches one (or the response ends on its own)."""
         self._steered = True
+        self._relane()
         if self.turn.steerable:
             self._interrupt()
 
@@ -562,6 +572,7 @@ class Run:
         already produced)."""
         if self._abort is None and not self.turn.done:
             self._abort = exc
+            self._relane()
             self._interrupt()
 
     def _interrupt(self) -> None:
@@ -592,9 +603,57 @@ class Run:
         watch = self._watch
         if n and watch is not None:
             watch.since = watch.loop.time()  # the backend is not silent
+        self._relane()
         if out:
             emit(out)
         return n
+
+    def _plain(self, kind: type[Chunk], index: int, texts: list[str]) -> int:
+        """:meth:`_push` for a run of plain deltas of the open item (``PushSlot.plain``): all
+        of them or none."""
+        emit = self._emit
+        if emit is None or self._abort is not None or self._steered:
+            return 0
+        frames = self.turn.plain(kind, index, texts)
+        if frames is None:
+            return 0
+        watch = self._watch
+        if watch is not None:
+            watch.since = watch.loop.time()  # the backend is not silent
+        self._relane()
+        emit(frames)
+        return len(texts)
+
+    @property
+    def emit(self) -> Callable[[list[Frame]], None] | None:
+        """The client's synchronous send of a batch of frames (see ``push_slot``)."""
+        return self._emit
+
+    @emit.setter
+    def emit(self, fn: Callable[[list[Frame]], None] | None) -> None:
+        self._emit = fn
+        self._relane()
+
+    def _relane(self) -> None:
+        """Offer the backend the open item's lane (``PushSlot.lane``: its plain deltas go to
+        the client as events without this run) while this run takes pushed chunks; withdraw it
+        otherwise. Called after anything that may change the open item, the turn's numbering or
+        whether pushes are taken."""
+        slot = self.push_slot
+        if slot is None or not slot.lanes:
+            return
+        lane = None
+        emit = self._emit
+        if emit is not None and slot.fn is not None and self._abort is None and not self._steered:
+            lane = self.turn.lane()
+            if lane is not None:
+                lane.emit = emit
+        slot.lane = lane
+
+    def _progress(self) -> int:
+        """What the lane took so far (the idle watchdog's sign of a live backend)."""
+        lane = self.push_slot.lane if self.push_slot is not None else None
+        return -1 if lane is None else lane.seq
 
     def _stop(self) -> list[Frame]:
         """The ending a steer or an abort asked for, after an interrupted backend wait."""
@@ -667,6 +726,9 @@ class Run:
                         self._watch = watchdog
                         if self.push_slot is not None:
                             self.push_slot.fn = self._push
+                            self.push_slot.plain = self._plain
+                            watchdog.progress = self._progress
+                            self._relane()
                         while True:
                             if self._abort is not None:  # aborted while its client took frames
                                 await self._settle()
@@ -696,6 +758,7 @@ class Run:
                             elif self._steered and turn.steerable:
                                 await self._settle()
                                 out += turn.finish(STEERED)
+                            self._relane()
                             if out:
                                 yield out
                             if turn.done:
@@ -728,7 +791,7 @@ class Run:
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
                     if self.push_slot is not None:
-                        self.push_slot.fn = None
+                        self.push_slot.fn = self.push_slot.plain = self.push_slot.lane = None
                     watchdog.disarm()
                     self._watch = None
         finally:

@@ -4,7 +4,7 @@
 //! `hotloop._pure`.
 
 use hotloop_core::secrets::{char_offsets, redact, Finding};
-use hotloop_core::{self as core, ChainError, FeedError, PatternSpec, SseError};
+use hotloop_core::{self as core, ChainError, FeedError, PatternSpec, Plain, SseError};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -151,7 +151,9 @@ impl ItemChain {
     #[pyo3(signature = (fps, start = 0))]
     fn common_prefix(&self, fps: &Bound<'_, PyAny>, start: i64) -> PyResult<usize> {
         let fps = fps_of(fps)?;
-        Ok(self.inner.common_prefix_from(non_negative("start", start)?, &fps))
+        Ok(self
+            .inner
+            .common_prefix_from(non_negative("start", start)?, &fps))
     }
 
     fn tokens_upto(&self, n: i64) -> PyResult<u64> {
@@ -222,23 +224,194 @@ impl SseDecoder {
         let out = PyList::empty(py);
         let message = intern!(py, "message");
         let result = self.inner.feed_with(data, |ty, payload| -> PyResult<()> {
-            let ty_obj: Bound<'py, PyAny> = if ty == b"message" {
-                message.clone().into_any()
-            } else {
-                decode_replace(py, ty)?
-            };
-            let data_obj = decode_replace(py, payload)?;
-            out.append(PyTuple::new(py, [ty_obj, data_obj])?)
+            out.append(event_tuple(py, message, ty, payload)?)
         });
         match result {
             Ok(()) => Ok(out),
-            Err(FeedError::Emit(e)) => Err(e),
-            Err(FeedError::Sse(
-                e @ (SseError::LineTooLong { .. }
-                | SseError::EventTooLarge { .. }
-                | SseError::Failed),
-            )) => Err(PyValueError::new_err(e.to_string())),
+            Err(e) => Err(feed_error(e)),
         }
+    }
+
+    /// ``feed`` that takes the leading plain deltas of ``lane``'s item (see the stub).
+    fn feed_lane<'py>(
+        &mut self,
+        py: Python<'py>,
+        data: &[u8],
+        mut lane: PyRefMut<'py, DeltaLane>,
+        index: i64,
+        args: Option<Bound<'py, PyList>>,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let frames = PyList::empty(py);
+        let rest = PyList::empty(py);
+        let message = intern!(py, "message");
+        let lane = &mut *lane;
+        let event_type = lane.event_type.bind(py);
+        let mut taking = matches!(lane.kind, PLAIN_TEXT | PLAIN_REASONING | PLAIN_ARGUMENTS);
+        let mut pieces: Vec<Bound<'py, PyString>> = Vec::new();
+        let mut buf: Vec<u8> = Vec::with_capacity(256);
+        let result = self.inner.feed_with(data, |ty, payload| -> PyResult<()> {
+            if taking && ty == b"message" {
+                let piece = std::str::from_utf8(payload)
+                    .ok()
+                    .and_then(core::plain_delta);
+                let text = match piece {
+                    Some(Plain::Nothing) => return Ok(()),
+                    Some(Plain::Text(t)) if lane.kind == PLAIN_TEXT => Some(t),
+                    Some(Plain::Reasoning(t)) if lane.kind == PLAIN_REASONING => Some(t),
+                    Some(Plain::Arguments {
+                        index: i,
+                        arguments,
+                    }) if lane.kind == PLAIN_ARGUMENTS && i == index => Some(arguments),
+                    _ => None,
+                };
+                match text {
+                    Some(t) if t.is_empty() => return Ok(()),
+                    Some(t) => {
+                        buf.clear();
+                        core::delta_event(
+                            &mut buf,
+                            &lane.event_type_str,
+                            lane.seq + pieces.len() as i64,
+                            &lane.item_id,
+                            lane.output_index,
+                            lane.content_index,
+                            &t,
+                            lane.logprobs,
+                        );
+                        pieces.push(PyString::new(py, &t));
+                        return frames.append((event_type, PyBytes::new(py, &buf)));
+                    }
+                    None => taking = false,
+                }
+            }
+            rest.append(event_tuple(py, message, ty, payload)?)
+        });
+        if let Err(e) = result {
+            return Err(feed_error(e));
+        }
+        let parts = lane.parts.bind(py);
+        for piece in &pieces {
+            parts.append(piece)?;
+            if let Some(args) = &args {
+                args.append(piece)?;
+            }
+        }
+        lane.seq += pieces.len() as i64;
+        lane.taken += pieces.len() as i64;
+        Ok((frames, rest))
+    }
+}
+
+/// ``(type, data)`` of one event, both decoded as UTF-8 with replacement.
+fn event_tuple<'py>(
+    py: Python<'py>,
+    message: &Bound<'py, PyString>,
+    ty: &[u8],
+    payload: &[u8],
+) -> PyResult<Bound<'py, PyTuple>> {
+    let ty_obj: Bound<'py, PyAny> = if ty == b"message" {
+        message.clone().into_any()
+    } else {
+        decode_replace(py, ty)?
+    };
+    PyTuple::new(py, [ty_obj, decode_replace(py, payload)?])
+}
+
+fn feed_error(e: FeedError<PyErr>) -> PyErr {
+    match e {
+        FeedError::Emit(e) => e,
+        FeedError::Sse(
+            e @ (SseError::LineTooLong { .. } | SseError::EventTooLarge { .. } | SseError::Failed),
+        ) => PyValueError::new_err(e.to_string()),
+    }
+}
+
+// The kinds of plain delta (hotloop._native.pyi: PLAIN_*).
+const PLAIN_NOTHING: i64 = 0;
+const PLAIN_TEXT: i64 = 1;
+const PLAIN_REASONING: i64 = 2;
+const PLAIN_ARGUMENTS: i64 = 3;
+
+/// One event's plain delta as ``(kind, index, text)``, or None (see the stub).
+#[pyfunction]
+fn plain_delta(data: &str) -> Option<(i64, i64, String)> {
+    Some(match core::plain_delta(data)? {
+        Plain::Nothing => (PLAIN_NOTHING, 0, String::new()),
+        Plain::Text(t) => (PLAIN_TEXT, 0, t),
+        Plain::Reasoning(t) => (PLAIN_REASONING, 0, t),
+        Plain::Arguments { index, arguments } => (PLAIN_ARGUMENTS, index, arguments),
+    })
+}
+
+/// The output item whose plain deltas ``SseDecoder.feed_lane`` turns into events (see the stub).
+#[pyclass(module = "hotloop._native", name = "DeltaLane")]
+struct DeltaLane {
+    #[pyo3(get)]
+    kind: i64,
+    #[pyo3(get)]
+    call: i64,
+    #[pyo3(get)]
+    event_type: Py<PyString>,
+    event_type_str: String,
+    #[pyo3(get)]
+    item_id: String,
+    #[pyo3(get)]
+    output_index: i64,
+    #[pyo3(get)]
+    content_index: i64,
+    #[pyo3(get)]
+    logprobs: bool,
+    #[pyo3(get)]
+    parts: Py<PyList>,
+    #[pyo3(get, set)]
+    seq: i64,
+    #[pyo3(get, set)]
+    taken: i64,
+    #[pyo3(get, set)]
+    emit: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl DeltaLane {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        kind: i64,
+        call: i64,
+        event_type: Bound<'_, PyString>,
+        item_id: String,
+        output_index: i64,
+        content_index: i64,
+        logprobs: bool,
+        parts: Bound<'_, PyList>,
+    ) -> PyResult<Self> {
+        let event_type_str = event_type.to_str()?.to_owned();
+        Ok(DeltaLane {
+            kind,
+            call,
+            event_type: event_type.unbind(),
+            event_type_str,
+            item_id,
+            output_index,
+            content_index,
+            logprobs,
+            parts: parts.unbind(),
+            seq: 0,
+            taken: 0,
+            emit: None,
+        })
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.parts)?;
+        if let Some(emit) = &self.emit {
+            visit.call(emit)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.emit = None;
     }
 }
 
@@ -395,5 +568,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ItemChain>()?;
     m.add_class::<SseDecoder>()?;
     m.add_class::<SecretScanner>()?;
+    m.add_class::<DeltaLane>()?;
+    m.add_function(wrap_pyfunction!(plain_delta, m)?)?;
+    m.add("PLAIN_NOTHING", PLAIN_NOTHING)?;
+    m.add("PLAIN_TEXT", PLAIN_TEXT)?;
+    m.add("PLAIN_REASONING", PLAIN_REASONING)?;
+    m.add("PLAIN_ARGUMENTS", PLAIN_ARGUMENTS)?;
     Ok(())
 }

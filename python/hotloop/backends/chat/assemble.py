@@ -12,6 +12,7 @@ from typing import Any, Union
 import msgspec
 
 from hotloop import errors
+from hotloop._accel import PLAIN_ARGUMENTS, PLAIN_REASONING, PLAIN_TEXT
 from hotloop.protocol.chunks import (
     Chunk,
     Finish,
@@ -92,9 +93,10 @@ _NEW, _LIVE, _SEALED, _DEFERRED = 0, 1, 2, 3  # tool call states
 
 
 class _Call:
-    __slots__ = ("call_id", "name", "args", "state", "index")
+    __slots__ = ("key", "call_id", "name", "args", "state", "index")
 
-    def __init__(self) -> None:
+    def __init__(self, key: int) -> None:
+        self.key = key  # the index the server gives it
         self.call_id: str | None = None
         self.name: str | None = None
         self.args: list[str] = []  # the arguments so far (emitted or not)
@@ -167,6 +169,61 @@ class ChunkAssembler:
                 self.finish_reason = _FINISH.get(choice.finish_reason, "stop")
         return out
 
+    def lane(self) -> tuple[type[Chunk], int, int, list[str] | None, int] | None:
+        """The open item, as what its plain deltas are (:meth:`plain`): ``(TextDelta, 0, 0,
+        None, PLAIN_TEXT)``, ``(ReasoningDelta, 0, 0, None, PLAIN_REASONING)``, or for the open
+        call ``(ToolCallDelta, index, key, args, PLAIN_ARGUMENTS)``: its index in the response,
+        the index the server gives it, and the list its arguments are kept in (pieces read
+        elsewhere, by ``SseDecoder.feed_lane``, are appended to it). None when nothing is open."""
+        cur = self._open
+        if cur is _TEXT:
+            return TextDelta, 0, 0, None, PLAIN_TEXT
+        if cur is _REASONING:
+            return ReasoningDelta, 0, 0, None, PLAIN_REASONING
+        if type(cur) is _Call and cur.state == _LIVE:
+            return ToolCallDelta, cur.index, cur.key, cur.args, PLAIN_ARGUMENTS
+        return None
+
+    def plain(self, chunk: ChatChunk) -> str | None:
+        """A chunk that only continues the open item (see :meth:`lane`), taken: its piece (its
+        text, or its call's arguments), ``""`` for a chunk that changes nothing. None, and
+        nothing taken, for anything else (:meth:`feed` it). For the chunks it takes this is
+        :meth:`feed` without building them: ``feed`` would return exactly one delta of the open
+        item with that piece (none for ``""``)."""
+        if chunk.usage is not None:
+            return None
+        choices = chunk.choices
+        if not choices:
+            return ""
+        if len(choices) != 1:
+            return None
+        choice = choices[0]
+        if choice.index != 0 or choice.finish_reason:
+            return None
+        d = choice.delta
+        if d is None:
+            return ""
+        if d.refusal:
+            return None
+        content, reasoning, calls = d.content, d.reasoning or d.reasoning_content, d.tool_calls
+        cur = self._open
+        if content:
+            return content if cur is _TEXT and not reasoning and not calls else None
+        if reasoning:
+            return reasoning if cur is _REASONING and not calls else None
+        if not calls:
+            return ""
+        if len(calls) != 1 or type(cur) is not _Call or cur.state != _LIVE:
+            return None
+        tc = calls[0]
+        if tc.index != cur.key or tc.id:
+            return None
+        fn = tc.function
+        args = (fn.arguments or "") if fn is not None else ""
+        if args:
+            cur.args.append(args)
+        return args
+
     def _hold(self, n: int) -> None:
         self._buffered += n
         if self._buffered > MAX_BUFFERED_BYTES:
@@ -196,7 +253,7 @@ class ChunkAssembler:
         key = tc.index if tc.index is not None else self._key_without_index(tc.id)
         call = self._calls.get(key)
         if call is None:
-            call = self._calls[key] = _Call()
+            call = self._calls[key] = _Call(key)
         if tc.id and call.call_id is None:
             call.call_id = tc.id
         fn = tc.function

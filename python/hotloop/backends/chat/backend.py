@@ -4,6 +4,12 @@ A transport opens one streaming ``POST`` and hands back a :class:`Body`: the 2xx
 as they arrive, with transport failures already mapped to typed hotloop errors. The bytes go
 straight into the native SSE decoder; each event's JSON is decoded with msgspec and assembled
 into the chunk vocabulary. Nothing here imports an HTTP client.
+
+Pushed (a transport that calls back on each read, and a consumer's ``PushSlot``), the
+events that only continue the item being streamed skip all of that: with the consumer's lane
+for that item, the native decoder reads them into the item and makes their Responses events
+(``SseDecoder.feed_lane``), and the read callback sends those; without one (the pure build), the
+assembler's and the consumer's ``plain`` paths take them as bare pieces.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 import msgspec
 
 from hotloop import errors
-from hotloop._accel import SseDecoder
-from hotloop.backends.base import BackendRequest, model_object
+from hotloop._accel import BACKEND_NAMES, SseDecoder
+from hotloop.backends.base import BackendRequest, model_object, plain_chunks
 from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
 from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
@@ -31,6 +37,9 @@ log = logging.getLogger("hotloop.backends")
 
 MAX_SSE_EVENT_BYTES = 4 * 1024 * 1024  # one SSE line / event from the backend
 MODELS_TTL = 60.0  # seconds a backend's model list is cached
+# Push delivery reads plain deltas into events with SseDecoder.feed_lane when it is native (its
+# pure twin is slower than the assembler's plain path, which the pure build uses instead).
+_LANES = BACKEND_NAMES["SseDecoder"] == "hotloop._native"
 
 
 class Body(Protocol):
@@ -144,7 +153,9 @@ class ChatBackend:
                 pushes = False
                 try:
                     assembler = ChunkAssembler()
-                    feed = SseDecoder(MAX_SSE_EVENT_BYTES).feed
+                    decoder = SseDecoder(MAX_SSE_EVENT_BYTES)
+                    feed = decoder.feed
+                    feed_lane = decoder.feed_lane if _LANES else None
                     decode = chunk_decoder.decode
                     ordinary = _ordinary
                     done = False
@@ -152,6 +163,8 @@ class ChatBackend:
                     # assembler's chunks the sink refused, then the SSE events after them.
                     outs: list[Chunk] = []
                     carry: list[tuple[str, str]] = []
+                    # the assembler's open item (ChunkAssembler.lane), kept current while pushing
+                    alane = None
                     failed: list[BaseException] = []
 
                     def push(raw: bytes) -> bool | None:
@@ -159,37 +172,75 @@ class ChatBackend:
                         parked waiting for bytes: decode the read and hand its chunks to the
                         sink, up to what needs this loop ([DONE], an error event, bad JSON).
                         None: not taken (the sink is gone); False: this loop has work now."""
-                        nonlocal yielded
+                        nonlocal yielded, alane
                         sink = slot.fn  # type: ignore[union-attr]
                         if sink is None:
                             return None
+                        made: list[Chunk] = []
+                        texts: list[str] = []
+                        lane = alane
                         try:
-                            events = feed(raw)
+                            dl = slot.lane if feed_lane is not None else None  # type: ignore[union-attr]
+                            if dl is not None and lane is not None and dl.kind == lane[4] and dl.call == lane[1]:
+                                # the consumer's lane for the item the assembler has open: its
+                                # plain deltas become events in the native decoder, and go out
+                                frames, events = feed_lane(raw, dl, lane[2], lane[3])  # type: ignore[misc]
+                                if frames:
+                                    yielded = True
+                                    try:
+                                        dl.emit(frames)
+                                    except Exception as exc:  # the consumer's own failure: raised below
+                                        failed.append(exc)
+                                        return False
+                                if not events:
+                                    return True
+                                taking = False
+                            else:
+                                events = feed(raw)
+                                # without a lane, the pieces go to the plain sink, the rest as chunks
+                                taking = lane is not None and slot.plain is not None  # type: ignore[union-attr]
                         except ValueError:
                             failed.append(errors.BackendError(_MALFORMED))
                             return False
-                        made: list[Chunk] = []
                         for i, (event, data) in enumerate(events):
                             chunk = ordinary(event, data)
                             if chunk is None:
                                 carry.extend(events[i:])
                                 break
+                            if taking:
+                                piece = assembler.plain(chunk)
+                                if piece is not None:
+                                    if piece:
+                                        texts.append(piece)
+                                    continue
+                                taking = False
                             made += assembler.feed(chunk)
-                        if made:
-                            try:
+                        alane = assembler.lane()
+                        try:
+                            if texts:
+                                kind, index = lane[0], lane[1]  # type: ignore[index]
+                                taken = slot.plain(kind, index, texts)  # type: ignore[union-attr, misc]
+                                if taken:
+                                    yielded = True
+                                if taken < len(texts):
+                                    outs.extend(plain_chunks(kind, index, texts[taken:]))
+                                    outs.extend(made)
+                                    return False
+                            if made:
                                 taken = sink(made)
-                            except Exception as exc:  # the consumer's own failure: raised below
-                                failed.append(exc)
-                                return False
-                            if taken:
-                                yielded = True
-                            if taken < len(made):
-                                outs.extend(made[taken:])
+                                if taken:
+                                    yielded = True
+                                if taken < len(made):
+                                    outs.extend(made[taken:])
+                        except Exception as exc:  # the consumer's own failure: raised below
+                            failed.append(exc)
+                            return False
                         return not (outs or carry)
 
                     pushes = slot is not None and hasattr(resp, "push")
                     if pushes:
                         resp.push = push  # type: ignore[attr-defined]
+                        slot.lanes = feed_lane is not None  # type: ignore[union-attr]
                     it = resp.__aiter__()
                     while True:
                         if failed:
@@ -226,7 +277,10 @@ class ChatBackend:
                                     raise errors.BackendError(_MALFORMED) from None
                                 status = chunk.status_code or _error_status(chunk.error)
                                 raise status_error(status, {}, {"error": chunk.error}, backend=self.name, model=model)
-                            for out in assembler.feed(chunk):
+                            fed = assembler.feed(chunk)
+                            if pushes:
+                                alane = assembler.lane()
+                            for out in fed:
                                 yielded = True
                                 yield out
                         if done:
