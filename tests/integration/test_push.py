@@ -245,6 +245,21 @@ def test_lane_events_then_chunks_are_the_stream(mock: MockChatServer, policy: st
         assert len(batches) >= (10 if shape == "answer" else 3) and max(batches) >= 2  # the lane was used
 
 
+@pytest.mark.parametrize("kind", ["ping", "error"])
+def test_an_event_of_another_type_keeps_its_place(mock: MockChatServer, kind: str) -> None:
+    """One read holding a plain delta, an event of another type, then plain deltas: the later
+    deltas go after it (an ordinary chunk for the general path, or the stream's failure)."""
+    head = text_events("one two three", pieces=3)[:-2]
+    other = chunk({"content": " B"}) if kind == "ping" else {"error": {"message": "overloaded", "status_code": 503}}
+    burst = (f"data: {json.dumps(chunk({'content': ' A'}))}\n\nevent: {kind}\ndata: {json.dumps(other)}\n\n"
+             f"data: {json.dumps(chunk({'content': ' C'}))}\n\n")
+    events = paced(head, burst_at=len(head)) + [Sleep(GAP), burst] + paced(text_events("x", pieces=1)[-2:], burst_at=9)
+    plain, exc0, _ = run_stream(mock, events, None)
+    got, exc, _ = run_stream(mock, events, POLICIES["all"], PLAIN_POLICIES["all"](), None, [])
+    assert got == plain and type(exc) is type(exc0) and str(exc) == str(exc0)
+    assert (exc0 is None) == (kind == "ping") and TextDelta(" C") not in got[: got.index(TextDelta(" A")) + 1]
+
+
 def test_a_sink_that_takes_everything_gets_every_delta(mock: MockChatServer) -> None:
     events = paced(answer())
     plain, _, _ = run_stream(mock, events, None)

@@ -327,9 +327,11 @@ def test_plain_delta(data: str) -> None:
 
 
 @SETTINGS
-@given(st.lists(_chunk_json(), max_size=6), st.sampled_from([0, 1, 2, 3]), st.integers(-1, 3), st.booleans(), st.data())
-def test_feed_lane(events: list[str], kind: int, index: int, with_args: bool, data: st.DataObject) -> None:
-    stream = "".join(f"data: {e}\n\n" for e in events).encode("utf-8", "surrogatepass")  # invalid UTF-8 too
+@given(st.lists(st.tuples(st.sampled_from(["", "", "", "message", "ping", "error"]), _chunk_json()), max_size=6),
+       st.sampled_from([0, 1, 2, 3]), st.integers(-1, 3), st.booleans(), st.data())
+def test_feed_lane(events: list[tuple[str, str]], kind: int, index: int, with_args: bool, data: st.DataObject) -> None:
+    stream = "".join((f"event: {t}\n" if t else "") + f"data: {e}\n\n" for t, e in events).encode(
+        "utf-8", "surrogatepass")  # invalid UTF-8 too
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
     got = []
     for mod in (native, _pure):

@@ -513,6 +513,10 @@ def _lane_state(lane: Any) -> tuple[Any, ...]:
         (2, 0, ['{"choices":[{"delta":{"reasoning":"r"}}]}', '{"choices":[{"delta":{"content":"t"}}]}']),
         (0, 0, ['{"choices":[{"delta":{"content":"a"}}]}']),
         (7, 0, ['{"choices":[{"delta":{"content":"a"}}]}']),
+        # an event of another type stops the taking: what follows keeps its place behind it
+        (1, 0, ['{"choices":[{"delta":{"content":"a"}}]}', 'x\nevent: ping\ndata: {"choices":[{"delta":{"content":"b"}}]}',
+                '{"choices":[{"delta":{"content":"c"}}]}']),
+        (1, 0, ['x\nevent: error\ndata: {"error":{"message":"m"}}', '{"choices":[{"delta":{"content":"c"}}]}']),
     ],
 )
 @pytest.mark.parametrize("with_args", [False, True])

@@ -40,16 +40,18 @@ class PushSlot:
     ``lane``, when not None, is the consumer's open item as a :class:`DeltaLane` (kept current
     by the consumer, None whenever it does not take chunks): a backend that reads a plain delta
     of that item may read it into the item with ``SseDecoder.feed_lane`` and send the events
-    with ``lane.emit(events)``, without calling the consumer at all.
+    with ``lane.emit(events)``, without calling the consumer at all; it then sets ``read_at``
+    to the loop's time (the consumer's idle watchdog sees the backend speak).
     """
 
-    __slots__ = ("fn", "plain", "lane", "lanes")
+    __slots__ = ("fn", "plain", "lane", "lanes", "read_at")
 
     def __init__(self) -> None:
         self.fn: Callable[[list[Chunk]], int] | None = None
         self.plain: Callable[[type[Chunk], int, list[str]], int] | None = None
         self.lane: DeltaLane | None = None
         self.lanes = False  # set by a backend that reads lanes: only then is one kept current
+        self.read_at = 0.0
 
 
 def plain_chunks(kind: type[Chunk], index: int, texts: list[str]) -> list[Chunk]:

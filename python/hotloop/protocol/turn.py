@@ -257,6 +257,7 @@ class Turn:
         ``arguments`` of as many :class:`ToolCallDelta` chunks of call ``index`` without an id
         or a name, none of them empty. Exactly what :meth:`feed` gives for those chunks one by
         one, when the item they continue is open; None (nothing changed) when it is not."""
+        self._sync()
         item = self._open
         if item is None or self._phase is not _STREAMING:
             return None

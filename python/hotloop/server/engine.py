@@ -459,16 +459,15 @@ class _Watchdog:
     the backend await (time spent sending to a slow client never counts as backend silence).
     """
 
-    __slots__ = ("loop", "idle", "since", "progress", "_seen", "_scope", "_handle")
+    __slots__ = ("loop", "idle", "since", "progress", "_scope", "_handle")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
         self.loop = loop
         self.idle = idle
         self.since: float | None = None
-        # chunks may also arrive without this run (a lane, see Run._relane): a change of
-        # progress() between two checks counts as the backend speaking
-        self.progress: Callable[[], int] | None = None
-        self._seen = -1
+        # chunks may also arrive without this run (a lane, see Run._relane): progress() is the
+        # loop time of the last such read (PushSlot.read_at), which counts as the backend speaking
+        self.progress: Callable[[], float] | None = None
         self._scope: asyncio.Timeout | None = None
         self._handle: asyncio.TimerHandle | None = None
 
@@ -480,10 +479,9 @@ class _Watchdog:
         now = self.loop.time()
         since = self.since
         if since is not None and self.progress is not None:
-            seen = self.progress()
-            if seen != self._seen:
-                self._seen = seen
-                since = self.since = now
+            last = self.progress()
+            if last > since:
+                since = self.since = last
         if since is not None and now - since >= self.idle and self._scope is not None:
             self._scope.reschedule(now)
             self._handle = None
@@ -648,12 +646,14 @@ class Run:
             lane = self.turn.lane()
             if lane is not None:
                 lane.emit = emit
+        old = slot.lane
+        if old is not None and old is not lane:
+            old.emit = None  # no cycle through the client's closure
         slot.lane = lane
 
-    def _progress(self) -> int:
-        """What the lane took so far (the idle watchdog's sign of a live backend)."""
-        lane = self.push_slot.lane if self.push_slot is not None else None
-        return -1 if lane is None else lane.seq
+    def _progress(self) -> float:
+        """When the backend's last read went through a lane (the idle watchdog's sign of life)."""
+        return self.push_slot.read_at if self.push_slot is not None else 0.0
 
     def _stop(self) -> list[Frame]:
         """The ending a steer or an abort asked for, after an interrupted backend wait."""
@@ -791,7 +791,10 @@ class Run:
                         yield turn.fail(errors.BackendError("The model backend ended the stream early."))
                 finally:
                     if self.push_slot is not None:
-                        self.push_slot.fn = self.push_slot.plain = self.push_slot.lane = None
+                        slot = self.push_slot
+                        if slot.lane is not None:
+                            slot.lane.emit = None
+                        slot.fn = slot.plain = slot.lane = None
                     watchdog.disarm()
                     self._watch = None
         finally:

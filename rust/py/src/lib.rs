@@ -250,7 +250,10 @@ impl SseDecoder {
         let mut pieces: Vec<Bound<'py, PyString>> = Vec::new();
         let mut buf: Vec<u8> = Vec::with_capacity(256);
         let result = self.inner.feed_with(data, |ty, payload| -> PyResult<()> {
-            if taking && ty == b"message" {
+            if taking && ty != b"message" {
+                taking = false; // the events after it keep their order behind it
+            }
+            if taking {
                 let piece = std::str::from_utf8(payload)
                     .ok()
                     .and_then(core::plain_delta);

@@ -156,6 +156,7 @@ class ChatBackend:
                     decoder = SseDecoder(MAX_SSE_EVENT_BYTES)
                     feed = decoder.feed
                     feed_lane = decoder.feed_lane if _LANES else None
+                    loop_time = asyncio.get_running_loop().time
                     decode = chunk_decoder.decode
                     ordinary = _ordinary
                     done = False
@@ -185,6 +186,7 @@ class ChatBackend:
                                 # the consumer's lane for the item the assembler has open: its
                                 # plain deltas become events in the native decoder, and go out
                                 frames, events = feed_lane(raw, dl, lane[2], lane[3])  # type: ignore[misc]
+                                slot.read_at = loop_time()  # type: ignore[union-attr]
                                 if frames:
                                     yielded = True
                                     try:
