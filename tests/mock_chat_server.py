@@ -364,3 +364,7 @@ class MockChatServer:
             return True
         finally:
             watcher.cancel()
+            # let the cancellation land before the connection's next request is read: a reader
+            # still waiting makes that read fail ("readuntil() called while another coroutine
+            # is already waiting for incoming data")
+            await asyncio.wait([watcher])
