@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from hotloop import _accel, _pure
-from hotloop.protocol.chunks import TextDelta
 
 IMPLS: dict[str, dict[str, Any]] = _accel.implementations()  # raises if the build is broken
 IMPL_NAMES = ["native", "pure"]
@@ -139,10 +138,10 @@ class SseFeed:
 
 class PlainDeltas:
     """One backend read holding one plain delta, taken into its item and made into its event:
-    ``SseDecoder.feed_lane`` (native and pure), against the path the pure build uses instead
-    (SSE decode, msgspec, the assembler's plain check, the turn's events for it)."""
+    ``SseDecoder.feed_lane`` (native and pure), against the general path it replaces (SSE
+    decode, msgspec, the chunk assembler, the turn machine's event)."""
 
-    params = ["native", "pure", "python_path"]
+    params = ["native", "pure", "general_path"]
     param_names = ["impl"]
 
     def setup(self, impl: str) -> None:
@@ -159,27 +158,29 @@ class PlainDeltas:
         assembler = ChunkAssembler()
         for out in assembler.feed(chunk_decoder.decode(self.chunk[6:-2])):
             turn.feed(out)  # the message is open
-        want = turn.plain(TextDelta, 0, [" tok7"])
-        assert want is not None and want[0][1].startswith(b'{"type":"response.output_text.delta"')
         self.turn, self.assembler, self.decode = turn, assembler, chunk_decoder.decode
         self.parts = turn.lane().parts  # the message's pieces, emptied after each timed read
-        if impl == "python_path":
+        if impl == "general_path":
             self.dec = IMPLS["native"]["SseDecoder"]()
+            frames = self._general()
         else:
             self.dec = IMPLS[impl]["SseDecoder"]()
             self.lane = IMPLS[impl]["DeltaLane"](_accel.PLAIN_TEXT, 0, "response.output_text.delta", "msg_1", 0, 0, True, [])
             frames, rest = self.dec.feed_lane(self.chunk, self.lane, 0, None)
-            assert len(frames) == 1 and not rest and json.loads(frames[0][1])["delta"] == " tok7"
+            assert not rest
+        assert len(frames) == 1 and json.loads(frames[0][1])["delta"] == " tok7"
+
+    def _general(self) -> list[Any]:
+        frames = []
+        for _, data in self.dec.feed(self.chunk):
+            for out in self.assembler.feed(self.decode(data)):
+                frames += self.turn.feed(out)
+        del self.parts[:]
+        return frames
 
     def time_one_read(self, impl: str) -> None:
-        if impl == "python_path":
-            texts = []
-            for _, data in self.dec.feed(self.chunk):
-                piece = self.assembler.plain(self.decode(data))
-                if piece:
-                    texts.append(piece)
-            self.turn.plain(TextDelta, 0, texts)
-            del self.parts[:]
+        if impl == "general_path":
+            self._general()
         else:
             self.dec.feed_lane(self.chunk, self.lane, 0, None)
             del self.lane.parts[:]

@@ -21,7 +21,7 @@ from websockets.sync.client import connect
 
 from hotloop import _accel, errors
 from hotloop.backends import create
-from hotloop.backends.base import BackendRequest, PushSlot, plain_chunks
+from hotloop.backends.base import BackendRequest, PushSlot
 from hotloop.config import Config
 from hotloop._accel import PLAIN_ARGUMENTS, PLAIN_REASONING, PLAIN_TEXT, DeltaLane
 from hotloop.protocol.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallDelta
@@ -65,16 +65,12 @@ def request(slot: PushSlot | None) -> BackendRequest:
     )
 
 
-PlainTake = Callable[[type[Chunk], int, list[str]], int]
-
-
 def run_stream(
     mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None,
-    take_plain: PlainTake | None = None, plain_calls: list[int] | None = None, lanes: list[int] | None = None,
+    lanes: list[int] | None = None,
 ) -> tuple[list[Chunk], BaseException | None, int]:
     """One streamed answer through the openai-compat backend on the lean transport, with a sink
-    that takes what ``take`` says (none: no sink) and, with ``take_plain``, a plain sink too
-    (its calls' sizes are appended to ``plain_calls``). With ``lanes`` (a list for the sizes of
+    that takes what ``take`` says (none: no sink). With ``lanes`` (a list for the sizes of
     the lane's batches), the consumer also offers a lane (``PushSlot.lane``) for the item its
     last chunk belongs to, as a run does for its open item. Returns every chunk in the order
     the consumer got it (taken by a sink, sent through the lane, or yielded), the exception the
@@ -102,7 +98,8 @@ def run_stream(
         assert lanes is not None
         lanes.append(len(frames))
         texts = [json.loads(payload)["delta"] for _, payload in frames]
-        got.extend(plain_chunks({PLAIN_TEXT: TextDelta, PLAIN_REASONING: ReasoningDelta}.get(kind, ToolCallDelta), call, texts))
+        got.extend(ToolCallDelta(call, t) if kind == PLAIN_ARGUMENTS else
+                   (TextDelta(t) if kind == PLAIN_TEXT else ReasoningDelta(t)) for t in texts)
 
     def sink(chunks: list[Chunk]) -> int:
         nonlocal calls
@@ -110,16 +107,6 @@ def run_stream(
         n = take(chunks)  # type: ignore[misc]
         got.extend(chunks[:n])
         relane(chunks[n - 1] if n else None)
-        return n
-
-    def plain_sink(kind: type[Chunk], index: int, texts: list[str]) -> int:
-        assert texts and all(texts)
-        n = take_plain(kind, index, texts)  # type: ignore[misc]
-        if plain_calls is not None:
-            plain_calls.append(len(texts))
-        taken = plain_chunks(kind, index, texts[:n])
-        got.extend(taken)
-        relane(taken[-1] if taken else None)
         return n
 
     async def main() -> BaseException | None:
@@ -130,8 +117,6 @@ def run_stream(
             stream = backend.stream(request(slot))
             if slot is not None:
                 slot.fn = sink  # as a run does: once the stream is under way
-                if take_plain is not None:
-                    slot.plain = plain_sink
             try:
                 async for c in stream:
                     got.append(c)
@@ -166,24 +151,6 @@ def test_pushed_then_yielded_is_the_stream(mock: MockChatServer, policy: str) ->
     assert calls >= 10  # the sink was offered the reads (not everything went through the iterator)
 
 
-def _every_other() -> PlainTake:
-    calls = 0
-
-    def take(kind: type[Chunk], index: int, texts: list[str]) -> int:
-        nonlocal calls
-        calls += 1
-        return len(texts) if calls % 2 else 0
-
-    return take
-
-
-PLAIN_POLICIES: dict[str, Callable[[], PlainTake]] = {
-    "all": lambda: lambda kind, index, texts: len(texts),
-    "none": lambda: lambda kind, index, texts: 0,
-    "every-other": _every_other,
-}
-
-
 def odd_shapes() -> list[Event]:
     """Chunks that look like continuations and are not all plain: a name repeated in every
     arguments delta, content and reasoning in one chunk, a refusal, a usage chunk with content,
@@ -210,24 +177,6 @@ def odd_shapes() -> list[Event]:
     ]
 
 
-@pytest.mark.parametrize("plain_policy", sorted(PLAIN_POLICIES))
-@pytest.mark.parametrize("policy", ["all", "none"])
-@pytest.mark.parametrize("shape", ["answer", "odd"])
-def test_plain_pieces_then_chunks_are_the_stream(mock: MockChatServer, policy: str, plain_policy: str, shape: str) -> None:
-    """With a plain sink too: what it took (as the chunks it stands for), what the chunk sink
-    took and what was yielded are, in order, exactly the stream without a sink."""
-    # the burst: three text deltas, or two arguments deltas and one that is not plain
-    events = paced(answer(), burst_at=11) if shape == "answer" else paced(odd_shapes(), burst_at=11)
-    plain, exc0, _ = run_stream(mock, events, None)
-    assert exc0 is None and len(plain) > 15
-    sizes: list[int] = []
-    got, exc, _ = run_stream(mock, events, POLICIES[policy], PLAIN_POLICIES[plain_policy](), sizes)
-    assert exc is None
-    assert got == plain
-    assert len(sizes) >= (10 if shape == "answer" else 5)  # the plain sink was offered runs
-    assert max(sizes) >= 2  # ... and the burst's pieces in one call
-
-
 @pytest.mark.parametrize("policy", ["all", "none", "first"])
 @pytest.mark.parametrize("shape", ["answer", "odd"])
 def test_lane_events_then_chunks_are_the_stream(mock: MockChatServer, policy: str, shape: str) -> None:
@@ -238,7 +187,7 @@ def test_lane_events_then_chunks_are_the_stream(mock: MockChatServer, policy: st
     plain, exc0, _ = run_stream(mock, events, None)
     assert exc0 is None
     batches: list[int] = []
-    got, exc, _ = run_stream(mock, events, POLICIES[policy], PLAIN_POLICIES["all"](), None, batches)
+    got, exc, _ = run_stream(mock, events, POLICIES[policy], batches)
     assert exc is None
     assert got == plain
     if _accel.BACKEND_NAMES["SseDecoder"] == "hotloop._native":
@@ -255,7 +204,7 @@ def test_an_event_of_another_type_keeps_its_place(mock: MockChatServer, kind: st
              f"data: {json.dumps(chunk({'content': ' C'}))}\n\n")
     events = paced(head, burst_at=len(head)) + [Sleep(GAP), burst] + paced(text_events("x", pieces=1)[-2:], burst_at=9)
     plain, exc0, _ = run_stream(mock, events, None)
-    got, exc, _ = run_stream(mock, events, POLICIES["all"], PLAIN_POLICIES["all"](), None, [])
+    got, exc, _ = run_stream(mock, events, POLICIES["all"], [])
     assert got == plain and type(exc) is type(exc0) and str(exc) == str(exc0)
     assert (exc0 is None) == (kind == "ping") and TextDelta(" C") not in got[: got.index(TextDelta(" A")) + 1]
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, Union
 import msgspec
 
 from hotloop._accel import DeltaLane
-from hotloop.protocol.chunks import Chunk, ReasoningDelta, TextDelta, ToolCallDelta
+from hotloop.protocol.chunks import Chunk
 from hotloop.protocol.request import FunctionTool, Item, TextFormat
 
 
@@ -31,12 +31,6 @@ class PushSlot:
     next bytes (every chunk before has been yielded and handled), so pushed and yielded chunks
     keep their order; an exception from ``fn`` is raised by the iterator.
 
-    ``plain``, when set, takes the same way a run of chunks that only continue the item the
-    stream has open, given as their pieces: ``plain(kind, index, texts)`` stands for
-    ``kind(text)`` for each text (:class:`TextDelta`, :class:`ReasoningDelta`), or for
-    ``ToolCallDelta(index, text)`` (the open call's arguments), none of them empty. It returns
-    how many it took, like ``fn``; a backend may always hand such chunks to ``fn`` instead.
-
     ``lane``, when not None, is the consumer's open item as a :class:`DeltaLane` (kept current
     by the consumer, None whenever it does not take chunks): a backend that reads a plain delta
     of that item may read it into the item with ``SseDecoder.feed_lane`` and send the events
@@ -44,23 +38,13 @@ class PushSlot:
     to the loop's time (the consumer's idle watchdog sees the backend speak).
     """
 
-    __slots__ = ("fn", "plain", "lane", "lanes", "read_at")
+    __slots__ = ("fn", "lane", "lanes", "read_at")
 
     def __init__(self) -> None:
         self.fn: Callable[[list[Chunk]], int] | None = None
-        self.plain: Callable[[type[Chunk], int, list[str]], int] | None = None
         self.lane: DeltaLane | None = None
         self.lanes = False  # set by a backend that reads lanes: only then is one kept current
         self.read_at = 0.0
-
-
-def plain_chunks(kind: type[Chunk], index: int, texts: list[str]) -> list[Chunk]:
-    """The chunks a :attr:`PushSlot.plain` call stands for."""
-    if kind is ToolCallDelta:
-        return [ToolCallDelta(index, t) for t in texts]
-    if kind is TextDelta:
-        return [TextDelta(t) for t in texts]
-    return [ReasoningDelta(t) for t in texts]
 
 
 class BackendRequest(msgspec.Struct, kw_only=True):

@@ -251,42 +251,6 @@ class Turn:
             lane.taken = 0
             self._seq = lane.seq
 
-    def plain(self, kind: type[Chunk], index: int, texts: list[str]) -> list[Frame] | None:
-        """The frames of consecutive plain deltas of the open item: ``texts`` are the ``text``
-        of as many :class:`TextDelta` or :class:`ReasoningDelta` chunks (``kind``), or the
-        ``arguments`` of as many :class:`ToolCallDelta` chunks of call ``index`` without an id
-        or a name, none of them empty. Exactly what :meth:`feed` gives for those chunks one by
-        one, when the item they continue is open; None (nothing changed) when it is not."""
-        self._sync()
-        item = self._open
-        if item is None or self._phase is not _STREAMING:
-            return None
-        key = item.key
-        seq = self._seq
-        item_id, output_index = item.item_id, item.output_index
-        if kind is TextDelta:
-            if key != _MESSAGE:
-                return None
-            enc = self._text_delta
-            out = [enc(seq + i, item_id, output_index, 0, t) for i, t in enumerate(texts)]
-        elif kind is ToolCallDelta:
-            if key != f"call:{index}":
-                return None
-            enc = self._ev.arguments_delta
-            out = [enc(seq + i, item_id, output_index, t) for i, t in enumerate(texts)]
-        elif kind is ReasoningDelta:
-            if key != _REASONING:
-                return None
-            enc = self._ev.reasoning_delta
-            out = [enc(seq + i, item_id, output_index, 0, t) for i, t in enumerate(texts)]
-        else:
-            return None
-        n = len(texts)
-        item.parts += texts
-        self._seq = seq + n
-        self._output_tokens_seen += n
-        return out
-
     def _delta(self, key: str, text: str) -> list[Frame]:
         out: list[Frame] = []
         item = self._open

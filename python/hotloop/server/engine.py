@@ -606,22 +606,6 @@ class Run:
             emit(out)
         return n
 
-    def _plain(self, kind: type[Chunk], index: int, texts: list[str]) -> int:
-        """:meth:`_push` for a run of plain deltas of the open item (``PushSlot.plain``): all
-        of them or none."""
-        emit = self._emit
-        if emit is None or self._abort is not None or self._steered:
-            return 0
-        frames = self.turn.plain(kind, index, texts)
-        if frames is None:
-            return 0
-        watch = self._watch
-        if watch is not None:
-            watch.since = watch.loop.time()  # the backend is not silent
-        self._relane()
-        emit(frames)
-        return len(texts)
-
     @property
     def emit(self) -> Callable[[list[Frame]], None] | None:
         """The client's synchronous send of a batch of frames (see ``push_slot``)."""
@@ -726,7 +710,6 @@ class Run:
                         self._watch = watchdog
                         if self.push_slot is not None:
                             self.push_slot.fn = self._push
-                            self.push_slot.plain = self._plain
                             watchdog.progress = self._progress
                             self._relane()
                         while True:
@@ -794,7 +777,7 @@ class Run:
                         slot = self.push_slot
                         if slot.lane is not None:
                             slot.lane.emit = None
-                        slot.fn = slot.plain = slot.lane = None
+                        slot.fn = slot.lane = None
                     watchdog.disarm()
                     self._watch = None
         finally:

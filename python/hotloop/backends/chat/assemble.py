@@ -169,60 +169,20 @@ class ChunkAssembler:
                 self.finish_reason = _FINISH.get(choice.finish_reason, "stop")
         return out
 
-    def lane(self) -> tuple[type[Chunk], int, int, list[str] | None, int] | None:
-        """The open item, as what its plain deltas are (:meth:`plain`): ``(TextDelta, 0, 0,
-        None, PLAIN_TEXT)``, ``(ReasoningDelta, 0, 0, None, PLAIN_REASONING)``, or for the open
-        call ``(ToolCallDelta, index, key, args, PLAIN_ARGUMENTS)``: its index in the response,
-        the index the server gives it, and the list its arguments are kept in (pieces read
-        elsewhere, by ``SseDecoder.feed_lane``, are appended to it). None when nothing is open."""
+    def lane(self) -> tuple[int, int, int, list[str] | None] | None:
+        """The open item, as ``SseDecoder.feed_lane`` reads its plain deltas: ``(PLAIN_TEXT, 0,
+        0, None)``, ``(PLAIN_REASONING, 0, 0, None)``, or for the open call ``(PLAIN_ARGUMENTS,
+        index, key, args)``: its index in the response, the index the server gives it, and the
+        list its arguments are kept in (pieces read by ``feed_lane`` are appended to it). None
+        when nothing is open."""
         cur = self._open
         if cur is _TEXT:
-            return TextDelta, 0, 0, None, PLAIN_TEXT
+            return PLAIN_TEXT, 0, 0, None
         if cur is _REASONING:
-            return ReasoningDelta, 0, 0, None, PLAIN_REASONING
+            return PLAIN_REASONING, 0, 0, None
         if type(cur) is _Call and cur.state == _LIVE:
-            return ToolCallDelta, cur.index, cur.key, cur.args, PLAIN_ARGUMENTS
+            return PLAIN_ARGUMENTS, cur.index, cur.key, cur.args
         return None
-
-    def plain(self, chunk: ChatChunk) -> str | None:
-        """A chunk that only continues the open item (see :meth:`lane`), taken: its piece (its
-        text, or its call's arguments), ``""`` for a chunk that changes nothing. None, and
-        nothing taken, for anything else (:meth:`feed` it). For the chunks it takes this is
-        :meth:`feed` without building them: ``feed`` would return exactly one delta of the open
-        item with that piece (none for ``""``)."""
-        if chunk.usage is not None:
-            return None
-        choices = chunk.choices
-        if not choices:
-            return ""
-        if len(choices) != 1:
-            return None
-        choice = choices[0]
-        if choice.index != 0 or choice.finish_reason:
-            return None
-        d = choice.delta
-        if d is None:
-            return ""
-        if d.refusal:
-            return None
-        content, reasoning, calls = d.content, d.reasoning or d.reasoning_content, d.tool_calls
-        cur = self._open
-        if content:
-            return content if cur is _TEXT and not reasoning and not calls else None
-        if reasoning:
-            return reasoning if cur is _REASONING and not calls else None
-        if not calls:
-            return ""
-        if len(calls) != 1 or type(cur) is not _Call or cur.state != _LIVE:
-            return None
-        tc = calls[0]
-        if tc.index != cur.key or tc.id:
-            return None
-        fn = tc.function
-        args = (fn.arguments or "") if fn is not None else ""
-        if args:
-            cur.args.append(args)
-        return args
 
     def _hold(self, n: int) -> None:
         self._buffered += n

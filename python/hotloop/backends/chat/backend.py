@@ -8,8 +8,7 @@ into the chunk vocabulary. Nothing here imports an HTTP client.
 Pushed (a transport that calls back on each read, and a consumer's ``PushSlot``), the
 events that only continue the item being streamed skip all of that: with the consumer's lane
 for that item, the native decoder reads them into the item and makes their Responses events
-(``SseDecoder.feed_lane``), and the read callback sends those; without one (the pure build), the
-assembler's and the consumer's ``plain`` paths take them as bare pieces.
+(``SseDecoder.feed_lane``), and the read callback sends those.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop._accel import BACKEND_NAMES, SseDecoder
-from hotloop.backends.base import BackendRequest, model_object, plain_chunks
+from hotloop.backends.base import BackendRequest, model_object
 from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
 from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
@@ -37,8 +36,8 @@ log = logging.getLogger("hotloop.backends")
 
 MAX_SSE_EVENT_BYTES = 4 * 1024 * 1024  # one SSE line / event from the backend
 MODELS_TTL = 60.0  # seconds a backend's model list is cached
-# Push delivery reads plain deltas into events with SseDecoder.feed_lane when it is native (its
-# pure twin is slower than the assembler's plain path, which the pure build uses instead).
+# Push delivery reads plain deltas into events with SseDecoder.feed_lane when it is native (the
+# pure build pushes every chunk through the chunk sink: feed_lane's twin is slower than that).
 _LANES = BACKEND_NAMES["SseDecoder"] == "hotloop._native"
 
 
@@ -177,12 +176,10 @@ class ChatBackend:
                         sink = slot.fn  # type: ignore[union-attr]
                         if sink is None:
                             return None
-                        made: list[Chunk] = []
-                        texts: list[str] = []
                         lane = alane
                         try:
                             dl = slot.lane if feed_lane is not None else None  # type: ignore[union-attr]
-                            if dl is not None and lane is not None and dl.kind == lane[4] and dl.call == lane[1]:
+                            if dl is not None and lane is not None and dl.kind == lane[0] and dl.call == lane[1]:
                                 # the consumer's lane for the item the assembler has open: its
                                 # plain deltas become events in the native decoder, and go out
                                 frames, events = feed_lane(raw, dl, lane[2], lane[3])  # type: ignore[misc]
@@ -196,47 +193,29 @@ class ChatBackend:
                                         return False
                                 if not events:
                                     return True
-                                taking = False
                             else:
                                 events = feed(raw)
-                                # without a lane, the pieces go to the plain sink, the rest as chunks
-                                taking = lane is not None and slot.plain is not None  # type: ignore[union-attr]
                         except ValueError:
                             failed.append(errors.BackendError(_MALFORMED))
                             return False
+                        made: list[Chunk] = []
                         for i, (event, data) in enumerate(events):
                             chunk = ordinary(event, data)
                             if chunk is None:
                                 carry.extend(events[i:])
                                 break
-                            if taking:
-                                piece = assembler.plain(chunk)
-                                if piece is not None:
-                                    if piece:
-                                        texts.append(piece)
-                                    continue
-                                taking = False
                             made += assembler.feed(chunk)
                         alane = assembler.lane()
-                        try:
-                            if texts:
-                                kind, index = lane[0], lane[1]  # type: ignore[index]
-                                taken = slot.plain(kind, index, texts)  # type: ignore[union-attr, misc]
-                                if taken:
-                                    yielded = True
-                                if taken < len(texts):
-                                    outs.extend(plain_chunks(kind, index, texts[taken:]))
-                                    outs.extend(made)
-                                    return False
-                            if made:
+                        if made:
+                            try:
                                 taken = sink(made)
-                                if taken:
-                                    yielded = True
-                                if taken < len(made):
-                                    outs.extend(made[taken:])
-                        except Exception as exc:  # the consumer's own failure: raised below
-                            failed.append(exc)
-                            return False
+                            except Exception as exc:  # the consumer's own failure: raised below
+                                failed.append(exc)
+                                return False
+                            if taken:
+                                yielded = True
+                            if taken < len(made):
+                                outs.extend(made[taken:])
                         return not (outs or carry)
 
                     pushes = slot is not None and hasattr(resp, "push")
