@@ -34,3 +34,10 @@ def test_misconfigured_backend_fails_clearly(tmp_path) -> None:
     env["HOTLOOP_DATA_DIR"] = str(tmp_path)
     p = subprocess.run([HOTLOOP, "serve", "--backend", "cerebras", "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 3 and "CEREBRAS_API_KEY" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_flush_interval_out_of_range_stops_start_up(tmp_path) -> None:
+    for flag, env in ((("--flush-interval-ms", "-1"), {}), ((), {"HOTLOOP_FLUSH_INTERVAL_MS": "5000"}), (("--flush-interval-ms", "nan"), {})):
+        p = run(HOTLOOP, "serve", "--port", "0", "--store", "memory", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
+        assert p.returncode == 3, (flag, env, p.stderr)
+        assert "--flush-interval-ms must be between 0 and 1000" in p.stderr and "Traceback" not in p.stderr

@@ -260,10 +260,10 @@ def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:
 # -- end to end: a server on the lean transport ----------------------------------------------------
 
 
-def _server(tmp: Any, mock: MockChatServer, transport: str) -> Any:
+def _server(tmp: Any, mock: MockChatServer, transport: str, *more: str) -> Any:
     env = {"HOTLOOP_BACKEND_API_KEY": "k", "HOTLOOP_BACKEND_IDLE_TIMEOUT": "5", "HOTLOOP_BACKEND_RETRIES": "0",
            "HOTLOOP_BACKEND_TRANSPORT": transport}
-    args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model", "--store", "memory")
+    args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model", "--store", "memory", *more)
     return run_server(tmp, *args, env=env)
 
 
@@ -278,6 +278,16 @@ def lean(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iter
 def sdk(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
     """The SDK transport: no push delivery, every chunk goes through the response's task."""
     with _server(tmp_path_factory.mktemp("sdk"), mock, "sdk") as s:
+        yield s
+
+
+HELD_MS = 40  # the held server's --flush-interval-ms
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    """The lean transport with --flush-interval-ms: pushed deltas are held and written together."""
+    with _server(tmp_path_factory.mktemp("held"), mock, "lean", "--flush-interval-ms", str(HELD_MS)) as s:
         yield s
 
 
@@ -297,31 +307,43 @@ def _comparable(events: list[dict[str, Any]]) -> list[str]:
     return [json.dumps(strip(e), sort_keys=True) for e in events]
 
 
-def _over_ws(server: Server, body: dict[str, Any], pause: float = 0.0) -> list[dict[str, Any]]:
+def _over_ws(server: Server, body: dict[str, Any], pause: float = 0.0, times: list[float] | None = None) -> list[dict[str, Any]]:
     with connect(server.base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
         ws.send(json.dumps({"type": "response.create", **body}))
         if pause:
             time.sleep(pause)  # the server keeps streaming into a socket nobody reads
-        return raw_until_terminal(ws)
+        if times is None:
+            return raw_until_terminal(ws)
+        events = []
+        while not events or events[-1]["type"] not in ("response.completed", "response.failed", "error"):
+            events.append(json.loads(ws.recv(timeout=30)))
+            times.append(time.perf_counter())
+        return events
 
 
-def _over(server: Server, client: str, body: dict[str, Any], pause: float = 0.0) -> list[dict[str, Any]]:
+def _over(server: Server, client: str, body: dict[str, Any], pause: float = 0.0, times: list[float] | None = None) -> list[dict[str, Any]]:
+    """The events of one streamed response; ``times``: filled with each event's arrival."""
     if client == "ws":
-        return _over_ws(server, body, pause)
+        return _over_ws(server, body, pause, times)
+    events = []
     with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
         if pause:
             time.sleep(pause)  # the server keeps streaming into a socket nobody reads
-        raw = r.read().decode()
-    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if times is not None:
+                    times.append(time.perf_counter())
+    return events
 
 
-def test_pushed_events_match_the_task_path(lean: Server, sdk: Server, mock: MockChatServer) -> None:
-    """The same answer over WebSocket and SSE, pushed (lean transport) and not (SDK transport):
-    the same events."""
+def test_pushed_events_match_the_task_path(lean: Server, sdk: Server, held: Server, mock: MockChatServer) -> None:
+    """The same answer over WebSocket and SSE, pushed (lean transport), pushed and held
+    (--flush-interval-ms) and not pushed (SDK transport): the same events."""
     body = {"model": "mock-model", "input": "go", "store": False}
     runs = {}
-    for name, server in (("lean", lean), ("sdk", sdk)):
+    for name, server in (("lean", lean), ("sdk", sdk), ("held", held)):
         for client in ("ws", "sse"):
             mock.push(Reply.stream(paced(answer())))
             events = _over(server, client, body)
@@ -334,9 +356,14 @@ def test_pushed_events_match_the_task_path(lean: Server, sdk: Server, mock: Mock
 
 
 @pytest.mark.parametrize("client", ["ws", "sse"])
-def test_a_client_that_stops_reading_gets_everything_in_order(lean: Server, mock: MockChatServer, client: str) -> None:
+@pytest.mark.parametrize("which", ["lean", "held"])
+def test_a_client_that_stops_reading_gets_everything_in_order(
+    request: pytest.FixtureRequest, mock: MockChatServer, client: str, which: str
+) -> None:
     """Deltas of 8 KB, more than the socket and the server's write buffer hold while the client
-    does not read: the server stops pushing, waits for the client, and goes on."""
+    does not read: the server stops pushing, waits for the client, and goes on (also while it
+    holds deltas back, --flush-interval-ms)."""
+    lean: Server = request.getfixturevalue(which)
     pieces = [f"{i:05d}" + "x" * 8187 for i in range(400)]
     events: list[Event] = [chunk({"role": "assistant", "content": ""})]
     for p in pieces:
@@ -349,3 +376,47 @@ def test_a_client_that_stops_reading_gets_everything_in_order(lean: Server, mock
     assert deltas == pieces
     assert [e["sequence_number"] for e in got] == list(range(len(got)))
     assert got[-1]["response"]["output"][0]["content"][0]["text"] == "".join(pieces)
+
+
+def _bursts(times: list[float], gap: float = 0.002) -> int:
+    """How many groups the arrival times form, a new group after each pause of more than ``gap``."""
+    return 1 + sum(1 for a, b in zip(times, times[1:]) if b - a > gap)
+
+
+@pytest.mark.parametrize("client", ["ws", "sse"])
+def test_held_deltas_go_out_together(held: Server, mock: MockChatServer, client: str) -> None:
+    """--flush-interval-ms 40, deltas 5 ms apart: a read's deltas are written at once only when
+    the last such write is at least 20 ms old, so the client gets them in a few bursts (at most
+    one per 20 ms of the stream), each delta no later than 40 ms after the write before it."""
+    pieces = [f"p{i:02d} " for i in range(40)]
+    events: list[Event] = [chunk({"role": "assistant", "content": ""})]
+    for p in pieces:
+        events += [Sleep(0.005), chunk({"content": p})]
+    events += [chunk({}, "stop"), chunk(usage=usage(5, 40), choices=False)]
+    mock.push(Reply.stream(events))
+    times: list[float] = []
+    got = _over(held, client, {"model": "mock-model", "input": "go", "store": False}, times=times)
+    assert got[-1]["type"] == "response.completed"
+    at = [t for e, t in zip(got, times) if e["type"] == "response.output_text.delta"]
+    assert [e["delta"] for e in got if e["type"] == "response.output_text.delta"] == pieces
+    span = at[-1] - at[0]  # about 200 ms unless the machine is slow
+    # writes at least 20 ms apart, plus the first delta's (through the response's task), the
+    # last ones' (with the response's end) and some slack for a client read that pauses in a
+    # burst; 40 deltas written one by one are about 40 bursts
+    assert _bursts(at) <= span / (HELD_MS / 2 / 1000) + 6, (_bursts(at), span)
+
+
+@pytest.mark.parametrize("client", ["ws", "sse"])
+def test_held_deltas_do_not_wait_for_the_next_read(held: Server, mock: MockChatServer, client: str) -> None:
+    """A stream that pauses for 0.5 s after a few deltas: what was held is written at most
+    40 ms after the previous write, not with the deltas after the pause."""
+    events: list[Event] = [chunk({"role": "assistant", "content": ""})]
+    for p in ("a", "b", "c", "d"):
+        events += [Sleep(GAP), chunk({"content": p})]
+    events += [Sleep(0.5), chunk({"content": "e"}), chunk({}, "stop"), chunk(usage=usage(5, 5), choices=False)]
+    mock.push(Reply.stream(events))
+    times: list[float] = []
+    got = _over(held, client, {"model": "mock-model", "input": "go", "store": False}, times=times)
+    at = {e["delta"]: t for e, t in zip(got, times) if e["type"] == "response.output_text.delta"}
+    assert list(at) == ["a", "b", "c", "d", "e"]
+    assert at["e"] - at["d"] > 0.3, at  # "d" did not wait for "e"

@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -400,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-path", help="idle-ws, ws-fanout, paired (server B): a python/ directory first on the server's PYTHONPATH")
     p.add_argument("--base-path", help="paired: server A's python/ directory (default: the installed hotloop)")
     p.add_argument(
+        "--server-args", default="",
+        help="paired: more `hotloop serve` flags for server B only, one string (e.g. '--flush-interval-ms 5')",
+    )
+    p.add_argument(
         "--turn-transport", choices=["ws-prev", "http-full", "http-prev"], default="ws-prev",
         help="paired: the transport of the alternating turns",
     )
@@ -447,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
 
         results.append(
             bench_paired(
-                args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens
+                args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens,
+                server_args=shlex.split(args.server_args),
             )
         )
     if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server

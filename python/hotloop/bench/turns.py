@@ -427,15 +427,20 @@ class _Stepper:
 def bench_paired(
     base_path: str | None, server_path: str | None, transport: str = "ws-prev", turns: int = 100,
     new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20, seed: int = 0,
+    server_args: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Server A (``base_path``) against server B (``server_path``), turn by turn (module docstring)."""
+    """Server A (``base_path``) against server B (``server_path``, with ``server_args`` too), turn by
+    turn (module docstring)."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     extra, loop = _LOOPS[transport]
     os.environ.setdefault("CEREBRAS_API_KEY", "bench")
     with contextlib.ExitStack() as stack:
         url, _ = stack.enter_context(mock_process())
         args = ("--backend", "cerebras", "--base-url", url, *extra)
-        servers = [stack.enter_context(server(*args, pythonpath=p)) for p in (base_path, server_path)]
+        servers = [
+            stack.enter_context(server(*args, *more, pythonpath=p))
+            for p, more in ((base_path, ()), (server_path, tuple(server_args)))
+        ]
         steppers = []
         for base, _ in servers:
             st = _Stepper(loop, base, model, new_bytes, seed)
@@ -469,6 +474,7 @@ def bench_paired(
         "transport": transport,
         "model": model,
         "turns": turns,
+        "server_b_args": list(server_args),
         "servers": side,
         "b_over_a_paired_median": round(statistics.median(ratios), 3),
         "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),

@@ -276,15 +276,26 @@ class HttpTransport:
         conns = self.app.open_connections
         conns["http"] -= 1  # while it streams, the connection counts as an SSE stream
         conns["sse"] += 1
-        emit = _emitter(run, send_now) if send_now is not None else None
+        within = self.app.config.flush_interval_ms / 1000  # --flush-interval-ms
+        held: _Held | None = None
+        emit: Callable[[list[Frame]], None] | None = None
+        if send_now is not None and within:
+            emit = held = _Held(run, send_now, within)
+        elif send_now is not None:
+            emit = _emitter(run, send_now)
         try:
             async with contextlib.aclosing(run.frames()) as frames:
                 run.emit = emit
                 async for batch in frames:
-                    await send({"type": "http.response.body", "body": b"".join([sse(f) for f in batch]), "more_body": True})
+                    body = b"".join([sse(f) for f in batch])
+                    if held is not None:  # what push delivery holds goes first
+                        body = held.take() + body
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                     run.emit = emit
         finally:
             run.emit = None  # no cycle through the closure
+            if held is not None:
+                held.take()  # nothing is written after the stream's end
             conns["sse"] -= 1
             conns["http"] += 1
             with contextlib.suppress(Exception):
@@ -376,6 +387,54 @@ def _emitter(run: Any, send_now: Callable[[bytes], bool]) -> Callable[[list[Fram
             run.emit = None
 
     return emit
+
+
+class _Held:
+    """Push delivery for an SSE stream with ``--flush-interval-ms``: like :func:`_emitter`, but
+    the events of a read that comes less than half of ``within`` seconds after the last such
+    write are held, and written by the first read after that or at most ``within`` after that
+    write (one write for several reads). The streaming
+    loop puts what is held before its own next write (:meth:`take`), so the order never changes;
+    at most one interval's events are held."""
+
+    __slots__ = ("run", "send_now", "within", "loop", "parts", "timer", "since")
+
+    def __init__(self, run: Any, send_now: Callable[[bytes], bool], within: float) -> None:
+        self.run = run
+        self.send_now = send_now
+        self.within = within
+        self.loop = asyncio.get_running_loop()
+        self.parts: list[bytes] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.since = 0.0  # the loop time of the last write made here
+
+    def __call__(self, batch: list[Frame]) -> None:
+        sse = ev.sse
+        self.parts.append(b"".join([sse(f) for f in batch]))
+        t = self.loop.time()
+        if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol._hold
+            self.since = t
+            self._send(self.take())
+        elif self.timer is None:
+            self.timer = self.loop.call_at(self.since + self.within, self._write)
+
+    def _write(self) -> None:
+        self.timer = None
+        self.since = self.loop.time()
+        self._send(self.take())
+
+    def _send(self, data: bytes) -> None:
+        if not self.send_now(data):
+            self.run.emit = None  # the client is slow or gone: the streaming loop takes over
+
+    def take(self) -> bytes:
+        """What is held (and no timed write any more)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        data = b"".join(self.parts)
+        self.parts.clear()
+        return data
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hotloop import backends
-from hotloop.config import Config
+from hotloop.config import MAX_FLUSH_INTERVAL_MS, Config
 from hotloop.errors import StoreUnavailable
 from hotloop.models import ModelLimitsError
 from hotloop.pipeline.classifiers import ClassifierLoadError
@@ -45,6 +45,8 @@ def make_store(config: Config) -> ResponseStore:
 
 
 def make_app(config: Config) -> HotloopApp:
+    if not 0 <= config.flush_interval_ms <= MAX_FLUSH_INTERVAL_MS:  # NaN too
+        raise ValueError(f"--flush-interval-ms must be between 0 and {MAX_FLUSH_INTERVAL_MS:g}, got {config.flush_interval_ms:g}")
     backend = backends.create(config)
     store = make_store(config)
     shared = getattr(store, "shared", False) or config.workers > 1  # other processes write it too

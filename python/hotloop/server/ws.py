@@ -351,6 +351,7 @@ class Connection:
         suffix = ev.stream_id_suffix(stream_id)
         send_texts = self._send_texts
         wait_writable = self._wait_writable
+        within = self.app.config.flush_interval_ms / 1000  # --flush-interval-ms
         lanes = self._lane_tasks
         async with contextlib.aclosing(run.frames()) as frames:
             if send_texts is not None and wait_writable is not None:
@@ -363,7 +364,7 @@ class Connection:
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
                     try:
-                        if send_texts(batch, True):
+                        if send_texts(batch, True, within):
                             return
                     except ClientDisconnected:
                         pass

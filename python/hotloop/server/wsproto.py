@@ -187,6 +187,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.writable = self._writable  # type: ignore[assignment]
         self._cork: list[bytes] = []
         self._flush_scheduled = False
+        self._held: asyncio.TimerHandle | None = None  # the write of held events (send_texts' within)
+        self._held_since = 0.0  # the loop time of the last write of held-back events
         self._on_gone: Any = None
         self._app_closed = False
         self._busy: Any = None
@@ -223,6 +225,9 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             callback()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         if self.limits is not None:
             self.limits.release(self.transport)
         super().connection_lost(exc)
@@ -250,11 +255,19 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._held is not None:  # whatever was held goes with this write
+            self._held.cancel()
+            self._held = None
         if self._cork:
             data = b"".join(self._cork)
             self._cork.clear()
             if not self.transport.is_closing():
                 self.transport.write(data)
+
+    def _write_held(self) -> None:
+        self._held = None
+        self._held_since = self.loop.time()
+        self._flush()
 
     def _corked(self, data: list[bytes]) -> None:
         self._cork.extend(data)
@@ -262,11 +275,17 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
-    def send_texts(self, events: list[tuple[Any, bytes]], now: bool = False) -> bool:
+    def send_texts(self, events: list[tuple[Any, bytes]], now: bool = False, within: float = 0.0) -> bool:
         """Send the UTF-8 payload of each ``(name, payload)`` pair (the shape of
         :data:`hotloop.protocol.events.Frame`) as one text message; whether the client can take
         more now. ``now``: write at once instead of at the end of this loop iteration (a caller
         that already sends everything it has in one call, such as a read callback).
+
+        ``within`` (seconds, with ``now``): when events sent this way were written less than
+        half of ``within`` ago, hold these (at most until ``within`` after that write), so that
+        the events of several reads go out in one write (``--flush-interval-ms``). Any other
+        write sends what is held first, so the order never changes; at most one interval's
+        events are held.
 
         Raises ``ClientDisconnected`` once the connection is gone or closing. After ``False``
         the caller awaits :meth:`wait_writable` before sending again (back-pressure).
@@ -284,7 +303,10 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 cork.append(headers[n] if n < _NHEADERS else frame_header(n))
                 cork.append(p)
             if now:
-                self._flush()
+                if within:
+                    self._hold(within)
+                else:
+                    self._flush()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
@@ -298,6 +320,18 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             if now:
                 self._flush()
         return self._writable._set
+
+    def _hold(self, within: float) -> None:
+        """``send_texts(..., now=True, within=...)``: write the cork now if the last such write
+        is at least half of ``within`` old, else when it is ``within`` old. Reads that keep coming
+        write it themselves (no timer fires while a stream flows); the timer, cancelled by any
+        write, catches a stream that stops."""
+        t = self.loop.time()
+        if t - self._held_since >= within * 0.5:
+            self._held_since = t
+            self._flush()
+        elif self._held is None and not self._flush_scheduled:  # else a write is coming anyway
+            self._held = self.loop.call_at(self._held_since + within, self._write_held)
 
     async def wait_writable(self) -> None:
         await self.writable.wait()
