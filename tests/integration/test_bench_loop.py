@@ -224,11 +224,16 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     """``hotloop bench paired``: two real servers on the real mock, the same conversation's turns
     alternating between them; both report CPU for every turn."""
     env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
-    args = ["paired", "--turns", "4", "--tool-tokens", "4", "--turn-transport", transport, "--json"]
+    args = ["paired", "--turns", "4", "--tool-tokens", "4", "--turn-transport", transport, "--json",
+            "--server-args", "--flush-interval-ms 5"]
     proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "paired" and out["transport"] == transport and out["turns"] == 4
+    assert out["server_b_args"] == ["--flush-interval-ms", "5"]
     assert [s["server"] for s in out["servers"]] == ["A", "B"]
     assert all(s["python_path"] == "(installed)" and s["cpu_per_turn_mean_ms"] > 0 for s in out["servers"])
+    # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
+    assert all(s["wall_per_turn_p50_ms"] > 20 for s in out["servers"])
     assert 0.2 < out["b_over_a_paired_median"] < 5
+    assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20

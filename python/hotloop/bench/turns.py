@@ -390,8 +390,10 @@ class _Stepper:
         self._stop = False
         self._started = False
         self.error: BaseException | None = None
+        self.walls: list[float] = []  # each turn's wall time, seconds (request sent to its end)
 
         def tick(sent: float) -> None:
+            self.walls.append(time.perf_counter() - sent)
             self._done.release()
             self._go.acquire()
             if self._stop:
@@ -449,6 +451,8 @@ def bench_paired(
         for _ in range(5):  # warm-up: connections, caches, the tokenizer
             for st in steppers:
                 st.step()
+        for st in steppers:
+            st.walls.clear()
         marks = [process_cpu_ns(pid) for _, pid in servers]
         cpu: list[list[float]] = [[], []]
         for k in range(turns):
@@ -460,14 +464,16 @@ def bench_paired(
                 cpu[i].append((now - marks[i]) / 1e6)
                 marks[i] = now
     ratios = [b / a for a, b in zip(cpu[0], cpu[1]) if a > 0]
+    walls = [st.walls for st in steppers]
     side = [
         {
             "server": name,
             "python_path": path or "(installed)",
             "cpu_per_turn_p50_ms": round(_pct(c, 0.5), 3),
             "cpu_per_turn_mean_ms": round(statistics.mean(c), 3),
+            "wall_per_turn_p50_ms": round(_pct(w, 0.5) * 1e3, 3),
         }
-        for name, path, c in (("A", base_path, cpu[0]), ("B", server_path, cpu[1]))
+        for name, path, c, w in (("A", base_path, cpu[0], walls[0]), ("B", server_path, cpu[1], walls[1]))
     ]
     return {
         "scenario": "paired",
@@ -478,4 +484,6 @@ def bench_paired(
         "servers": side,
         "b_over_a_paired_median": round(statistics.median(ratios), 3),
         "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),
+        # the same turn's wall time on B minus on A (the mock's pacing is the same for both)
+        "b_minus_a_wall_paired_median_ms": round(statistics.median(b - a for a, b in zip(*walls)) * 1e3, 3),
     }

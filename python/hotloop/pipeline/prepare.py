@@ -30,11 +30,12 @@ from hotloop.state.store import LEGACY_OWNER
 _ID_PREFIX = {Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco", Reasoning: "rs"}
 
 
-# New input smaller than this is tokenized inline; larger input is counted in a worker thread
-# while the backend starts generating (the counts are only needed for the final usage).
-# Measured with `hotloop bench ws-loop`: the thread hand-off costs the event loop about as much
-# as tokenizing ~2-3 KB inline (2 KB turns: p50 308 us inline vs 350 us offloaded), while 16 KB
-# turns drop from 728 us to 468 us when offloaded.
+# New input smaller than this is tokenized on the event loop once the backend request is out,
+# larger input in a worker thread; either way while the backend starts generating (the counts
+# are only needed for the final usage; Engine._count_later). Measured with `hotloop bench
+# ws-loop`: the thread hand-off costs the event loop about as much as tokenizing ~2-3 KB inline
+# (2 KB turns: p50 308 us inline vs 350 us offloaded), while 16 KB turns drop from 728 us to
+# 468 us when offloaded.
 INLINE_TOKENIZE_CHARS = 8192
 CHARS_PER_TOKEN = 4  # o200k_base on English prose; only an estimate before the real count
 
@@ -208,8 +209,9 @@ def prepare(
 ) -> Plan:
     """Resolve references, check function-call outputs, analyze only the new items.
 
-    With ``defer``, a large new input's token counting is left ``pending`` for the caller to run
-    off the event loop (then :meth:`Plan.settle` with the counts); otherwise the plan is settled.
+    With ``defer``, the new input's token counting is left ``pending`` for the caller to run
+    later or off the event loop (then :meth:`Plan.settle` with the counts); otherwise the plan
+    is settled.
     ``stored`` holds items of stored responses that ``item_reference`` items may name (looked up
     by the caller, which does the I/O; see :func:`unresolved_references`).
     """
@@ -249,7 +251,7 @@ def prepare(
             cached += settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
     plan.supplied = frozenset(supplied)
-    if not defer or plan.pending_chars < INLINE_TOKENIZE_CHARS:
+    if not defer or not (plan.pending or plan.pending_blobs):
         plan.settle()
     return plan
 

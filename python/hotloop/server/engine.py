@@ -39,7 +39,7 @@ from hotloop.pipeline import reuse
 from hotloop.pipeline import window
 from hotloop.pipeline.classify import Redact
 from hotloop.pipeline.post import Persistence
-from hotloop.pipeline.prepare import Plan, finished, prepare, unresolved_references
+from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
@@ -344,14 +344,30 @@ class Engine:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def _count_later(self, plan: Plan) -> "asyncio.Future[tuple[list[int], list[int]]] | None":
-        """Tokenize a large new input in the tokenizer thread, overlapping the backend's work.
+        """Tokenize the new input while the backend works; the counts are awaited only before
+        the terminal event (for ``usage``).
 
-        tiktoken releases the GIL, so counting runs on another core while the event loop streams;
-        the counts are awaited only before the terminal event (for ``usage``).
+        A large input is counted in the tokenizer thread (tiktoken releases the GIL, so counting
+        runs on another core while the event loop streams). A small one is counted on the event
+        loop in its next iteration: the caller's task writes the backend request first, then
+        waits for the answer, so the count is off the turn's critical path at no extra cost.
         """
         if plan.settled:
             return None
-        return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
+        loop = asyncio.get_running_loop()
+        if plan.pending_chars >= INLINE_TOKENIZE_CHARS:
+            return loop.run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
+        fut: asyncio.Future[tuple[list[int], list[int]]] = loop.create_future()
+
+        def count() -> None:
+            if not fut.done():  # not cancelled by a failed start
+                try:
+                    fut.set_result(itemlib.count_pending(*plan.pending_texts()))
+                except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the counts
+                    fut.set_exception(exc)
+
+        loop.call_soon(count)
+        return fut
 
     async def count_input(self, plan: Plan) -> int:
         """Settle a plan's counts off the event loop (``POST /v1/responses/input_tokens``)."""
