@@ -30,27 +30,36 @@ def test_deferred_settings_keep_cached_tokens() -> None:
     assert inline.cached_tokens >= 6000
 
 
-def test_a_small_new_input_is_counted_after_the_backend_request() -> None:
+def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() -> None:
     """The engine counts a small new input on the event loop once the backend has its request
-    (the count is only needed for usage), and a large one in the tokenizer thread; usage is what
-    counting first gives."""
+    (the count is only needed for usage), and a large one in the tokenizer thread; under the
+    default secrets policy (flag: nothing the backend sees can change) the scan of a small input
+    runs after the request too. Usage, flags and the chain's classifier state are what running
+    them first gives."""
     import asyncio
     import threading
 
     from hotloop.config import Config
+    from hotloop.pipeline import classifiers
     from hotloop.protocol.request import CreateRequest
     from hotloop.server.runner import make_app
     from hotloop.state.context import ConnectionCache
+    from tests.unit.test_secrets import POSITIVES
 
+    secret = next(s for kind, _, s, _ in POSITIVES if kind == "github_token")
     order: list[str] = []
-    real_count = itemlib.count_pending
+    real_count, real_classify = itemlib.count_pending, classifiers.classify_turn
 
     def counting(*texts):  # noqa: ANN002
         order.append("count" if threading.current_thread() is threading.main_thread() else "count in a thread")
         return real_count(*texts)
 
-    async def main() -> list[int]:
-        app = make_app(Config(store="memory", sim_rate=0, secrets="off"))
+    def classifying(*args):  # noqa: ANN002
+        order.append("classify")
+        return real_classify(*args)
+
+    async def main() -> list[tuple[int, object, object]]:
+        app = make_app(Config(store="memory", sim_rate=0))
         await app.startup()
         real_stream = app.engine.backend.stream
 
@@ -61,11 +70,13 @@ def test_a_small_new_input_is_counted_after_the_backend_request() -> None:
 
         app.engine.backend.stream = stream  # type: ignore[method-assign]
         itemlib.count_pending = counting  # type: ignore[assignment]
+        classifiers.classify_turn = classifying  # type: ignore[assignment]
         try:
-            usage = []
+            out = []
             prev = None
             conn = ConnectionCache(1)  # a WebSocket connection's cache: store=False chains
-            for text in ("a first question, long enough to count " * 5, "x " * 6000):  # 200 B, then 12 KB
+            # 200 B with a secret, then 12 KB (counted in the thread, scanned on the loop)
+            for text in ("a first question, long enough to count " * 5 + secret, "x " * 6000):
                 body = {"model": "hotloop-sim", "input": text, "store": False, "metadata": {"sim": "text,tokens:3"}}
                 if prev is not None:
                     body["previous_response_id"] = prev
@@ -73,15 +84,18 @@ def test_a_small_new_input_is_counted_after_the_backend_request() -> None:
                 run = await app.engine.start(req, transport="ws", conn=conn, websocket=True)
                 resp = await run.drain()
                 prev = resp["id"]
-                usage.append(resp["usage"]["input_tokens"])
-            return usage
+                out.append((resp["usage"]["input_tokens"], run.plan.flags, run.plan.states))
+            return out
         finally:
             itemlib.count_pending = real_count  # type: ignore[assignment]
+            classifiers.classify_turn = real_classify  # type: ignore[assignment]
             await app.shutdown()
 
-    usage = asyncio.run(main())
-    assert order[:2] == ["backend", "count"]
-    assert sorted(order[2:]) == ["backend", "count in a thread"]
-    first = plan_for({"model": "hotloop-sim", "input": "a first question, long enough to count " * 5})
-    assert usage[0] == first.input_tokens > 0
-    assert usage[1] > usage[0] + 3000  # the chain plus ~6,000 tokens of new input
+    (tokens1, flags1, states1), (tokens2, flags2, states2) = asyncio.run(main())
+    assert order[0] == "backend" and sorted(order[1:3]) == ["classify", "count"]
+    assert sorted(order[3:]) == ["backend", "classify", "count in a thread"]
+    first = plan_for({"model": "hotloop-sim", "input": "a first question, long enough to count " * 5 + secret})
+    assert tokens1 == first.input_tokens > 0
+    assert tokens2 > tokens1 + 3000  # the chain plus ~6,000 tokens of new input
+    assert flags1 == {"github_token": 1} and flags2 is None
+    assert states1["secrets"].kinds_seen == frozenset({"github_token"}) and states2 == states1  # carried on

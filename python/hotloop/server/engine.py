@@ -37,7 +37,7 @@ from hotloop.pipeline import classifiers
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
-from hotloop.pipeline.classify import Redact
+from hotloop.pipeline.classify import Redact, SecretsClassifier
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.protocol.chunks import Chunk, Failure, Finish
@@ -86,6 +86,10 @@ class Engine:
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
         # a bad --classifier raises ClassifierLoadError here, before the server starts.
         self.classifiers = classifiers.build(config.secrets, config.classifier_specs)
+        # Classifiers that can only flag (the secrets scanner under its default policy, alone)
+        # change nothing the backend sees: a small input is then classified after the backend
+        # request is out (Engine._classify_later), like its token count.
+        self._flag_only = all(type(c) is SecretsClassifier and c.policy == "flag" for c in self.classifiers)
         # Context windows and output limits per model; a bad --model-limits file raises
         # ModelLimitsError here, before the server starts.
         self.models = ModelRegistry.from_config(config.model_limits or None)
@@ -215,7 +219,10 @@ class Engine:
                 self.prefixes.misses += 1
             marks.append(clock())
             try:
-                outcome = await self.classify(p, parent, tenant) if self.classifiers else None
+                later = bool(self.classifiers) and self._flag_only and (
+                    classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
+                )
+                outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
                 marks.append(clock())
@@ -233,6 +240,8 @@ class Engine:
                 grant = admitted if admitted is None or isinstance(admitted, Grant) else await admitted
             counts = self._count_later(plan)
             started.append(counts)
+            verdicts = self._classify_later(p, parent, tenant, plan) if later else None
+            started.append(verdicts)
             marks.append(clock())
             if req.generate is False:
                 stream: AsyncIterator[Chunk] = _warmup()
@@ -267,6 +276,7 @@ class Engine:
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.prefix = prefix
         run.marks = marks
+        run.verdicts = verdicts
         run.push_slot = slot
         run.request_id = request_id
         if req.previous_response_id is None and raw_input is not None:
@@ -310,17 +320,45 @@ class Engine:
             )
         else:
             outcome = classifiers.classify_turn(self.classifiers, p.items, states)
+        self._report(outcome, tenant)
+        if outcome.block is not None:
+            name, block = outcome.block
+            log.info("classifier %s blocked a request for key %s: %s", name, tenant.name, _kinds((), block.labels))
+            raise classifiers.blocked_error(block, isinstance(p.req.input, str))
+        return outcome
+
+    def _classify_later(self, p: Prepared, parent: CachedResponse | None, tenant: Tenant, plan: Plan) -> "asyncio.Future[None]":
+        """:meth:`classify` for classifiers that can only flag (``_flag_only``), on the event loop
+        in its next iteration, once the caller's task has written the backend request; the
+        future is done once ``plan`` holds the chain's new states and this turn's flags (awaited
+        before the terminal event, :meth:`Run._settle`)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        states = parent.states if parent is not None else None
+
+        def run() -> None:
+            if fut.done():  # cancelled by a failed start
+                return
+            try:
+                outcome = classifiers.classify_turn(self.classifiers, p.items, states)
+                self._report(outcome, tenant)
+                plan.states = outcome.states
+                plan.flags = outcome.tally() or None
+                fut.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the verdicts
+                fut.set_exception(exc)
+
+        loop.call_soon(run)
+        return fut
+
+    def _report(self, outcome: classifiers.Outcome, tenant: Tenant) -> None:
+        """Log what the classifiers flagged or redacted."""
         for name, verdict in outcome.verdicts:
             log.info(
                 "classifier %s %s the input of a response for key %s: %s",
                 name, "redacted" if isinstance(verdict, Redact) else "flagged", tenant.name,
                 _kinds(verdict.findings, verdict.labels),  # type: ignore[union-attr]
             )
-        if outcome.block is not None:
-            name, block = outcome.block
-            log.info("classifier %s blocked a request for key %s: %s", name, tenant.name, _kinds((), block.labels))
-            raise classifiers.blocked_error(block, isinstance(p.req.input, str))
-        return outcome
 
     async def stored_items(
         self, p: Prepared, parent: CachedResponse | None, scope: str | None = ANONYMOUS.id
@@ -528,6 +566,7 @@ class Run:
         grant: Grant | None = None,
     ) -> None:
         self._counts = counts
+        self.verdicts: asyncio.Future[None] | None = None  # Engine._classify_later's, if deferred
         self.tenant = tenant
         self.grant = grant
         self.engine = engine
@@ -664,8 +703,12 @@ class Run:
         return self.turn.response
 
     async def _settle(self) -> None:
-        """Make the input token counts final (before any terminal event reports usage)."""
+        """Make the input token counts final (before any terminal event reports usage), and the
+        classifiers' states and flags if they ran after the backend request."""
         plan = self.plan
+        if self.verdicts is not None:
+            verdicts, self.verdicts = self.verdicts, None
+            await verdicts
         if not plan.settled:
             counts = await self._counts if self._counts is not None else None
             plan.settle(counts)
