@@ -99,3 +99,38 @@ def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() ->
     assert tokens2 > tokens1 + 3000  # the chain plus ~6,000 tokens of new input
     assert flags1 == {"github_token": 1} and flags2 is None
     assert states1["secrets"].kinds_seen == frozenset({"github_token"}) and states2 == states1  # carried on
+
+
+def test_a_deferred_scan_that_fails_leaves_the_response_alone(caplog) -> None:  # noqa: ANN001
+    """A flag-only scan that raises (run after the backend request) is logged; the response
+    completes, unflagged, with its chain's state unchanged."""
+    import asyncio
+    import logging
+
+    from hotloop.config import Config
+    from hotloop.pipeline import classifiers
+    from hotloop.server.runner import make_app
+
+    real = classifiers.classify_turn
+
+    def broken(*args):  # noqa: ANN002
+        raise RuntimeError("scanner exploded")
+
+    async def main() -> tuple[str, object, object]:
+        app = make_app(Config(store="memory", sim_rate=0))
+        await app.startup()
+        classifiers.classify_turn = broken  # type: ignore[assignment]
+        try:
+            req = decode_body(json.dumps({"model": "hotloop-sim", "input": "hi", "store": False,
+                                          "metadata": {"sim": "text,tokens:3"}}).encode())
+            run = await app.engine.start(req, transport="json")
+            resp = await run.drain()
+            return resp["status"], run.plan.flags, run.plan.states
+        finally:
+            classifiers.classify_turn = real  # type: ignore[assignment]
+            await app.shutdown()
+
+    with caplog.at_level(logging.ERROR, logger="hotloop"):
+        status, flags, states = asyncio.run(main())
+    assert status == "completed" and flags is None and states is None
+    assert "the secrets scan failed" in caplog.text and "scanner exploded" in caplog.text
