@@ -420,3 +420,33 @@ def test_held_deltas_do_not_wait_for_the_next_read(held: Server, mock: MockChatS
     at = {e["delta"]: t for e, t in zip(got, times) if e["type"] == "response.output_text.delta"}
     assert list(at) == ["a", "b", "c", "d", "e"]
     assert at["e"] - at["d"] > 0.3, at  # "d" did not wait for "e"
+
+
+def test_openai_python_reads_held_deltas(held: Server, mock: MockChatServer) -> None:
+    """openai-python, streaming over SSE and over client.responses.connect(), from a server that
+    holds deltas back (several events per write): every delta, in order, and the same text."""
+    from openai import OpenAI
+
+    from tests.integration.test_websocket import until_terminal
+
+    client = OpenAI(api_key="k", base_url=held.v1, max_retries=0)
+    pieces = [f"w{i} " for i in range(30)]
+
+    def script() -> None:
+        events: list[Event] = [chunk({"role": "assistant", "content": ""})]
+        for p in pieces:
+            events += [Sleep(0.002), chunk({"content": p})]
+        mock.push(Reply.stream(events + [chunk({}, "stop"), chunk(usage=usage(5, 30), choices=False)]))
+
+    script()
+    with client.responses.stream(model="mock-model", input="go", store=False) as stream:
+        sse = [e for e in stream]
+    script()
+    with client.responses.connect() as conn:
+        conn.response.create(model="mock-model", input="go", store=False)
+        ws = until_terminal(conn)
+    for events in (sse, ws):
+        assert [e.delta for e in events if e.type == "response.output_text.delta"] == pieces
+        assert events[-1].type == "response.completed"
+        assert events[-1].response.output_text == "".join(pieces)
+        assert [e.sequence_number for e in events] == list(range(len(events)))
