@@ -18,28 +18,32 @@ from hotloop.protocol.request import Prepared
 class IdGen:
     """Makes ``resp_``/``msg_``/``fc_``/``call_``/``rs_`` ids: random, or sequential for tests.
 
-    Random ids are 24 bytes from the OS CSPRNG (a response id is a capability for reading the
+    Random ids are ``id_bytes`` (24) bytes from the OS CSPRNG (a response id is a capability for reading the
     response), taken from a 4 KiB pool refilled by one ``urandom`` call, not one syscall per id.
     """
 
     _POOL = 4096
-    _ID_BYTES = 24
 
-    def __init__(self, deterministic: bool = False, prefix: str = "") -> None:
+    def __init__(self, deterministic: bool = False, prefix: str = "", id_bytes: int = 24) -> None:
         self._counter = itertools.count(1) if deterministic else None
         self._prefix = prefix
+        self._id_bytes = id_bytes
         self._pool = b""
         self._pos = 0
+
+    def forget(self) -> None:
+        """Drop the unused random bytes (a forked child must not hand out its parent's ids)."""
+        self._pool, self._pos = b"", 0
 
     def new(self, kind: str) -> str:
         if self._counter is not None:
             return f"{kind}_{self._prefix}{next(self._counter):04d}"
         pos = self._pos
-        if pos + self._ID_BYTES > len(self._pool):
+        if pos + self._id_bytes > len(self._pool):
             self._pool = secrets.token_bytes(self._POOL)
             pos = 0
-        self._pos = pos + self._ID_BYTES
-        return f"{kind}_{self._pool[pos : pos + self._ID_BYTES].hex()}"
+        self._pos = pos + self._id_bytes
+        return f"{kind}_{self._pool[pos : pos + self._id_bytes].hex()}"
 
 
 def usage_object(

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 import msgspec
 
@@ -89,7 +89,9 @@ class Engine:
         # Classifiers that can only flag (the secrets scanner under its default policy, alone)
         # change nothing the backend sees: a small input is then classified after the backend
         # request is out (Engine._classify_later), like its token count.
-        self._flag_only = all(type(c) is SecretsClassifier and c.policy == "flag" for c in self.classifiers)
+        self._flag_only = bool(self.classifiers) and all(
+            type(c) is SecretsClassifier and c.policy == "flag" for c in self.classifiers
+        )
         # Context windows and output limits per model; a bad --model-limits file raises
         # ModelLimitsError here, before the server starts.
         self.models = ModelRegistry.from_config(config.model_limits or None)
@@ -219,9 +221,7 @@ class Engine:
                 self.prefixes.misses += 1
             marks.append(clock())
             try:
-                later = bool(self.classifiers) and self._flag_only and (
-                    classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
-                )
+                later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
                 outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
@@ -333,13 +333,9 @@ class Engine:
         future is done once ``plan`` holds the chain's new states and this turn's flags (awaited
         before the terminal event, :meth:`Run._settle`). It never fails: a scan that raises is
         logged, and the response goes on without its flags."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
         states = parent.states if parent is not None else None
 
         def run() -> None:
-            if fut.done():  # cancelled by a failed start
-                return
             try:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
                 self._report(outcome, tenant)
@@ -349,10 +345,8 @@ class Engine:
                 # a flag-only scan changes nothing the client sees: the response goes on, without
                 # this turn's flags (the chain keeps its parent's state); the log says why
                 log.exception("the secrets scan failed (key %s); the response goes on unflagged", tenant.name)
-            fut.set_result(None)
 
-        loop.call_soon(run)
-        return fut
+        return _next_iteration(run)
 
     def _report(self, outcome: classifiers.Outcome, tenant: Tenant) -> None:
         """Log what the classifiers flagged or redacted."""
@@ -395,20 +389,9 @@ class Engine:
         """
         if plan.settled:
             return None
-        loop = asyncio.get_running_loop()
         if plan.pending_chars >= INLINE_TOKENIZE_CHARS:
-            return loop.run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
-        fut: asyncio.Future[tuple[list[int], list[int]]] = loop.create_future()
-
-        def count() -> None:
-            if not fut.done():  # not cancelled by a failed start
-                try:
-                    fut.set_result(itemlib.count_pending(*plan.pending_texts()))
-                except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the counts
-                    fut.set_exception(exc)
-
-        loop.call_soon(count)
-        return fut
+            return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
+        return _next_iteration(lambda: itemlib.count_pending(*plan.pending_texts()))
 
     async def count_input(self, plan: Plan) -> int:
         """Settle a plan's counts off the event loop (``POST /v1/responses/input_tokens``)."""
@@ -503,6 +486,27 @@ def backend_kind(exc: BaseException) -> str:
 
 # New input with this much text (or more) is classified in the tokenizer thread; see Engine.classify.
 CLASSIFY_OFFLOAD_CHARS = 64 * 1024
+
+_T = TypeVar("_T")
+
+
+def _next_iteration(fn: Callable[[], _T]) -> "asyncio.Future[_T]":
+    """``fn()`` in the event loop's next iteration, as a future (not run if it was cancelled by
+    then). Scheduled by a task just before it writes a backend request and waits for the answer,
+    the work runs while the backend works, off the turn's critical path."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_T] = loop.create_future()
+
+    def run() -> None:
+        if fut.done():  # cancelled by a failed start
+            return
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            fut.set_exception(exc)
+
+    loop.call_soon(run)
+    return fut
 _TERMINAL_CHUNKS = (Finish, Failure)
 MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
 
