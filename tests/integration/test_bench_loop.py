@@ -237,3 +237,20 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     assert all(s["wall_per_turn_p50_ms"] > 20 for s in out["servers"])
     assert 0.2 < out["b_over_a_paired_median"] < 5
     assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20
+
+
+def test_a_bench_server_leaves_no_data_directory_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every server a benchmark starts gets its own data directory, removed when it stops (runs
+    used to leave one, with its SQLite store, in the temporary directory each time)."""
+    import tempfile
+
+    from hotloop.bench import server
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with server("--store", "sqlite") as (base, _pid):
+        made = [p for p in tmp_path.iterdir() if p.name.startswith("hotloop-bench-")]
+        assert len(made) == 1
+        r = httpx.post(base + "/v1/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}, timeout=30)
+        assert r.status_code == 200
+        assert (made[0] / "hotloop.sqlite3").exists()
+    assert list(tmp_path.iterdir()) == []

@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import shlex
 import socket
 import statistics
@@ -100,6 +101,8 @@ def server(*args: str, pythonpath: str | None = None) -> Iterator[tuple[str, int
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)  # its store and fingerprint key
 
 
 def _stats(base: str) -> list[dict[str, Any]]:
