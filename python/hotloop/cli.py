@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the oldest queued store write may wait before finished turns wait for the writer: the bound "
         "on what a crash can lose with --store-sync normal (env HOTLOOP_STORE_MAX_LAG, default 0.2)",
     )
+    s.add_argument(
+        "--store-commit-delay",
+        dest="store_commit_delay",
+        type=float,
+        help="seconds the SQLite writer waits after a finished turn for others to join its transaction (group "
+        "commit; at most half of --store-max-lag; 0: write at once; not with --workers) "
+        "(env HOTLOOP_STORE_COMMIT_DELAY, default 0.1)",
+    )
     s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
     s.add_argument(
         "--max-connections",

@@ -89,6 +89,7 @@ class Config:
     max_pending_writes: int = 1024
     max_pending_write_bytes: int = 256 * 1024 * 1024  # estimated bytes of queued store writes
     store_max_lag: float = 0.2  # seconds the oldest queued store write may wait (then turns wait: README, Crash safety)
+    store_commit_delay: float = 0.1  # seconds the SQLite writer waits for more turns to join a commit (at most store_max_lag / 2)
 
     @property
     def classifier_specs(self) -> list[str]:

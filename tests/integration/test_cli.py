@@ -41,3 +41,10 @@ def test_a_flush_interval_out_of_range_stops_start_up(tmp_path) -> None:
         p = run(HOTLOOP, "serve", "--port", "0", "--store", "memory", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
         assert p.returncode == 3, (flag, env, p.stderr)
         assert "--flush-interval-ms must be between 0 and 1000" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_negative_commit_delay_stops_start_up(tmp_path) -> None:
+    for flag, env in ((("--store-commit-delay", "-0.1"), {}), ((), {"HOTLOOP_STORE_COMMIT_DELAY": "nan"})):
+        p = run(HOTLOOP, "serve", "--port", "0", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
+        assert p.returncode == 3, (flag, env, p.stderr)
+        assert "--store-commit-delay must be 0 or more seconds" in p.stderr and "Traceback" not in p.stderr

@@ -428,3 +428,95 @@ def test_ledger_batches_wait_for_a_writer_behind_only_past_their_buffer() -> Non
         await p.close()
 
     asyncio.run(main())
+
+
+class BatchCountingStore(SQLiteStore):
+    """SQLite that counts its transactions (``batch()``) and the puts made outside one."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.batches = 0
+        self.alone = 0
+        self._batching = False
+
+    def batch(self) -> Any:
+        self.batches += 1
+        return super().batch()
+
+    def put(self, rec: Any) -> None:
+        if not self._batching:
+            self.alone += 1
+        super().put(rec)
+
+
+def test_turns_finishing_within_the_commit_delay_share_one_transaction(tmp_path: Any) -> None:
+    """Group commit: with a commit delay, turns that finish a few milliseconds apart (a client's
+    chained turns) are written in one transaction, and each is readable (pending) meanwhile."""
+    store = BatchCountingStore(tmp_path / "db.sqlite3")
+
+    async def main() -> None:
+        p = Persistence(store, max_lag=1.0, commit_delay=0.3)
+        entries = []
+        parent = None
+        for i in range(4):
+            parent = _entry(f"resp_{i}", parent=parent)
+            entries.append(parent)
+            await p.submit(parent)
+            assert await p.get_response(parent.id) is not None  # seen before it is written
+            await asyncio.sleep(0.01)
+        assert p.written == 0  # still gathering
+        await asyncio.sleep(0.6)
+        assert p.written == 4 and p.failed == 0
+        assert store.batches == 1 and store.alone == 0, (store.batches, store.alone)
+        for e in entries:
+            hist = store.get(e.id)
+            assert hist is not None and hist.items == _history(e), e.id
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_flush_and_close_do_not_wait_for_the_commit_delay(tmp_path: Any) -> None:
+    """A barrier (a DELETE, ``--store-sync full``, shutdown) ends the gathering at once."""
+    store = BatchCountingStore(tmp_path / "db.sqlite3")
+
+    async def main() -> None:
+        p = Persistence(store, max_lag=120.0, commit_delay=60.0)
+        await p.submit(_entry("resp_a"))
+        await asyncio.sleep(0.05)
+        t = time.monotonic()
+        await p.flush()
+        assert time.monotonic() - t < 5 and p.written == 1
+        await p.submit(_entry("resp_b"))
+        await asyncio.sleep(0.05)
+        t = time.monotonic()
+        await p.close()
+        assert time.monotonic() - t < 5 and p.written == 2
+
+    asyncio.run(main())
+    reopened = SQLiteStore(tmp_path / "db.sqlite3")
+    assert reopened.get("resp_b") is not None
+    reopened.close()
+
+
+def test_a_full_batch_does_not_wait_for_the_commit_delay(tmp_path: Any) -> None:
+    store = BatchCountingStore(tmp_path / "db.sqlite3")
+
+    async def main() -> None:
+        p = Persistence(store, max_lag=120.0, commit_delay=60.0)
+        for i in range(p._batch):
+            await p.submit(_entry(f"resp_{i}"))
+        for _ in range(500):
+            if p.written == p._batch:
+                break
+            await asyncio.sleep(0.01)
+        assert p.written == p._batch
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_the_commit_delay_is_bounded_by_half_the_lag_and_needs_batches(tmp_path: Any) -> None:
+    assert Persistence(SQLiteStore(tmp_path / "a.sqlite3"), max_lag=0.2, commit_delay=5.0).commit_delay == 0.1
+    assert Persistence(SQLiteStore(tmp_path / "b.sqlite3"), max_lag=0.2, commit_delay=0.05).commit_delay == 0.05
+    assert Persistence(MemoryStore(), max_lag=0.2, commit_delay=0.05).commit_delay == 0.0  # one job at a time

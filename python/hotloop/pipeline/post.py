@@ -15,6 +15,11 @@ removed meanwhile) the writer stores the whole history instead.
 When the store offers ``batch()`` (SQLite), the writer takes what is queued, up to ``WRITE_BATCH``
 jobs, in one thread hand-off and one transaction: one commit (one disk sync with
 ``--store-sync full``) for every turn that finished meanwhile. Other stores get one job at a time.
+With ``commit_delay`` (``--store-commit-delay``, such stores only, at most half of ``max_lag``)
+the idle writer, woken by a job, first waits until that job is ``commit_delay`` old, so that the
+turns finishing meanwhile join its transaction (group commit): a write made alone, cold, costs a
+few times what it costs in a run of them. A full batch, a :meth:`flush` barrier or a submission
+waiting for room ends the wait at once.
 
 Usage records are batched: they accumulate in memory and go to the store as one write every
 ``USAGE_FLUSH_SECONDS`` (or at ``USAGE_BATCH`` records, or on flush/close), so a turn pays a list
@@ -208,6 +213,7 @@ class Persistence:
         max_pending: int = 1024,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         max_lag: float = DEFAULT_MAX_LAG,
+        commit_delay: float = 0.0,
     ) -> None:
         self.store = store
         self.max_pending = max(1, max_pending)
@@ -216,6 +222,9 @@ class Persistence:
         # jobs the writer takes at once: a batch when the store commits many writes together
         self._store_batch: Any = getattr(store, "batch", None)
         self._batch = WRITE_BATCH if self._store_batch is not None else 1
+        # group commit: the writer waits this long after a batch's first job for more to join
+        # it (stores with batch() only; at most half of max_lag, so the durability bound holds)
+        self.commit_delay = min(max(0.0, commit_delay), max_lag / 2) if self._store_batch is not None else 0.0
         self.pending: dict[str, CachedResponse] = {}
         self._jobs: deque[_Job] = deque()  # queued, in sequence order
         self._jobs_bytes = 0
@@ -223,7 +232,8 @@ class Persistence:
         self._barriers: deque[tuple[int, asyncio.Future[None]]] = deque()  # flush() calls, by target
         self._seq = 0  # last sequence number handed out
         self._done = 0  # last sequence number the writer finished (jobs finish in order)
-        self._wakeup: asyncio.Future[None] | None = None  # the idle writer waits on it
+        self._wakeup: asyncio.Future[None] | None = None  # the idle (or gathering) writer waits on it
+        self._gathering: asyncio.TimerHandle | None = None  # the end of a group commit's delay
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
         self.written = 0
@@ -257,6 +267,7 @@ class Persistence:
             return
         fut = asyncio.get_running_loop().create_future()
         self._barriers.append((target, fut))
+        self._wake()  # a barrier does not wait for the commit delay
         await fut
 
     def _take_usage(self) -> list[UsageRecord]:
@@ -315,6 +326,10 @@ class Persistence:
     def _push(self, job: _Job) -> None:
         self._jobs.append(job)
         self._jobs_bytes += job.nbytes
+        if self._gathering is None or len(self._jobs) >= self._batch:
+            self._wake()
+
+    def _wake(self) -> None:
         wake = self._wakeup
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -343,6 +358,7 @@ class Persistence:
             return
         fut = asyncio.get_running_loop().create_future()
         self._blocked.append((job, fut))
+        self._wake()  # a turn waits for room: no commit delay
         await asyncio.shield(fut)
 
     def _finished(self, seq: int) -> None:
@@ -361,6 +377,18 @@ class Persistence:
                 await self._wakeup
                 self._wakeup = None
                 continue
+            delay = self.commit_delay and self._jobs[0].at + self.commit_delay - time.monotonic()
+            if delay > 0 and len(self._jobs) < self._batch and not self._barriers and not self._blocked:
+                # group commit: the turns that finish meanwhile join this transaction; a full
+                # batch, a flush() or a waiting turn ends the wait early (see _push, _wake)
+                self._wakeup = wake = loop.create_future()
+                self._gathering = loop.call_at(loop.time() + delay, self._wake)
+                try:
+                    await wake
+                finally:
+                    self._wakeup = None
+                    self._gathering.cancel()
+                    self._gathering = None
             queue = self._jobs
             jobs = [queue.popleft() for _ in range(min(len(queue), self._batch))]
             self._jobs_bytes -= sum(job.nbytes for job in jobs)

@@ -47,11 +47,15 @@ def make_store(config: Config) -> ResponseStore:
 def make_app(config: Config) -> HotloopApp:
     if not 0 <= config.flush_interval_ms <= MAX_FLUSH_INTERVAL_MS:  # NaN too
         raise ValueError(f"--flush-interval-ms must be between 0 and {MAX_FLUSH_INTERVAL_MS:g}, got {config.flush_interval_ms:g}")
+    if not 0 <= config.store_commit_delay < float("inf"):  # NaN too
+        raise ValueError(f"--store-commit-delay must be 0 or more seconds, got {config.store_commit_delay:g}")
     backend = backends.create(config)
     store = make_store(config)
     shared = getattr(store, "shared", False) or config.workers > 1  # other processes write it too
+    # the group commit's delay makes a write later visible to the other processes: not when shared
     persistence = (SharedPersistence if shared else Persistence)(
-        store, config.max_pending_writes, config.max_pending_write_bytes, config.store_max_lag
+        store, config.max_pending_writes, config.max_pending_write_bytes, config.store_max_lag,
+        0.0 if shared else config.store_commit_delay,
     )
     tenancy = make_tenancy(config, open_key_store(config.store, config.db_path, config.redis_url))
     app = HotloopApp(config, backend, persistence, tenancy)
