@@ -182,3 +182,13 @@ def test_multiprocess_mode(tmp_path: Path) -> None:
         counts = {s_.labels["stage"]: s_.value for s_ in m["hotloop_stage_seconds_count"]}
         assert set(counts) == {"parse", "resolve", "classify", "prepare", "first_token", "generation", "persist"}
         assert any(f.name.endswith(".db") for f in mp.iterdir())  # values written to the shared directory
+
+
+def test_the_server_freezes_what_start_up_loaded(server: Server) -> None:
+    """``hotloop serve`` moves what start-up loaded out of the cyclic collector's sight
+    (``gc.freeze``): a full collection then walks only what serving made. The stats show it."""
+    r = httpx.post(server.base + "/v1/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=30)
+    assert r.status_code == 200
+    gc_stats = httpx.get(server.base + "/hotloop/stats", timeout=10).json()["gc"]
+    assert gc_stats["frozen"] > 10_000  # the modules, the vocabulary, the backend's client
+    assert len(gc_stats["collections"]) == 3 and all(isinstance(n, int) for n in gc_stats["collections"])

@@ -10,6 +10,7 @@ go through the sans-I/O :class:`~hotloop.protocol.session.Session`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -153,6 +154,8 @@ class HotloopApp:
                 "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },
             "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
+            # the cyclic collector: objects frozen at start-up, and per generation its collections
+            "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
             "turns": [
                 {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}
                 for t, c, p, e, n in eng.turn_stats

@@ -9,6 +9,7 @@ uses uvicorn's httptools protocol under the server's connection limit and reques
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import logging.config
 from collections.abc import Iterator
@@ -114,6 +115,17 @@ def _server_class() -> type:
 
         app: HotloopApp
         grace: float
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            # What start-up loaded (modules, the vocabulary, the backend's client) lives as long
+            # as the process. Frozen, the cyclic collector no longer walks it in every full
+            # collection: about 60,000 objects on the Cerebras backend, a full collection 23 ms
+            # of stalled event loop before, 1 ms after (README, Performance). Garbage goes first,
+            # so nothing unreachable is frozen. The server process's policy, not the ASGI app's:
+            # an application embedded in another process leaves that process's collector alone.
+            gc.collect()
+            gc.freeze()
 
         async def shutdown(self, sockets: Any = None) -> None:
             self.app.stopping(self.grace)
