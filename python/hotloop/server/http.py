@@ -24,7 +24,7 @@ from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
-from hotloop.server.httpproto import ON_DISCONNECT, SEND_NOW
+from hotloop.server.httpproto import CORK, ON_DISCONNECT, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
@@ -70,9 +70,18 @@ class HttpTransport:
             ] + (headers or [])
             if tenant is not None:
                 hdrs += self.app.tenancy.headers(tenant)  # the caller's rate limits, if any
-            await send({"type": "http.response.start", "status": status, "headers": hdrs})
-            await send({"type": "http.response.body", "body": body})
+            if cork is None:
+                await send({"type": "http.response.start", "status": status, "headers": hdrs})
+                await send({"type": "http.response.body", "body": body})
+                return
+            cork(True)  # head and body in one write
+            try:
+                await send({"type": "http.response.start", "status": status, "headers": hdrs})
+                await send({"type": "http.response.body", "body": body})
+            finally:
+                cork(False)
 
+        cork: Callable[[bool], None] | None = scope.get("extensions", {}).get(CORK)
         try:
             path = scope["path"].rstrip("/")
             if path not in _PUBLIC and not (path == "/metrics" and self.app.config.metrics_public):
@@ -201,6 +210,7 @@ class HttpTransport:
         extensions = scope.get("extensions", {})
         watch = extensions.get(ON_DISCONNECT)
         send_now = extensions.get(SEND_NOW)
+        cork = extensions.get(CORK)
         if watch is not None:
             task = asyncio.current_task()
             assert task is not None
@@ -213,14 +223,14 @@ class HttpTransport:
 
             watch(on_gone)
             try:
-                return await self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now)
+                return await self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now, cork)
             except asyncio.CancelledError:
                 if left and task.uncancel() == 0:  # cancelled for the client alone
                     raise _ClientGone() from None
                 raise
             finally:
                 watch(None)
-        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now))
+        work = asyncio.create_task(self._run_create(req, send, respond, rid, mark, tenant, prefix, raw, t0, timing, send_now, cork))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -241,6 +251,7 @@ class HttpTransport:
         self, req: Any, send: Send, respond: Any, rid: str, mark: float, tenant: Tenant,
         prefix: Prefix | None = None, raw: reuse.RawInput | None = None, t0: float = 0.0,
         timing: list[str] | None = None, send_now: Callable[[bytes], bool] | None = None,
+        cork: Callable[[bool], None] | None = None,
     ) -> None:
         timing = [] if timing is None else timing
         if not req.stream:
@@ -263,15 +274,25 @@ class HttpTransport:
         run = await self.app.engine.start(
             req, transport="sse", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid, received=t0
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())]
-                + [(b"server-timing", ", ".join(_timing(run, t0)).encode())] + self.app.tenancy.headers(tenant)
-                + _truncated(run.plan.truncated),
-            }
-        )
+        # The head goes out with the first events (one write), and the stream's end with its
+        # terminal event (the batch that holds it is sent as the body's last piece).
+        corked = cork
+        if corked is not None:
+            corked(True)
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": _SSE_HEADERS + [(b"x-request-id", rid.encode())]
+                    + [(b"server-timing", ", ".join(_timing(run, t0)).encode())] + self.app.tenancy.headers(tenant)
+                    + _truncated(run.plan.truncated),
+                }
+            )
+        except BaseException:
+            if corked is not None:
+                corked(False)
+            raise
         sse = ev.sse
         conns = self.app.open_connections
         conns["http"] -= 1  # while it streams, the connection counts as an SSE stream
@@ -283,6 +304,7 @@ class HttpTransport:
             emit = held = _Held(run, send_now, within)
         elif send_now is not None:
             emit = _emitter(run, send_now)
+        ended = False
         try:
             async with contextlib.aclosing(run.frames()) as frames:
                 run.emit = emit
@@ -290,7 +312,11 @@ class HttpTransport:
                     body = b"".join([sse(f) for f in batch])
                     if held is not None:  # what push delivery holds goes first
                         body = held.take() + body
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    ended = run.turn.done  # the terminal event's batch is the last
+                    await send({"type": "http.response.body", "body": body, "more_body": not ended})
+                    if corked is not None:
+                        corked(False)
+                        corked = None
                     run.emit = emit
         finally:
             run.emit = None  # no cycle through the closure
@@ -298,8 +324,11 @@ class HttpTransport:
                 held.take()  # nothing is written after the stream's end
             conns["sse"] -= 1
             conns["http"] += 1
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if corked is not None:
+                corked(False)
+            if not ended:
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.app.engine.record(run, mark)
 
     # The endpoints on a stored response take the caller's scope (an owner id, or None for the

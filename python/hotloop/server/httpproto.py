@@ -50,6 +50,13 @@ read callback (push delivery). Returns whether the client takes more now: false 
 buffer is above its high-water mark (the caller's next ``send`` waits, as usual) or if the client
 has gone (nothing is written)."""
 
+CORK = "hotloop.http.cork"
+"""Scope extension: ``cork(True)`` holds what the request's response writes (its head, its body
+pieces, :data:`SEND_NOW` writes) and ``cork(False)`` writes what was held, in one write: the
+head of a response goes out with its first piece of body, not in a write (and a loopback
+delivery, a wake-up of the client) of its own. Held bytes never outlive the cork: a close of
+the connection writes them first."""
+
 # Request body bytes buffered before the application is woken to take them (and reading pauses
 # until it has): a body up to this size reaches the application in one piece, at its end.
 BODY_BUFFER = 1024 * 1024
@@ -143,6 +150,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[ON_DISCONNECT] = functools.partial(self._on_disconnect, cycle)
             extensions[SEND_NOW] = functools.partial(_send_now, cycle)
+            extensions[CORK] = functools.partial(_cork, cycle)
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot
@@ -251,3 +259,43 @@ def _send_now(cycle: Any, body: bytes) -> bool:
     if body:
         cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
     return not cycle.flow.write_paused
+
+
+class _Corked:
+    """A response's transport while it is corked (:data:`CORK`): writes are held until the cork
+    is taken out; everything else is the transport's."""
+
+    __slots__ = ("transport", "parts")
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def flush(self) -> None:
+        parts = self.parts
+        if parts:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts.clear()
+            if not self.transport.is_closing():
+                self.transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+def _cork(cycle: Any, on: bool) -> None:
+    """:data:`CORK` for one request's ``RequestResponseCycle``."""
+    transport = cycle.transport
+    if on:
+        if type(transport) is not _Corked:
+            cycle.transport = _Corked(transport)
+    elif type(transport) is _Corked:
+        cycle.transport = transport.transport
+        transport.flush()

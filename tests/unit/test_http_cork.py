@@ -1,0 +1,93 @@
+"""The HTTP protocol's cork (``hotloop.http.cork``): a JSON response is one write, head and
+body; an SSE stream's head goes out with its first events and its end with its terminal event.
+
+Driven through hotloop's real protocol class, uvicorn's request cycle and the app (simulator
+backend) on a transport that records each write: a write is a system call and a loopback
+delivery that wakes the client, so their number is what this checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from hotloop.config import Config
+from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
+from hotloop.server.runner import make_app, uvicorn_config
+
+
+class Recorder(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _post(body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw)
+
+
+async def _serve(request: bytes, done: bytes, tmp_path: Any) -> list[bytes]:
+    import uvicorn
+
+    config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+    app = make_app(config)
+    await app.startup()
+    try:
+        ucfg = uvicorn_config(app, config)
+        ucfg.load()
+        proto_class = type("P", (BoundedHttpToolsProtocol,), {"limits": Limits(10, 30.0)})
+        proto = proto_class(ucfg, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
+        transport = Recorder()
+        proto.connection_made(transport)
+        proto.data_received(request)
+        for _ in range(500):
+            if transport.writes and transport.writes[-1].endswith(done):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # anything written after the end would show
+        proto.connection_lost(None)
+        return transport.writes
+    finally:
+        await app.shutdown()
+
+
+def test_a_json_response_is_one_write(tmp_path: Any) -> None:
+    writes = asyncio.run(_serve(_post({"model": "hotloop-sim", "input": "hi"}), b"}", tmp_path))
+    assert len(writes) == 1, writes
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "completed"
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_an_sse_stream_starts_and_ends_without_writes_of_their_own(tmp_path: Any, error: bool) -> None:
+    body: dict[str, Any] = {"model": "hotloop-sim", "input": "hi", "stream": True}
+    if error:
+        body["metadata"] = {"sim": "fail"}  # the stream ends with response.failed
+    writes = asyncio.run(_serve(_post(body), b"0\r\n\r\n", tmp_path))
+    assert writes[0].startswith(b"HTTP/1.1 200") and b"event: response.created" in writes[0]
+    assert writes[-1].endswith(b"0\r\n\r\n") and b"event: response." in writes[-1]
+    terminal = b"response.failed" if error else b"response.completed"
+    assert terminal in writes[-1]
+    assert sum(w.count(b"0\r\n\r\n") for w in writes) >= 1 and not any(w == b"0\r\n\r\n" for w in writes)
