@@ -72,6 +72,7 @@ class _Client:
         self.closed: int | None = None
         self.waits = 0
         self.batches = 0
+        self.terminal_now: list[bool] = []  # per terminal batch: written at once (send_texts now)
         self.writable_after = writable_after
         self.extensions: dict[str, Any] = {"websocket.http.response": {}}
         if batch:
@@ -88,9 +89,11 @@ class _Client:
             self.closed = msg["code"]
             self.inbox.put_nowait({"type": "websocket.disconnect", "code": msg["code"]})
 
-    def send_texts(self, events: list[tuple[str, bytes]]) -> bool:
+    def send_texts(self, events: list[tuple[str, bytes]], now: bool = False, within: float = 0.0) -> bool:
         self.sent.extend(p for _, p in events)
         self.batches += 1
+        if any(b'"response.completed"' in p[:40] for _, p in events):
+            self.terminal_now.append(now)
         return self.batches % 3 != 0 or self.writable_after == 0  # every third batch: "paused"
 
     async def wait_writable(self) -> None:
@@ -148,6 +151,7 @@ def test_batch_send_writes_the_same_bytes_as_asgi_messages() -> None:
     fast = asyncio.run(one(True))
     assert fast.sent == plain.sent
     assert fast.batches > 3 and fast.waits > 0  # the batch path ran and honoured back-pressure
+    assert fast.terminal_now == [True, True]  # the terminal event is written at once, before the bookkeeping
     events = fast.events()
     assert [e["type"] for e in events].count("response.completed") == 2
     assert events[-2]["type"] == "response.completed" and events[-1]["type"] == "error"

@@ -259,8 +259,20 @@ class HttpTransport:
                 req, transport="json", tenant=tenant, prefix=prefix, raw_input=raw, request_id=rid, received=t0
             )
             timing += _timing(run, t0)
-            response = await run.drain()
+            answered = False
+            async with contextlib.aclosing(run.frames()) as frames:
+                async for _ in frames:
+                    if run.turn.done and not answered and run.turn.response["status"] != "failed":
+                        # Answered as soon as the response is final, before its bookkeeping
+                        # (caching, the store's queue, metrics), which the loop's next step runs
+                        # without a suspension in between: a client that names it at once, on
+                        # any connection, finds it cached.
+                        answered = True
+                        await respond(200, encode(run.turn.response), _truncated(run.plan.truncated))
+            response = run.turn.response
             self.app.engine.record(run, mark)
+            if answered:
+                return
             if response["status"] == "failed":
                 exc = run.turn.error
                 if exc is None or isinstance(exc, (errors.BackendError, errors.ModelError)):

@@ -376,15 +376,24 @@ class Connection:
                     async for batch in frames:
                         if suffix:
                             batch = [(t, p[:-1] + suffix) for t, p in batch]
-                        if run.turn.done:
+                        done = run.turn.done
+                        if done:
                             session.ending(stream_id, run.turn.status)
                         n += 1
-                        if not send_texts(batch):
+                        # The terminal event is written now, not at the end of this loop
+                        # iteration: the response's bookkeeping (caching, the store's queue,
+                        # metrics) runs when this loop asks for the next batch, after the write.
+                        if not send_texts(batch, done):
                             run.emit = None
                             await wait_writable()
                             run.emit = emit
                             continue
                         run.emit = emit  # the client took this batch: push (again)
+                        if done:
+                            # No suspension between the terminal event's write and the response's
+                            # bookkeeping (the next turn of the loop below): a client that names
+                            # it at once, on any connection, finds it cached.
+                            continue
                         if len(lanes) > 1 or not n & _ALONE_YIELD:
                             # Fair: other lanes run between this lane's batches, and even alone
                             # a backend whose chunks are always ready lets the reader in now and
