@@ -379,7 +379,22 @@ def encode_request(req: BackendRequest, dialect: Dialect, cache: RenderCache | N
     parts = [_encoder.encode(m) for m in _system(req)]
     _, encoded = cache.render(req.items)
     parts += encoded
-    if parts:  # one copy of the history: the brackets go on the first and last (small) messages
-        parts[0] = b"[" + parts[0]
-        parts[-1] += b"]"
-    return _encoder.encode(render(req, dialect, msgspec.Raw(b",".join(parts) if parts else b"[]")))
+    # The body around an empty messages array, cut where the messages go: "model" is the first
+    # key and its value a JSON string (no unescaped quote inside), so the first '"messages":[]'
+    # is the key's. Then one join copies the history once (no joined array copied again into
+    # the encoder's growing buffer).
+    empty = _encoder.encode(render(req, dialect, msgspec.Raw(b"[]")))
+    if not parts:
+        return empty
+    head, sep, tail = empty.partition(_MESSAGES)
+    assert sep, "render() writes the messages right after the model"
+    pieces = [head + _MESSAGES_OPEN]
+    for m in parts:
+        pieces.append(m)
+        pieces.append(b",")
+    pieces[-1] = b"]" + tail
+    return b"".join(pieces)
+
+
+_MESSAGES = b'"messages":[]'
+_MESSAGES_OPEN = b'"messages":['
