@@ -219,7 +219,7 @@ def test_plot(tmp_path: Any) -> None:
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
 
 
-@pytest.mark.parametrize("transport", ["ws-prev", "http-prev"])
+@pytest.mark.parametrize("transport", ["ws-prev", "http-prev", "http-json"])
 def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     """``hotloop bench paired``: two real servers on the real mock, the same conversation's turns
     alternating between them; both report CPU for every turn."""

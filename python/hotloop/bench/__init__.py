@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         help="paired: more `hotloop serve` flags for server B only, one string (e.g. '--flush-interval-ms 5')",
     )
     p.add_argument(
-        "--turn-transport", choices=["ws-prev", "http-full", "http-prev"], default="ws-prev",
+        "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json"], default="ws-prev",
         help="paired: the transport of the alternating turns",
     )
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")

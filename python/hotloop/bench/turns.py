@@ -261,6 +261,27 @@ def _http_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tic
     _http(base, model, turns, new_bytes, seed, tick, True)
 
 
+def _http_json(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+    """Chained turns (``previous_response_id``, ``store: true``) as non-streaming JSON requests."""
+    rng = random.Random(seed)
+    prev: str | None = None
+    new: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
+    with httpx.Client(base_url=base + "/v1", timeout=120) as client:
+        for i in range(turns):
+            body: dict[str, Any] = {"model": model, "tools": [TOOL], "store": True, "input": new}
+            if prev is not None:
+                body["previous_response_id"] = prev
+            payload = json.dumps(body).encode()
+            sent = time.perf_counter()
+            r = client.post("/responses", content=payload, headers={"content-type": "application/json"})
+            if r.status_code != 200:
+                raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.content[:300]!r}")
+            tick(sent)
+            response = r.json()
+            prev = response["id"]
+            new = [{"type": "function_call_output", "call_id": _call_of(response), "output": _output(rng, new_bytes)}]
+
+
 def _http(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], chained: bool) -> None:
     rng = random.Random(seed)
     history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
@@ -374,6 +395,7 @@ _LOOPS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
     "ws-prev": ((), _ws_prev),
     "http-full": ((), _http_full),
     "http-prev": (("--store", "sqlite"), _http_prev),
+    "http-json": (("--store", "sqlite"), _http_json),
 }
 
 
