@@ -51,6 +51,8 @@ class HttpTransport:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
+        if ON_DISCONNECT not in scope.get("extensions", {}):
+            send = _Tracked(send)  # another server: see _create
         rid = request_id()
         started = False
         tenant: Tenant | None = None  # the caller, once authenticated
@@ -241,7 +243,7 @@ class HttpTransport:
             raise
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
-        if not work.done():  # the client went away first
+        if not work.done() and not getattr(send, "complete", False):  # the client went away first
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             raise _ClientGone()
@@ -324,8 +326,9 @@ class HttpTransport:
                     body = b"".join([sse(f) for f in batch])
                     if held is not None:  # what push delivery holds goes first
                         body = held.take() + body
-                    ended = run.turn.done  # the terminal event's batch is the last
-                    await send({"type": "http.response.body", "body": body, "more_body": not ended})
+                    last = run.turn.done  # the terminal event's batch is the body's last piece
+                    await send({"type": "http.response.body", "body": body, "more_body": not last})
+                    ended = last
                     if corked is not None:
                         corked(False)
                         corked = None
@@ -415,6 +418,24 @@ class HttpTransport:
 
 class _ClientGone(Exception):
     """The HTTP client disconnected; there is nobody to answer."""
+
+
+class _Tracked:
+    """``send`` under a server without hotloop's protocol (no ``ON_DISCONNECT``): notes when the
+    response is complete. From then on ``receive()`` reports ``http.disconnect`` (ASGI), which
+    is no client leaving: the request's task still finishes the response's bookkeeping after
+    its answer (caching, the store, closing the backend stream) and must not be cancelled."""
+
+    __slots__ = ("send", "complete")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.complete = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        await self.send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
 
 
 def _emitter(run: Any, send_now: Callable[[bytes], bool]) -> Callable[[list[Frame]], None]:

@@ -153,8 +153,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             extensions[CORK] = functools.partial(_cork, cycle)
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
-        # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot
-        self._gone = (cycle, callback) if callback is not None else None
+        # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.
+        # A request takes back only its own callback: its task may still be finishing (closing
+        # its backend stream) after its response is complete, when the connection's next
+        # request has already put its own here.
+        if callback is not None:
+            self._gone = (cycle, callback)
+        elif self._gone is not None and self._gone[0] is cycle:
+            self._gone = None
 
     def data_received(self, data: bytes) -> None:
         if self._admitted:
