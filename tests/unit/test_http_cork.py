@@ -50,24 +50,34 @@ def _post(body: dict[str, Any]) -> bytes:
     return b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw)
 
 
-async def _serve(request: bytes, done: bytes, tmp_path: Any) -> list[bytes]:
+def _connection(app: Any, config: Config) -> tuple[Any, Recorder]:
+    """hotloop's HTTP protocol on a recording transport, as uvicorn makes it for a connection."""
     import uvicorn
 
+    ucfg = uvicorn_config(app, config)
+    ucfg.load()
+    proto_class = type("P", (BoundedHttpToolsProtocol,), {"limits": Limits(10, 30.0)})
+    proto = proto_class(ucfg, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
+    transport = Recorder()
+    proto.connection_made(transport)
+    return proto, transport
+
+
+async def _until_written(transport: Recorder, end: bytes) -> None:
+    for _ in range(500):
+        if transport.writes and transport.writes[-1].endswith(end):
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _serve(request: bytes, done: bytes, tmp_path: Any) -> list[bytes]:
     config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
     app = make_app(config)
     await app.startup()
     try:
-        ucfg = uvicorn_config(app, config)
-        ucfg.load()
-        proto_class = type("P", (BoundedHttpToolsProtocol,), {"limits": Limits(10, 30.0)})
-        proto = proto_class(ucfg, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
-        transport = Recorder()
-        proto.connection_made(transport)
+        proto, transport = _connection(app, config)
         proto.data_received(request)
-        for _ in range(500):
-            if transport.writes and transport.writes[-1].endswith(done):
-                break
-            await asyncio.sleep(0.01)
+        await _until_written(transport, done)
         await asyncio.sleep(0.05)  # anything written after the end would show
         proto.connection_lost(None)
         return transport.writes
@@ -123,7 +133,6 @@ def test_a_finishing_request_leaves_the_next_ones_disconnect_watch_alone(tmp_pat
     """Request 1 is answered and its task is still closing its backend stream when request 2
     arrives on the same keep-alive connection; request 1's end must not take back request 2's
     disconnect callback, so the client's leaving still stops request 2's generation."""
-    import uvicorn
 
     async def main() -> None:
         config = Config(store="memory", sim_rate=100, data_dir=str(tmp_path))
@@ -138,18 +147,10 @@ def test_a_finishing_request_leaves_the_next_ones_disconnect_watch_alone(tmp_pat
 
         app.backend.stream = stream_  # type: ignore[method-assign]
         try:
-            ucfg = uvicorn_config(app, config)
-            ucfg.load()
-            proto_class = type("P", (BoundedHttpToolsProtocol,), {"limits": Limits(10, 30.0)})
-            proto = proto_class(ucfg, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
-            transport = Recorder()
-            proto.connection_made(transport)
+            proto, transport = _connection(app, config)
             first = {"model": "hotloop-sim", "input": "hi", "stream": stream, "metadata": {"sim": "tokens:1"}}
             proto.data_received(_post(first))
-            for _ in range(400):
-                if transport.writes and transport.writes[-1].endswith(b"0\r\n\r\n" if stream else b"}"):
-                    break
-                await asyncio.sleep(0.005)
+            await _until_written(transport, b"0\r\n\r\n" if stream else b"}")
             second = {"model": "hotloop-sim", "input": "again", "stream": True, "metadata": {"sim": "tokens:3000"}}
             proto.data_received(_post(second))
             await asyncio.sleep(0.5)  # request 1's stream is closed; request 2 streams
