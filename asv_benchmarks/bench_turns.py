@@ -3,6 +3,7 @@
 * ``TurnPrepare``: pre-inference work of one WebSocket turn (2 KB of new input) on top of a cached
   200 KB / 100-turn conversation, against turn 1 of the same conversation: only the new input is
   analysed, so the two must stay close.
+* ``BackendRequestBody``: the chat request body of a continued conversation, at turn 1 and 100.
 * ``DeltaEvent``: one backend chunk in, one SSE frame out (turn machine + encoder).
 * ``track_*``: the ``hotloop bench`` scenarios against a real server process (loopback), reported
   as asv tracked values (microseconds of server CPU).
@@ -143,6 +144,43 @@ class PrefixTurn:
 
         req, hit, _ = reuse.decode_create(self.body, self.prefixes, "o")
         self._prepare(req, hit, itemlib.TokenCache(16))
+
+
+class BackendRequestBody:
+    """The chat-completions request body of a continued conversation (the Cerebras dialect):
+    the cached messages of earlier turns and one new 2 KB tool output, at turn 1 and at turn 100
+    (about 220 KB). Stateless chat backends need the whole history every turn, so this stays
+    O(history) bytes; what the cache saves is rendering and encoding it again."""
+
+    params = [1, 100]
+    param_names = ["turn"]
+
+    def setup(self, turn: int) -> None:
+        import msgspec
+
+        from hotloop.backends.base import BackendRequest
+        from hotloop.backends.chat import CEREBRAS, RenderCache, encode_request
+        from hotloop.protocol.request import decode_items
+
+        rng = random.Random(0)
+        self.cache = RenderCache(CEREBRAS)
+        self.encode = encode_request
+        self.dialect = CEREBRAS
+        items = decode_items([{"role": "user", "content": "Fix the failing test."}])
+        base = BackendRequest(model="gpt-oss-120b", instructions="You are a coding agent.", items=[], tools=[], tool_choice="auto", parallel_tool_calls=True)
+        for k in range(turn):
+            items = items + decode_items([
+                {"type": "function_call", "call_id": f"call_{k}", "name": "shell", "arguments": '{"cmd":"ls"}'},
+                {"type": "function_call_output", "call_id": f"call_{k}", "output": _text(rng, 2048)},
+            ])
+            self.req = msgspec.structs.replace(base, items=items)
+            body = encode_request(self.req, CEREBRAS, self.cache)
+        # correctness before timing: the cached rendering gives the bytes of a rendering from scratch
+        assert body == encode_request(self.req, CEREBRAS)
+        assert len(body) > 2000 * turn
+
+    def time_encode_request(self, turn: int) -> None:
+        self.encode(self.req, self.dialect, self.cache)
 
 
 class DeltaEvent:
