@@ -197,3 +197,39 @@ def test_under_another_server_the_answered_request_finishes_its_bookkeeping(tmp_
             await app.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("behind", [False, True])
+def test_the_answer_waits_for_the_submission_only_while_the_writer_is_behind(tmp_path: Any, stream: bool, behind: bool) -> None:
+    """Answered before its bookkeeping while the store's writer keeps up; while it is behind
+    (Persistence.has_room false), the response ends only after its submission, so that the
+    client's next request on the connection waits too: the back-pressure that bounds what a
+    crash can lose (README, Crash safety)."""
+
+    async def main() -> None:
+        config = Config(store="sqlite", sim_rate=0, data_dir=str(tmp_path))
+        app = make_app(config)
+        await app.startup()
+        persistence = app.persistence
+        at_submit: list[bool] = []  # per submission: was the response already complete on the wire
+        submit = persistence.submit
+
+        async def submit_(entry: Any, *args: Any, **kwargs: Any) -> None:
+            at_submit.append(any(w.endswith(b"0\r\n\r\n" if stream else b"}") for w in transport.writes))
+            await submit(entry, *args, **kwargs)
+
+        persistence.submit = submit_  # type: ignore[method-assign]
+        persistence.has_room = lambda: not behind  # type: ignore[method-assign]
+        try:
+            proto, transport = _connection(app, config)
+            body = {"model": "hotloop-sim", "input": "hi", "stream": stream, "store": True}
+            proto.data_received(_post(body))
+            await _until_written(transport, b"0\r\n\r\n" if stream else b"}")
+            await asyncio.sleep(0.05)
+            assert at_submit == [not behind]
+            proto.connection_lost(None)
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())

@@ -323,6 +323,13 @@ class Persistence:
             and (n < self._batch or time.monotonic() - jobs[0].at < self.max_lag)
         )
 
+    def has_room(self) -> bool:
+        """Whether a submission now would be queued at once: the writer is not behind. A response
+        answered before its submission (HTTP) is answered first only then; while the writer is
+        behind, its answer waits for the submission, so that its client's next turn waits too
+        (the back-pressure that bounds what a crash can lose)."""
+        return not self._blocked and self._has_room(0)
+
     def _push(self, job: _Job) -> None:
         self._jobs.append(job)
         self._jobs_bytes += job.nbytes

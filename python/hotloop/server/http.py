@@ -262,13 +262,15 @@ class HttpTransport:
             )
             timing += _timing(run, t0)
             answered = False
+            persistence = self.app.persistence
             async with contextlib.aclosing(run.frames()) as frames:
                 async for _ in frames:
-                    if run.turn.done and not answered and run.turn.response["status"] != "failed":
+                    if run.turn.done and not answered and run.turn.response["status"] != "failed" and persistence.has_room():
                         # Answered as soon as the response is final, before its bookkeeping
                         # (caching, the store's queue, metrics), which the loop's next step runs
                         # without a suspension in between: a client that names it at once, on
-                        # any connection, finds it cached.
+                        # any connection, finds it cached. Not while the store's writer is
+                        # behind: then the answer waits for the submission (Persistence.has_room).
                         answered = True
                         await respond(200, encode(run.turn.response), _truncated(run.plan.truncated))
             response = run.turn.response
@@ -326,7 +328,10 @@ class HttpTransport:
                     body = b"".join([sse(f) for f in batch])
                     if held is not None:  # what push delivery holds goes first
                         body = held.take() + body
-                    last = run.turn.done  # the terminal event's batch is the body's last piece
+                    # The terminal event's batch is the body's last piece, unless the store's
+                    # writer is behind: then the stream ends after the response's submission, so
+                    # that the client's next request waits for it (Persistence.has_room).
+                    last = run.turn.done and self.app.persistence.has_room()
                     await send({"type": "http.response.body", "body": body, "more_body": not last})
                     ended = last
                     if corked is not None:
