@@ -507,6 +507,8 @@ def _next_iteration(fn: Callable[[], _T]) -> "asyncio.Future[_T]":
 
     loop.call_soon(run)
     return fut
+
+
 _TERMINAL_CHUNKS = (Finish, Failure)
 MAX_REFERENCE_LOOKUPS = 1024  # store look-ups one request may cause (the rest are not found)
 

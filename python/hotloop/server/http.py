@@ -72,16 +72,14 @@ class HttpTransport:
             ] + (headers or [])
             if tenant is not None:
                 hdrs += self.app.tenancy.headers(tenant)  # the caller's rate limits, if any
-            if cork is None:
-                await send({"type": "http.response.start", "status": status, "headers": hdrs})
-                await send({"type": "http.response.body", "body": body})
-                return
-            cork(True)  # head and body in one write
+            if cork is not None:
+                cork(True)  # head and body in one write
             try:
                 await send({"type": "http.response.start", "status": status, "headers": hdrs})
                 await send({"type": "http.response.body", "body": body})
             finally:
-                cork(False)
+                if cork is not None:
+                    cork(False)
 
         cork: Callable[[bool], None] | None = scope.get("extensions", {}).get(CORK)
         try:
@@ -265,7 +263,7 @@ class HttpTransport:
             persistence = self.app.persistence
             async with contextlib.aclosing(run.frames()) as frames:
                 async for _ in frames:
-                    if run.turn.done and not answered and run.turn.response["status"] != "failed" and persistence.has_room():
+                    if run.turn.done and run.turn.response["status"] != "failed" and persistence.has_room():
                         # Answered as soon as the response is final, before its bookkeeping
                         # (caching, the store's queue, metrics), which the loop's next step runs
                         # without a suspension in between: a client that names it at once, on
