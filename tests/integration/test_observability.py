@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -140,10 +141,15 @@ def test_server_timing(observed: Server) -> None:
 def test_json_logs(observed: Server) -> None:
     r = create(observed)
     rid = r.headers["x-request-id"]
-    lines = [ln for ln in observed.logs().splitlines() if ln.strip()]
-    objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    # The response's line is logged with its bookkeeping, right after the answer: wait for it.
+    for _ in range(100):
+        lines = [ln for ln in observed.logs().splitlines() if ln.strip()]
+        objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+        mine = [o for o in objs if o.get("request_id") == rid]
+        if mine:
+            break
+        time.sleep(0.05)
     assert all(isinstance(o, dict) and {"time", "level", "logger", "message"} <= set(o) for o in objs)
-    mine = [o for o in objs if o.get("request_id") == rid]
     assert len(mine) == 1, mine
     o = mine[0]
     assert o["logger"] == "hotloop.response" and o["transport"] == "json" and o["status"] == "completed"
