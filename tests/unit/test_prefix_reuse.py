@@ -451,3 +451,59 @@ def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tm
             await app.shutdown()
 
     uvloop.run(main())
+
+
+def test_dropping_an_entrys_bytes_keeps_its_fingerprint_match_and_the_accounting() -> None:
+    cache = PrefixCache()
+    texts = ["a" * 300, "b"]
+    raw = _raw(texts)
+    old = _prefix(texts, raw=reuse.open_array(raw), rid="r1")  # type: ignore[arg-type]
+    assert cache.put(old)
+    newer = _prefix(texts + ["c"], raw=reuse.open_array(_raw(texts + ["c"])), rid="r2")  # type: ignore[arg-type]
+    assert cache.put(newer)
+    both = cache.nbytes
+    assert both == old.size + newer.size and cache.with_bytes() == 2
+    cache.drop_raw(old)
+    assert cache.with_bytes() == 1 and old.raw is None and old.lead is None and old.head is None
+    assert cache.nbytes == both - len(raw) == old.size + newer.size  # the view held the whole array
+    # no longer matched by its bytes ("c" extends it, but "d" extends only the old one) ...
+    assert reuse.split_raw(cache, "alice", _raw(texts + ["d"])) is None
+    # ... but by its items
+    items = decode_items([{"role": "user", "content": t} for t in texts + ["d"]])
+    assert reuse.match(cache, "alice", items) is old
+    cache.drop_raw(old)  # again: nothing changes
+    assert cache.nbytes == old.size + newer.size
+    gone = _prefix(["x" * 300, "y"], raw=reuse.open_array(_raw(["x" * 300, "y"])), rid="r3")  # type: ignore[arg-type]
+    cache.drop_raw(gone)  # never registered: left alone
+    assert gone.raw is not None and cache.nbytes == old.size + newer.size
+    assert not PrefixCache(max_bytes=1).put(newer)  # too large to keep: not registered
+
+
+def test_a_conversation_keeps_one_request_body(tmp_path: Path) -> None:
+    """Each full-history turn's registration holds its request body (a view of it); the one it
+    extends gives its bytes up, so a conversation of any length holds one body, not one per turn
+    (each a copy of the whole history), and a fork from an earlier turn still finds its prefix."""
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                history: list[dict[str, Any]] = []
+                for i in range(8):
+                    history.append({"role": "user", "content": f"turn {i} " + "words " * 60})
+                    resp = await _post(client, {"input": history})
+                    history += resp["output"]
+                cache = app.engine.prefixes
+                assert len(cache) == 8 and cache.with_bytes() == 1
+                assert cache.body_hits == 7  # every turn after the first, by its bytes
+                stats = (await client.get("/hotloop/stats")).json()["prefix_cache"]
+                assert stats["entries"] == 8 and stats["with_bytes"] == 1 and stats["bytes"] == cache.nbytes
+                fork = history[:5] + [{"role": "user", "content": "another way"}]
+                assert _cached(await _post(client, {"input": fork})) > 0  # by its items
+                assert _cached(await _post(client, {"input": history + [{"role": "user", "content": "go on"}]})) > 0
+                assert cache.body_hits == 8
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())

@@ -149,7 +149,8 @@ class HotloopApp:
                 "max_bytes": eng.responses.max_bytes,
             },
             "prefix_cache": {
-                "entries": len(eng.prefixes), "bytes": eng.prefixes.nbytes, "max_bytes": eng.prefixes.max_bytes,
+                "entries": len(eng.prefixes), "with_bytes": eng.prefixes.with_bytes(),
+                "bytes": eng.prefixes.nbytes, "max_bytes": eng.prefixes.max_bytes,
                 "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits,
                 "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },

@@ -211,6 +211,7 @@ class Engine:
                 prefix = reuse.match(self.prefixes, tenant.id, p.items)
                 if prefix is not None:
                     p = msgspec.structs.replace(p, items=p.items[prefix.n :])
+            hit = prefix  # the registered input reused (continued() extends a copy of it)
             if prefix is not None:
                 prefix, k = reuse.continued(prefix, p.items)  # the output it produced, sent back
                 if k:
@@ -275,6 +276,7 @@ class Engine:
         )
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.prefix = prefix
+        run.hit = hit
         run.marks = marks
         run.verdicts = verdicts
         run.push_slot = slot
@@ -428,8 +430,11 @@ class Engine:
         head = reuse.head_of(raw.raw) if raw is not None else None
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls))
-        else:
-            self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead))
+        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead)) and run.hit is not None:
+            # This input's bytes start with those of the input it reused: keeping both would
+            # hold every earlier body of the conversation (one per turn, up to the cache's
+            # bounds) and make each new body land on fresh, page-faulting memory.
+            self.prefixes.drop_raw(run.hit)
 
     def _evict(self, req: CreateRequest, conn: ConnectionCache | None) -> None:
         # A failed continuation evicts the referenced response from the connection's cache
@@ -594,6 +599,7 @@ class Run:
         self._watch: _Watchdog | None = None
         self._task: asyncio.Task[Any] | None = None
         self.prefix: Prefix | None = None  # the reused prefix of a full-history input
+        self.hit: Prefix | None = None  # ... the registered input it extends (PrefixCache)
         self.raw_input: reuse.RawInput | None = None  # its raw input array to register (pipeline.reuse)
         # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
         self.marks: list[float] = []

@@ -18,6 +18,10 @@ bytes start with the same items is matched without decoding or fingerprinting th
 Owner scoping: every key includes the owner, so one API key can never hit another key's
 prefixes (another owner's entries behave as if they did not exist).
 
+A registration's raw bytes are a view of its request body. When a newer registration extends the
+input a request reused, the older entry gives its bytes up (:meth:`PrefixCache.drop_raw`) and is
+matched by fingerprint from then on: a conversation holds one body, not one per turn.
+
 Bounds (DESIGN principle 8): LRU by entries (default 512) and by bytes (default 128 MiB; an entry
 larger than a quarter of it is not cached). An entry's size is its context's
 :attr:`~hotloop.state.context.Context.nbytes` plus its raw bytes: entries of one conversation
@@ -147,12 +151,18 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, prefix: Prefix) -> None:
+    def with_bytes(self) -> int:
+        """How many entries hold raw bytes (a request body each); O(entries)."""
+        return sum(1 for group in self._d.values() for p in group if p.raw is not None)
+
+    def put(self, prefix: Prefix) -> bool:
+        """Register ``prefix``; whether it is now registered (not when it is too large, or when
+        an entry of the same items that has raw bytes is kept instead of it)."""
         if prefix.n <= 0 or self.max_entries <= 0:
-            return
+            return False
         size = prefix.size
         if size > self.max_bytes // 4:
-            return
+            return False
         key = (prefix.owner, prefix.n, prefix.last_fp)
         for old in self._d.get(key, ()):
             if _same_items(old, prefix):
@@ -162,7 +172,7 @@ class PrefixCache:
                     # matching. Replacing it would send every later request of the conversation
                     # matched by its bytes to a full decode and fingerprint match.
                     self._d.move_to_end(key)
-                    return
+                    return False
                 self._remove(key, old)
                 break
         group = self._d.get(key)
@@ -187,6 +197,25 @@ class PrefixCache:
         while self._count > self.max_entries or self._bytes > self.max_bytes:
             oldest = next(iter(self._d))
             self._remove(oldest, self._d[oldest][-1])
+        return any(q is prefix for q in self._d.get(key, ()))  # not evicted by its own bounds
+
+    def drop_raw(self, p: Prefix) -> None:
+        """Forget the raw bytes of ``p`` (a registered input that a newer registration of the
+        same conversation extends), keeping the entry: it is then matched by fingerprint only,
+        as a fork or a retry from that point is. Releases the request body its bytes were cut
+        from: a conversation keeps one body, not one per turn."""
+        if p.raw is None:
+            return
+        group = self._d.get((p.owner, p.n, p.last_fp))
+        if group is None or not any(q is p for q in group):
+            return  # no longer registered: the cache holds nothing of it
+        size = p.size
+        if p.head is not None:
+            _unlist(self._heads, (p.owner, p.head), p)
+        if p.lead is not None:
+            _unlist(self._bodies, (p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])), p)
+        p.raw = p.lead = p.head = None
+        self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
         group = self._d[key]
