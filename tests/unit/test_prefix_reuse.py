@@ -507,3 +507,36 @@ def test_a_conversation_keeps_one_request_body(tmp_path: Path) -> None:
             await app.shutdown()
 
     uvloop.run(main())
+
+
+def test_a_byte_hit_is_validated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new items of a request matched by its bytes are validated where they are decoded;
+    Engine.start takes that result (the same request object) instead of validating them again."""
+    from hotloop.protocol import request as requestlib
+    from hotloop.server import engine as enginelib
+
+    calls: list[int] = []
+
+    def counted(req: Any, **kw: Any) -> Any:
+        calls.append(len(req.input) if type(req.input) is list else -1)
+        return requestlib.validate(req, **kw)
+
+    monkeypatch.setattr(enginelib, "validate", counted)
+    monkeypatch.setattr(reuse, "validate", counted)
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                history: list[dict[str, Any]] = [{"role": "user", "content": "first " + "words " * 60}]
+                history += (await _post(client, {"input": history}))["output"]
+                assert calls == [1]
+                history.append({"role": "user", "content": "second"})
+                resp = await _post(client, {"input": history})
+                assert app.engine.prefixes.body_hits == 1 and _cached(resp) > 0
+                assert calls == [1, 2]  # once, for the two items after the prefix
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())

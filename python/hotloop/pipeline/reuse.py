@@ -26,6 +26,7 @@ from hotloop.protocol.request import (
     FunctionCall,
     Item,
     ItemReference,
+    Prepared,
     decode_body,
     validate,
 )
@@ -169,13 +170,16 @@ def adopt(entry: CachedResponse) -> None:
 
 class RawInput:
     """An HTTP request's ``input`` array as the client sent it (``raw``), and the body's bytes
-    before it (``lead``; ``None`` when it could not be told for sure)."""
+    before it (``lead``; ``None`` when it could not be told for sure). ``prepared``: the request
+    that a prefix hit left with only its new items, already validated (:func:`validate`), which
+    :meth:`Engine.start` then takes instead of validating it again."""
 
-    __slots__ = ("raw", "lead")
+    __slots__ = ("raw", "lead", "prepared")
 
     def __init__(self, raw: Buffer, lead: bytes | None) -> None:
         self.raw = raw
         self.lead = lead
+        self.prepared: Prepared | None = None
 
 
 def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
@@ -328,6 +332,7 @@ def _decode(body: bytes, cache: PrefixCache, owner: str) -> tuple[CreateRequest,
             if _longer(cache, owner, prefix.n, p.items):
                 # matched by fingerprint in Engine.start, which finds the longest prefix
                 return _with_input(lazy, msgspec.json.decode(raw_input.raw)), None, raw_input
+            raw_input.prepared = p
             return req, prefix, raw_input
         value = msgspec.json.decode(raw_input.raw)
         if type(value) is not list:

@@ -203,7 +203,8 @@ class Engine:
         if req.store and self._writable is not None and not self._writable():
             raise errors.StoreUnavailable()  # the shared store is down and its write queue full
         try:
-            p = validate(req, websocket=websocket)
+            done = raw_input.prepared if raw_input is not None else None
+            p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             marks.append(clock())
             scope = tenant.scope
             parent = await self.resolve(req.previous_response_id, conn, scope)
