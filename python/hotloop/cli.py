@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="milliseconds a pushed delta (lean transport) may wait so that several backend reads go out to the client in one "
         "write (WebSocket and SSE; 0 to 1000); fewer writes, less server CPU per event "
-        "(env HOTLOOP_FLUSH_INTERVAL_MS, default 0: every read's deltas are written at once)",
+        "(env HOTLOOP_FLUSH_INTERVAL_MS, default 10; 0: every read's deltas are written at once)",
     )
     s.add_argument(
         "--shutdown-grace",

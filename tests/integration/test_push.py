@@ -269,8 +269,9 @@ def _server(tmp: Any, mock: MockChatServer, transport: str, *more: str) -> Any:
 
 @pytest.fixture(scope="module")
 def lean(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
-    """The lean transport: chunks are pushed to WebSocket and SSE clients."""
-    with _server(tmp_path_factory.mktemp("lean"), mock, "lean") as s:
+    """The lean transport: chunks are pushed to WebSocket and SSE clients, every read's deltas
+    written at once (``--flush-interval-ms 0``; the default holds them, see ``held``)."""
+    with _server(tmp_path_factory.mktemp("lean"), mock, "lean", "--flush-interval-ms", "0") as s:
         yield s
 
 
@@ -404,6 +405,36 @@ def test_held_deltas_go_out_together(held: Server, mock: MockChatServer, client:
     # last ones' (with the response's end) and some slack for a client read that pauses in a
     # burst; 40 deltas written one by one are about 40 bursts
     assert _bursts(at) <= span / (HELD_MS / 2 / 1000) + 6, (_bursts(at), span)
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    """The lean transport with hotloop's default --flush-interval-ms."""
+    with _server(tmp_path_factory.mktemp("default"), mock, "lean") as s:
+        yield s
+
+
+@pytest.mark.parametrize("client", ["ws", "sse"])
+def test_deltas_are_held_by_default(default: Server, mock: MockChatServer, client: str) -> None:
+    """Without the flag, deltas 1 ms apart (a model at 1,000 tokens/s) reach the client in
+    bursts about 5 ms apart (10 ms by default), not one write per read; the first delta is not
+    held."""
+    pieces = [f"q{i:02d} " for i in range(60)]
+    events: list[Event] = [chunk({"role": "assistant", "content": ""}), chunk({"content": pieces[0]})]
+    for p in pieces[1:]:
+        events += [Sleep(0.001), chunk({"content": p})]
+    events += [Sleep(0.2), chunk({}, "stop"), chunk(usage=usage(5, 60), choices=False)]
+    mock.push(Reply.stream(events))
+    times: list[float] = []
+    got = _over(default, client, {"model": "mock-model", "input": "go", "store": False}, times=times)
+    assert got[-1]["type"] == "response.completed"
+    at = [t for e, t in zip(got, times) if e["type"] == "response.output_text.delta"]
+    assert [e["delta"] for e in got if e["type"] == "response.output_text.delta"] == pieces
+    added = next(t for e, t in zip(got, times) if e["type"] == "response.content_part.added")
+    assert at[0] - added < 0.005  # the first delta went out with the part's start, not 10 ms later
+    span = at[-1] - at[0]  # about 60 ms unless the machine is slow
+    assert _bursts(at, gap=0.0005) <= span / 0.005 + 6, (_bursts(at, gap=0.0005), span)  # one by one: about 60
+    assert times[-1] - at[-1] > 0.1  # the last held ones did not wait for the stream's end
 
 
 @pytest.mark.parametrize("client", ["ws", "sse"])
