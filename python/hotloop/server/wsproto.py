@@ -16,6 +16,14 @@ frames from the server are unmasked and never fragmented, so the frame header is
 bytes in front of the payload: the fast path writes it itself, and leaves everything else
 (extensions, debug logging, a connection that is no longer open) to ``websockets``.
 
+Fast text frames. A read holding exactly one complete, final, masked text frame, arriving where
+websockets' parser waits for a new frame (its generator parked in ``StreamReader.at_eof``, its
+buffer empty) on an open connection without extensions, a fragmented message in progress or
+debug logging, is unmasked here and handed to uvicorn's ``send_receive_event_to_app``; any other
+read goes to websockets as before (a test feeds both paths the same reads, adversarial ones
+included, and compares everything the application and the client see). Reading pauses only
+when a message arrives while an earlier one still waits.
+
 Lean idle state. An accepted connection that has not sent a frame yet should cost little: the
 receive queue and the ``writable`` flag are small classes (``asyncio.Queue`` and ``asyncio.Event``
 each carry deques of about 700 bytes), and the handshake's request and response headers are
@@ -23,8 +31,9 @@ dropped once the scope holds its own copy.
 
 Bounds: the cork only holds what one loop iteration produced; senders wait on ``writable``
 (cleared while the transport's own buffer is above its high-water mark), so a slow client applies
-back-pressure exactly as before. The receive queue holds at most one data message and a
-disconnect: uvicorn stops reading after each message until the application has taken it.
+back-pressure exactly as before. The receive queue holds at most two data messages (and the
+others of the read that brought the second) and a disconnect: reading stops when a message
+arrives while an earlier one still waits, until the application has taken them.
 
 Relies on ``WebSocketsSansIOProtocol`` internals (``conn``, ``transport``, ``writable``,
 ``queue``, ``handshake_complete``, ``close_sent``, ``initial_response``, ``request``,
@@ -41,7 +50,9 @@ from typing import Any
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
+from websockets.frames import apply_mask
 from websockets.protocol import State
+from websockets.streams import StreamReader
 
 SEND_TEXTS = "hotloop.websocket.send_texts"
 """Scope extension: ``send_texts(events: list[tuple[str, bytes]]) -> bool``; see
@@ -143,9 +154,10 @@ class _Flag(_Waiters):
 class _Inbox(_Waiters):
     """uvicorn's receive queue for one connection: ``put_nowait``, ``get``, ``empty``.
 
-    Unbounded like the ``asyncio.Queue`` it replaces, and bounded the same way: the protocol
-    pauses reading after each message until the application has taken it, so the inbox holds at
-    most one data message and a disconnect.
+    Unbounded like the ``asyncio.Queue`` it replaces, and bounded by the protocol: it pauses
+    reading when a message arrives while an earlier one still waits, until the application has
+    taken them, so the inbox holds at most two data messages (and the others of that read) and
+    a disconnect.
     """
 
     __slots__ = ("_items",)
@@ -177,8 +189,15 @@ class _Inbox(_Waiters):
         return self._items.pop(0)
 
 
+# Where websockets' frame parser waits between frames (``Protocol.parse``: ``yield from
+# self.reader.at_eof()``, its buffer empty). Anywhere else (inside a frame, or another parser
+# after a close) incoming bytes go to websockets.
+_BETWEEN_FRAMES = getattr(getattr(StreamReader, "at_eof", None), "__code__", None)
+
+
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     limits: Any = None  # the server's hotloop.server.httpproto.Limits (its connection count)
+    fast_text = True  # read single-frame text messages without websockets' parser (data_received)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -195,6 +214,79 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        payload = self._text_frame(data) if self.handshake_complete and self.fast_text else None
+        if payload is None:
+            super().data_received(data)
+            return
+        # What websockets' parser (Frame.parse, Protocol.recv_frame) and uvicorn's handle_text do
+        # with such a frame, without a generator resumption per header field: a client's
+        # response.create is one read holding one masked, final text frame.
+        self.curr_msg_data_type = "text"
+        self.frames = [payload]
+        self.send_receive_event_to_app()
+
+    def send_receive_event_to_app(self) -> None:
+        # uvicorn pauses reading after every message until the application has taken it: two
+        # more system calls a message (the socket out of the event loop's poll set and back in).
+        # Here reading pauses when a message arrives while an earlier one still waits, so an
+        # application that keeps up never pauses it; the inbox then holds at most two messages
+        # (and those of one read).
+        if self.read_paused or not self.queue.empty():
+            super().send_receive_event_to_app()
+            return
+        self.read_paused = True  # uvicorn's method then leaves reading on
+        try:
+            super().send_receive_event_to_app()
+        finally:
+            self.read_paused = False
+
+    def _text_frame(self, data: bytes) -> bytes | None:
+        """The unmasked payload if ``data`` is exactly one complete, final, masked text frame
+        without reserved bits, no larger than the size limit, arriving where websockets' parser
+        waits for a new frame on an open connection with no extension, no fragmented message in
+        progress and no debug logging; else ``None`` (websockets parses ``data``, and reports
+        whatever is wrong with it)."""
+        n = len(data)
+        if n < 6 or data[0] != 0x81:  # FIN, no reserved bit, opcode 1 (text)
+            return None
+        b1 = data[1]
+        if not b1 & 0x80:  # a client's frames are masked (else websockets' protocol error)
+            return None
+        length = b1 & 0x7F
+        if length < 126:
+            start = 6
+        elif length == 126:
+            length = int.from_bytes(data[2:4], "big")
+            start = 8
+        else:
+            length = int.from_bytes(data[2:10], "big")
+            start = 14
+        if start + length != n:  # part of a frame, or more than one
+            return None
+        conn = self.conn
+        if (
+            conn.state is not _OPEN
+            or conn.cur_size is not None
+            or conn.extensions
+            or conn.debug
+            or conn.parser_exc is not None
+            or conn.reader.buffer
+            or (conn.max_size is not None and length > conn.max_size)
+        ):
+            return None
+        g = conn.parser
+        while True:  # the innermost generator the parser waits in
+            sub = getattr(g, "gi_yieldfrom", None)
+            if sub is None:
+                break
+            g = sub
+        if getattr(g, "gi_code", None) is not _BETWEEN_FRAMES or _BETWEEN_FRAMES is None:
+            return None
+        return apply_mask(data[start:], data[start - 4 : start])
 
     def shutdown(self) -> None:
         busy = self._busy
