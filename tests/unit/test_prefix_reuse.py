@@ -540,3 +540,38 @@ def test_a_byte_hit_is_validated_once(tmp_path: Path, monkeypatch: pytest.Monkey
             await app.shutdown()
 
     uvloop.run(main())
+
+
+def test_a_match_by_items_leaves_the_bytes_of_the_input_it_reused(tmp_path: Path) -> None:
+    """Another client of the same key sends a conversation's history spelled differently (its
+    own JSON spacing) plus an item of its own: it reuses the conversation's prefix by
+    fingerprint, and must not take that prefix's bytes away, so the conversation's next turn
+    is still matched by its bytes."""
+
+    async def post(client: httpx.AsyncClient, items: list[dict[str, Any]], **dumps: Any) -> dict[str, Any]:
+        body = json.dumps({"model": "hotloop-sim", "metadata": {"sim": "tokens:3"}, "input": items}, **dumps).encode()
+        r = await client.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                cache = app.engine.prefixes
+                a: list[dict[str, Any]] = []
+                for i in range(2):
+                    a.append({"role": "user", "content": f"turn {i} " + "words " * 60})
+                    a += (await post(client, a, separators=(",", ":")))["output"]
+                raw_hits = cache.raw_hits
+                side = await post(client, a + [{"role": "user", "content": "side task"}])  # spaces
+                assert _cached(side) > 0 and cache.raw_hits == raw_hits  # by its items
+                a.append({"role": "user", "content": "A goes on"})
+                await post(client, a, separators=(",", ":"))
+                assert cache.raw_hits == raw_hits + 1  # by its bytes, still
+                assert cache.with_bytes() == 2  # A's newest body and the other client's
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())

@@ -203,6 +203,9 @@ class Engine:
         if req.store and self._writable is not None and not self._writable():
             raise errors.StoreUnavailable()  # the shared store is down and its write queue full
         try:
+            # a registered input whose bytes this request's start with (decode_create); one
+            # found by fingerprint below is not (continued() extends a copy of either)
+            hit = prefix
             done = raw_input.prepared if raw_input is not None else None
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             marks.append(clock())
@@ -212,7 +215,6 @@ class Engine:
                 prefix = reuse.match(self.prefixes, tenant.id, p.items)
                 if prefix is not None:
                     p = msgspec.structs.replace(p, items=p.items[prefix.n :])
-            hit = prefix  # the registered input reused (continued() extends a copy of it)
             if prefix is not None:
                 prefix, k = reuse.continued(prefix, p.items)  # the output it produced, sent back
                 if k:
@@ -432,7 +434,8 @@ class Engine:
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls))
         elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead)) and run.hit is not None:
-            # This input's bytes start with those of the input it reused: keeping both would
+            # This input's bytes start with those of the input it reused (matched by bytes,
+            # never one found by fingerprint, which may be another client's): keeping both would
             # hold every earlier body of the conversation (one per turn, up to the cache's
             # bounds) and make each new body land on fresh, page-faulting memory.
             self.prefixes.drop_raw(run.hit)
@@ -600,7 +603,7 @@ class Run:
         self._watch: _Watchdog | None = None
         self._task: asyncio.Task[Any] | None = None
         self.prefix: Prefix | None = None  # the reused prefix of a full-history input
-        self.hit: Prefix | None = None  # ... the registered input it extends (PrefixCache)
+        self.hit: Prefix | None = None  # ... the registered input its bytes extend (PrefixCache)
         self.raw_input: reuse.RawInput | None = None  # its raw input array to register (pipeline.reuse)
         # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
         self.marks: list[float] = []
