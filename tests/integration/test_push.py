@@ -453,6 +453,60 @@ def test_held_deltas_do_not_wait_for_the_next_read(held: Server, mock: MockChatS
     assert at["e"] - at["d"] > 0.3, at  # "d" did not wait for "e"
 
 
+def test_a_responses_first_delta_and_its_items_are_never_held(held: Server, mock: MockChatServer) -> None:
+    """--flush-interval-ms 40 over one WebSocket connection: the first delta of the next
+    response goes out at once though the previous response wrote held deltas just before (the
+    hold state belongs to the connection), and an item's start goes out at once, with what was
+    held, instead of waiting for the interval."""
+    role = chunk({"role": "assistant", "content": ""})
+    one: list[Event] = [role, chunk({"content": "a"}), Sleep(0.03), chunk({"content": "b"})]
+    one += [chunk({}, "stop"), chunk(usage=usage(5, 2), choices=False)]
+    start = chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{"}}]})
+    two: list[Event] = [role, chunk({"content": "c"}), Sleep(0.002), chunk({"content": "d"}), Sleep(0.005), chunk({"content": "e"})]
+    two += [Sleep(0.005), start]
+    two += [Sleep(0.03), chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}), chunk({}, "tool_calls")]
+    two += [chunk(usage=usage(5, 4), choices=False)]
+    mock.push(Reply.stream(one))
+    mock.push(Reply.stream(two))
+    got: list[tuple[dict[str, Any], float]] = []
+    with connect(held.base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
+        for _ in range(2):
+            ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "go", "store": False}))
+            while True:
+                e = json.loads(ws.recv(timeout=30))
+                got.append((e, time.perf_counter()))
+                if e["type"] in ("response.completed", "response.failed", "error"):
+                    break
+    assert [e["type"] for e, _ in got].count("response.completed") == 2
+    at = {e["delta"]: t for e, t in got if e["type"] == "response.output_text.delta"}
+    created = [t for e, t in got if e["type"] == "response.created"][1]
+    call = next(t for e, t in got if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call")
+    # "b", response one's last delta, was written by the hold logic a few ms before "d", the
+    # first delta pushed for response two ("c" comes with its first chunk, through the
+    # response's task): held, "d" would wait until "b" is 40 ms old
+    assert at["d"] - created < 0.02, at["d"] - created
+    # "e" is held (5 ms after "d"); the call's start, 5 ms later, takes it along at once
+    # instead of both waiting for the interval
+    assert call - created < 0.03 and at["e"] <= call + 0.001, (call - created, at["e"] - call)
+
+
+def test_an_items_start_is_never_held_over_sse(held: Server, mock: MockChatServer) -> None:
+    """--flush-interval-ms 40 over SSE: a held delta goes out with the next item's start, at
+    once, instead of both waiting for the interval."""
+    start = chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+    script: list[Event] = [chunk({"role": "assistant", "content": ""}), chunk({"content": "c"}), Sleep(0.002)]
+    script += [chunk({"content": "d"}), Sleep(0.005), chunk({"content": "e"}), Sleep(0.005), start, Sleep(0.03)]
+    script += [chunk({}, "tool_calls"), chunk(usage=usage(5, 4), choices=False)]
+    mock.push(Reply.stream(script))
+    times: list[float] = []
+    got = _over(held, "sse", {"model": "mock-model", "input": "go", "store": False}, times=times)
+    assert got[-1]["type"] == "response.completed"
+    at = {e["delta"]: t for e, t in zip(got, times) if e["type"] == "response.output_text.delta"}
+    call = next(t for e, t in zip(got, times) if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call")
+    # "e" is held (5 ms after "d", written at once); the call's start 5 ms later takes it along
+    assert call - at["d"] < 0.025 and at["e"] <= call + 0.001, (call - at["d"], at["e"] - call)
+
+
 def test_openai_python_reads_held_deltas(held: Server, mock: MockChatServer) -> None:
     """openai-python, streaming over SSE and over client.responses.connect(), from a server that
     holds deltas back (several events per write): every delta, in order, and the same text."""

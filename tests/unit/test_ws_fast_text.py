@@ -14,7 +14,7 @@ import pytest
 from uvicorn.config import Config as UvicornConfig
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
-from websockets.frames import OP_BINARY, OP_CLOSE, OP_CONT, OP_PING, OP_TEXT, Close, Frame
+from websockets.frames import Close, Frame, Opcode
 
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 
@@ -60,7 +60,7 @@ def _masked(opcode: Any, data: bytes, fin: bool = True) -> bytes:
 
 
 def _text(s: str) -> bytes:
-    return _masked(OP_TEXT, s.encode())
+    return _masked(Opcode.TEXT, s.encode())
 
 
 async def _run(reads: list[bytes], fast: bool) -> tuple[list[Any], list[bytes], bool, int]:
@@ -122,6 +122,18 @@ inner = _text("looks like a frame")
 # a binary frame whose payload, on the wire (a zero mask leaves it as it is), is a whole text frame
 carrier = bytes([0x82, 0x80 | len(inner)]) + b"\0\0\0\0" + inner
 
+def _head(b0: int, length: int, form: int) -> bytes:
+    """A masked frame's header with the length in ``form`` (the 7-bit field's value: the
+    length itself, 126 or 127), whatever the length."""
+    if form == 126:
+        return bytes([b0, 0x80 | 126]) + length.to_bytes(2, "big")
+    if form == 127:
+        return bytes([b0, 0x80 | 127]) + length.to_bytes(8, "big")
+    return bytes([b0, 0x80 | length])
+
+
+ZERO_MASK = b"\0\0\0\0"
+
 CASES: dict[str, tuple[list[bytes], int]] = {
     # name: (reads, reads the fast path must take)
     "small": ([_text("hello")], 1),
@@ -130,20 +142,32 @@ CASES: dict[str, tuple[list[bytes], int]] = {
     "64-bit length": ([_text("b" * 70_000)], 1),
     "non-ASCII": ([_text("é€😀" * 500)], 1),
     "one after another": ([_text(f"m{i}") for i in range(5)], 5),
-    "invalid UTF-8": ([_masked(OP_TEXT, b"ok \xff\xfe")], 1),  # uvicorn closes with 1007 either way
-    "binary": ([_masked(OP_BINARY, b"\x00\x01")], 0),
-    "ping then text": ([_masked(OP_PING, b"p"), _text("after")], 1),
-    "close": ([_masked(OP_CLOSE, Close(1000, "bye").serialize())], 0),
-    "unmasked": ([Frame(OP_TEXT, b"plain").serialize(mask=False)], 0),
+    "invalid UTF-8": ([_masked(Opcode.TEXT, b"ok \xff\xfe")], 1),  # uvicorn closes with 1007 either way
+    "binary": ([_masked(Opcode.BINARY, b"\x00\x01")], 0),
+    "ping then text": ([_masked(Opcode.PING, b"p"), _text("after")], 1),
+    "close": ([_masked(Opcode.CLOSE, Close(1000, "bye").serialize())], 0),
+    "unmasked": ([Frame(Opcode.TEXT, b"plain").serialize(mask=False)], 0),
     "reserved bit": ([bytes([_text("r")[0] | 0x40]) + _text("r")[1:]], 0),
     "too large": ([_text("z" * (MAX_SIZE + 1))], 0),
-    "fragmented then text": ([_masked(OP_TEXT, b"par", fin=False), _masked(OP_CONT, b"ts"), _text("next")], 1),
-    "text inside a fragmented message": ([_masked(OP_TEXT, b"par", fin=False), _text("not a continuation")], 0),
+    "fragmented then text": ([_masked(Opcode.TEXT, b"par", fin=False), _masked(Opcode.CONT, b"ts"), _text("next")], 1),
+    "text inside a fragmented message": ([_masked(Opcode.TEXT, b"par", fin=False), _text("not a continuation")], 0),
     "two in one read": ([_text("one") + _text("two"), _text("three")], 1),
     "split after the header": ([split[:8], split[8:], _text("whole")], 1),
     "split after one byte": ([split[:1], split[1:], _text("whole")], 1),
     "payload that looks like a frame": ([carrier[:6], carrier[6:], _text("then")], 1),
     "a frame and the start of the next": ([_text("a") + split[:20], split[20:], _text("b")], 1),
+    # an unmasked frame with four more bytes, so that its length is right for a masked one
+    "unmasked, the length of a masked frame": ([bytes([0x81, 5]) + ZERO_MASK + b"plain"], 0),
+    "16-bit length form for a short payload": ([_head(0x81, 5, 126) + ZERO_MASK + b"short"], 1),
+    "64-bit length form for a short payload": ([_head(0x81, 5, 127) + ZERO_MASK + b"short"], 1),
+    "64-bit length with the top bit set": ([bytes([0x81, 0xFF]) + (2**63 + 5).to_bytes(8, "big") + ZERO_MASK + b"short"], 0),
+    "exactly the size limit": ([_text("m" * MAX_SIZE)], 1),
+    "a first fragment alone": ([_masked(Opcode.TEXT, b"part", fin=False)], 0),
+    "ping inside a fragmented message": (
+        [_masked(Opcode.TEXT, b"a", fin=False), _masked(Opcode.PING, b"p"), _masked(Opcode.CONT, b"b"), _text("c")], 1
+    ),
+    "ping and text in one read": ([_masked(Opcode.PING, b"p") + _text("x"), _text("y")], 1),
+    "reserved opcode": ([bytes([0x83, 0x80]) + ZERO_MASK], 0),
 }
 
 
@@ -154,7 +178,7 @@ def test_the_fast_path_gives_what_websockets_parser_gives(name: str) -> None:
     assert fast_msgs == slow_msgs
     assert fast_out == slow_out  # pongs, close frames (unmasked: the same bytes)
     assert fast_closed == slow_closed
-    assert slow_parsed == len(reads[: slow_parsed]) and fast_parsed == slow_parsed - fast_reads
+    assert fast_parsed == slow_parsed - fast_reads
 
 
 def test_the_messages_are_the_texts_sent() -> None:
@@ -213,3 +237,19 @@ def test_reading_pauses_only_while_messages_wait() -> None:
         await asyncio.gather(*proto.tasks, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_with_debug_logging_websockets_parses_every_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """websockets logs each frame it parses when its logger is at DEBUG: the fast path stands
+    aside then (uvicorn's own logging set-up is skipped, or it would reset the level)."""
+    import logging
+
+    monkeypatch.setattr(UvicornConfig, "configure_logging", lambda self: None)
+    logger = logging.getLogger("uvicorn.error")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        (msgs, _, _, parsed), _ = _both([_text("logged")])
+    finally:
+        logger.setLevel(level)
+    assert [m["text"] for m in msgs] == ["logged"] and parsed == 1

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from websockets.frames import OP_TEXT, Frame
+from websockets.frames import Frame, Opcode
 
 from hotloop.config import Config
 from hotloop.protocol.objects import IdGen
@@ -19,7 +19,7 @@ from hotloop.server.wsproto import SEND_TEXTS, WAIT_WRITABLE, _Flag, _Inbox, fra
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 70000])
 def test_frame_text_is_what_websockets_sends(size: int) -> None:
     payload = ("é" * size).encode()[:size]
-    assert frame_text(payload) == Frame(OP_TEXT, payload).serialize(mask=False, extensions=[])
+    assert frame_text(payload) == Frame(Opcode.TEXT, payload).serialize(mask=False, extensions=[])
 
 
 def test_inbox_keeps_order_and_wakes_a_waiting_getter() -> None:

@@ -34,6 +34,8 @@ REASONING_TEXT_DONE = "response.reasoning_text.done"
 FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
+# The events --flush-interval-ms may hold back (a batch of nothing else; see Run.emit's callers)
+DELTAS = frozenset((OUTPUT_TEXT_DELTA, REASONING_TEXT_DELTA, FUNCTION_CALL_ARGUMENTS_DELTA))
 # WebSocket-only steering replies (beta)
 STEER_ACCEPTED = "response.steer.accepted"
 STEER_PENDING = "response.steer.pending"

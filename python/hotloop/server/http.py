@@ -456,9 +456,10 @@ def _emitter(run: Any, send_now: Callable[[bytes], bool]) -> Callable[[list[Fram
 
 class _Held:
     """Push delivery for an SSE stream with ``--flush-interval-ms``: like :func:`_emitter`, but
-    the events of a read that comes less than half of ``within`` seconds after the last such
+    the deltas of a read that comes less than half of ``within`` seconds after the last such
     write are held, and written by the first read after that or at most ``within`` after that
-    write (one write for several reads). The streaming
+    write (one write for several reads); a batch with any other event (an item's start or end)
+    is written at once, after what is held. The streaming
     loop puts what is held before its own next write (:meth:`take`), so the order never changes;
     at most one interval's events are held."""
 
@@ -476,6 +477,11 @@ class _Held:
     def __call__(self, batch: list[Frame]) -> None:
         sse = ev.sse
         self.parts.append(b"".join([sse(f) for f in batch]))
+        deltas = ev.DELTAS
+        for name, _ in batch:
+            if name not in deltas:  # an item's start or end goes out at once, after what is held
+                self._send(self.take())
+                return
         t = self.loop.time()
         if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol._hold
             self.since = t

@@ -352,6 +352,8 @@ class Connection:
         send_texts = self._send_texts
         wait_writable = self._wait_writable
         within = self.app.config.flush_interval_ms / 1000  # --flush-interval-ms
+        deltas = ev.DELTAS
+        pushed = False  # a response's first pushed batch is never held
         lanes = self._lane_tasks
         async with contextlib.aclosing(run.frames()) as frames:
             if send_texts is not None and wait_writable is not None:
@@ -361,10 +363,17 @@ class Connection:
                     """Push delivery (Run.emit): the frames of one backend read's deltas, sent
                     from its read callback in one write; pushing stops while the client is slow
                     or gone, and the loop below (which waits for it, or fails) starts it again."""
+                    nonlocal pushed
+                    hold = within if pushed else 0.0
+                    pushed = True
+                    for t, _ in batch:
+                        if t not in deltas:  # an item's start or end goes out at once
+                            hold = 0.0
+                            break
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
                     try:
-                        if send_texts(batch, True, within):
+                        if send_texts(batch, True, hold):
                             return
                     except ClientDisconnected:
                         pass

@@ -37,9 +37,12 @@ arrives while an earlier one still waits, until the application has taken them.
 
 Relies on ``WebSocketsSansIOProtocol`` internals (``conn``, ``transport``, ``writable``,
 ``queue``, ``handshake_complete``, ``close_sent``, ``initial_response``, ``request``,
-``response``) and on ``websockets.protocol.Protocol`` attributes (``state``, ``extensions``,
-``expect_continuation_frame``, ``debug``): the uvicorn and websockets version ranges are pinned in
-``pyproject.toml`` and the integration tests run through this class.
+``response``, ``send_receive_event_to_app``, ``read_paused``) and on ``websockets.protocol.Protocol``
+attributes (``state``, ``extensions``, ``expect_continuation_frame``, ``debug``, ``parser``,
+``reader``, ``parser_exc``, and the receiving message's size and limits, whose names changed in
+websockets 17: the fast path reads both spellings and leaves a connection it cannot read to
+websockets): the uvicorn version range is pinned in ``pyproject.toml``, the integration tests run
+through this class, and the fast path's tests pass on websockets 15 and 17.
 """
 
 from __future__ import annotations
@@ -189,6 +192,22 @@ class _Inbox(_Waiters):
         return self._items.pop(0)
 
 
+def _size_limit(conn: Any) -> int | None:
+    """The largest payload websockets' parser accepts in a frame that starts a message:
+    ``max_size`` up to websockets 16, ``max_message_size`` and ``max_fragment_size`` since 17."""
+    if hasattr(conn, "max_message_size"):
+        limits = [x for x in (conn.max_message_size, conn.max_fragment_size) if x is not None]
+        return min(limits) if limits else None
+    return conn.max_size  # type: ignore[no-any-return]
+
+
+def _in_message(conn: Any) -> bool:
+    """Whether a fragmented message is being received (its size so far: websockets'
+    ``cur_size``, ``current_size`` since 17)."""
+    size = conn.current_size if hasattr(conn, "current_size") else conn.cur_size
+    return size is not None
+
+
 # Where websockets' frame parser waits between frames (``Protocol.parse``: ``yield from
 # self.reader.at_eof()``, its buffer empty). Anywhere else (inside a frame, or another parser
 # after a close) incoming bytes go to websockets.
@@ -268,15 +287,19 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if start + length != n:  # part of a frame, or more than one
             return None
         conn = self.conn
-        if (
-            conn.state is not _OPEN
-            or conn.cur_size is not None
-            or conn.extensions
-            or conn.debug
-            or conn.parser_exc is not None
-            or conn.reader.buffer
-            or (conn.max_size is not None and length > conn.max_size)
-        ):
+        try:
+            limit = _size_limit(conn)
+            if (
+                conn.state is not _OPEN
+                or _in_message(conn)
+                or conn.extensions
+                or conn.debug
+                or conn.parser_exc is not None
+                or conn.reader.buffer
+                or (limit is not None and length > limit)
+            ):
+                return None
+        except AttributeError:  # a websockets release that keeps these elsewhere: its parser reads
             return None
         g = conn.parser
         while True:  # the innermost generator the parser waits in
