@@ -72,7 +72,8 @@ class Config:
     request_read_timeout: float = 30.0  # seconds for a request's head and body to arrive (then 408, closed)
     # milliseconds a pushed delta (chat backends, lean transport) may wait so that several backend
     # reads go out in one write to the client (WebSocket and SSE); 0: every read's are written at
-    # once. The first delta after a pause and every other event are never held.
+    # once. A response's first pushed deltas, the first after a pause and every other event are
+    # never held.
     flush_interval_ms: float = 10.0
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
     ws_max_queued: int = 64  # response.create frames waiting on one connection

@@ -34,7 +34,7 @@ REASONING_TEXT_DONE = "response.reasoning_text.done"
 FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
-# The events --flush-interval-ms may hold back (a batch of nothing else; see Run.emit's callers)
+# The events --flush-interval-ms may hold back (a batch of nothing else: only_deltas)
 DELTAS = frozenset((OUTPUT_TEXT_DELTA, REASONING_TEXT_DELTA, FUNCTION_CALL_ARGUMENTS_DELTA))
 # WebSocket-only steering replies (beta)
 STEER_ACCEPTED = "response.steer.accepted"
@@ -166,3 +166,12 @@ def ws_error(err: HotloopError, stream_id: str | None = None) -> Frame:
     if stream_id is not None:
         obj["stream_id"] = stream_id
     return ERROR, _encode(obj)
+
+
+def only_deltas(batch: list[Frame]) -> bool:
+    """Whether a pushed batch holds nothing but deltas (what ``--flush-interval-ms`` may hold
+    back; an item's start or end goes out at once)."""
+    for name, _ in batch:
+        if name not in DELTAS:
+            return False
+    return True

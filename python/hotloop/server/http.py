@@ -477,11 +477,9 @@ class _Held:
     def __call__(self, batch: list[Frame]) -> None:
         sse = ev.sse
         self.parts.append(b"".join([sse(f) for f in batch]))
-        deltas = ev.DELTAS
-        for name, _ in batch:
-            if name not in deltas:  # an item's start or end goes out at once, after what is held
-                self._send(self.take())
-                return
+        if not ev.only_deltas(batch):  # an item's start or end goes out at once, after what is held
+            self._send(self.take())
+            return
         t = self.loop.time()
         if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol._hold
             self.since = t

@@ -352,7 +352,7 @@ class Connection:
         send_texts = self._send_texts
         wait_writable = self._wait_writable
         within = self.app.config.flush_interval_ms / 1000  # --flush-interval-ms
-        deltas = ev.DELTAS
+        only_deltas = ev.only_deltas
         pushed = False  # a response's first pushed batch is never held
         lanes = self._lane_tasks
         async with contextlib.aclosing(run.frames()) as frames:
@@ -364,12 +364,8 @@ class Connection:
                     from its read callback in one write; pushing stops while the client is slow
                     or gone, and the loop below (which waits for it, or fails) starts it again."""
                     nonlocal pushed
-                    hold = within if pushed else 0.0
+                    hold = within if pushed and only_deltas(batch) else 0.0
                     pushed = True
-                    for t, _ in batch:
-                        if t not in deltas:  # an item's start or end goes out at once
-                            hold = 0.0
-                            break
                     if suffix:
                         batch = [(t, p[:-1] + suffix) for t, p in batch]
                     try:

@@ -109,6 +109,11 @@ def _same_items(a: Prefix, b: Prefix) -> bool:
 BODY_KEY = 256  # leading bytes of an HTTP body that index the registered requests it may repeat
 
 
+def _body_key(p: Prefix) -> tuple[str, bytes]:
+    """The ``_bodies`` index key of a registration with raw bytes and a lead."""
+    return p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])  # type: ignore[operator,index]
+
+
 def _unlist(index: dict[tuple[str, bytes], list[Prefix]], key: tuple[str, bytes], p: Prefix) -> None:
     lst = index.get(key)
     if lst is not None:
@@ -189,7 +194,7 @@ class PrefixCache:
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
         if prefix.lead is not None and prefix.raw is not None:
-            lst = self._bodies.setdefault((prefix.owner, bytes((prefix.lead + prefix.raw[:BODY_KEY])[:BODY_KEY])), [])
+            lst = self._bodies.setdefault(_body_key(prefix), [])
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
         while len(group) > self.VARIANTS:
@@ -210,10 +215,7 @@ class PrefixCache:
         if group is None or not any(q is p for q in group):
             return  # no longer registered: the cache holds nothing of it
         size = p.size
-        if p.head is not None:
-            _unlist(self._heads, (p.owner, p.head), p)
-        if p.lead is not None:
-            _unlist(self._bodies, (p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])), p)
+        self._unindex(p)
         p.raw = p.lead = p.head = None
         self._bytes -= size - p.size
 
@@ -232,10 +234,14 @@ class PrefixCache:
             del lengths[p.n]
             if not lengths:
                 del self._lengths[p.owner]
+        self._unindex(p)
+
+    def _unindex(self, p: Prefix) -> None:
+        """Take ``p`` out of the indexes by its bytes (``_heads``, ``_bodies``)."""
         if p.head is not None:
             _unlist(self._heads, (p.owner, p.head), p)
         if p.lead is not None and p.raw is not None:
-            _unlist(self._bodies, (p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])), p)
+            _unlist(self._bodies, _body_key(p), p)
 
     def clear(self) -> None:
         self._d.clear()
