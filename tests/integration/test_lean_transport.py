@@ -110,6 +110,31 @@ def test_streams_and_reuses_one_connection() -> None:
     run(main())
 
 
+def test_a_body_in_pieces_is_sent_as_their_concatenation() -> None:
+    """A request body given as a list of pieces (a conversation's cached renderings) is written
+    in one vectored write, with the content length of the whole."""
+    pieces = [b'{"messages":[', b'{"role":"user","content":"' + b"x" * 70_000 + b'"}', *(b',{"k":%d}' % i for i in range(100)), b"]}"]
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(reader)
+            seen.append(head)
+            writer.write(sse_reply(body, b"[DONE]"))
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            for body in (pieces, b"".join(pieces)):
+                resp = await pool.stream("POST", "/chat/completions", body)
+                assert await collect(resp) == b"data: " + b"".join(pieces) + b"\n\ndata: [DONE]\n\n"
+            assert all(b"content-length: %d\r\n" % sum(map(len, pieces)) in h for h in seen) and len(seen) == 2
+            await pool.aclose()
+
+    run(main())
+
+
 def test_release_after_done_keeps_the_connection() -> None:
     """[DONE] arrives before the chunked terminator: release() must not wait for it, and the
     connection still goes back to the pool once the terminator arrives."""
@@ -370,7 +395,10 @@ def test_tls_with_a_trusted_ca_and_sni(tmp_path: Any, monkeypatch: pytest.Monkey
             for _ in range(2):
                 resp = await pool.stream("POST", "/chat/completions", b"{}")
                 assert (await collect(resp)).endswith(b"data: [DONE]\n\n")
-            assert pool.opened == 1 and pool.reused == 1
+            # a body in pieces goes through TLS as their concatenation too
+            resp = await pool.stream("POST", "/chat/completions", [b'{"a":', b"1", b"}"])
+            assert b'data: {"a":1}\n\n' in await collect(resp)
+            assert pool.opened == 1 and pool.reused == 2
             assert "localhost" in seen
             await pool.aclose()
 

@@ -553,6 +553,31 @@ def test_render_cache_gives_identical_bytes(turns: list[list[dict[str, Any]]], d
     assert cache.hits == len(turns) - 1
 
 
+def test_render_cache_long_chain_in_bounded_pieces() -> None:
+    """A long chained conversation: each turn's body (in pieces) is the body rendered from scratch,
+    and the pieces stay few (joined every MAX_PIECES turns)."""
+    from hotloop.backends.chat import encode_request_parts
+    from hotloop.backends.chat.render import MAX_PIECES
+
+    cache = RenderCache(CEREBRAS)
+    chained: list[Item] = items([{"role": "user", "content": "go"}])
+    for turn in range(3 * MAX_PIECES + 5):
+        # text then a call (merged into one assistant message), its output, sometimes a user note
+        chained = chained + items(
+            [
+                {"role": "assistant", "content": f"step {turn}"},
+                {"type": "function_call", "call_id": f"c{turn}", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": f"c{turn}", "output": "o" * (turn % 7)},
+            ]
+            + ([{"role": "user", "content": "more"}] if turn % 3 == 0 else [])
+        )
+        req = msgspec.structs.replace(request([], instructions="Be brief." if turn % 2 else None), items=chained)
+        parts = encode_request_parts(req, CEREBRAS, cache)
+        assert b"".join(parts) == encode_request(req, CEREBRAS)
+        assert len(parts) <= MAX_PIECES + 3
+    assert cache.hits == 3 * MAX_PIECES + 4
+
+
 def test_render_cache_forks_and_bounds() -> None:
     cache = RenderCache(CEREBRAS, max_entries=2)
     root = items([{"role": "user", "content": "a"}])

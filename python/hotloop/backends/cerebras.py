@@ -97,7 +97,7 @@ class CerebrasBackend(ChatBackend):
             raise errors.BackendUnavailable("The model backend is not started.")
         return self._client
 
-    async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
+    async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:
         if self._pool is not None:
             return await open_chat_stream(self._pool, CHAT_PATH, body, backend=self.name, model=model, request_id=request_id)
         client = self._require_client()
@@ -105,7 +105,7 @@ class CerebrasBackend(ChatBackend):
             resp = await client.post(
                 CHAT_PATH,
                 cast_to=httpx.Response,
-                content=body,
+                content=b"".join(body),
                 options={"headers": {**_STREAM_HEADERS, "x-request-id": request_id} if request_id else _STREAM_HEADERS},
                 stream=True,
             )

@@ -93,14 +93,14 @@ class OpenAICompatBackend(ChatBackend):
             log.warning("openai-compat backend: connection to %s failed", request.url)
             raise errors.BackendUnavailable("Could not connect to the model backend.") from None
 
-    async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
+    async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:
         if self._pool is not None:
             return await open_chat_stream(
                 self._pool, "/chat/completions", body, backend=self.name, model=model, request_id=request_id
             )
         client = self._require_client()
         headers = {**_POST_HEADERS, "x-request-id": request_id} if request_id else _POST_HEADERS
-        resp = await self._send(client.build_request("POST", "chat/completions", content=body, headers=headers))
+        resp = await self._send(client.build_request("POST", "chat/completions", content=b"".join(body), headers=headers))
         if resp.status_code >= 400:
             payload = await read_error_body(resp)
             raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=model)

@@ -14,7 +14,7 @@ by the backends that use them.
 
 from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
 from hotloop.backends.chat.backend import Body, ChatBackend
-from hotloop.backends.chat.render import CEREBRAS, OPENAI_COMPAT, Dialect, RenderCache, encode_request, render, render_messages
+from hotloop.backends.chat.render import CEREBRAS, OPENAI_COMPAT, Dialect, RenderCache, encode_request, encode_request_parts, render, render_messages
 from hotloop.backends.chat.statuses import TransientBackendError, parse_body, retry_after, status_error
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "TransientBackendError",
     "chunk_decoder",
     "encode_request",
+    "encode_request_parts",
     "parse_body",
     "render",
     "render_messages",

@@ -24,7 +24,7 @@ from hotloop import errors
 from hotloop._accel import BACKEND_NAMES, SseDecoder
 from hotloop.backends.base import BackendRequest, model_object
 from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
-from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request
+from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request_parts
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
 from hotloop.models import reported_window
 from hotloop.protocol.chunks import Chunk
@@ -99,7 +99,8 @@ class ChatBackend:
             await self._pool.aclose()
             self._pool = None
 
-    async def _open(self, body: bytes, model: str, request_id: str | None = None) -> Body:
+    async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:
+        """``body``: the request body in pieces (:func:`encode_request_parts`)."""
         raise NotImplementedError
 
     async def _get_models(self) -> bytes:
@@ -141,7 +142,7 @@ class ChatBackend:
         """One response as chunks. The body loop is inlined (one async generator per response,
         not one per layer): each network read costs one resumption of this generator, or none
         when the consumer takes chunks by push (``req.push``, a transport with ``Body.push``)."""
-        body = encode_request(req, self.dialect, self._renders)
+        body = encode_request_parts(req, self.dialect, self._renders)
         model = req.model
         slot = req.push
         attempt = 0

@@ -61,6 +61,7 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 256
 MAX_PENDING_BYTES = 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
+Payload = bytes | list[bytes]  # a request body: bytes, or pieces sent as one vectored write
 DRAIN_TIMEOUT = 1.0  # after the caller's release, how long the rest of a body may take to arrive
 
 _UNAVAILABLE = "Could not connect to the model backend."
@@ -387,7 +388,7 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         return not self.closed and t is not None and not t.is_closing() and now - self.idle_since < self.expiry
 
-    def send(self, head: bytes, body: bytes | None, resp: Response) -> None:
+    def send(self, head: bytes, body: Payload | None, resp: Response) -> None:
         self.resp = resp
         self.parser = httptools.HttpResponseParser(self)
         self.keep_alive = True
@@ -396,7 +397,10 @@ class _Conn(asyncio.Protocol):
         if body:
             # head and body in one writev, without copying the body (a conversation's history)
             # into a joined buffer first
-            self.transport.writelines((head, body))  # type: ignore[union-attr]
+            if isinstance(body, list):
+                self.transport.writelines([head, *body])  # type: ignore[union-attr]
+            else:
+                self.transport.writelines((head, body))  # type: ignore[union-attr]
         else:
             self.transport.write(head)  # type: ignore[union-attr]
 
@@ -525,13 +529,15 @@ class Pool:
             head += f"content-length: {length}\r\n"
         return (head + "\r\n").encode("latin-1")
 
-    async def stream(self, method: str, path: str, body: bytes | None = None, headers: str = "") -> Response:
+    async def stream(self, method: str, path: str, body: Payload | None = None, headers: str = "") -> Response:
         """Send one request; return once the response head has arrived (any status).
 
-        ``headers`` are extra header lines, pre-formatted (``"name: value\\r\\n"``). Raises
+        ``body``: bytes, or a list of pieces written as one vectored write. ``headers`` are
+        extra header lines, pre-formatted (``"name: value\\r\\n"``). Raises
         ``BackendUnavailable`` (no connection), ``BackendTimeout`` or ``TransientBackendError``.
         """
-        head = self._head(method, path, len(body) if body is not None else None, headers)
+        length = None if body is None else sum(map(len, body)) if isinstance(body, list) else len(body)
+        head = self._head(method, path, length, headers)
         conn = await self._acquire()
         resp = Response(conn)
         conn.send(head, body, resp)
@@ -645,7 +651,7 @@ class Pool:
 
 
 async def open_chat_stream(
-    pool: Pool, path: str, body: bytes, *, backend: str, model: str, request_id: str | None = None
+    pool: Pool, path: str, body: Payload, *, backend: str, model: str, request_id: str | None = None
 ) -> Response:
     """``POST`` a streaming chat-completions body (with ``x-request-id`` when given); a non-2xx
     answer becomes its typed error."""

@@ -9,7 +9,6 @@ the new ones; :class:`RenderCache` uses that to render and encode only a continu
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Union
 
 import msgspec
@@ -215,15 +214,27 @@ def _render_items(
     return reasoning
 
 
-class _Rendered:
-    __slots__ = ("items", "messages", "encoded", "reasoning", "size")
+MAX_PIECES = 64  # pieces of a cached conversation's messages before they are joined into one
 
-    def __init__(self, items: list[Any], messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str) -> None:
+
+class _Rendered:
+    """A cached conversation: its items, and its messages' JSON as ``pieces`` that concatenate
+    to the comma-separated messages except the last (a piece per continuation: every piece but
+    the first starts with its comma, so a request joins them without a Python loop), the last
+    message (kept apart: a function call that follows merges into it) and its JSON, and the
+    reasoning still waiting for the assistant message it preceded."""
+
+    __slots__ = ("items", "pieces", "last", "last_json", "reasoning", "size")
+
+    def __init__(
+        self, items: list[Any], pieces: list[bytes], last: dict[str, Any] | None, last_json: bytes, reasoning: str, size: int
+    ) -> None:
         self.items = items
-        self.messages = messages
-        self.encoded = encoded
+        self.pieces = pieces
+        self.last = last
+        self.last_json = last_json
         self.reasoning = reasoning
-        self.size = sum(map(len, encoded))
+        self.size = size
 
 
 class RenderCache:
@@ -246,29 +257,44 @@ class RenderCache:
         self._d: dict[int, _Rendered] = {}
         self.hits = 0
 
-    def render(self, items: list[Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """The messages of ``items`` and their JSON, reusing a cached prefix when there is one."""
+    def render(self, items: list[Any]) -> list[bytes]:
+        """The JSON of the messages of ``items``, comma-separated, as pieces to concatenate
+        (empty: no message), reusing a cached prefix when there is one. Only the new items are
+        rendered and encoded, and nothing of the prefix is copied: its pieces are shared."""
         if not items:
-            return [], []
+            return []
         key = id(items[0])
         hit = self._d.pop(key, None)
         if hit is not None:
             self.bytes -= hit.size
         n = len(hit.items) if hit is not None else 0
-        if hit is not None and n <= len(items) and all(map(operator.is_, hit.items, items)):
+        # list equality tests identity first (the chained case, in C); an equal item renders the same
+        if hit is not None and n <= len(items) and hit.items == items[:n]:
             self.hits += 1
-            messages, encoded, reasoning = list(hit.messages), list(hit.encoded), hit.reasoning
+            pieces, size, reasoning = hit.pieces, hit.size, hit.reasoning
+            messages, encoded = ([hit.last], [hit.last_json]) if hit.last is not None else ([], [])
+            size -= len(hit.last_json)
             rest = items[n:]
         else:
-            messages, encoded, reasoning, rest = [], [], "", items
+            pieces, size, messages, encoded, reasoning, rest = [], 0, [], [], "", items
         reasoning = _render_items(rest, self.dialect, messages, encoded, reasoning)
-        entry = _Rendered(list(items), messages, encoded, reasoning)
+        last, last_json = (messages[-1], encoded[-1]) if messages else (None, b"")
+        if len(encoded) > 1:  # sealed: every message but the last (a new piece, shared from now on)
+            done = b",".join(encoded[:-1])
+            pieces = [*pieces, b"," + done if pieces else done]
+            size += len(done) + 1
+            if len(pieces) > MAX_PIECES:  # one copy per MAX_PIECES turns keeps writes few-vectored
+                pieces = [b"".join(pieces)]
+        size += len(last_json)
+        entry = _Rendered(list(items), pieces, last, last_json, reasoning, size)
         if entry.size <= self.max_bytes // 4:
             self._d[key] = entry
             self.bytes += entry.size
             while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
                 self.bytes -= self._d.pop(next(iter(self._d))).size
-        return messages, encoded
+        if last is None:
+            return pieces
+        return [*pieces, b"," + last_json] if pieces else [last_json]
 
 
 def _system(req: BackendRequest) -> list[dict[str, Any]]:
@@ -376,24 +402,29 @@ def encode_request(req: BackendRequest, dialect: Dialect, cache: RenderCache | N
     """
     if cache is None:
         return _encoder.encode(render(req, dialect))
-    parts = [_encoder.encode(m) for m in _system(req)]
-    _, encoded = cache.render(req.items)
-    parts += encoded
+    return b"".join(encode_request_parts(req, dialect, cache))
+
+
+def encode_request_parts(req: BackendRequest, dialect: Dialect, cache: RenderCache) -> list[bytes]:
+    """:func:`encode_request` as pieces whose concatenation is the body, for a vectored write:
+    the history's pieces are the cache's own, so the body is copied once, by the kernel, from
+    where the messages were encoded (no joined copy of a conversation's history per turn)."""
+    system = [_encoder.encode(m) for m in _system(req)]
+    parts = cache.render(req.items)
     # The body around an empty messages array, cut where the messages go: "model" is the first
     # key and its value a JSON string (no unescaped quote inside), so the first '"messages":[]'
-    # is the key's. Then one join copies the history once (no joined array copied again into
-    # the encoder's growing buffer).
+    # is the key's.
     empty = _encoder.encode(render(req, dialect, msgspec.Raw(b"[]")))
-    if not parts:
-        return empty
+    if not parts and not system:
+        return [empty]
     head, sep, tail = empty.partition(_MESSAGES)
     assert sep, "render() writes the messages right after the model"
-    pieces = [head + _MESSAGES_OPEN]
-    for m in parts:
-        pieces.append(m)
-        pieces.append(b",")
-    pieces[-1] = b"]" + tail
-    return b"".join(pieces)
+    lead = head + _MESSAGES_OPEN
+    if system:
+        lead += b",".join(system)
+        if parts:
+            lead += b","
+    return [lead, *parts, b"]" + tail]
 
 
 _MESSAGES = b'"messages":[]'
