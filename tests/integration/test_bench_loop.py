@@ -203,6 +203,8 @@ def test_usage_errors_exit_2() -> None:
     assert r.returncode == 2 and "carrier-pigeon" in r.stderr
     r = _bench("--url", "http://127.0.0.1:9")
     assert r.returncode == 2 and "--model" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "hotloop", "bench", "paired", "--server-env", "NOEQUALS"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "NAME=VALUE" in r.stderr
 
 
 def test_plot(tmp_path: Any) -> None:
@@ -225,12 +227,12 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     alternating between them; both report CPU for every turn."""
     env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
     args = ["paired", "--turns", "4", "--tool-tokens", "4", "--turn-transport", transport, "--json",
-            "--server-args", "--flush-interval-ms 5"]
+            "--server-args", "--flush-interval-ms 5", "--server-env", "HOTLOOP_TEST_MARK=b=1"]
     proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "paired" and out["transport"] == transport and out["turns"] == 4
-    assert out["server_b_args"] == ["--flush-interval-ms", "5"]
+    assert out["server_b_args"] == ["--flush-interval-ms", "5"] and out["server_b_env"] == {"HOTLOOP_TEST_MARK": "b=1"}
     assert [s["server"] for s in out["servers"]] == ["A", "B"]
     assert all(s["python_path"] == "(installed)" and s["cpu_per_turn_mean_ms"] > 0 for s in out["servers"])
     # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
@@ -247,9 +249,11 @@ def test_a_bench_server_leaves_no_data_directory_behind(tmp_path: Any, monkeypat
     from hotloop.bench import server
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with server("--store", "sqlite") as (base, _pid):
+    with server("--store", "sqlite", env={"HOTLOOP_TEST_MARK": "b=1"}) as (base, pid):
         made = [p for p in tmp_path.iterdir() if p.name.startswith("hotloop-bench-")]
         assert len(made) == 1
+        with open(f"/proc/{pid}/environ", "rb") as fh:  # `paired --server-env` reaches the server
+            assert b"HOTLOOP_TEST_MARK=b=1" in fh.read().split(b"\0")
         r = httpx.post(base + "/v1/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}, timeout=30)
         assert r.status_code == 200
         assert (made[0] / "hotloop.sqlite3").exists()

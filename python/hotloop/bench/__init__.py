@@ -69,16 +69,17 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def server(*args: str, pythonpath: str | None = None) -> Iterator[tuple[str, int]]:
+def server(*args: str, pythonpath: str | None = None, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """A ``hotloop serve`` subprocess; yields (base_url, pid).
 
     ``pythonpath``: a directory put first on the server's ``PYTHONPATH`` (another source tree's
-    ``python/`` directory, to compare two versions of the server in one run).
+    ``python/`` directory, to compare two versions of the server in one run). ``env``: more
+    environment variables for the server (a tuning to compare, such as ``GLIBC_TUNABLES``).
     """
     port = _free_port()
     data = tempfile.mkdtemp(prefix="hotloop-bench-")
     cmd = [sys.executable, "-m", "hotloop", "serve", "--port", str(port), "--store", "memory", "--log-level", "warning", *args]
-    env = {**os.environ, "HOTLOOP_DATA_DIR": data}
+    env = {**os.environ, **(env or {}), "HOTLOOP_DATA_DIR": data}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(cmd, env=env)
@@ -117,6 +118,14 @@ def _text(rng: random.Random, nbytes: int) -> str:
         out.append(w)
         size += len(w) + 1
     return " ".join(out)[:nbytes]
+
+
+def _env_pair(pair: str) -> tuple[str, str]:
+    """One ``--server-env`` value: ``NAME=VALUE``."""
+    name, sep, value = pair.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {pair!r}")
+    return name, value
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -408,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         help="paired: more `hotloop serve` flags for server B only, one string (e.g. '--flush-interval-ms 5')",
     )
     p.add_argument(
+        "--server-env", action="append", default=[], metavar="NAME=VALUE", type=_env_pair,
+        help="paired: an environment variable for server B only (repeatable; e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
+    )
+    p.add_argument(
         "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json"], default="ws-prev",
         help="paired: the transport of the alternating turns",
     )
@@ -456,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             bench_paired(
                 args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens,
-                server_args=shlex.split(args.server_args),
+                server_args=shlex.split(args.server_args), server_env=dict(args.server_env),
             )
         )
     if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server

@@ -451,10 +451,10 @@ class _Stepper:
 def bench_paired(
     base_path: str | None, server_path: str | None, transport: str = "ws-prev", turns: int = 100,
     new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20, seed: int = 0,
-    server_args: list[str] | tuple[str, ...] = (),
+    server_args: list[str] | tuple[str, ...] = (), server_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Server A (``base_path``) against server B (``server_path``, with ``server_args`` too), turn by
-    turn (module docstring)."""
+    """Server A (``base_path``) against server B (``server_path``, with ``server_args`` and the
+    environment variables ``server_env`` too), turn by turn (module docstring)."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     extra, loop = _LOOPS[transport]
     os.environ.setdefault("CEREBRAS_API_KEY", "bench")
@@ -462,8 +462,8 @@ def bench_paired(
         url, _ = stack.enter_context(mock_process())
         args = ("--backend", "cerebras", "--base-url", url, *extra)
         servers = [
-            stack.enter_context(server(*args, *more, pythonpath=p))
-            for p, more in ((base_path, ()), (server_path, tuple(server_args)))
+            stack.enter_context(server(*args, *more, pythonpath=p, env=e))
+            for p, more, e in ((base_path, (), None), (server_path, tuple(server_args), server_env))
         ]
         steppers = []
         for base, _ in servers:
@@ -503,6 +503,7 @@ def bench_paired(
         "model": model,
         "turns": turns,
         "server_b_args": list(server_args),
+        "server_b_env": dict(server_env or {}),
         "servers": side,
         "b_over_a_paired_median": round(statistics.median(ratios), 3),
         "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),
