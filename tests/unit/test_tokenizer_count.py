@@ -45,3 +45,38 @@ def test_long_texts_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     text = "alpha beta, gamma 42 " * 1000
     assert tokenizer.count(text) == len(real(text))
     assert len(seen) > 20 and max(seen) <= 1000
+
+
+_FIRST_ENCODER = r"""
+import asyncio, threading
+from hotloop import tokenizer
+from hotloop.config import Config
+from hotloop.server.runner import make_app
+
+calls = []
+enc = tokenizer.encoding()
+real = enc.encode_ordinary
+enc.encode_ordinary = lambda text: (calls.append(threading.get_ident()), real(text))[1]
+
+async def main():
+    app = make_app(Config(store="memory", sim_rate=0))  # the simulator counts its corpus at start
+    await app.startup()
+    try:
+        print(calls[0] == threading.get_ident(), len(set(calls)) > 1)
+    finally:
+        await app.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_the_event_loop_thread_counts_first() -> None:
+    """tiktoken's regex caches serve their first thread without a lock and every other thread
+    through a locked slow path: the server's start-up makes the event loop's thread (which counts
+    most inputs) the first, before the simulator counts its corpus on another thread."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_ENCODER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]

@@ -99,6 +99,7 @@ class HotloopApp:
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, tokenizer.preload)
+        tokenizer.claim()  # this thread counts most inputs: before the backend's start counts any
         await self.backend.start()
         if self.metrics is not None:
             # the model label's values: the models the backend lists (others are "other"),
