@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import uvloop
 from hypothesis import HealthCheck, given, settings
@@ -419,7 +420,7 @@ def test_a_registration_without_bytes_never_replaces_one_with_them() -> None:
     assert hit is not None and hit[0].entry.response["id"] == "r3" and len(cache) == 1
 
 
-def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tmp_path: Path) -> None:
+def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two conversations of one key with the same turns, one resending its history, the other
     chained over a WebSocket connection: the chained one's registrations (without bytes, under
     the same index keys) must not push the other to a full decode and fingerprint match every
@@ -427,6 +428,13 @@ def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tm
     from hotloop.protocol.request import decode_body
     from hotloop.state.context import ConnectionCache
     from hotloop.tenants.auth import ANONYMOUS
+
+    fingerprinted: list[int] = []
+    real = itemlib.fingerprint
+
+    def counted(item: Any, where: str = "input") -> bytes:
+        fingerprinted.append(id(item))
+        return real(item, where)
 
     async def main() -> None:
         app = make_app(Config(store="memory", sim_rate=0))
@@ -440,8 +448,12 @@ def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tm
                 turn = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"turn {i} " + "words " * 300}]}
                 history.append(turn)
                 body = json.dumps({"model": "hotloop-sim", "store": False, "input": history}).encode()
+                fingerprinted.clear()
                 req, prefix, raw = reuse.decode_create(body, eng.prefixes, ANONYMOUS.id)
-                full = await (await eng.start(req, transport="json", prefix=prefix, raw_input=raw, tenant=ANONYMOUS)).drain()
+                run = await eng.start(req, transport="json", prefix=prefix, raw_input=raw, tenant=ANONYMOUS)
+                # the output sent back is fingerprinted once, by the decoder (continued() takes it)
+                assert len(fingerprinted) == len(set(fingerprinted)), i
+                full = await run.drain()
                 history += full["output"]
                 frame = {"model": "hotloop-sim", "store": False, "input": [turn], "previous_response_id": prev}
                 chained = await (await eng.start(decode_body(json.dumps(frame)), transport="ws", conn=conn, websocket=True)).drain()
@@ -450,6 +462,7 @@ def test_a_chained_twin_of_a_full_history_conversation_keeps_its_byte_matches(tm
         finally:
             await app.shutdown()
 
+    monkeypatch.setattr(itemlib, "fingerprint", counted)
     uvloop.run(main())
 
 
@@ -575,3 +588,35 @@ def test_a_match_by_items_leaves_the_bytes_of_the_input_it_reused(tmp_path: Path
             await app.shutdown()
 
     uvloop.run(main())
+
+
+def test_decoding_with_the_input_left_raw_gives_the_ordinary_request() -> None:
+    """Every field of a request decoded with its input left raw (then the input alone) is the
+    field :func:`decode_body` gives, for each kind of input and for a continuation."""
+    from hotloop.protocol.request import decode_body
+
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    _register(cache, _body(texts), texts)  # not empty: decode_create takes its own path
+    fields = {
+        "model": "m", "instructions": "be brief", "store": False, "stream": True, "stream_options": {"include_obfuscation": False},
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}], "tool_choice": "required",
+        "parallel_tool_calls": False, "max_output_tokens": 77, "max_tool_calls": 3, "temperature": 0.5, "top_p": 0.9,
+        "top_logprobs": 2, "text": {"format": {"type": "json_object"}, "verbosity": "low"}, "reasoning": {"effort": "low"},
+        "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"], "truncation": "auto", "prompt_cache_key": "p",
+        "prompt_cache_retention": "24h", "user": "u", "safety_identifier": "s", "service_tier": "flex", "background": False,
+        "conversation": None, "prompt": None, "generate": True, "stream_id": "lane-1", "type": "response.create",
+    }
+    assert set(fields) | {"input", "previous_response_id"} == {f.name for f in msgspec.structs.fields(reuse.CreateRequest)}
+    inputs: list[Any] = ["a string", [{"role": "user", "content": "one"}], [{"role": "user", "content": t} for t in texts + ["third"]]]
+    for value in inputs:
+        for prev in (None, "resp_1"):
+            spelt = json.dumps(value) if isinstance(value, str) else "[" + ",".join(map(json.dumps, value)) + "]"  # as _body spells items
+            head = json.dumps({**fields, **({"previous_response_id": prev} if prev else {})})
+            body = (head[:-1] + ', "input": ' + spelt + "}").encode()
+            req, _, _ = reuse.decode_create(body, cache, "alice")
+            whole = decode_body(body)
+            if isinstance(value, list) and len(value) == 3 and prev is None:
+                assert req.input == [{"role": "user", "content": "third"}]  # a prefix hit: the new item only
+                req = msgspec.structs.replace(req, input=whole.input)
+            assert req == whole

@@ -233,11 +233,13 @@ def _lazy_struct() -> Any:
 # CreateRequest with ``input`` left as raw JSON bytes: decoding it only scans the history.
 _LazyCreateRequest = _lazy_struct()
 _lazy_decoder: Any = msgspec.json.Decoder(_LazyCreateRequest)
-_FIELDS = [f.name for f in msgspec.structs.fields(CreateRequest) if f.name != "input"]
+_asdict = msgspec.structs.asdict
 
 
 def _with_input(lazy: Any, value: Any) -> CreateRequest:
-    return CreateRequest(input=value, **{name: getattr(lazy, name) for name in _FIELDS})
+    fields = _asdict(lazy)  # in C: half the time of a getattr per field
+    fields["input"] = value
+    return CreateRequest(**fields)
 
 
 def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
