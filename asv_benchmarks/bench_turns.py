@@ -150,7 +150,8 @@ class BackendRequestBody:
     """The chat-completions request body of a continued conversation (the Cerebras dialect):
     the cached messages of earlier turns and one new 2 KB tool output, at turn 1 and at turn 100
     (about 220 KB). Stateless chat backends need the whole history every turn, so this stays
-    O(history) bytes; what the cache saves is rendering and encoding it again."""
+    O(history) bytes; what the cache saves is rendering and encoding it again, and, in pieces
+    (what the lean transport writes, one vectored write), copying it."""
 
     params = [1, 100]
     param_names = ["turn"]
@@ -159,12 +160,13 @@ class BackendRequestBody:
         import msgspec
 
         from hotloop.backends.base import BackendRequest
-        from hotloop.backends.chat import CEREBRAS, RenderCache, encode_request
+        from hotloop.backends.chat import CEREBRAS, RenderCache, encode_request, encode_request_parts
         from hotloop.protocol.request import decode_items
 
         rng = random.Random(0)
         self.cache = RenderCache(CEREBRAS)
         self.encode = encode_request
+        self.encode_parts = encode_request_parts
         self.dialect = CEREBRAS
         items = decode_items([{"role": "user", "content": "Fix the failing test."}])
         base = BackendRequest(model="gpt-oss-120b", instructions="You are a coding agent.", items=[], tools=[], tool_choice="auto", parallel_tool_calls=True)
@@ -181,6 +183,9 @@ class BackendRequestBody:
 
     def time_encode_request(self, turn: int) -> None:
         self.encode(self.req, self.dialect, self.cache)
+
+    def time_encode_request_parts(self, turn: int) -> None:
+        self.encode_parts(self.req, self.dialect, self.cache)
 
 
 class DeltaEvent:
