@@ -135,6 +135,32 @@ def test_a_body_in_pieces_is_sent_as_their_concatenation() -> None:
     run(main())
 
 
+def test_a_body_in_pieces_is_joined_only_for_tls() -> None:
+    """Plain HTTP writes the pieces as they are (one vectored write, no copy); TLS would make a
+    record of each, so there they are joined first."""
+    from hotloop.backends.chat.http1 import Response, _Conn
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[list[bytes]] = []
+
+        def writelines(self, data: Any) -> None:
+            self.calls.append(list(data))
+
+    pieces = [b'{"a":', b"1", b"}"]
+
+    async def main() -> None:
+        for url, expect in (("http://127.0.0.1:9/v1", [b"HEAD", *pieces]), ("https://127.0.0.1:9/v1", [b"HEAD", b'{"a":1}'])):
+            pool = Pool(url)
+            conn = _Conn(pool)
+            conn.transport = rec = Recorder()  # type: ignore[assignment]
+            conn.send(b"HEAD", pieces, Response(conn))
+            conn._cancel_timer()
+            assert rec.calls == [expect], url
+
+    run(main())
+
+
 def test_release_after_done_keeps_the_connection() -> None:
     """[DONE] arrives before the chunked terminator: release() must not wait for it, and the
     connection still goes back to the pool once the terminator arrives."""

@@ -578,6 +578,65 @@ def test_render_cache_long_chain_in_bounded_pieces() -> None:
     assert cache.hits == 3 * MAX_PIECES + 4
 
 
+def test_render_cache_reuses_by_identity_not_equality() -> None:
+    """A retry from the same parent with an equal-looking item: an item hotloop does not model
+    keeps the client's JSON (key order, 1 against 1.0 or true), so an equal item may render
+    differently and the cached rendering must not be reused for it."""
+    root = items([{"role": "user", "content": "hi"}])
+    pairs = [
+        ({"type": "custom_tool_call", "call_id": "c", "name": "x", "input": "1", "k": 1}, {"k": 1.0}),
+        ({"type": "custom_tool_call", "call_id": "c", "name": "x", "input": "1", "k": 1}, {"k": True}),
+        ({"type": "custom_tool_call", "call_id": "c", "name": "x", "input": "1"}, {}),
+    ]
+    for first, change in pairs:
+        second = {**first, **change} if change else dict(reversed(list(first.items())))
+        cache = RenderCache(CEREBRAS)
+        a, b = root + items([first]), root + items([second])
+        assert a[1] == b[1] and a[1] is not b[1]
+        encode_request(msgspec.structs.replace(request([]), items=a), CEREBRAS, cache)
+        req = msgspec.structs.replace(request([]), items=b + items([{"role": "user", "content": "x"}]))
+        assert encode_request(req, CEREBRAS, cache) == encode_request(req, CEREBRAS)
+        assert cache.hits == 0
+
+
+def test_render_cache_accounts_its_bytes() -> None:
+    """The cache's byte count is the sum of its entries' sizes, each the length of what the
+    entry renders (pieces and last message), through forks, merges and evictions."""
+    import random as _random
+
+    rng = _random.Random(7)
+    cache = RenderCache(CEREBRAS, max_entries=3, max_bytes=6_000)
+    convs: list[list[Item]] = []
+    for step in range(400):
+        if convs and rng.random() < 0.7:
+            base = rng.choice(convs)
+            base = base[: rng.randrange(1, len(base) + 1)]  # a fork or the whole
+        else:
+            base = items([{"role": "user", "content": f"start {step}"}])
+        kind = rng.randrange(3)
+        new = (
+            [{"role": "assistant", "content": "a" * rng.randrange(50)}] if kind == 0
+            else [{"type": "function_call", "call_id": f"c{step}", "name": "f", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": f"c{step}", "output": "o" * rng.randrange(300)}] if kind == 1
+            else [{"role": "user", "content": "u" * rng.randrange(200)}]
+        )
+        conv = base + items(new)
+        convs.append(conv)
+        parts = cache.render(conv)
+        assert b"".join(parts) == b",".join(encode_request_messages(conv))
+        assert cache.bytes == sum(e.size for e in cache._d.values()) <= cache.max_bytes
+        for e in cache._d.values():
+            assert e.size == sum(map(len, e.pieces)) + len(e.last_json) + (1 if e.pieces and e.last is not None else 0)
+
+
+def encode_request_messages(conv: list[Item]) -> list[bytes]:
+    """Each chat message of ``conv``, encoded, rendered from scratch."""
+    from hotloop.backends.chat import render_messages
+
+    req = msgspec.structs.replace(request([]), items=conv)
+    return [msgspec.json.encode(m) for m in render_messages(req, CEREBRAS)]
+
+
 def test_render_cache_forks_and_bounds() -> None:
     cache = RenderCache(CEREBRAS, max_entries=2)
     root = items([{"role": "user", "content": "a"}])

@@ -398,7 +398,12 @@ class _Conn(asyncio.Protocol):
             # head and body in one writev, without copying the body (a conversation's history)
             # into a joined buffer first
             if isinstance(body, list):
-                self.transport.writelines([head, *body])  # type: ignore[union-attr]
+                if self.pool.origin.ssl is None:
+                    self.transport.writelines([head, *body])  # type: ignore[union-attr]
+                else:
+                    # TLS makes a record of each piece written: one joined copy costs less (60
+                    # pieces of 2 KB: 46 us written joined against 90 us piece by piece)
+                    self.transport.writelines((head, b"".join(body)))  # type: ignore[union-attr]
             else:
                 self.transport.writelines((head, body))  # type: ignore[union-attr]
         else:

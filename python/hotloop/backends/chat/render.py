@@ -9,6 +9,7 @@ the new ones; :class:`RenderCache` uses that to render and encode only a continu
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Union
 
 import msgspec
@@ -268,8 +269,9 @@ class RenderCache:
         if hit is not None:
             self.bytes -= hit.size
         n = len(hit.items) if hit is not None else 0
-        # list equality tests identity first (the chained case, in C); an equal item renders the same
-        if hit is not None and n <= len(items) and hit.items == items[:n]:
+        # by identity: an equal item may render differently (an item hotloop does not model keeps
+        # the client's JSON: key order, 1 against 1.0 or true)
+        if hit is not None and n <= len(items) and all(map(operator.is_, hit.items, items)):
             self.hits += 1
             pieces, size, reasoning = hit.pieces, hit.size, hit.reasoning
             messages, encoded = ([hit.last], [hit.last_json]) if hit.last is not None else ([], [])
@@ -292,8 +294,8 @@ class RenderCache:
             self.bytes += entry.size
             while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
                 self.bytes -= self._d.pop(next(iter(self._d))).size
-        if last is None:
-            return pieces
+        if last is None:  # no message at all
+            return []
         return [*pieces, b"," + last_json] if pieces else [last_json]
 
 
