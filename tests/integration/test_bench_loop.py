@@ -228,11 +228,14 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
     args = ["paired", "--turns", "4", "--tool-tokens", "4", "--turn-transport", transport, "--json",
             "--server-args", "--flush-interval-ms 5", "--server-env", "HOTLOOP_TEST_MARK=b=1"]
+    if transport == "ws-prev":
+        args.append("--agent-settings")  # 29 KB of instructions and tools every turn
     proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "paired" and out["transport"] == transport and out["turns"] == 4
     assert out["server_b_args"] == ["--flush-interval-ms", "5"] and out["server_b_env"] == {"HOTLOOP_TEST_MARK": "b=1"}
+    assert out["agent_settings"] is (transport == "ws-prev")
     assert [s["server"] for s in out["servers"]] == ["A", "B"]
     assert all(s["python_path"] == "(installed)" and s["cpu_per_turn_mean_ms"] > 0 for s in out["servers"])
     # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time

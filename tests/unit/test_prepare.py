@@ -18,16 +18,54 @@ def plan_for(body: dict, parent=None, cache=None, defer=False):
 
 def test_deferred_settings_keep_cached_tokens() -> None:
     body = {"model": "m", "input": "hi", "tools": [BIG_TOOL]}
-    first = plan_for(body, cache=itemlib.TokenCache())
+    inline_first = plan_for(body, cache=itemlib.TokenCache())
+    first = plan_for(body, cache=itemlib.TokenCache(), defer=True)
+    assert not first.settled and first.pending_blobs  # the big tool is counted off the loop
+    first.settle(itemlib.count_pending(*first.pending_texts()))
+    assert first.input_tokens == inline_first.input_tokens
     response = response_object(first.prepared, "resp_1", 0)
     response["output"] = []
     parent = finished(first, response)
-    inline = plan_for({**body, "previous_response_id": "resp_1"}, parent, cache=itemlib.TokenCache())
-    deferred = plan_for({**body, "previous_response_id": "resp_1"}, parent, cache=itemlib.TokenCache(), defer=True)
-    assert not deferred.settled and deferred.pending_blobs  # the big tool is counted off the loop
+    # a continuation resending the same settings takes the parent's count: nothing to count
+    again = {**body, "previous_response_id": "resp_1"}
+    inline = plan_for(again, parent, cache=itemlib.TokenCache())
+    deferred = plan_for(again, parent, cache=itemlib.TokenCache(), defer=True)
+    assert not deferred.pending_blobs
     deferred.settle(itemlib.count_pending(*deferred.pending_texts()))
-    assert (deferred.input_tokens, deferred.cached_tokens) == (inline.input_tokens, inline.cached_tokens)
+    # ... and the numbers of counting them from scratch
+    parent.settings = None  # e.g. a parent loaded from the store
+    scratch = plan_for(again, parent, cache=itemlib.TokenCache(), defer=True)
+    assert scratch.pending_blobs
+    scratch.settle(itemlib.count_pending(*scratch.pending_texts()))
+    for plan in (inline, deferred):
+        assert (plan.input_tokens, plan.cached_tokens) == (scratch.input_tokens, scratch.cached_tokens)
     assert inline.cached_tokens >= 6000
+
+
+def test_settings_sent_differently_are_counted_again() -> None:
+    """The parent's settings count is reused only for the very same instructions and tools: a
+    tool with its keys in another order, or 1 where the parent had 1.0, is counted again (its
+    text, and so perhaps its count, differs), and a changed instruction too."""
+    tool = {"type": "function", "name": "f", "description": "run it", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1.0}}}}
+    body = {"model": "m", "input": "hi", "instructions": "Be brief.", "tools": [tool]}
+    first = plan_for(body)
+    response = response_object(first.prepared, "resp_1", 0)
+    response["output"] = []
+    parent = finished(first, response)
+    assert parent.settings is not None and parent.settings[1] == first.input_tokens - first.context.tokens
+    # the kept JSON counts against the caches' byte budgets
+    from hotloop.state.context import entry_nbytes, response_nbytes
+
+    assert entry_nbytes(parent) == parent.context.nbytes + response_nbytes(response) + len(json.dumps([tool], separators=(",", ":")))
+    same = plan_for({**body, "previous_response_id": "resp_1"}, parent, cache=itemlib.TokenCache(), defer=True)
+    assert not same.pending_blobs
+    same.settle(itemlib.count_pending(*same.pending_texts()))
+    assert same.input_tokens - same.context.tokens == parent.settings[1]
+    reordered = dict(reversed(list(tool.items())))
+    whole = {**tool, "parameters": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1}}}}
+    for changed in ({"tools": [reordered]}, {"tools": [whole]}, {"instructions": "Be very brief."}):
+        plan = plan_for({**body, **changed, "previous_response_id": "resp_1"}, parent, cache=itemlib.TokenCache(), defer=True)
+        assert plan.pending_blobs, changed
 
 
 def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() -> None:

@@ -417,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         help="paired: more `hotloop serve` flags for server B only, one string (e.g. '--flush-interval-ms 5')",
     )
     p.add_argument(
+        "--agent-settings", action="store_true",
+        help="paired: every turn sends 14 KB of instructions and ten tools (29 KB), as a coding agent does",
+    )
+    p.add_argument(
         "--server-env", action="append", default=[], metavar="NAME=VALUE", type=_env_pair,
         help="paired: an environment variable for server B only (repeatable; e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
     )
@@ -469,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             bench_paired(
                 args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens,
-                server_args=shlex.split(args.server_args), server_env=dict(args.server_env),
+                server_args=shlex.split(args.server_args), server_env=dict(args.server_env), agent=args.agent_settings,
             )
         )
     if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server

@@ -58,6 +58,24 @@ TOOL = {
     "strict": True,
 }
 CHAT_TOOL = {"type": "function", "function": {"name": "run", "description": TOOL["description"], "parameters": TOOL["parameters"], "strict": True}}
+SETTINGS: dict[str, Any] = {"tools": [TOOL]}  # what every turn of the loops sends besides its input
+
+
+def agent_settings() -> dict[str, Any]:
+    """Instructions and tools of the size a coding agent resends every turn: about 14 KB of
+    instructions and ten tool definitions, 29 KB of JSON together (``paired --agent-settings``)."""
+    rng = random.Random(7)
+    words = ["You", "are", "a", "coding", "agent.", "Use", "the", "tools", "to", "read,", "change", "and", "test", "code;", "explain", "what", "you", "did."]
+    instructions = " ".join(rng.choice(words) for _ in range(2600))
+    tools = [TOOL]
+    for i in range(9):
+        props = {f"arg{j}": {"type": "string", "description": "What this argument of the tool means, and how it is used. " * 2} for j in range(8)}
+        tools.append({
+            "type": "function", "name": f"tool_{i}", "description": "A tool the agent may call to do one kind of work. " * 6,
+            "parameters": {"type": "object", "properties": props, "required": list(props), "additionalProperties": False},
+            "strict": True,
+        })
+    return {"instructions": instructions, "tools": tools}
 _COMPLETED = ('"' + ev.COMPLETED + '"').encode()  # matched near the start of an event's JSON
 _FAILED = [('"' + t + '"').encode() for t in (ev.ERROR, ev.FAILED)]
 
@@ -215,7 +233,9 @@ def _call_of(response: dict[str, Any]) -> str:
     return str(calls[0]["call_id"])
 
 
-def _ws_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+def _ws_prev(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+) -> None:
     from websockets.sync.client import connect
 
     rng = random.Random(seed)
@@ -223,7 +243,7 @@ def _ws_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tick:
     call_id = ""
     with connect(base.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as ws:
         for i in range(turns):
-            frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "store": False, "tools": [TOOL]}
+            frame: dict[str, Any] = {"type": ev.CLIENT_CREATE, "model": model, "store": False, **settings}
             if prev is None:
                 frame["input"] = "Fix the failing test."
             else:
@@ -253,22 +273,28 @@ def _sse_completed(raw: bytes) -> dict[str, Any]:
     raise RuntimeError(f"no {ev.COMPLETED} in the stream: {raw[-300:]!r}")
 
 
-def _http_full(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
-    _http(base, model, turns, new_bytes, seed, tick, False)
+def _http_full(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+) -> None:
+    _http(base, model, turns, new_bytes, seed, tick, False, settings)
 
 
-def _http_prev(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
-    _http(base, model, turns, new_bytes, seed, tick, True)
+def _http_prev(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+) -> None:
+    _http(base, model, turns, new_bytes, seed, tick, True, settings)
 
 
-def _http_json(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None]) -> None:
+def _http_json(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+) -> None:
     """Chained turns (``previous_response_id``, ``store: true``) as non-streaming JSON requests."""
     rng = random.Random(seed)
     prev: str | None = None
     new: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
     with httpx.Client(base_url=base + "/v1", timeout=120) as client:
         for i in range(turns):
-            body: dict[str, Any] = {"model": model, "tools": [TOOL], "store": True, "input": new}
+            body: dict[str, Any] = {"model": model, **settings, "store": True, "input": new}
             if prev is not None:
                 body["previous_response_id"] = prev
             payload = json.dumps(body).encode()
@@ -282,14 +308,17 @@ def _http_json(base: str, model: str, turns: int, new_bytes: int, seed: int, tic
             new = [{"type": "function_call_output", "call_id": _call_of(response), "output": _output(rng, new_bytes)}]
 
 
-def _http(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], chained: bool) -> None:
+def _http(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], chained: bool,
+    settings: dict[str, Any] = SETTINGS,
+) -> None:
     rng = random.Random(seed)
     history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
     prev: str | None = None
     new: list[dict[str, Any]] = list(history)
     with httpx.Client(base_url=base + "/v1", timeout=120) as client:
         for i in range(turns):
-            body: dict[str, Any] = {"model": model, "tools": [TOOL], "stream": True}
+            body: dict[str, Any] = {"model": model, **settings, "stream": True}
             if chained:
                 body.update(store=True, input=new)
                 if prev is not None:
@@ -406,7 +435,9 @@ class _Stopped(Exception):
 class _Stepper:
     """One of the turn loops in a thread of its own, one turn per :meth:`step`."""
 
-    def __init__(self, loop: Callable[..., None], base: str, model: str, new_bytes: int, seed: int) -> None:
+    def __init__(
+        self, loop: Callable[..., None], base: str, model: str, new_bytes: int, seed: int, settings: dict[str, Any] = SETTINGS
+    ) -> None:
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._stop = False
@@ -423,7 +454,7 @@ class _Stepper:
 
         def run() -> None:
             try:
-                loop(base, model, 1 << 30, new_bytes, seed, tick)
+                loop(base, model, 1 << 30, new_bytes, seed, tick, settings)
             except _Stopped:
                 pass
             except BaseException as exc:  # noqa: BLE001 - reported by step()
@@ -452,9 +483,11 @@ def bench_paired(
     base_path: str | None, server_path: str | None, transport: str = "ws-prev", turns: int = 100,
     new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20, seed: int = 0,
     server_args: list[str] | tuple[str, ...] = (), server_env: dict[str, str] | None = None,
+    agent: bool = False,
 ) -> dict[str, Any]:
     """Server A (``base_path``) against server B (``server_path``, with ``server_args`` and the
-    environment variables ``server_env`` too), turn by turn (module docstring)."""
+    environment variables ``server_env`` too), turn by turn (module docstring). ``agent``: every
+    turn sends :func:`agent_settings` instead of one small tool."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     extra, loop = _LOOPS[transport]
     os.environ.setdefault("CEREBRAS_API_KEY", "bench")
@@ -467,7 +500,7 @@ def bench_paired(
         ]
         steppers = []
         for base, _ in servers:
-            st = _Stepper(loop, base, model, new_bytes, seed)
+            st = _Stepper(loop, base, model, new_bytes, seed, agent_settings() if agent else SETTINGS)
             stack.callback(st.close)
             steppers.append(st)
         for _ in range(5):  # warm-up: connections, caches, the tokenizer
@@ -504,6 +537,7 @@ def bench_paired(
         "turns": turns,
         "server_b_args": list(server_args),
         "server_b_env": dict(server_env or {}),
+        "agent_settings": agent,
         "servers": side,
         "b_over_a_paired_median": round(statistics.median(ratios), 3),
         "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),

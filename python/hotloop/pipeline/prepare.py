@@ -51,7 +51,7 @@ class Plan:
     __slots__ = (
         "prepared", "items", "new_items", "parent", "cached_tokens", "pending", "pending_blobs",
         "_fps", "_toks", "_settings", "_context", "_cache", "_settings_cached", "_sizes", "supplied",
-        "states", "flags", "truncated", "base_kept",
+        "states", "flags", "truncated", "base_kept", "tools_json",
     )
 
     def __init__(
@@ -93,6 +93,7 @@ class Plan:
         # context items the input still holds (None: all; see pipeline.window)
         self.truncated = 0
         self.base_kept: int | None = None
+        self.tools_json: bytes | None = None  # the request's tools as sent (None: not taken; see tools_json())
 
     @property
     def settled(self) -> bool:
@@ -181,6 +182,19 @@ def _resolve_reference(
     return found
 
 
+_encode = msgspec.json.encode
+
+
+def tools_json(p: Prepared) -> bytes | None:
+    """The tool definitions as JSON, as the client sent them (key order and number spelling
+    included): with the instructions, what :func:`settings_tokens` counts, so that the same
+    bytes and the same instructions mean the same count. ``None``: nested too deeply to encode."""
+    try:
+        return _encode(p.tools)
+    except RecursionError:
+        return None
+
+
 def settings_tokens(p: Prepared, cache: itemlib.TokenCache | None) -> tuple[int, list[tuple[bytes, str]]]:
     """Tokens of what the model sees besides items (instructions, tool definitions): the known
     count, and the ``(fingerprint, text)`` of settings still to be counted."""
@@ -238,7 +252,22 @@ def prepare(
             supplied.add(given)
         new.append(_with_id(item, ids))
     fps, toks, missing, sizes = itemlib.split(new, cache)
-    settings, missing_blobs = settings_tokens(p, cache)
+    key = tools_json(p)
+    known = parent.settings if parent is not None else None
+    missing_blobs: list[tuple[bytes, str]]
+    if (
+        key is not None
+        and known is not None
+        and known[0] == key
+        and parent is not None
+        and parent.response.get("instructions") == p.req.instructions
+    ):
+        # the parent's instructions and tools, sent again byte for byte: counted when it ran
+        # (an agent resends a few tens of KB of them every turn)
+        settings, missing_blobs, same = known[1], [], True
+    else:
+        settings, missing_blobs = settings_tokens(p, cache)
+        same = False
     cached = 0
     unchanged = False
     if parent is not None and base is not None:
@@ -246,11 +275,12 @@ def prepare(
         # rendered before it (instructions, tools) when they did not change.
         cached = base.tokens
         prev = parent.response
-        unchanged = prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools
+        unchanged = same or (prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools)
         if unchanged:
             cached += settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
     plan.supplied = frozenset(supplied)
+    plan.tools_json = key
     if not defer or not (plan.pending or plan.pending_blobs):
         plan.settle()
     return plan
@@ -299,4 +329,5 @@ def finished(
         owner,
         plan.supplied,
         plan.states,
+        (plan.tools_json, plan._settings) if plan.tools_json is not None else None,
     )

@@ -142,7 +142,7 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
 def parent_of(p: Prefix) -> CachedResponse:
     """A stand-in parent that holds the reused prefix (never named as the response's parent)."""
     e = p.entry
-    return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states)
+    return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states, e.settings)
 
 
 _INDEX = re.compile(r"input\[(\d+)\]")

@@ -142,9 +142,14 @@ class CachedResponse:
     that created it; ``supplied`` holds the ids of its own items that its client chose (every
     other id of its own items was minted by the server). ``states`` holds the chain's classifier
     states after this response's input (:mod:`hotloop.pipeline.classifiers`; ``None``: none).
+    ``settings`` is its request's tool definitions as JSON, as sent, and the token count of them
+    and its instructions (``None``: not known, e.g. loaded from the store), so that a
+    continuation that sends the same settings again does not count them again.
     """
 
-    __slots__ = ("response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied", "states")
+    __slots__ = (
+        "response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied", "states", "settings",
+    )
 
     def __init__(
         self,
@@ -157,6 +162,7 @@ class CachedResponse:
         owner: str = LEGACY_OWNER,
         supplied: frozenset[str] = frozenset(),
         states: dict[str, Any] | None = None,
+        settings: tuple[bytes, int] | None = None,
     ) -> None:
         self.response = response
         self.context = context
@@ -167,6 +173,7 @@ class CachedResponse:
         self.owner = owner
         self.supplied = supplied
         self.states = states
+        self.settings = settings
 
     def visible(self, scope: str | None) -> bool:
         """Whether a caller of ``scope`` (``None``: every owner) may see this response."""
@@ -194,7 +201,8 @@ def entry_nbytes(entry: CachedResponse) -> int:
 
     Entries of one chain share their item objects, so summing this over a cache's entries
     over-counts what the cache really holds: the safe direction for a bound."""
-    return entry.context.nbytes + response_nbytes(entry.response)
+    settings = entry.settings
+    return entry.context.nbytes + response_nbytes(entry.response) + (len(settings[0]) if settings is not None else 0)
 
 
 class ConnectionCache:
