@@ -58,7 +58,7 @@ def test_settings_sent_differently_are_counted_again() -> None:
 
     assert entry_nbytes(parent) == parent.context.nbytes + response_nbytes(response) + len(json.dumps([tool], separators=(",", ":")))
     same = plan_for({**body, "previous_response_id": "resp_1"}, parent, cache=itemlib.TokenCache(), defer=True)
-    assert not same.pending_blobs
+    assert not same.pending_blobs and same.tools_json is parent.settings[0]  # one copy per chain
     same.settle(itemlib.count_pending(*same.pending_texts()))
     assert same.input_tokens - same.context.tokens == parent.settings[1]
     reordered = dict(reversed(list(tool.items())))

@@ -263,8 +263,8 @@ def prepare(
         and parent.response.get("instructions") == p.req.instructions
     ):
         # the parent's instructions and tools, sent again byte for byte: counted when it ran
-        # (an agent resends a few tens of KB of them every turn)
-        settings, missing_blobs, same = known[1], [], True
+        # (an agent resends a few tens of KB of them every turn); a chain keeps one copy of them
+        settings, missing_blobs, same, key = known[1], [], True, known[0]
     else:
         settings, missing_blobs = settings_tokens(p, cache)
         same = False
