@@ -253,18 +253,15 @@ def prepare(
         new.append(_with_id(item, ids))
     fps, toks, missing, sizes = itemlib.split(new, cache)
     key = tools_json(p)
-    known = parent.settings if parent is not None else None
+    # the parent's instructions, sent again (its tools are compared below)
+    same_instructions = parent is not None and parent.response.get("instructions") == p.req.instructions
+    known = parent.settings if same_instructions and parent is not None else None
     missing_blobs: list[tuple[bytes, str]]
-    if (
-        key is not None
-        and known is not None
-        and known[0] == key
-        and parent is not None
-        and parent.response.get("instructions") == p.req.instructions
-    ):
-        # the parent's instructions and tools, sent again byte for byte: counted when it ran
-        # (an agent resends a few tens of KB of them every turn); a chain keeps one copy of them
-        settings, missing_blobs, same, key = known[1], [], True, known[0]
+    if known is not None and key is not None and known[0] == key:
+        # ... with its tools byte for byte: counted when it ran (an agent resends a few tens of
+        # KB of them every turn); a chain keeps one copy of them
+        settings, missing_blobs, key = known[1], [], known[0]
+        same = True
     else:
         settings, missing_blobs = settings_tokens(p, cache)
         same = False
@@ -274,8 +271,7 @@ def prepare(
         # What a prompt cache would hold: the parent's whole conversation, plus the settings
         # rendered before it (instructions, tools) when they did not change.
         cached = base.tokens
-        prev = parent.response
-        unchanged = same or (prev.get("instructions") == p.req.instructions and prev.get("tools") == p.tools)
+        unchanged = same or (same_instructions and parent.response.get("tools") == p.tools)
         if unchanged:
             cached += settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
