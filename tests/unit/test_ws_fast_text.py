@@ -63,17 +63,9 @@ def _text(s: str) -> bytes:
     return _masked(Opcode.TEXT, s.encode())
 
 
-async def _run(reads: list[bytes], fast: bool) -> tuple[list[Any], list[bytes], bool, int]:
-    """Feed ``reads`` after a handshake: the application's messages, what the server wrote
-    after the handshake, whether it closed, and how many reads websockets parsed."""
-
-    done = asyncio.Event()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await receive()  # websocket.connect
-        await send({"type": "websocket.accept"})
-        await done.wait()  # reads nothing more: messages stay in the queue
-
+async def opened(app: Any, fast: bool = True) -> tuple[CorkedWebSocketProtocol, _Transport]:
+    """The real protocol class on a recording transport, after a handshake ``app`` accepted
+    (what it wrote until then cleared)."""
     cfg = UvicornConfig(app=app, ws=CorkedWebSocketProtocol, ws_max_size=MAX_SIZE, ws_per_message_deflate=False, lifespan="off")
     cfg.load()
     proto = CorkedWebSocketProtocol(config=cfg, server_state=ServerState(), app_state={})
@@ -89,6 +81,21 @@ async def _run(reads: list[bytes], fast: bool) -> tuple[list[Any], list[bytes], 
     await asyncio.sleep(0)
     proto._flush()
     transport.written.clear()
+    return proto, transport
+
+
+async def _run(reads: list[bytes], fast: bool) -> tuple[list[Any], list[bytes], bool, int]:
+    """Feed ``reads`` after a handshake: the application's messages, what the server wrote
+    after the handshake, whether it closed, and how many reads websockets parsed."""
+
+    done = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        await done.wait()  # reads nothing more: messages stay in the queue
+
+    proto, transport = await opened(app, fast)
     parsed = 0
     base = WebSocketsSansIOProtocol.data_received
 

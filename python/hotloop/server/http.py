@@ -489,18 +489,18 @@ class _Held:
 
     def _write(self) -> None:
         self.timer = None
-        self.since = self.loop.time()
-        self._send(self.take())
+        if self.parts:  # else taken since (the timer is not cancelled by a write: see take)
+            self.since = self.loop.time()
+            self._send(self.take())
 
     def _send(self, data: bytes) -> None:
         if not self.send_now(data):
             self.run.emit = None  # the client is slow or gone: the streaming loop takes over
 
     def take(self) -> bytes:
-        """What is held (and no timed write any more)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        """What is held. A pending timed write stays: it finds nothing, or what was held since
+        (and writes that, early); cancelling and creating a timer on every held write cost more
+        than the write's events."""
         data = b"".join(self.parts)
         self.parts.clear()
         return data

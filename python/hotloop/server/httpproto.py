@@ -118,6 +118,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._admitted = False
         self._read_timer: asyncio.TimerHandle | None = None
+        self._reading_since: float | None = None  # when the request being read was due from
         self._rejected_head = b""
         self._gone: tuple[Any, Callable[[], None]] | None = None  # (cycle, ON_DISCONNECT callback)
         self._body_parts: list[bytes] = []  # the request body's reads not yet handed over
@@ -133,7 +134,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._arm()  # the first request's head is due within the read timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._disarm(cancel=True)
         self.limits.release(self.transport)
         if not self._admitted:
             return
@@ -181,14 +182,33 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- read timeout ---------------------------------------------------------------------------
 
-    def _arm(self) -> None:
-        if self._read_timer is None:
-            self._read_timer = self.loop.call_later(self.limits.read_timeout, self._read_timed_out)
+    # One timer per connection, not one per request: a request read in time does not cancel it;
+    # when it fires it finds nothing being read (and is not set again until a request begins),
+    # or the request being read now, which it times out or waits for until that one is due.
+    # Creating and cancelling a timer on every keep-alive request cost more than the check.
 
-    def _disarm(self) -> None:
-        if self._read_timer is not None:
+    def _arm(self) -> None:
+        if self._reading_since is None:  # else the head already due (since the connection opened)
+            self._reading_since = self.loop.time()
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_at(self._reading_since + self.limits.read_timeout, self._read_check)
+
+    def _disarm(self, cancel: bool = False) -> None:
+        self._reading_since = None
+        if cancel and self._read_timer is not None:  # the connection is gone or upgraded
             self._read_timer.cancel()
             self._read_timer = None
+
+    def _read_check(self) -> None:
+        self._read_timer = None
+        since = self._reading_since
+        if since is None:
+            return
+        due = since + self.limits.read_timeout
+        if self.loop.time() < due:
+            self._read_timer = self.loop.call_at(due, self._read_check)
+        else:
+            self._read_timed_out()
 
     def on_message_begin(self) -> None:
         self._body_parts = []
@@ -227,7 +247,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._body_size = 0
 
     def handle_websocket_upgrade(self) -> None:
-        self._disarm()  # the handshake's request arrived in time
+        self._disarm(cancel=True)  # the handshake's request arrived in time
         super().handle_websocket_upgrade()
 
     def _read_timed_out(self) -> None:

@@ -369,10 +369,10 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         extensions[ON_BUSY] = self._on_busy
 
     def _flush(self) -> None:
+        # Whatever was held goes with this write. The hold timer, if any, is left to fire (it
+        # then finds nothing held, or what was held since, and writes that early): cancelling
+        # and creating a timer on each held write cost more than the write's events.
         self._flush_scheduled = False
-        if self._held is not None:  # whatever was held goes with this write
-            self._held.cancel()
-            self._held = None
         if self._cork:
             data = b"".join(self._cork)
             self._cork.clear()
@@ -381,8 +381,9 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _write_held(self) -> None:
         self._held = None
-        self._held_since = self.loop.time()
-        self._flush()
+        if self._cork:  # else written since
+            self._held_since = self.loop.time()
+            self._flush()
 
     def _corked(self, data: list[bytes]) -> None:
         self._cork.extend(data)
@@ -400,7 +401,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         half of ``within`` ago, hold these (at most until ``within`` after that write), so that
         the events of several reads go out in one write (``--flush-interval-ms``). Any other
         write sends what is held first, so the order never changes; at most one interval's
-        events are held.
+        events are held. One timer per connection at a time: a write does not cancel it, and when
+        it fires it writes whatever is held then (at most ``within`` after the write before it).
 
         Raises ``ClientDisconnected`` once the connection is gone or closing. After ``False``
         the caller awaits :meth:`wait_writable` before sending again (back-pressure).
@@ -439,8 +441,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     def _hold(self, within: float) -> None:
         """``send_texts(..., now=True, within=...)``: write the cork now if the last such write
         is at least half of ``within`` old, else when it is ``within`` old. Reads that keep coming
-        write it themselves (no timer fires while a stream flows); the timer, cancelled by any
-        write, catches a stream that stops."""
+        write it themselves; the timer catches a stream that stops (while a stream flows it
+        fires about once per ``within`` and writes what is held then, if anything)."""
         t = self.loop.time()
         if t - self._held_since >= within * 0.5:
             self._held_since = t

@@ -1,0 +1,276 @@
+"""Timers of the write path: held deltas (``--flush-interval-ms``) over WebSocket and SSE, and the
+HTTP request read timeout. A flowing stream or a run of keep-alive requests must not create and
+cancel a timer per write or per request (each cost more than the work it guarded), and no delta
+may be held longer than the interval, nor a request read for longer than the timeout.
+
+Driven through the real protocol classes with a loop whose clock the test moves: timers fire when
+the clock passes them, in order, before the read that comes at the same time (libuv runs due
+timers before it polls for I/O)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+from typing import Any, Callable
+
+import pytest
+
+from hotloop.protocol import events as ev
+from hotloop.server.http import _Held
+from hotloop.server.wsproto import CorkedWebSocketProtocol
+
+from .test_http_cork import Recorder, _connection, _post
+from .test_ws_fast_text import _Transport, opened
+
+WITHIN = 0.010  # the hold interval
+STEP = 0.001  # a read per millisecond (a model at 1,000 tokens/s)
+
+
+class _Handle:
+    def __init__(self, clock: "_Clock", when: float, fn: Callable[[], None]) -> None:
+        self.clock, self.when, self.fn, self.cancelled = clock, when, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.clock.cancels += 1
+
+
+class _Clock:
+    """The parts of a loop the write path uses for time, with a clock the test sets; the rest
+    goes to the running loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.now = 0.0
+        self.created = 0
+        self.cancels = 0
+        self._heap: list[tuple[float, int, _Handle]] = []
+        self._seq = itertools.count()
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> _Handle:
+        self.created += 1
+        h = _Handle(self, when, fn)
+        heapq.heappush(self._heap, (when, next(self._seq), h))
+        return h
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> _Handle:
+        return self.call_at(self.now + delay, fn)
+
+    def advance(self, to: float) -> None:
+        """Move the clock to ``to``, running each timer due by then at its own time."""
+        while self._heap and self._heap[0][0] <= to:
+            when, _, h = heapq.heappop(self._heap)
+            if not h.cancelled:
+                self.now = max(self.now, when)
+                h.fn()
+        self.now = to
+
+    def pending(self) -> int:
+        return sum(1 for _, _, h in self._heap if not h.cancelled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+def _delta(i: int) -> tuple[str, bytes]:
+    return ev.OUTPUT_TEXT_DELTA, b'{"type":"response.output_text.delta","n":%d}' % i
+
+
+def _stream(send: Callable[[int], None], clock: _Clock, n: int, written: Callable[[], list[bytes]]) -> dict[int, float]:
+    """``n`` reads a millisecond apart, then a pause: when each delta was written (the clock's
+    time at the write that carried it)."""
+    seen: dict[int, float] = {}
+
+    def note() -> None:
+        for w in written():
+            for part in w.split(b'"n":')[1:]:
+                seen.setdefault(int(part.split(b"}")[0]), clock.now)
+
+    for i in range(n):
+        clock.advance(i * STEP)
+        note()
+        send(i)
+        note()
+    for k in range(1, 30):  # the stream pauses: what is held goes out on the timer
+        clock.advance((n - 1) * STEP + k * STEP)
+        note()
+    return seen
+
+
+def _check(seen: dict[int, float], n: int, clock: _Clock) -> None:
+    assert sorted(seen) == list(range(n))  # every delta, once
+    late = {i: round(t - i * STEP, 6) for i, t in seen.items() if t - i * STEP > WITHIN + 1e-9}
+    assert not late, f"held longer than the interval: {late}"
+    # a timer per interval at most, none cancelled, none left behind
+    assert clock.created <= n * STEP / WITHIN + 2, clock.created
+    assert clock.cancels == 0
+    assert clock.pending() == 0
+
+
+async def _ws_protocol(done: asyncio.Event) -> tuple[CorkedWebSocketProtocol, _Transport]:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "websocket.accept"})
+        await done.wait()
+
+    return await opened(app)
+
+
+def _sse(clock: _Clock) -> tuple[_Held, list[bytes]]:
+    """SSE push delivery with held deltas on ``clock``; what it sends is appended to the list."""
+    sent: list[bytes] = []
+
+    class _Run:
+        emit: Any = None
+
+    held = _Held(_Run(), lambda data: sent.append(data) or True, WITHIN)
+    held.loop = clock  # type: ignore[assignment]
+    return held, sent
+
+
+@pytest.mark.parametrize("n", [1, 3, 40, 200])
+def test_websocket_held_deltas_use_one_timer_per_interval(n: int) -> None:
+    async def main() -> None:
+        done = asyncio.Event()
+        proto, transport = await _ws_protocol(done)
+        clock = _Clock(asyncio.get_running_loop())
+        proto.loop = clock  # type: ignore[assignment]
+        proto._held_since = -1.0  # the stream's first write goes out at once
+
+        def send(i: int) -> None:
+            assert proto.send_texts([_delta(i)], True, WITHIN)
+
+        def written() -> list[bytes]:
+            out = list(transport.written)
+            transport.written.clear()
+            return out
+
+        seen = _stream(send, clock, n, written)
+        _check(seen, n, clock)
+        done.set()
+        await asyncio.gather(*proto.tasks, return_exceptions=True)
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [1, 3, 40, 200])
+def test_sse_held_deltas_use_one_timer_per_interval(n: int) -> None:
+    async def main() -> None:
+        clock = _Clock(asyncio.get_running_loop())
+        held, sent = _sse(clock)
+        held.since = -1.0
+
+        def written() -> list[bytes]:
+            out = list(sent)
+            sent.clear()
+            return out
+
+        seen = _stream(lambda i: held([_delta(i)]), clock, n, written)
+        _check(seen, n, clock)
+        assert held.take() == b""  # nothing left held
+
+    asyncio.run(main())
+
+
+def test_sse_deltas_taken_by_the_stream_are_not_written_again_by_the_timer() -> None:
+    async def main() -> None:
+        clock = _Clock(asyncio.get_running_loop())
+        held, sent = _sse(clock)
+        held([_delta(0)])  # written at once (since 0.0 is "long ago" only after WITHIN / 2)
+        clock.advance(0.001)
+        held([_delta(1)])  # held, with a timer
+        taken = held.take()  # the streaming loop writes it before its own batch
+        assert b'"n":1' in taken
+        before = list(sent)
+        clock.advance(0.05)  # the timer fires: nothing is held, nothing is written
+        assert sent == before and clock.pending() == 0
+
+    asyncio.run(main())
+
+
+def test_keep_alive_requests_share_one_read_timer(tmp_path: Any) -> None:
+    """Three requests on one connection, each read in time: one read-timeout timer (the
+    connection's), not one created and cancelled per request."""
+    from hotloop.config import Config
+    from hotloop.server.runner import make_app
+
+    async def main() -> None:
+        config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+        app = make_app(config)
+        await app.startup()
+        loop = asyncio.get_running_loop()
+        made: list[Any] = []
+        real_call_at = loop.call_at
+
+        class _Counting:
+            def call_at(self, when: float, fn: Any, *args: Any) -> Any:
+                h = real_call_at(when, fn, *args)
+                if getattr(fn, "__name__", "").startswith("_read_"):  # the read timeout's
+                    made.append(h)
+                return h
+
+            def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+                return self.call_at(loop.time() + delay, fn, *args)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loop, name)
+
+        try:
+            proto, transport = _connection(app, config)
+            proto.loop = _Counting()
+            for i in range(3):
+                n = len(transport.writes)
+                proto.data_received(_post({"model": "hotloop-sim", "input": f"hi {i}"}))
+                for _ in range(500):
+                    if len(transport.writes) > n:
+                        break
+                    await asyncio.sleep(0.01)
+                head, _, body = transport.writes[-1].partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "completed"
+            # the connection's timer (set when it opened) served all three: none made since
+            assert made == [] and proto._read_timer is not None and not proto._read_timer.cancelled()
+            proto.connection_lost(None)
+            assert proto._read_timer is None
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_request_still_being_read_when_the_timer_fires_is_timed_out_at_its_own_deadline(tmp_path: Any) -> None:
+    """The connection's timer was set for an earlier request; the request being read when it
+    fires gets the whole timeout from its own first byte, then the 408 and the close."""
+    from hotloop.config import Config
+    from hotloop.server.runner import make_app
+
+    async def main() -> None:
+        config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+        app = make_app(config)
+        await app.startup()
+        try:
+            proto, transport = _connection(app, config)
+            clock = _Clock(asyncio.get_running_loop())
+            proto.loop = clock
+            proto._reading_since = None
+            proto._read_timer = None
+            timeout = proto.limits.read_timeout
+            proto.on_message_begin()  # a request's first byte at 0: the timer is due at `timeout`
+            proto._disarm()  # ... read in time
+            clock.advance(timeout / 2)
+            proto.on_message_begin()  # the next request begins; the timer from the first stays
+            assert clock.created == 1
+            clock.advance(timeout)  # the timer fires: this request is due at 1.5 * timeout
+            assert not transport.closed and clock.pending() == 1
+            clock.advance(timeout * 1.5)
+            assert transport.closed
+            assert transport.writes and transport.writes[-1].startswith(b"HTTP/1.1 408")
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())
