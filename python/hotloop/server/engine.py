@@ -617,6 +617,9 @@ class Run:
         # wake-up of this run's task; everything else goes through :meth:`frames`.
         self.push_slot: PushSlot | None = None
         self._emit: Callable[[list[Frame]], None] | None = None
+        # The client's send for a batch of deltas alone, if it has one quicker than ``emit``: what
+        # the open item's lane is given (set with ``emit``, and used only while ``emit`` is set).
+        self.emit_deltas: Callable[[list[Frame]], None] | None = None
 
     def _uncut(self) -> bool:
         """A backend that turned the steering cancellation into an error of its own: take the
@@ -703,7 +706,8 @@ class Run:
         if emit is not None and slot.fn is not None and self._abort is None and not self._steered:
             lane = self.turn.lane()
             if lane is not None:
-                lane.emit = emit
+                deltas = self.emit_deltas
+                lane.emit = emit if deltas is None else deltas
         old = slot.lane
         if old is not None and old is not lane:
             old.emit = None  # no cycle through the client's closure

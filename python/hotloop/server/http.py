@@ -321,6 +321,8 @@ class HttpTransport:
         ended = False
         try:
             async with contextlib.aclosing(run.frames()) as frames:
+                if held is not None:
+                    run.emit_deltas = held.deltas
                 run.emit = emit
                 async for batch in frames:
                     body = b"".join([sse(f) for f in batch])
@@ -337,7 +339,8 @@ class HttpTransport:
                         corked = None
                     run.emit = emit
         finally:
-            run.emit = None  # no cycle through the closure
+            run.emit = None  # no cycle through the closures
+            run.emit_deltas = None
             if held is not None:
                 held.take()  # nothing is written after the stream's end
             conns["sse"] -= 1
@@ -475,11 +478,17 @@ class _Held:
         self.since = 0.0  # the loop time of the last write made here
 
     def __call__(self, batch: list[Frame]) -> None:
-        sse = ev.sse
-        self.parts.append(b"".join([sse(f) for f in batch]))
         if not ev.only_deltas(batch):  # an item's start or end goes out at once, after what is held
+            sse = ev.sse
+            self.parts.append(b"".join([sse(f) for f in batch]))
             self._send(self.take())
             return
+        self.deltas(batch)
+
+    def deltas(self, batch: list[Frame]) -> None:
+        """A batch of deltas alone (the open item's lane: Run.emit_deltas)."""
+        sse = ev.sse
+        self.parts.append(b"".join([sse(f) for f in batch]))
         t = self.loop.time()
         if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol._hold
             self.since = t

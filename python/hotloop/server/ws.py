@@ -22,7 +22,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
-from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
+from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_DELTAS, SEND_TEXTS, WAIT_WRITABLE
 from hotloop.state.context import ConnectionCache
 from hotloop.tenants import ANONYMOUS, Tenant
 
@@ -77,6 +77,7 @@ class Connection:
         "app",
         "_send",
         "_send_texts",
+        "_send_deltas",
         "_wait_writable",
         "opened_at",
         "session",
@@ -96,6 +97,7 @@ class Connection:
         self._send = send
         ext = extensions or {}
         self._send_texts: Callable[..., bool] | None = ext.get(SEND_TEXTS)
+        self._send_deltas: Callable[[list[Frame], float], bool] | None = ext.get(SEND_DELTAS)
         self._wait_writable: Callable[[], Awaitable[None]] | None = ext.get(WAIT_WRITABLE)
         on_gone = ext.get(ON_CLIENT_GONE)
         if on_gone is not None:  # the server says at once when the client leaves, read or not
@@ -375,6 +377,23 @@ class Connection:
                         pass
                     run.emit = None
 
+                send_deltas = self._send_deltas
+                if send_deltas is not None and not suffix:
+
+                    def emit_deltas(batch: list[Frame]) -> None:
+                        """``emit`` for a read of the open item's lane (Run.emit_deltas):
+                        deltas only, so nothing to check before holding them."""
+                        nonlocal pushed
+                        hold = within if pushed else 0.0
+                        pushed = True
+                        try:
+                            if send_deltas(batch, hold):
+                                return
+                        except ClientDisconnected:
+                            pass
+                        run.emit = None
+
+                    run.emit_deltas = emit_deltas
                 run.emit = emit
                 n = 0
                 try:
@@ -405,7 +424,8 @@ class Connection:
                             # then (a steer, another lane's request).
                             await asyncio.sleep(0)
                 finally:
-                    run.emit = None  # no cycle through the closure
+                    run.emit = None  # no cycle through the closures
+                    run.emit_deltas = None
             else:
                 send = self._send
                 async for batch in frames:
