@@ -10,10 +10,11 @@ timers before it polls for I/O)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import json
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import pytest
 
@@ -41,8 +42,9 @@ class _Clock:
     """The parts of a loop the write path uses for time, with a clock the test sets; the rest
     goes to the running loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, early: float = 0.0) -> None:
         self._loop = loop
+        self.early = early  # timers fire this much before they are due (uvloop: up to 1 ms)
         self.now = 0.0
         self.created = 0
         self.cancels = 0
@@ -63,10 +65,11 @@ class _Clock:
 
     def advance(self, to: float) -> None:
         """Move the clock to ``to``, running each timer due by then at its own time."""
-        while self._heap and self._heap[0][0] <= to:
+        while self._heap and self._heap[0][0] - self.early <= to:
             when, _, h = heapq.heappop(self._heap)
+            assert self.created < 10_000, "timers keep setting themselves again (a spin)"
             if not h.cancelled:
-                self.now = max(self.now, when)
+                self.now = max(self.now, when - self.early)
                 h.fn()
         self.now = to
 
@@ -75,6 +78,27 @@ class _Clock:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loop, name)
+
+
+@contextlib.asynccontextmanager
+async def _clocked_connection(tmp_path: Any, early: float = 0.0) -> AsyncIterator[tuple[Any, Recorder, _Clock]]:
+    """hotloop's HTTP protocol for one connection of the real app, its read timer on a
+    :class:`_Clock` (none set yet)."""
+    from hotloop.config import Config
+    from hotloop.server.runner import make_app
+
+    config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+    app = make_app(config)
+    await app.startup()
+    try:
+        proto, transport = _connection(app, config)
+        clock = _Clock(asyncio.get_running_loop(), early=early)
+        proto.loop = clock
+        proto._reading_since = None
+        proto._read_timer = None
+        yield proto, transport, clock
+    finally:
+        await app.shutdown()
 
 
 def _delta(i: int) -> tuple[str, bytes]:
@@ -246,19 +270,9 @@ def test_keep_alive_requests_share_one_read_timer(tmp_path: Any) -> None:
 def test_a_request_still_being_read_when_the_timer_fires_is_timed_out_at_its_own_deadline(tmp_path: Any) -> None:
     """The connection's timer was set for an earlier request; the request being read when it
     fires gets the whole timeout from its own first byte, then the 408 and the close."""
-    from hotloop.config import Config
-    from hotloop.server.runner import make_app
 
     async def main() -> None:
-        config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
-        app = make_app(config)
-        await app.startup()
-        try:
-            proto, transport = _connection(app, config)
-            clock = _Clock(asyncio.get_running_loop())
-            proto.loop = clock
-            proto._reading_since = None
-            proto._read_timer = None
+        async with _clocked_connection(tmp_path) as (proto, transport, clock):
             timeout = proto.limits.read_timeout
             proto.on_message_begin()  # a request's first byte at 0: the timer is due at `timeout`
             proto._disarm()  # ... read in time
@@ -270,8 +284,6 @@ def test_a_request_still_being_read_when_the_timer_fires_is_timed_out_at_its_own
             clock.advance(timeout * 1.5)
             assert transport.closed
             assert transport.writes and transport.writes[-1].startswith(b"HTTP/1.1 408")
-        finally:
-            await app.shutdown()
 
     asyncio.run(main())
 
@@ -351,5 +363,51 @@ def test_sse_deltas_is_the_call_for_a_batch_of_deltas() -> None:
             clock.advance(1.0)
             sent.append(out)
         assert sent[0] == sent[1] and len(sent[0]) > 1
+
+    asyncio.run(main())
+
+
+def test_a_read_timer_that_fires_early_times_out_without_spinning(tmp_path: Any) -> None:
+    """uvloop may fire a timer up to 1 ms before it is due; the read timer must then time out,
+    not set itself again for a time already that close (it would fire at once, over and over)."""
+
+    async def main() -> None:
+        async with _clocked_connection(tmp_path, early=0.0009) as (proto, transport, clock):
+            timeout = proto.limits.read_timeout
+            proto.on_message_begin()  # a request's first byte at 0, never completed
+            clock.advance(timeout - 0.0005)  # the timer fires, early
+            assert transport.closed and clock.created == 1
+            assert transport.writes and transport.writes[-1].startswith(b"HTTP/1.1 408")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("early", [0.0, 0.0009])
+def test_the_backend_idle_watchdog_expires_once_without_spinning(early: float) -> None:
+    """The backend idle timeout (engine._Watchdog): silent for ``idle`` while the run waits on
+    the backend, it expires its scope once, from one timer, even when the timer fires early; a
+    chunk in the meantime puts the deadline after it."""
+    from hotloop.server.engine import _Watchdog
+
+    class _Scope:
+        def __init__(self) -> None:
+            self.expired: list[float] = []
+
+        def reschedule(self, when: float) -> None:
+            self.expired.append(when)
+
+    async def main() -> None:
+        clock = _Clock(asyncio.get_running_loop(), early=early)
+        watch = _Watchdog(clock, 1.0)  # type: ignore[arg-type]
+        scope = _Scope()
+        watch.arm(scope)  # type: ignore[arg-type]
+        watch.since = 0.0  # waiting on the backend from 0
+        clock.advance(0.5)
+        watch.since = 0.5  # a chunk at 0.5, and waiting again: due at 1.5
+        clock.advance(1.2)
+        assert scope.expired == []  # the timer set for 1.0 moved to 1.5
+        clock.advance(1.6)
+        assert len(scope.expired) == 1 and clock.created == 2
+        assert scope.expired[0] >= 1.5 - early
 
     asyncio.run(main())

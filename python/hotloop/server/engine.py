@@ -531,7 +531,7 @@ class _Watchdog:
     the backend await (time spent sending to a slow client never counts as backend silence).
     """
 
-    __slots__ = ("loop", "idle", "since", "progress", "_scope", "_handle")
+    __slots__ = ("loop", "idle", "since", "progress", "_scope", "_handle", "_due")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
         self.loop = loop
@@ -542,23 +542,30 @@ class _Watchdog:
         self.progress: Callable[[], float] | None = None
         self._scope: asyncio.Timeout | None = None
         self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0  # the time the timer was set for
 
     def arm(self, scope: asyncio.Timeout) -> None:
         self._scope = scope
-        self._handle = self.loop.call_at(self.loop.time() + self.idle, self._check)
+        self._set(self.loop.time() + self.idle)
+
+    def _set(self, due: float) -> None:
+        self._due = due
+        self._handle = self.loop.call_at(due, self._check)
 
     def _check(self) -> None:
-        now = self.loop.time()
         since = self.since
         if since is not None and self.progress is not None:
             last = self.progress()
             if last > since:
                 since = self.since = last
-        if since is not None and now - since >= self.idle and self._scope is not None:
-            self._scope.reschedule(now)
+        # Silent for ``idle`` by the time the timer was set for, or by now if it fires late:
+        # expired. Not by the clock alone: uvloop may fire a timer up to 1 ms early, and setting
+        # it again for a time already this close would fire at once, again and again.
+        if since is not None and since + self.idle <= max(self._due, self.loop.time()) and self._scope is not None:
+            self._scope.reschedule(self.loop.time())
             self._handle = None
             return
-        self._handle = self.loop.call_at((since if since is not None else now) + self.idle, self._check)
+        self._set((since if since is not None else self.loop.time()) + self.idle)
 
     def disarm(self) -> None:
         if self._handle is not None:

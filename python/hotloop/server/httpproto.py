@@ -119,6 +119,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._admitted = False
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading_since: float | None = None  # when the request being read was due from
+        self._read_due = 0.0  # the time the read timer was set for
         self._rejected_head = b""
         self._gone: tuple[Any, Callable[[], None]] | None = None  # (cycle, ON_DISCONNECT callback)
         self._body_parts: list[bytes] = []  # the request body's reads not yet handed over
@@ -191,7 +192,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._reading_since is None:  # else the head already due (since the connection opened)
             self._reading_since = self.loop.time()
         if self._read_timer is None:
-            self._read_timer = self.loop.call_at(self._reading_since + self.limits.read_timeout, self._read_check)
+            self._set_read_timer(self._reading_since + self.limits.read_timeout)
+
+    def _set_read_timer(self, due: float) -> None:
+        self._read_due = due
+        self._read_timer = self.loop.call_at(due, self._read_check)
 
     def _disarm(self, cancel: bool = False) -> None:
         self._reading_since = None
@@ -205,8 +210,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if since is None:
             return
         due = since + self.limits.read_timeout
-        if self.loop.time() < due:
-            self._read_timer = self.loop.call_at(due, self._read_check)
+        # Set for an earlier request: wait for this one's own deadline. Compared with the time
+        # the timer was set for (or the clock, if it fires late), not with the clock alone:
+        # uvloop rounds a timer's delay down to whole milliseconds, so a timer may fire up to
+        # 1 ms early, and setting it again for a time already this close would fire at once,
+        # again and again, until the clock got there.
+        if due > max(self._read_due, self.loop.time()):
+            self._set_read_timer(due)
         else:
             self._read_timed_out()
 
