@@ -288,69 +288,6 @@ def test_a_request_still_being_read_when_the_timer_fires_is_timed_out_at_its_own
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("within", [0.0, WITHIN])
-def test_websocket_send_deltas_writes_what_send_texts_writes(within: float) -> None:
-    """The lane's quick send (``send_deltas``) against the general one: the same bytes in the
-    same writes at the same times, batches of one and of several deltas, with a pause."""
-
-    async def main() -> list[list[tuple[float, bytes]]]:
-        out = []
-        for quick in (False, True):
-            done = asyncio.Event()
-            proto, transport = await _ws_protocol(done)
-            clock = _Clock(asyncio.get_running_loop())
-            proto.loop = clock  # type: ignore[assignment]
-            writes: list[tuple[float, bytes]] = []
-            general_calls = 0
-            if quick:
-                general = proto.send_texts
-
-                def counted(*args: Any) -> bool:
-                    nonlocal general_calls
-                    general_calls += 1
-                    return general(*args)
-
-                proto.send_texts = counted  # type: ignore[method-assign]
-            t = 0.0
-            for i in range(60):
-                t += STEP if i != 30 else 0.05  # a pause halfway
-                clock.advance(t)
-                batch = [_delta(i)] if i % 7 else [_delta(i), _delta(1000 + i)]
-                if quick:
-                    assert proto.send_deltas(batch, within)
-                else:
-                    assert proto.send_texts(batch, True, within)
-                writes += [(clock.now, w) for w in transport.written]
-                transport.written.clear()
-            clock.advance(t + 1.0)
-            writes += [(clock.now, w) for w in transport.written]
-            out.append(writes)
-            assert general_calls == (60 if quick and not within else 0)  # the quick path, when holding
-            done.set()
-            await asyncio.gather(*proto.tasks, return_exceptions=True)
-            proto.connection_lost(None)
-        return out
-
-    general, quick = asyncio.run(main())
-    assert quick == general and len(general) > 1
-
-
-def test_websocket_send_deltas_on_a_closing_connection_raises_as_send_texts_does() -> None:
-    from uvicorn.protocols.utils import ClientDisconnected
-
-    async def main() -> None:
-        done = asyncio.Event()
-        proto, transport = await _ws_protocol(done)
-        done.set()
-        await asyncio.gather(*proto.tasks, return_exceptions=True)
-        proto.connection_lost(None)
-        with pytest.raises(ClientDisconnected):
-            proto.send_deltas([_delta(0)], WITHIN)
-        assert transport.written == []
-
-    asyncio.run(main())
-
-
 def test_sse_deltas_is_the_call_for_a_batch_of_deltas() -> None:
     async def main() -> None:
         sent = []

@@ -490,7 +490,7 @@ class _Held:
         sse = ev.sse
         self.parts.append(b"".join([sse(f) for f in batch]))
         t = self.loop.time()
-        if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol._hold
+        if t - self.since >= self.within * 0.5:  # as CorkedWebSocketProtocol.send_texts
             self.since = t
             self._send(self.take())
         elif self.timer is None:

@@ -22,7 +22,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
-from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_DELTAS, SEND_TEXTS, WAIT_WRITABLE
+from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
 from hotloop.state.context import ConnectionCache
 from hotloop.tenants import ANONYMOUS, Tenant
 
@@ -77,7 +77,6 @@ class Connection:
         "app",
         "_send",
         "_send_texts",
-        "_send_deltas",
         "_wait_writable",
         "opened_at",
         "session",
@@ -97,7 +96,6 @@ class Connection:
         self._send = send
         ext = extensions or {}
         self._send_texts: Callable[..., bool] | None = ext.get(SEND_TEXTS)
-        self._send_deltas: Callable[[list[Frame], float], bool] | None = ext.get(SEND_DELTAS)
         self._wait_writable: Callable[[], Awaitable[None]] | None = ext.get(WAIT_WRITABLE)
         on_gone = ext.get(ON_CLIENT_GONE)
         if on_gone is not None:  # the server says at once when the client leaves, read or not
@@ -377,8 +375,7 @@ class Connection:
                         pass
                     run.emit = None
 
-                send_deltas = self._send_deltas
-                if send_deltas is not None and not suffix:
+                if not suffix:
 
                     def emit_deltas(batch: list[Frame]) -> None:
                         """``emit`` for a read of the open item's lane (Run.emit_deltas):
@@ -387,7 +384,7 @@ class Connection:
                         hold = within if pushed else 0.0
                         pushed = True
                         try:
-                            if send_deltas(batch, hold):
+                            if send_texts(batch, True, hold):
                                 return
                         except ClientDisconnected:
                             pass

@@ -60,10 +60,6 @@ from websockets.streams import StreamReader
 SEND_TEXTS = "hotloop.websocket.send_texts"
 """Scope extension: ``send_texts(events: list[tuple[str, bytes]]) -> bool``; see
 :meth:`CorkedWebSocketProtocol.send_texts`. With it comes :data:`WAIT_WRITABLE`."""
-SEND_DELTAS = "hotloop.websocket.send_deltas"
-"""Scope extension: ``send_deltas(events, within) -> bool``, ``send_texts(events, True, within)``
-for a batch that holds only deltas (a backend read's lane); see
-:meth:`CorkedWebSocketProtocol.send_deltas`."""
 WAIT_WRITABLE = "hotloop.websocket.wait_writable"
 """Scope extension: ``async wait_writable()``, returns once the client may be sent more, raises
 ``ClientDisconnected`` if it has gone."""
@@ -368,7 +364,6 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         event.headers.clear()  # the scope holds its own copy; the parser's frame keeps the request
         extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
         extensions[SEND_TEXTS] = self.send_texts
-        extensions[SEND_DELTAS] = self.send_deltas
         extensions[WAIT_WRITABLE] = self.wait_writable
         extensions[ON_CLIENT_GONE] = self._on_client_gone
         extensions[ON_BUSY] = self._on_busy
@@ -426,7 +421,17 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 cork.append(p)
             if now:
                 if within:
-                    self._hold(within)
+                    # Held: written now if the last such write is at least half of ``within``
+                    # old, else when it is ``within`` old. Reads that keep coming write it
+                    # themselves; the timer catches a stream that stops (while a stream flows it
+                    # fires about once per ``within`` and writes what is held then, if anything).
+                    # Inline, not a method: once per streamed token.
+                    t = self.loop.time()
+                    if t - self._held_since >= within * 0.5:
+                        self._held_since = t
+                        self._flush()
+                    elif self._held is None and not self._flush_scheduled:  # else a write is coming anyway
+                        self._held = self.loop.call_at(self._held_since + within, self._write_held)
                 else:
                     self._flush()
             elif not self._flush_scheduled:
@@ -442,49 +447,6 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             if now:
                 self._flush()
         return self._writable._set
-
-    def send_deltas(self, events: list[tuple[Any, bytes]], within: float) -> bool:
-        """``send_texts(events, True, within)`` for a batch of deltas from a backend read's
-        callback (once per streamed token): the same bytes and writes in fewer steps; anything
-        unusual (the connection closing, an extension, frames websockets queued itself) goes
-        through :meth:`send_texts`."""
-        conn = self.conn
-        if (
-            self.disconnected or self.close_sent or not within or conn.writes or conn.state is not _OPEN
-            or conn.extensions or conn.debug or conn.expect_continuation_frame or not self.handshake_complete
-            or self.initial_response is not None
-        ):
-            return self.send_texts(events, True, within)
-        cork = self._cork
-        headers = _HEADERS
-        for _, p in events:
-            n = len(p)
-            cork.append(headers[n] if n < _NHEADERS else frame_header(n))
-            cork.append(p)
-        loop = self.loop
-        t = loop.time()
-        if t - self._held_since >= within * 0.5:  # as _hold
-            self._held_since = t
-            self._flush_scheduled = False
-            data = b"".join(cork)
-            cork.clear()
-            if not self.transport.is_closing():
-                self.transport.write(data)
-        elif self._held is None and not self._flush_scheduled:
-            self._held = loop.call_at(self._held_since + within, self._write_held)
-        return self._writable._set
-
-    def _hold(self, within: float) -> None:
-        """``send_texts(..., now=True, within=...)``: write the cork now if the last such write
-        is at least half of ``within`` old, else when it is ``within`` old. Reads that keep coming
-        write it themselves; the timer catches a stream that stops (while a stream flows it
-        fires about once per ``within`` and writes what is held then, if anything)."""
-        t = self.loop.time()
-        if t - self._held_since >= within * 0.5:
-            self._held_since = t
-            self._flush()
-        elif self._held is None and not self._flush_scheduled:  # else a write is coming anyway
-            self._held = self.loop.call_at(self._held_since + within, self._write_held)
 
     async def wait_writable(self) -> None:
         await self.writable.wait()
