@@ -70,14 +70,23 @@ async def _until_written(transport: Recorder, end: bytes) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _serve(request: bytes, done: bytes, tmp_path: Any) -> list[bytes]:
-    config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+async def _serve(request: bytes, done: bytes | None, tmp_path: Any, access_log: bool = False) -> list[bytes]:
+    """What the connection writes for ``request`` until it writes ``done`` at the end of a write
+    (``None``: until it closes), and a little longer."""
+    config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path), access_log=access_log)
     app = make_app(config)
     await app.startup()
     try:
         proto, transport = _connection(app, config)
+        assert proto.access_log is access_log
         proto.data_received(request)
-        await _until_written(transport, done)
+        if done is not None:
+            await _until_written(transport, done)
+        for _ in range(500 if done is None else 0):
+            if transport.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert done is not None or transport.closed, "the connection was not closed"
         await asyncio.sleep(0.05)  # anything written after the end would show
         proto.connection_lost(None)
         return transport.writes
@@ -90,6 +99,52 @@ def test_a_json_response_is_one_write(tmp_path: Any) -> None:
     assert len(writes) == 1, writes
     head, _, body = writes[0].partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "completed"
+
+
+def _head(write: bytes) -> tuple[bytes, list[bytes], bytes]:
+    """A response's status line, its header names in order, and its body."""
+    head, _, body = write.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    return status, [line.split(b":", 1)[0] for line in lines], body
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/models/nope"])
+def test_a_response_written_in_one_call_is_what_uvicorns_send_writes(tmp_path: Any, path: str) -> None:
+    """The one-call answer (hotloop.http.respond) against uvicorn's send, which answers when
+    its access log is on: the same status line, headers in the same order, the same body."""
+    request = (
+        _post({"model": "hotloop-sim", "input": "hi", "metadata": {"sim": "text,tokens:5"}})
+        if path == "/v1/responses"
+        else b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path.encode()
+    )
+
+    def answer(access_log: bool) -> bytes:
+        writes = asyncio.run(_serve(request, b"}", tmp_path, access_log))
+        assert len(writes) == 1
+        return writes[0]
+
+    fast, uvicorns = answer(False), answer(True)
+    (s1, h1, b1), (s2, h2, b2) = _head(fast), _head(uvicorns)
+    assert s1 == s2 and h1 == h2 and b"content-length" in h1
+    if path == "/v1/responses":
+        r1, r2 = json.loads(b1), json.loads(b2)
+        assert r1["status"] == r2["status"] == "completed" and sorted(r1) == sorted(r2)
+        assert [it["type"] for it in r1["output"]] == [it["type"] for it in r2["output"]] == ["message"]
+    else:
+        assert b1 == b2 and json.loads(b1)["error"]["code"] == "model_not_found"
+
+
+def test_a_response_written_in_one_call_closes_a_connection_that_asked_and_starts_the_next(tmp_path: Any) -> None:
+    """Two pipelined requests, the second with ``connection: close``: both answered in order
+    (the first's answer starts the second), the second says ``connection: close`` and closes
+    the connection (which ends ``_serve``'s wait; it gives up after 5 s)."""
+    two = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\nGET /v1/models/nope HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+
+    writes = asyncio.run(_serve(two, None, tmp_path))
+    assert len(writes) == 2
+    (s1, h1, b1), (s2, h2, b2) = _head(writes[0]), _head(writes[1])
+    assert s1.startswith(b"HTTP/1.1 200") and json.loads(b1)["object"] == "list" and b"connection" not in h1
+    assert s2.startswith(b"HTTP/1.1 404") and h2[-1] == b"connection" and writes[1].count(b"connection: close") == 1
 
 
 @pytest.mark.parametrize("error", [False, True])

@@ -24,7 +24,7 @@ from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
-from hotloop.server.httpproto import CORK, ON_DISCONNECT, SEND_NOW
+from hotloop.server.httpproto import CORK, ON_DISCONNECT, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
@@ -72,6 +72,8 @@ class HttpTransport:
             ] + (headers or [])
             if tenant is not None:
                 hdrs += self.app.tenancy.headers(tenant)  # the caller's rate limits, if any
+            if respond_now is not None and respond_now(status, hdrs, body):
+                return  # head and body in one write, no awaits
             if cork is not None:
                 cork(True)  # head and body in one write
             try:
@@ -81,7 +83,9 @@ class HttpTransport:
                 if cork is not None:
                     cork(False)
 
-        cork: Callable[[bool], None] | None = scope.get("extensions", {}).get(CORK)
+        extensions = scope.get("extensions", {})
+        cork: Callable[[bool], None] | None = extensions.get(CORK)
+        respond_now: Callable[[int, list[tuple[bytes, bytes]], bytes], bool] | None = extensions.get(RESPOND)
         try:
             path = scope["path"].rstrip("/")
             if path not in _PUBLIC and not (path == "/metrics" and self.app.config.metrics_public):

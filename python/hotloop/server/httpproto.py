@@ -17,7 +17,8 @@ answer. A WebSocket handshake is a request head like any other; once upgraded, t
 belongs to :class:`~hotloop.server.wsproto.CorkedWebSocketProtocol`.
 
 Relies on ``HttpToolsProtocol`` internals (``connections``, ``transport``, ``cycle``, ``parser``,
-``server_state``, ``logger``, the parser callbacks and ``handle_websocket_upgrade``): the uvicorn
+``server_state``, ``logger``, the parser callbacks and ``handle_websocket_upgrade``) and, for the
+scope extensions below, on ``RequestResponseCycle``'s response state and ``STATUS_LINE``: the uvicorn
 version range is pinned in ``pyproject.toml`` and the integration tests run through this class.
 """
 
@@ -28,7 +29,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from hotloop import errors
 from hotloop.protocol import events as ev
@@ -56,6 +57,14 @@ pieces, :data:`SEND_NOW` writes) and ``cork(False)`` writes what was held, in on
 head of a response goes out with its first piece of body, not in a write (and a loopback
 delivery, a wake-up of the client) of its own. Held bytes never outlive the cork: a close of
 the connection writes them first."""
+
+RESPOND = "hotloop.http.respond"
+"""Scope extension: ``respond(status, headers, body)`` writes a whole response, its head (with
+the server's default headers, then ``headers``, which must include ``content-length``) and
+``body``, in one write, and completes the request, as ``send`` does for ``http.response.start``
+and one final ``http.response.body`` but without the two awaits or a check of each header
+(the application's own). Returns false, writing nothing, when uvicorn must do it instead (its
+access log is on: it writes the line) or the response has started; then ``send`` as usual."""
 
 # Request body bytes buffered before the application is woken to take them (and reading pauses
 # until it has): a body up to this size reaches the application in one piece, at its end.
@@ -153,6 +162,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             extensions[ON_DISCONNECT] = functools.partial(self._on_disconnect, cycle)
             extensions[SEND_NOW] = functools.partial(_send_now, cycle)
             extensions[CORK] = functools.partial(_cork, cycle)
+            extensions[RESPOND] = functools.partial(_respond, cycle)
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.
@@ -295,6 +305,38 @@ def _send_now(cycle: Any, body: bytes) -> bool:
     if body:
         cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
     return not cycle.flow.write_paused
+
+
+def _respond(cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """:data:`RESPOND` for one request's ``RequestResponseCycle``."""
+    if cycle.response_started or cycle.access_log:
+        return False
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = False
+    cycle.expected_content_length = 0
+    if cycle.disconnected:  # nobody to write to (uvicorn's send drops it too)
+        cycle.response_complete = True
+        return True
+    head = [STATUS_LINE[status]]
+    for name, value in cycle.default_headers:
+        head += (name, b": ", value, b"\r\n")
+    for name, value in headers:
+        if name == b"connection" and b"close" in value.lower():
+            cycle.keep_alive = False
+        head += (name, b": ", value, b"\r\n")
+    if not cycle.keep_alive and not any(name == b"connection" for name, _ in headers):
+        head.append(b"connection: close\r\n")
+    head.append(b"\r\n")
+    if cycle.scope["method"] != "HEAD":
+        head.append(body)
+    cycle.transport.write(b"".join(head))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()  # the connection's next request: a pipelined one, or the keep-alive timer
+    return True
 
 
 class _Corked:
