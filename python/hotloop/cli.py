@@ -119,6 +119,14 @@ def _parser() -> argparse.ArgumentParser:
         "(env HOTLOOP_FLUSH_INTERVAL_MS, default 10; 0: every read's deltas are written at once)",
     )
     s.add_argument(
+        "--backend-read-pause-ms",
+        dest="backend_read_pause_ms",
+        type=float,
+        help="milliseconds the lean transport stops reading a backend connection after a read that a streaming response "
+        "took whole, so that the chunks sent meanwhile are handled in one go: less server CPU per chunk, each chunk "
+        "(the response's end too) up to that much later (0 to 100; env HOTLOOP_BACKEND_READ_PAUSE_MS, default 0: off)",
+    )
+    s.add_argument(
         "--shutdown-grace",
         dest="shutdown_grace",
         type=int,

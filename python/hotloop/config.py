@@ -18,6 +18,7 @@ def _default_data_dir() -> str:
 
 
 MAX_FLUSH_INTERVAL_MS = 1000.0  # the largest --flush-interval-ms
+MAX_READ_PAUSE_MS = 100.0  # --backend-read-pause-ms at most (far below any idle timeout)
 
 
 @dataclass
@@ -45,6 +46,10 @@ class Config:
     backend_transport: str = "lean"  # lean | sdk: the chat backends' streaming HTTP client
     backend_max_connections: int = 100  # open connections to the backend (lean transport)
     backend_max_idle: int = 20  # keep-alive connections kept open while idle (lean transport)
+    # milliseconds the lean transport stops reading a backend connection after a read a streaming
+    # response took whole, so that the chunks sent meanwhile are read and written in one go (fewer
+    # wake-ups, less CPU per chunk; each chunk, the response's end too, up to this much later); 0: off
+    backend_read_pause_ms: float = 0.0
     model_limits: str = ""  # JSON file of per-model context windows and output limits (hotloop.models)
     # simulator
     sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)

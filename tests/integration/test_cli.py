@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 import hotloop
 
 HOTLOOP = shutil.which("hotloop") or os.path.join(os.path.dirname(sys.executable), "hotloop")
@@ -36,11 +38,13 @@ def test_misconfigured_backend_fails_clearly(tmp_path) -> None:
     assert p.returncode == 3 and "CEREBRAS_API_KEY" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_a_flush_interval_out_of_range_stops_start_up(tmp_path) -> None:
-    for flag, env in ((("--flush-interval-ms", "-1"), {}), ((), {"HOTLOOP_FLUSH_INTERVAL_MS": "5000"}), (("--flush-interval-ms", "nan"), {})):
-        p = run(HOTLOOP, "serve", "--port", "0", "--store", "memory", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
-        assert p.returncode == 3, (flag, env, p.stderr)
-        assert "--flush-interval-ms must be between 0 and 1000" in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize("flag, top", [("--flush-interval-ms", "1000"), ("--backend-read-pause-ms", "100")])
+def test_milliseconds_out_of_range_stop_start_up(tmp_path, flag: str, top: str) -> None:
+    var = "HOTLOOP_" + flag[2:].replace("-", "_").upper()
+    for args, env in (((flag, "-1"), {}), ((), {var: str(int(top) * 5)}), ((flag, "nan"), {})):
+        p = run(HOTLOOP, "serve", "--port", "0", "--store", "memory", *args, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
+        assert p.returncode == 3, (args, env, p.stderr)
+        assert f"{flag} must be between 0 and {top}" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_a_negative_commit_delay_stops_start_up(tmp_path) -> None:

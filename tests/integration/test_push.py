@@ -67,14 +67,16 @@ def request(slot: PushSlot | None) -> BackendRequest:
 
 def run_stream(
     mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None,
-    lanes: list[int] | None = None,
+    lanes: list[int] | None = None, read_pause_ms: float = 0.0, conns: list[Any] | None = None,
 ) -> tuple[list[Chunk], BaseException | None, int]:
     """One streamed answer through the openai-compat backend on the lean transport, with a sink
     that takes what ``take`` says (none: no sink). With ``lanes`` (a list for the sizes of
     the lane's batches), the consumer also offers a lane (``PushSlot.lane``) for the item its
     last chunk belongs to, as a run does for its open item. Returns every chunk in the order
     the consumer got it (taken by a sink, sent through the lane, or yielded), the exception the
-    stream raised, and the sink's calls."""
+    stream raised, and the sink's calls. ``read_pause_ms``: the transport's read pause
+    (``--backend-read-pause-ms``); ``conns``: filled with ``(reads, napping, reading)`` of each
+    of the pool's idle connections once the stream has ended."""
     mock.push(Reply.stream(events))
     got: list[Chunk] = []
     calls = 0
@@ -110,7 +112,10 @@ def run_stream(
         return n
 
     async def main() -> BaseException | None:
-        config = Config(backend="openai-compat", base_url=mock.v1, model="mock-model", backend_api_key="k", backend_idle_timeout=5)
+        config = Config(
+            backend="openai-compat", base_url=mock.v1, model="mock-model", backend_api_key="k", backend_idle_timeout=5,
+            backend_read_pause_ms=read_pause_ms,
+        )
         backend = create(config)
         await backend.start()
         try:
@@ -124,6 +129,12 @@ def run_stream(
                         relane(c)
             except Exception as exc:  # noqa: BLE001 - compared below
                 return exc
+            if conns is not None:
+                await asyncio.sleep(0)  # the pool reads on while idle: a pause still running would show
+                conns.extend(
+                    (c.reads, c.nap is not None or c.paused, c.transport.is_reading())
+                    for c in backend._pool._idle  # type: ignore[attr-defined]
+                )
             return None
         finally:
             await backend.close()  # type: ignore[attr-defined]
@@ -241,6 +252,27 @@ def test_failures_mid_stream_surface_the_same_way(mock: MockChatServer, bad: str
     assert got == plain and calls >= 2  # the burst and the last delta (the role chunk makes none)
 
 
+def test_a_read_pause_takes_what_arrived_meanwhile_in_one_read(mock: MockChatServer) -> None:
+    """--backend-read-pause-ms 25, chunks 2 ms apart: after a read the sink took whole, the
+    connection is not read for 25 ms, so a read takes about a dozen chunks; every chunk still
+    arrives, in order, and once the response has ended its connection is kept, reading again
+    (a close by the server would be seen). Without the pause: a read per chunk."""
+    pieces = [f"r{i:02d} " for i in range(40)]
+    events: list[Event] = [chunk({"role": "assistant", "content": ""})]
+    for p in pieces:
+        events += [Sleep(0.002), chunk({"content": p})]
+    events += [chunk({}, "stop"), chunk(usage=usage(5, 40), choices=False)]
+    reads = {}
+    for pause in (0.0, 25.0):
+        conns: list[Any] = []
+        got, exc, calls = run_stream(mock, events, len, read_pause_ms=pause, conns=conns)
+        assert exc is None and [c.text for c in got if type(c) is TextDelta] == pieces
+        [(reads[pause], napping, reading)] = conns
+        assert not napping and reading
+    assert reads[0.0] >= 30, reads  # about one a chunk (the machine may merge a few)
+    assert reads[25.0] * 3 <= reads[0.0], reads  # 80 ms of chunks: about 4-6 reads
+
+
 def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:
     class Broken(Exception):
         pass
@@ -272,6 +304,13 @@ def lean(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iter
     """The lean transport: chunks are pushed to WebSocket and SSE clients, every read's deltas
     written at once (``--flush-interval-ms 0``; the default holds them, see ``held``)."""
     with _server(tmp_path_factory.mktemp("lean"), mock, "lean", "--flush-interval-ms", "0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    """The lean transport with a read pause (--backend-read-pause-ms 20)."""
+    with _server(tmp_path_factory.mktemp("paused"), mock, "lean", "--backend-read-pause-ms", "20") as s:
         yield s
 
 
@@ -339,12 +378,15 @@ def _over(server: Server, client: str, body: dict[str, Any], pause: float = 0.0,
     return events
 
 
-def test_pushed_events_match_the_task_path(lean: Server, sdk: Server, held: Server, mock: MockChatServer) -> None:
+def test_pushed_events_match_the_task_path(
+    lean: Server, sdk: Server, held: Server, paused: Server, mock: MockChatServer
+) -> None:
     """The same answer over WebSocket and SSE, pushed (lean transport), pushed and held
-    (--flush-interval-ms) and not pushed (SDK transport): the same events."""
+    (--flush-interval-ms), pushed with read pauses (--backend-read-pause-ms) and not pushed
+    (SDK transport): the same events."""
     body = {"model": "mock-model", "input": "go", "store": False}
     runs = {}
-    for name, server in (("lean", lean), ("sdk", sdk), ("held", held)):
+    for name, server in (("lean", lean), ("sdk", sdk), ("held", held), ("paused", paused)):
         for client in ("ws", "sse"):
             mock.push(Reply.stream(paced(answer())))
             events = _over(server, client, body)

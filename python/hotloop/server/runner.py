@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hotloop import backends
-from hotloop.config import MAX_FLUSH_INTERVAL_MS, Config
+from hotloop.config import MAX_FLUSH_INTERVAL_MS, MAX_READ_PAUSE_MS, Config
 from hotloop.errors import StoreUnavailable
 from hotloop.models import ModelLimitsError
 from hotloop.pipeline.classifiers import ClassifierLoadError
@@ -48,6 +48,10 @@ def make_store(config: Config) -> ResponseStore:
 def make_app(config: Config) -> HotloopApp:
     if not 0 <= config.flush_interval_ms <= MAX_FLUSH_INTERVAL_MS:  # NaN too
         raise ValueError(f"--flush-interval-ms must be between 0 and {MAX_FLUSH_INTERVAL_MS:g}, got {config.flush_interval_ms:g}")
+    if not 0 <= config.backend_read_pause_ms <= MAX_READ_PAUSE_MS:  # NaN too
+        raise ValueError(
+            f"--backend-read-pause-ms must be between 0 and {MAX_READ_PAUSE_MS:g}, got {config.backend_read_pause_ms:g}"
+        )
     if not 0 <= config.store_commit_delay < float("inf"):  # NaN too
         raise ValueError(f"--store-commit-delay must be 0 or more seconds, got {config.store_commit_delay:g}")
     backend = backends.create(config)
