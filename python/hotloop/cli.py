@@ -123,8 +123,16 @@ def _parser() -> argparse.ArgumentParser:
         dest="backend_read_pause_ms",
         type=float,
         help="milliseconds the lean transport stops reading a backend connection after a read that a streaming response "
-        "took whole, so that the chunks sent meanwhile are handled in one go: less server CPU per chunk, each chunk "
-        "(the response's end too) up to that much later (0 to 100; env HOTLOOP_BACKEND_READ_PAUSE_MS, default 0: off)",
+        "took whole, while it serves --backend-read-pause-streams responses or more, so that the chunks sent meanwhile are "
+        "handled in one go: less server CPU per chunk, each chunk (the response's end too) up to that much later "
+        "(0 to 100; env HOTLOOP_BACKEND_READ_PAUSE_MS, default 10; 0: never)",
+    )
+    s.add_argument(
+        "--backend-read-pause-streams",
+        dest="backend_read_pause_streams",
+        type=int,
+        help="responses streaming from one backend at once from which read pauses apply (env "
+        "HOTLOOP_BACKEND_READ_PAUSE_STREAMS, default 16; 1: always)",
     )
     s.add_argument(
         "--shutdown-grace",

@@ -47,9 +47,11 @@ class Config:
     backend_max_connections: int = 100  # open connections to the backend (lean transport)
     backend_max_idle: int = 20  # keep-alive connections kept open while idle (lean transport)
     # milliseconds the lean transport stops reading a backend connection after a read a streaming
-    # response took whole, so that the chunks sent meanwhile are read and written in one go (fewer
-    # wake-ups, less CPU per chunk; each chunk, the response's end too, up to this much later); 0: off
-    backend_read_pause_ms: float = 0.0
+    # response took whole, while it serves backend_read_pause_streams responses or more at once, so
+    # that the chunks sent meanwhile are read and written in one go (fewer wake-ups, less CPU per
+    # chunk; each chunk, the response's end too, up to this much later); 0: never
+    backend_read_pause_ms: float = 10.0
+    backend_read_pause_streams: int = 16
     model_limits: str = ""  # JSON file of per-model context windows and output limits (hotloop.models)
     # simulator
     sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)

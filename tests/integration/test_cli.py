@@ -47,6 +47,11 @@ def test_milliseconds_out_of_range_stop_start_up(tmp_path, flag: str, top: str) 
         assert f"{flag} must be between 0 and {top}" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_read_pauses_for_no_streams_stop_start_up(tmp_path) -> None:
+    p = run(HOTLOOP, "serve", "--port", "0", "--store", "memory", "--backend-read-pause-streams", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path)})
+    assert p.returncode == 3 and "--backend-read-pause-streams must be 1 or more" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_a_negative_commit_delay_stops_start_up(tmp_path) -> None:
     for flag, env in ((("--store-commit-delay", "-0.1"), {}), ((), {"HOTLOOP_STORE_COMMIT_DELAY": "nan"})):
         p = run(HOTLOOP, "serve", "--port", "0", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})

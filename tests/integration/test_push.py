@@ -68,14 +68,15 @@ def request(slot: PushSlot | None) -> BackendRequest:
 def run_stream(
     mock: MockChatServer, events: list[Event], take: Callable[[list[Chunk]], int] | None,
     lanes: list[int] | None = None, read_pause_ms: float = 0.0, conns: list[Any] | None = None,
+    pause_streams: int = 1,
 ) -> tuple[list[Chunk], BaseException | None, int]:
     """One streamed answer through the openai-compat backend on the lean transport, with a sink
     that takes what ``take`` says (none: no sink). With ``lanes`` (a list for the sizes of
     the lane's batches), the consumer also offers a lane (``PushSlot.lane``) for the item its
     last chunk belongs to, as a run does for its open item. Returns every chunk in the order
     the consumer got it (taken by a sink, sent through the lane, or yielded), the exception the
-    stream raised, and the sink's calls. ``read_pause_ms``: the transport's read pause
-    (``--backend-read-pause-ms``); ``conns``: filled with ``(reads, napping, reading)`` of each
+    stream raised, and the sink's calls. ``read_pause_ms``, ``pause_streams``: the transport's
+    read pauses (``--backend-read-pause-ms``, ``--backend-read-pause-streams``); ``conns``: filled with ``(reads, napping, reading)`` of each
     of the pool's idle connections once the stream has ended."""
     mock.push(Reply.stream(events))
     got: list[Chunk] = []
@@ -114,7 +115,7 @@ def run_stream(
     async def main() -> BaseException | None:
         config = Config(
             backend="openai-compat", base_url=mock.v1, model="mock-model", backend_api_key="k", backend_idle_timeout=5,
-            backend_read_pause_ms=read_pause_ms,
+            backend_read_pause_ms=read_pause_ms, backend_read_pause_streams=pause_streams,
         )
         backend = create(config)
         await backend.start()
@@ -253,24 +254,25 @@ def test_failures_mid_stream_surface_the_same_way(mock: MockChatServer, bad: str
 
 
 def test_a_read_pause_takes_what_arrived_meanwhile_in_one_read(mock: MockChatServer) -> None:
-    """--backend-read-pause-ms 25, chunks 2 ms apart: after a read the sink took whole, the
-    connection is not read for 25 ms, so a read takes about a dozen chunks; every chunk still
-    arrives, in order, and once the response has ended its connection is kept, reading again
-    (a close by the server would be seen). Without the pause: a read per chunk."""
+    """--backend-read-pause-ms 25 from one stream on, chunks 2 ms apart: after a read the sink
+    took whole, the connection is not read for 25 ms, so a read takes about a dozen chunks;
+    every chunk still arrives, in order, and once the response has ended its connection is
+    kept, reading again (a close by the server would be seen). Without the pause, or with pauses
+    only from two streams at once: a read per chunk."""
     pieces = [f"r{i:02d} " for i in range(40)]
     events: list[Event] = [chunk({"role": "assistant", "content": ""})]
     for p in pieces:
         events += [Sleep(0.002), chunk({"content": p})]
     events += [chunk({}, "stop"), chunk(usage=usage(5, 40), choices=False)]
     reads = {}
-    for pause in (0.0, 25.0):
+    for pause, streams in ((0.0, 1), (25.0, 1), (25.0, 2)):
         conns: list[Any] = []
-        got, exc, calls = run_stream(mock, events, len, read_pause_ms=pause, conns=conns)
+        got, exc, calls = run_stream(mock, events, len, read_pause_ms=pause, conns=conns, pause_streams=streams)
         assert exc is None and [c.text for c in got if type(c) is TextDelta] == pieces
-        [(reads[pause], napping, reading)] = conns
+        [(reads[pause, streams], napping, reading)] = conns
         assert not napping and reading
-    assert reads[0.0] >= 30, reads  # about one a chunk (the machine may merge a few)
-    assert reads[25.0] * 3 <= reads[0.0], reads  # 80 ms of chunks: about 4-6 reads
+    assert reads[0.0, 1] >= 30 and reads[25.0, 2] >= 30, reads  # about one a chunk (the machine may merge a few)
+    assert reads[25.0, 1] * 3 <= reads[0.0, 1], reads  # 80 ms of chunks: about 4-6 reads
 
 
 def test_a_failing_sink_fails_the_stream(mock: MockChatServer) -> None:
@@ -309,8 +311,8 @@ def lean(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iter
 
 @pytest.fixture(scope="module")
 def paused(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
-    """The lean transport with a read pause (--backend-read-pause-ms 20)."""
-    with _server(tmp_path_factory.mktemp("paused"), mock, "lean", "--backend-read-pause-ms", "20") as s:
+    """The lean transport with read pauses (--backend-read-pause-ms 20) from one stream on."""
+    with _server(tmp_path_factory.mktemp("paused"), mock, "lean", "--backend-read-pause-ms", "20", "--backend-read-pause-streams", "1") as s:
         yield s
 
 

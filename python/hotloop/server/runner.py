@@ -52,6 +52,8 @@ def make_app(config: Config) -> HotloopApp:
         raise ValueError(
             f"--backend-read-pause-ms must be between 0 and {MAX_READ_PAUSE_MS:g}, got {config.backend_read_pause_ms:g}"
         )
+    if config.backend_read_pause_streams < 1:
+        raise ValueError(f"--backend-read-pause-streams must be 1 or more, got {config.backend_read_pause_streams}")
     if not 0 <= config.store_commit_delay < float("inf"):  # NaN too
         raise ValueError(f"--store-commit-delay must be 0 or more seconds, got {config.store_commit_delay:g}")
     backend = backends.create(config)

@@ -30,13 +30,16 @@ What it does, and its bounds:
   framing). A response head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256)
   fields; a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket
   stops being read (back-pressure); a non-2xx body is read up to ``MAX_ERROR_BODY_BYTES``.
-* **Read pauses.** ``read_pause`` seconds (``--backend-read-pause-ms``, off by default): after a
-  read whose chunks the response took whole through push delivery, the connection stops reading
-  for that long, so that what the backend sends meanwhile is read, decoded and written to the
-  client in one go: one wake-up of the server for several chunks instead of one per chunk (a
-  model at 1,000 tokens/s sends one a millisecond). The kernel holds the bytes meanwhile. A
-  chunk, the response's end included, then reaches the client up to ``read_pause`` later. One
-  timer per pause; a pause never outlives its response (its end, a drop or a close ends it).
+* **Read pauses.** While the pool serves at least ``pause_streams`` responses at once
+  (``--backend-read-pause-streams``, 16 by default), after a read whose chunks the response took
+  whole through push delivery the connection stops reading for ``read_pause`` seconds
+  (``--backend-read-pause-ms``, 10 by default; 0: never), so that what the backend sends
+  meanwhile is read, decoded and written to the client in one go: one wake-up of the server for
+  several chunks instead of one per chunk (a model at 1,000 tokens/s sends one a millisecond).
+  The kernel holds the bytes meanwhile. A chunk, the response's end included, then reaches the
+  client up to ``read_pause`` later; a server with fewer streams (a lone agent loop) is never
+  slowed. One timer per pause; a pause never outlives its response (its end, a drop or a close
+  ends it).
 * **Proxies.** This transport does not speak to proxies: :func:`proxy_for` tells the backend
   when ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY`` (minus ``NO_PROXY``) apply to the origin, and
   the backend then uses its SDK transport and logs that it does.
@@ -362,7 +365,8 @@ class _Conn(asyncio.Protocol):
             # the reader is parked and has handled everything before: these bytes may go on now
             taken = push(body)
             if taken:
-                if self.pool.read_pause and self.nap is None:
+                pool = self.pool
+                if pool.read_pause and self.nap is None and pool._open - len(pool._idle) >= pool.pause_streams:
                     self._nap()
                 return
             if taken is not None:  # partly handled: the reader takes the rest
@@ -525,6 +529,7 @@ class Pool:
         idle_timeout: float = 120.0,
         keepalive_expiry: float = 30.0,
         read_pause: float = 0.0,
+        pause_streams: int = 1,
     ) -> None:
         self.origin = Origin(url, ssl_ctx)
         self.max_connections = max(1, max_connections)
@@ -534,6 +539,7 @@ class Pool:
         self.idle_timeout = idle_timeout
         self.keepalive_expiry = keepalive_expiry
         self.read_pause = read_pause  # seconds; see "Read pauses" in the module's docstring
+        self.pause_streams = max(1, pause_streams)  # responses served at once for read pauses to apply
         self._idle: list[_Conn] = []
         self._open = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -715,4 +721,5 @@ def lean_pool(url: str, headers: Mapping[str, str], config: Any, backend: str) -
         first_byte_timeout=config.backend_timeout,
         idle_timeout=config.backend_idle_timeout,
         read_pause=config.backend_read_pause_ms / 1000,
+        pause_streams=config.backend_read_pause_streams,
     )
