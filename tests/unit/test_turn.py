@@ -280,14 +280,31 @@ def test_an_aside_moves_the_lane_on() -> None:
     assert events[-1]["response"]["usage"]["output_tokens"] == 3
 
 
-def test_no_lane_without_an_open_item_or_for_a_quiet_turn() -> None:
+def test_a_quiet_turn_read_through_its_lanes_builds_the_same_response() -> None:
+    """A non-streaming response's run reads plain deltas through lanes too (their events are
+    made and dropped): the same numbering and the same Response as feeding every chunk."""
+    chunks = [TextDelta("a"), TextDelta("b"), TextDelta("c"), ToolCallDelta(0, '{"x":', "call_1", "f"),
+              ToolCallDelta(0, "1"), ToolCallDelta(0, "}"), Usage(5, 6), Finish("tool_calls")]
+    fed = make_turn(quiet=True)
+    fed.start()
+    for c in chunks:
+        fed.feed(c)
+    turn = make_turn(quiet=True)
+    turn.start()
+    turn.feed(TextDelta("a"))
+    _lane_read(turn.lane(), ["b", "c"])
+    turn.feed(ToolCallDelta(0, '{"x":', "call_1", "f"))
+    _lane_read(turn.lane(), ["1", "}"])
+    turn.feed(Usage(5, 6))
+    turn.feed(Finish("tool_calls"))
+    assert turn.response == fed.response and turn.events == fed.events
+    assert turn.response["output"][0]["content"][0]["text"] == "abc" and turn.response["output"][1]["arguments"] == '{"x":1}'
+
+
+def test_no_lane_without_an_open_item() -> None:
     turn = make_turn()
     assert turn.lane() is None
     turn.start()
     assert turn.lane() is None
     turn.feed(Usage(output_tokens=1))
     assert turn.lane() is None
-    quiet = make_turn(quiet=True)
-    quiet.start()
-    quiet.feed(TextDelta("a"))
-    assert quiet.lane() is None

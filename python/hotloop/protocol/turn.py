@@ -220,11 +220,12 @@ class Turn:
         sequence number and its ``parts`` the item's pieces, so ``SseDecoder.feed_lane`` can
         read the item's plain deltas into events without this machine. Every method of the turn
         first takes back what the lane read since (``taken``, ``seq``); call this again after
-        any of them before reading into the lane again. None when no item is open, or the
-        events are not encoded (a quiet turn)."""
+        any of them before reading into the lane again. None when no item is open. A quiet
+        turn has lanes too: their events are encoded (natively, cheaper than the general path
+        that skips them) and not sent."""
         self._sync()
         item = self._open
-        if item is None or self._phase is not _STREAMING or self._ev is _Quiet:
+        if item is None or self._phase is not _STREAMING:
             return None
         lane = item.lane
         if lane is None:

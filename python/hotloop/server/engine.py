@@ -252,8 +252,9 @@ class Engine:
             else:
                 breq = self.backend_request(plan)
                 breq.request_id = request_id
-                if transport != "json":  # a streaming client may take frames synchronously (Run.emit)
-                    breq.push = slot = PushSlot()
+                # chunks may be taken from the backend's read callback (Run.emit; a JSON answer's
+                # run takes them into its turn, writing nothing)
+                breq.push = slot = PushSlot()
                 stream = self.backend.stream(breq)
             first = await self._first(stream, request_id)
             marks.append(clock())

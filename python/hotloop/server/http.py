@@ -266,6 +266,7 @@ class HttpTransport:
             answered = False
             persistence = self.app.persistence
             async with contextlib.aclosing(run.frames()) as frames:
+                run.emit = _discard  # chunks are taken from the backend's reads (quiet: no frames)
                 async for _ in frames:
                     if run.turn.done and run.turn.response["status"] != "failed" and persistence.has_room():
                         # Answered as soon as the response is final, before its bookkeeping
@@ -517,6 +518,10 @@ class _Held:
         data = b"".join(self.parts)
         self.parts.clear()
         return data
+
+
+def _discard(batch: list[Frame]) -> None:
+    """``Run.emit`` of a JSON answer: its turn is quiet, nobody reads its frames."""
 
 
 async def _disconnected(receive: Receive) -> None:
