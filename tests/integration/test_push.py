@@ -131,11 +131,13 @@ def run_stream(
             except Exception as exc:  # noqa: BLE001 - compared below
                 return exc
             if conns is not None:
-                await asyncio.sleep(0)  # the pool reads on while idle: a pause still running would show
-                conns.extend(
-                    (c.reads, c.nap is not None or c.paused, c.transport.is_reading())
-                    for c in backend._pool._idle  # type: ignore[attr-defined]
-                )
+                pool = backend._pool  # type: ignore[attr-defined]
+                for _ in range(2000):  # the body's end may come after the last chunk: then it is kept
+                    if pool._idle:
+                        break
+                    await asyncio.sleep(0.001)
+                # the pool reads on while idle: a pause still running would show now
+                conns.extend((c.reads, c.nap is not None or c.paused, c.transport.is_reading()) for c in pool._idle)
             return None
         finally:
             await backend.close()  # type: ignore[attr-defined]
