@@ -109,9 +109,19 @@ def _head(write: bytes) -> tuple[bytes, list[bytes], bytes]:
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/models/nope"])
-def test_a_response_written_in_one_call_is_what_uvicorns_send_writes(tmp_path: Any, path: str) -> None:
+def test_a_response_written_in_one_call_is_what_uvicorns_send_writes(tmp_path: Any, path: str, monkeypatch: Any) -> None:
     """The one-call answer (hotloop.http.respond) against uvicorn's send, which answers when
     its access log is on: the same status line, headers in the same order, the same body."""
+    from hotloop.server import httpproto
+
+    calls: list[bool] = []
+    respond = httpproto._respond
+
+    def counted(*args: Any) -> bool:
+        calls.append(respond(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(httpproto, "_respond", counted)
     request = (
         _post({"model": "hotloop-sim", "input": "hi", "metadata": {"sim": "text,tokens:5"}})
         if path == "/v1/responses"
@@ -119,8 +129,10 @@ def test_a_response_written_in_one_call_is_what_uvicorns_send_writes(tmp_path: A
     )
 
     def answer(access_log: bool) -> bytes:
+        calls.clear()
         writes = asyncio.run(_serve(request, b"}", tmp_path, access_log))
         assert len(writes) == 1
+        assert calls == [not access_log]  # written in one call, or left to uvicorn's send
         return writes[0]
 
     fast, uvicorns = answer(False), answer(True)
@@ -145,6 +157,35 @@ def test_a_response_written_in_one_call_closes_a_connection_that_asked_and_start
     (s1, h1, b1), (s2, h2, b2) = _head(writes[0]), _head(writes[1])
     assert s1.startswith(b"HTTP/1.1 200") and json.loads(b1)["object"] == "list" and b"connection" not in h1
     assert s2.startswith(b"HTTP/1.1 404") and h2[-1] == b"connection" and writes[1].count(b"connection: close") == 1
+
+
+def test_a_client_not_taking_what_was_written_gets_its_answer_once_it_does(tmp_path: Any) -> None:
+    """While the connection's writes are paused (the client does not read), an answer is not
+    written in one call but through uvicorn's send, which waits for the client (and so keeps
+    the next pipelined request from starting): nothing is written until writing resumes."""
+
+    async def main() -> list[bytes]:
+        config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path))
+        app = make_app(config)
+        await app.startup()
+        try:
+            proto, transport = _connection(app, config)
+            proto.pause_writing()
+            proto.data_received(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" * 2)
+            await asyncio.sleep(0.2)
+            assert transport.writes == []
+            proto.resume_writing()
+            for _ in range(500):
+                if len(transport.writes) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            proto.connection_lost(None)
+            return transport.writes
+        finally:
+            await app.shutdown()
+
+    writes = asyncio.run(main())
+    assert len(writes) == 2 and all(_head(w)[0].startswith(b"HTTP/1.1 200") for w in writes)
 
 
 @pytest.mark.parametrize("error", [False, True])

@@ -308,24 +308,28 @@ def _send_now(cycle: Any, body: bytes) -> bool:
 
 
 def _respond(cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-    """:data:`RESPOND` for one request's ``RequestResponseCycle``."""
-    if cycle.response_started or cycle.access_log:
+    """:data:`RESPOND` for one request's ``RequestResponseCycle``. Not while the client is not
+    taking what was written (``write_paused``): uvicorn's ``send`` then waits for it, which also
+    keeps the connection's next (pipelined) request from starting, so a client that never reads
+    cannot make the server buffer answer after answer."""
+    if cycle.response_started or cycle.access_log or cycle.flow.write_paused:
         return False
+    if cycle.disconnected:  # nobody to write to: dropped, as uvicorn's send drops it
+        return True
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     cycle.chunked_encoding = False
     cycle.expected_content_length = 0
-    if cycle.disconnected:  # nobody to write to (uvicorn's send drops it too)
-        cycle.response_complete = True
-        return True
     head = [STATUS_LINE[status]]
     for name, value in cycle.default_headers:
         head += (name, b": ", value, b"\r\n")
+    closes = False  # the application said connection: close (uvicorn's reading of the header)
     for name, value in headers:
-        if name == b"connection" and b"close" in value.lower():
+        if name == b"connection" and b"close" in [token.lower().strip() for token in value.split(b",")]:
             cycle.keep_alive = False
+            closes = True
         head += (name, b": ", value, b"\r\n")
-    if not cycle.keep_alive and not any(name == b"connection" for name, _ in headers):
+    if not cycle.keep_alive and not closes:
         head.append(b"connection: close\r\n")
     head.append(b"\r\n")
     if cycle.scope["method"] != "HEAD":

@@ -30,16 +30,18 @@ What it does, and its bounds:
   framing). A response head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256)
   fields; a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket
   stops being read (back-pressure); a non-2xx body is read up to ``MAX_ERROR_BODY_BYTES``.
-* **Read pauses.** While the pool serves at least ``pause_streams`` responses at once
+* **Read pauses.** While the pool has at least ``pause_streams`` connections in use
   (``--backend-read-pause-streams``, 16 by default), after a read whose chunks the response took
   whole through push delivery the connection stops reading for ``read_pause`` seconds
   (``--backend-read-pause-ms``, 10 by default; 0: never), so that what the backend sends
   meanwhile is read, decoded and written to the client in one go: one wake-up of the server for
   several chunks instead of one per chunk (a model at 1,000 tokens/s sends one a millisecond).
-  The kernel holds the bytes meanwhile. A chunk, the response's end included, then reaches the
-  client up to ``read_pause`` later; a server with fewer streams (a lone agent loop) is never
-  slowed. One timer per pause; a pause never outlives its response (its end, a drop or a close
-  ends it).
+  The kernel holds the bytes meanwhile; over TLS the TLS layer keeps reading the socket (up to its
+  read buffer's limit) and hands the plaintext over when the pause ends, so there only the
+  per-read work above the TLS layer is saved, not the wake-ups. A chunk, the response's end
+  included, then reaches the client up to ``read_pause`` later; a server with fewer streams (a
+  lone agent loop) is never slowed. One timer per pause; a pause never outlives its response
+  (its end, a drop or a close ends it).
 * **Proxies.** This transport does not speak to proxies: :func:`proxy_for` tells the backend
   when ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY`` (minus ``NO_PROXY``) apply to the origin, and
   the backend then uses its SDK transport and logs that it does.
@@ -326,7 +328,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
-        self._end_nap()
+        self._end_nap(resume=False)
         self.pool._lost(self)
         resp = self.resp
         if resp is not None:
@@ -481,15 +483,17 @@ class _Conn(asyncio.Protocol):
         if not self.paused and not self.closed and self.transport is not None:  # else back-pressure holds it
             self.transport.resume_reading()
 
-    def _end_nap(self) -> None:
+    def _end_nap(self, resume: bool = True) -> None:
         if self.nap is not None:
             self.nap.cancel()
-            self._wake()
+            self.nap = None
+            if resume:
+                self._wake()
 
     def drop(self) -> None:
         """Close now; never reused."""
         self._cancel_timer()
-        self._end_nap()
+        self._end_nap(resume=False)
         resp = self.resp
         if resp is not None:
             self.resp = None
