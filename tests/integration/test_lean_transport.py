@@ -431,6 +431,74 @@ def test_tls_with_a_trusted_ca_and_sni(tmp_path: Any, monkeypatch: pytest.Monkey
     run(main())
 
 
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_read_pause_leaves_the_bytes_in_the_kernel(tls: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read pause (``read_pause``) after each read the response's push took whole: the
+    chunks the server sends meanwhile stay in the socket, over TLS too (a TLS transport's
+    pause alone would stop only what it hands over, its TLS layer reading the socket on every
+    arrival), and all arrive, in order, in few reads of the socket."""
+    pieces = [b"chunk %02d" % i for i in range(30)]
+
+    async def paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for p in pieces:
+                event = b"data: " + p + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.002)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    ctx = None
+    if tls:
+        ca = trustme.CA()
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("localhost", "127.0.0.1").configure_cert(ctx)
+        ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+
+    async def main() -> None:
+        async with Served(paced, ctx) as srv:
+            url = f"https://localhost:{srv.port}/v1" if tls else srv.url()
+            pool = Pool(url, read_pause=0.03, pause_streams=1)
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            conn = resp._conn
+            socket_reads = [0]
+            if tls:  # the TLS layer's reads of the socket (asyncio's TLS protocol, a Python object)
+                tls_layer = conn.transport._ssl_protocol
+                updated = tls_layer.buffer_updated
+
+                def counted(nbytes: int) -> None:
+                    socket_reads[0] += 1
+                    updated(nbytes)
+
+                tls_layer.buffer_updated = counted
+            got: list[bytes] = []  # in arrival order, pushed or read by the reader
+            pushed: list[int] = []
+
+            def push(body: bytes) -> bool:  # taken whole: a pause follows
+                got.append(body)
+                pushed.append(len(body))
+                return True
+
+            resp.push = push
+            async for data in resp:  # what came before the reader waited (the first chunk, with the head)
+                got.append(data)
+            assert b"".join(got) == b"".join(b"data: " + p + b"\n\n" for p in pieces) and len(pushed) >= 3
+            # 30 chunks over about 60-90 ms: a read per pause, of the socket too
+            assert conn.reads <= 12, conn.reads
+            assert socket_reads[0] <= (15 if tls else 0), socket_reads
+            # the connection goes back to the pool reading, its buffer limits the defaults again
+            assert pool.idle == 1 and conn.nap is None and conn.transport.is_reading()
+            if tls:
+                assert conn.transport.get_read_buffer_limits()[1] > 0
+            await pool.aclose()
+
+    run(main())
+
+
 def test_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)

@@ -36,9 +36,9 @@ What it does, and its bounds:
   (``--backend-read-pause-ms``, 10 by default; 0: never), so that what the backend sends
   meanwhile is read, decoded and written to the client in one go: one wake-up of the server for
   several chunks instead of one per chunk (a model at 1,000 tokens/s sends one a millisecond).
-  The kernel holds the bytes meanwhile; over TLS the TLS layer keeps reading the socket (up to its
-  read buffer's limit) and hands the plaintext over when the pause ends, so there only the
-  per-read work above the TLS layer is saved, not the wake-ups. A chunk, the response's end
+  The kernel holds the bytes meanwhile, over TLS too: a TLS transport's pause only stops what it
+  hands over, so its read buffer's limit is set to 0 for the pause, which stops its TLS layer
+  reading the socket, and back to the default after it. A chunk, the response's end
   included, then reaches the client up to ``read_pause`` later; a server with fewer streams (a
   lone agent loop) is never slowed. One timer per pause; a pause never outlives its response
   (its end, a drop or a close ends it).
@@ -476,12 +476,22 @@ class _Conn(asyncio.Protocol):
         if t is None or self.closed:
             return
         t.pause_reading()
+        if self.pool.origin.ssl is not None:
+            # Pausing a TLS transport pauses only what it hands over: its TLS layer would read
+            # and decrypt the socket on every arrival. With no room in its read buffer it stops
+            # reading the socket too (asyncio's and uvloop's TLS transports alike).
+            t.set_read_buffer_limits(high=0)  # type: ignore[attr-defined]
         self.nap = self.pool.loop.call_later(self.pool.read_pause, self._wake)
 
     def _wake(self) -> None:
         self.nap = None
-        if not self.paused and not self.closed and self.transport is not None:  # else back-pressure holds it
-            self.transport.resume_reading()
+        t = self.transport
+        if self.closed or t is None:
+            return
+        if self.pool.origin.ssl is not None:
+            t.set_read_buffer_limits()  # type: ignore[attr-defined]  # the defaults: reads the socket again
+        if not self.paused:  # else back-pressure holds it
+            t.resume_reading()
 
     def _end_nap(self, resume: bool = True) -> None:
         if self.nap is not None:
