@@ -244,6 +244,19 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20
 
 
+def test_stream_cerebras_over_tls() -> None:
+    """``--mock-tls``: the mock behind a throwaway CA's certificate, which the server (started by
+    the bench, inheriting SSL_CERT_FILE) trusts; the stream goes through."""
+    env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
+    env.pop("SSL_CERT_FILE", None)
+    args = ["stream-cerebras", "--mock-tls", "--tokens", "200", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["scenario"] == "stream-cerebras" and out["mock_tls"] is True
+    assert out["tokens"] == 200 and out["delivered_rate"] > 0 and out["cpu_per_event_unpaced_us"] > 0
+
+
 def test_a_bench_server_leaves_no_data_directory_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every server a benchmark starts gets its own data directory, removed when it stops (runs
     used to leave one, with its SQLite store, in the temporary directory each time)."""

@@ -167,31 +167,63 @@ def wait_listening(port: int, proc: subprocess.Popen[Any], what: str, timeout: f
 
 
 @contextlib.contextmanager
-def mock_process() -> Iterator[tuple[str, int]]:
+def mock_process(tls: bool = False) -> Iterator[tuple[str, int]]:
     """The paced chat-completions mock (:mod:`hotloop.bench.mockchat`) in its own process:
-    (base URL without /v1, pid)."""
+    (base URL without /v1, pid). ``tls``: served over TLS with a certificate from a throwaway
+    CA (trustme), which the servers started meanwhile trust through ``SSL_CERT_FILE``, as the
+    lean transport and httpx read it (set in this process's environment, which they inherit,
+    until the mock stops)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)])
-    try:
-        wait_listening(port, proc, "the mock chat server")
-        yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    cmd = [sys.executable, "-m", "hotloop.bench.mockchat", "--port", str(port)]
+    with contextlib.ExitStack() as stack:
+        url = f"http://127.0.0.1:{port}"
+        if tls:
+            try:
+                import trustme
+            except ImportError:
+                raise SystemExit("--mock-tls needs trustme: pip install 'hotloop[bench]'") from None
+            d = stack.enter_context(tempfile.TemporaryDirectory(prefix="hotloop-mock-tls-"))
+            ca = trustme.CA()
+            ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(f"{d}/server.pem")
+            ca.cert_pem.write_to_path(f"{d}/ca.pem")
+            cmd += ["--certfile", f"{d}/server.pem"]
+            stack.enter_context(_environ("SSL_CERT_FILE", f"{d}/ca.pem"))
+            url = f"https://localhost:{port}"
+        proc = subprocess.Popen(cmd)
+        try:
+            wait_listening(port, proc, "the mock chat server")
+            yield url, proc.pid
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 @contextlib.contextmanager
-def mock_chat() -> Iterator[str]:
+def _environ(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+@contextlib.contextmanager
+def mock_chat(tls: bool = False) -> Iterator[str]:
     """:func:`mock_process`, its URL only."""
-    with mock_process() as (url, _pid):
+    with mock_process(tls) as (url, _pid):
         yield url
 
 
-def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[str, Any]:
+def bench_stream(tokens: int, rate: float, backend: str = "simulator", tls: bool = False) -> dict[str, Any]:
     """At the model's rate (core share) and unpaced (CPU per chunk-in/frame-out), one run.
 
     ``backend="cerebras"`` runs hotloop's Cerebras backend against the paced mock instead of the
-    simulator: the SDK client, request rendering and SSE parsing are then part of the measure.
+    simulator: the SDK client, request rendering and SSE parsing are then part of the measure
+    (``tls``: the mock over TLS).
     """
     from websockets.sync.client import connect
 
@@ -200,7 +232,7 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[s
     warm: tuple[str, str | None]
     with contextlib.ExitStack() as stack:
         if backend == "cerebras":
-            url = stack.enter_context(mock_chat())
+            url = stack.enter_context(mock_chat(tls))
             os.environ.setdefault("CEREBRAS_API_KEY", "bench")
             base, pid = stack.enter_context(server("--backend", "cerebras", "--base-url", url))
             paced = (f"bench-{rate:g}-{tokens}", None)
@@ -220,7 +252,7 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[s
             at_rate = _stats(base)[-1]
             _stream_once(ws, *unpaced)
             fast = _stats(base)[-1]
-    return {
+    out: dict[str, Any] = {
         "scenario": "stream" if backend == "simulator" else f"stream-{backend}",
         "tokens": deltas,
         "target_rate": rate,
@@ -230,6 +262,9 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator") -> dict[s
         "cpu_per_event_at_rate_us": round(at_rate["cpu_us"] / at_rate["events"], 2),
         "cpu_per_event_unpaced_us": round(fast["cpu_us"] / fast["events"], 2),
     }
+    if backend == "cerebras":
+        out["mock_tls"] = tls
+    return out
 
 
 def _chained_turn(ws: Any, frame: dict[str, Any], prev: str | None) -> str:
@@ -434,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
     p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
+    p.add_argument(
+        "--mock-tls", action="store_true",
+        help="stream-cerebras, ws-fanout --fanout-backend cerebras: the mock over TLS (as Cerebras is), with a "
+        "throwaway certificate the server trusts (SSL_CERT_FILE); needs trustme",
+    )
     args = p.parse_args(argv)
     if args.scenario == "loop":
         p.error("loop takes its own options, after its name: hotloop bench loop [options] (hotloop bench loop -h)")
@@ -441,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in ("all", "stream"):
         results.append(bench_stream(args.tokens, args.rate))
     if args.scenario in ("all", "stream-cerebras"):
-        results.append(bench_stream(args.tokens, args.rate, backend="cerebras"))
+        results.append(bench_stream(args.tokens, args.rate, backend="cerebras", tls=args.mock_tls))
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
             results.append(bench_loop(kind, args.turns, args.new_bytes))
@@ -464,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(
                 wsload.bench_fanout(
                     args.streams, args.stream_tokens, args.stream_rate, args.rounds,
-                    server_path=args.server_path, backend=args.fanout_backend,
+                    server_path=args.server_path, backend=args.fanout_backend, tls=args.mock_tls,
                 )
             )
     if args.scenario == "paired":  # not in "all": it compares two trees

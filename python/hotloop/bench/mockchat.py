@@ -10,7 +10,9 @@ The model id selects the behaviour: ``bench-<rate>-<tokens>[-tool][-ttft<ms>]`` 
 chunks at ``rate`` tokens/s (rate 0: unpaced) after ``ms`` milliseconds, as text or, with
 ``-tool``, as one function call (``run``) whose arguments arrive over the chunks, e.g.
 ``bench-4000-4000`` or ``bench-1000-40-tool-ttft20``. Any other id gets 16 tokens unpaced. Raw
-asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server.
+asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server. ``--certfile PEM``
+(certificate and key) serves it over TLS instead, as Cerebras is served (``hotloop bench
+--mock-tls``).
 
 Context echo: a request whose body carries nonces (``hlctx-`` and 8 hex digits, as ``hotloop
 bench loop`` puts one in every input it sends) is answered with the word ``seen-<n>-<crc>`` in
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import re
+import ssl
 import time
 import zlib
 
@@ -148,8 +151,8 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         writer.close()
 
 
-async def serve(host: str, port: int) -> None:
-    server = await asyncio.start_server(_handle, host, port)
+async def serve(host: str, port: int, ssl_ctx: ssl.SSLContext | None = None) -> None:
+    server = await asyncio.start_server(_handle, host, port, ssl=ssl_ctx)
     async with server:
         await server.serve_forever()
 
@@ -158,11 +161,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--certfile", help="serve over TLS with this PEM file (certificate chain and key)")
     args = p.parse_args()
+    ctx = None
+    if args.certfile:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(args.certfile)
     try:
         import uvloop
 
-        uvloop.run(serve(args.host, args.port))
+        uvloop.run(serve(args.host, args.port, ctx))
     except KeyboardInterrupt:
         pass
 

@@ -282,14 +282,16 @@ def bench_idle(connections: int, idle_seconds: float = 3.0, server_path: str | N
 
 
 def bench_fanout(
-    streams: int, tokens: int, rate: float, rounds: int = 3, server_path: str | None = None, backend: str = "simulator"
+    streams: int, tokens: int, rate: float, rounds: int = 3, server_path: str | None = None, backend: str = "simulator",
+    tls: bool = False,
 ) -> dict[str, Any]:
     """``backend="cerebras"``: the streams come from the paced mock through the Cerebras backend
-    (its HTTP transport, SSE parsing and chunk assembly are then part of the measure)."""
+    (its HTTP transport, SSE parsing and chunk assembly are then part of the measure; ``tls``:
+    the mock over TLS)."""
     _raise_nofile(streams * 4 + 256)
     with contextlib.ExitStack() as stack:
         if backend == "cerebras":
-            url, _mock_pid = stack.enter_context(mock_process())
+            url, _mock_pid = stack.enter_context(mock_process(tls))
             os.environ.setdefault("CEREBRAS_API_KEY", "bench")
             base, pid = stack.enter_context(server("--backend", "cerebras", "--base-url", url, pythonpath=server_path))
             r = _run(_fanout(base, pid, streams, tokens, rounds, rate))
@@ -298,4 +300,6 @@ def bench_fanout(
             r = _run(_fanout(base, pid, streams, tokens, rounds))
     r["backend"] = backend
     r["target_rate"] = rate
+    if backend == "cerebras":
+        r["mock_tls"] = tls
     return r
