@@ -63,8 +63,9 @@ RESPOND = "hotloop.http.respond"
 the server's default headers, then ``headers``, which must include ``content-length``) and
 ``body``, in one write, and completes the request, as ``send`` does for ``http.response.start``
 and one final ``http.response.body`` but without the two awaits or a check of each header
-(the application's own). Returns false, writing nothing, when uvicorn must do it instead (its
-access log is on: it writes the line) or the response has started; then ``send`` as usual."""
+(the application's own). Returns false, writing nothing, when uvicorn must do it instead: its
+access log is on (it writes the line), the client is not taking what was written (its ``send``
+waits for it), or the response has started; then ``send`` as usual."""
 
 # Request body bytes buffered before the application is woken to take them (and reading pauses
 # until it has): a body up to this size reaches the application in one piece, at its end.
