@@ -191,7 +191,7 @@ def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
     return RawInput(opened, raw.lead) if opened is not None else None
 
 
-def _lead(body: bytes, raw: bytes) -> bytes | None:
+def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:
     """The body's bytes before its ``input`` array (``raw``, the top-level value the decoder
     found), or ``None``: the first ``"input"`` in the body must be a key (a colon follows; inside
     a JSON string a quote is escaped, so a string cannot fake it) followed by ``raw``, and no
@@ -213,7 +213,7 @@ def _lead(body: bytes, raw: bytes) -> bytes | None:
         i += 1
     if not body.startswith(raw, i) or body.find(b'"input"', i + len(raw)) >= 0:
         return None
-    return body[:i]
+    return bytes(body[:i])
 
 
 def _lazy_struct() -> Any:
@@ -255,7 +255,7 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     return False
 
 
-def _by_body(cache: PrefixCache, owner: str, body: bytes) -> tuple[Any, Prefix, RawInput] | None:
+def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[Any, Prefix, RawInput] | None:
     """A body that starts with the very bytes of a registered request up to its last input item
     (same fields before ``input``, same items), then more items: the request decoded from a body
     without those items (only the new ones are scanned), the hit, and its raw input."""
@@ -277,7 +277,7 @@ def _by_body(cache: PrefixCache, owner: str, body: bytes) -> tuple[Any, Prefix, 
 
 
 def decode_create(
-    body: bytes, cache: PrefixCache | None, owner: str
+    body: bytes | bytearray, cache: PrefixCache | None, owner: str
 ) -> tuple[CreateRequest, Prefix | None, RawInput | None]:
     """Decode an HTTP body for :meth:`Engine.start`: the request (with only the items after a
     prefix hit as its ``input``), the hit, and the raw ``input`` array to register later.
@@ -308,7 +308,7 @@ def decode_frame(
     return got[0], (got[1], got[2])
 
 
-def _decode(body: bytes, cache: PrefixCache, owner: str) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
+def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
     """The request of ``body`` with its prefix hit and raw input (``None``: anything unusual)."""
     try:
         prefix: Prefix | None

@@ -318,7 +318,7 @@ def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> er
 TOO_DEEP = "The JSON is nested too deeply."
 
 
-def decode_body(body: bytes | str) -> CreateRequest:
+def decode_body(body: bytes | bytearray | str) -> CreateRequest:
     """Decode a JSON body. Raises :class:`errors.InvalidRequest` (never anything else)."""
     try:
         return _decoder.decode(body)

@@ -24,7 +24,7 @@ from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
-from hotloop.server.httpproto import CORK, ON_DISCONNECT, RESPOND, SEND_NOW
+from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
 from hotloop.tenants import Tenant
@@ -160,7 +160,7 @@ class HttpTransport:
             raise errors.ModelNotFound(f"The model '{errors.clip(model_id)}' does not exist.", param="model")
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
-            return await self._input_tokens(receive, respond, scope_)
+            return await self._input_tokens(_receiver(scope, receive), respond, scope_)
         if path.startswith("/v1/responses/"):
             rest = path[len("/v1/responses/") :].split("/")
             rid_ = rest[0]
@@ -183,9 +183,11 @@ class HttpTransport:
         if method != allowed:
             raise errors.MethodNotAllowed(f"Method {method} is not allowed here; use {allowed}.")
 
-    async def _body(self, receive: Receive) -> bytes:
+    async def _body(self, receive: Receive) -> bytes | bytearray:
+        """The request body; hotloop's HTTP protocol hands a body it read directly into its own
+        buffer over as that ``bytearray`` (not copied again)."""
         limit = self.app.config.max_body_bytes
-        chunks: list[bytes] = []
+        chunks: list[bytes | bytearray] = []
         size = 0
         while True:
             msg = await receive()
@@ -197,7 +199,7 @@ class HttpTransport:
                 raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
             chunks.append(body)
             if not msg.get("more_body"):
-                return b"".join(chunks)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _create(
         self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant, timing: list[str]
@@ -206,7 +208,7 @@ class HttpTransport:
         t0 = time.perf_counter()
         engine = self.app.engine
         # A full-history input is matched against the owner's cached prefixes by its raw bytes.
-        req, prefix, raw = reuse.decode_create(await self._body(receive), engine.prefixes, tenant.id)
+        req, prefix, raw = reuse.decode_create(await self._body(_receiver(scope, receive)), engine.prefixes, tenant.id)
         # A client that disconnects (an aborted stream, a timed-out JSON request) cancels the
         # generation, so the backend stops producing tokens nobody will read. hotloop's protocol
         # calls back when the connection is lost; elsewhere another task waits for the client to
@@ -529,6 +531,13 @@ async def _disconnected(receive: Receive) -> None:
     while True:
         if (await receive())["type"] == "http.disconnect":
             return
+
+
+def _receiver(scope: Scope, receive: Receive) -> Receive:
+    """What reads the request's body: hotloop's protocol's ``receive``, which hands over a body
+    it read into its own buffer without copying it (:data:`RECEIVE`), or the server's."""
+    fn: Receive | None = scope.get("extensions", {}).get(RECEIVE)
+    return receive if fn is None else fn
 
 
 def _timing(run: Any, t0: float) -> list[str]:

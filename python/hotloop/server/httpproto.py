@@ -16,10 +16,17 @@ counted (uvicorn's keep-alive timeout closes those), nor is the time the applica
 answer. A WebSocket handshake is a request head like any other; once upgraded, the connection
 belongs to :class:`~hotloop.server.wsproto.CorkedWebSocketProtocol`.
 
+Request bodies. A Content-Length body of up to ``BODY_BUFFER`` bytes is read by the kernel straight
+into the buffer the application receives (:class:`HttpReader`, ``get_buffer``); other bodies are
+collected from the parser and handed over whole. Either way the application is woken once per
+body, not once per read.
+
 Relies on ``HttpToolsProtocol`` internals (``connections``, ``transport``, ``cycle``, ``parser``,
-``server_state``, ``logger``, the parser callbacks and ``handle_websocket_upgrade``) and, for the
-scope extensions below, on ``RequestResponseCycle``'s response state and ``STATUS_LINE``: the uvicorn
-version range is pinned in ``pyproject.toml`` and the integration tests run through this class.
+``headers``, ``server_state``, ``logger``, the parser callbacks and ``handle_websocket_upgrade``)
+and, for the scope extensions below, on ``RequestResponseCycle``'s request and response state
+(``body``, ``more_body``, ``message_event``, ``flow``, ``waiting_for_100_continue``) and
+``STATUS_LINE``: the uvicorn version range is pinned in ``pyproject.toml`` and the integration
+tests run through this class.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from hotloop import errors
@@ -67,15 +75,29 @@ and one final ``http.response.body`` but without the two awaits or a check of ea
 access log is on (it writes the line), the client is not taking what was written (its ``send``
 waits for it), or the response has started; then ``send`` as usual."""
 
+RECEIVE = "hotloop.http.receive"
+"""Scope extension: ``await receive()`` is the request's ``receive`` without its copy of the
+body: a body this protocol read straight into its own buffer (see ``get_buffer``) arrives as that
+``bytearray``, where uvicorn's ``receive`` would copy it into a new ``bytes``."""
+
 # Request body bytes buffered before the application is woken to take them (and reading pauses
 # until it has): a body up to this size reaches the application in one piece, at its end.
 BODY_BUFFER = 1024 * 1024
+# The bytes a read takes when it is not a body's (a request head, a chunked body): one buffer per
+# server, which each read's bytes leave before the next read (the parser copies what it keeps).
+READ_BUFFER = 64 * 1024
+# Body buffers allocated ahead of their bytes (a body read directly is given its declared size
+# when its head is complete), at most this many bytes at once per server: beyond it, a body is
+# read through the parser, into memory as its bytes arrive. A client that declares a body and
+# sends nothing cannot make the server hold more than this.
+DIRECT_BODY_BYTES = 64 * 1024 * 1024
+_HEAD_END = b"\r\n\r\n"
 
 
 class Limits:
     """One server's connection count and read timeout, shared by its protocol instances."""
 
-    __slots__ = ("max_connections", "read_timeout", "admitted", "rejected", "timed_out")
+    __slots__ = ("max_connections", "read_timeout", "admitted", "rejected", "timed_out", "scratch", "direct_bytes")
 
     def __init__(self, max_connections: int, read_timeout: float) -> None:
         self.max_connections = max_connections
@@ -83,6 +105,9 @@ class Limits:
         self.admitted: set[Any] = set()  # transports of the connections served now
         self.rejected = 0  # connections answered 503 (since start)
         self.timed_out = 0  # connections closed by the read timeout (since start)
+        # what the server's reads of request heads go into (its event loop reads one at a time)
+        self.scratch = bytearray(READ_BUFFER)
+        self.direct_bytes = 0  # the buffers of bodies being read directly (DIRECT_BODY_BYTES)
 
     def admit(self, transport: Any) -> bool:
         if len(self.admitted) >= self.max_connections:
@@ -132,8 +157,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._read_due = 0.0  # the time the read timer was set for
         self._rejected_head = b""
         self._gone: tuple[Any, Callable[[], None]] | None = None  # (cycle, ON_DISCONNECT callback)
-        self._body_parts: list[bytes] = []  # the request body's reads not yet handed over
+        self._body_parts: list[bytes | bytearray] = []  # the request body's reads not yet handed over
         self._body_size = 0
+        # A body read straight into its own buffer (see get_buffer), and how much of it has come
+        self._into: bytearray | None = None
+        self._filled = 0
+        self._upgraded = False
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -146,6 +175,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm(cancel=True)
+        self._drop_into()  # a body cut short
         self.limits.release(self.transport)
         if not self._admitted:
             return
@@ -164,6 +194,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             extensions[SEND_NOW] = functools.partial(_send_now, cycle)
             extensions[CORK] = functools.partial(_cork, cycle)
             extensions[RESPOND] = functools.partial(_respond, cycle)
+            extensions[RECEIVE] = functools.partial(_receive, cycle)
+            size = _direct_size(self.headers)
+            if size and self.limits.direct_bytes + size <= DIRECT_BODY_BYTES:
+                self.limits.direct_bytes += size
+                self._into = bytearray(size)
+                self._filled = 0
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.
@@ -177,7 +213,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._admitted:
-            super().data_received(data)
+            self._feed(data, 0, len(data))
             return
         # beyond the limit: wait for the head, answer 503, close (nothing reaches the app)
         if self.transport.is_closing():
@@ -191,6 +227,70 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         elif len(self._rejected_head) > MAX_REJECTED_HEAD:
             self._disarm()
             self.transport.close()
+
+    # -- reading a body straight into its buffer ---------------------------------------------------
+
+    # A request with a Content-Length body of at most BODY_BUFFER bytes (no Transfer-Encoding, no
+    # Expect) gets a buffer of that size when its head is complete, and the reads after the head
+    # go into it (get_buffer): the kernel copies the body where the application will read it,
+    # instead of into the loop's read buffer, then a bytes object per read, then the parser's
+    # bytes per piece, then a joined body. The parser sees the head alone; once the body is in,
+    # the connection gets a fresh parser for its next request (the old one still counts the
+    # body it never saw). Everything else (heads, chunked bodies, larger bodies) goes through
+    # the parser as before, read into the server's scratch buffer.
+
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        into = self._into
+        if into is not None:
+            return memoryview(into)[self._filled :]
+        return self.limits.scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        into = self._into
+        if into is not None:
+            self._unset_keepalive_if_required()
+            self._filled += nbytes
+            if self._filled == len(into):
+                self._body_read()
+            return
+        scratch = self.limits.scratch
+        if self._admitted:
+            self._feed(scratch, 0, nbytes)
+        else:
+            self.data_received(bytes(scratch[:nbytes]))
+
+    def _feed(self, data: bytes | bytearray, start: int, stop: int) -> None:
+        """Hand ``data[start:stop]`` (one read) to the parser, a request head at a time, and
+        what follows a head whose body is read directly to that body."""
+        view = memoryview(data)
+        while start < stop:
+            into = self._into
+            if into is not None:  # the rest of the read is (the start of) the body
+                k = min(stop - start, len(into) - self._filled)
+                into[self._filled : self._filled + k] = view[start : start + k]
+                self._filled += k
+                start += k
+                if self._filled == len(into):
+                    self._body_read()
+                continue
+            if self._upgraded or self.parser is None or self.transport.is_closing():
+                return  # upgraded, or answered 400 and closing: the rest is not this protocol's
+            end = data.find(_HEAD_END, start, stop)
+            cut = stop if end < 0 else end + len(_HEAD_END)
+            super().data_received(view[start:cut])  # type: ignore[arg-type]
+            start = cut
+
+    def _drop_into(self) -> None:
+        into = self._into
+        if into is not None:
+            self._into = None
+            self.limits.direct_bytes -= len(into)
+
+    def _body_read(self) -> None:
+        """The directly read body is complete: the request's message is."""
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
+        self.on_message_complete()
 
     # -- read timeout ---------------------------------------------------------------------------
 
@@ -239,6 +339,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        into = self._into
+        if into is not None:  # read whole (by the parser or directly)
+            self._drop_into()
+            self._body_parts = [into]
         if self.cycle is not None:
             self._hand_body(self.cycle)
         super().on_message_complete()
@@ -249,6 +353,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # has taken them: a 200 KB body cost four wake-ups, four pauses and three copies. Here
         # the reads are kept as they are until the body is complete (or BODY_BUFFER bytes wait)
         # and handed over joined, as bytes, which uvicorn's receive() passes on without a copy.
+        into = self._into
+        if into is not None:  # a head's last bytes came with the start of its body
+            into[self._filled : self._filled + len(body)] = body
+            self._filled += len(body)
+            return
         cycle = self.cycle
         if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
             return
@@ -269,6 +378,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._disarm(cancel=True)  # the handshake's request arrived in time
+        self._upgraded = True
         super().handle_websocket_upgrade()
 
     def _read_timed_out(self) -> None:
@@ -290,6 +400,52 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
             cycle.message_event.set()
         transport.close()
+
+
+def _direct_size(headers: list[tuple[bytes, bytes]]) -> int:
+    """The body size of a request whose body is read directly (0: read through the parser): a
+    single Content-Length of 1..BODY_BUFFER bytes, and neither Transfer-Encoding nor Expect."""
+    size = 0
+    for name, value in headers:
+        if name == b"content-length":
+            if size or not value.isdigit():
+                return 0
+            size = int(value)
+        elif name == b"transfer-encoding" or name == b"expect":
+            return 0
+    return size if size <= BODY_BUFFER else 0
+
+
+class HttpReader(asyncio.BufferedProtocol):
+    """What the transport reads for: the connection's :class:`BoundedHttpToolsProtocol`
+    (``protocol``, set on a subclass), created with uvicorn's arguments. uvloop reads into a
+    protocol's own buffers only for a ``BufferedProtocol`` that is not a ``Protocol``, which
+    uvicorn's protocol is; this forwards the transport's calls to it (its ``get_buffer`` and
+    ``buffer_updated`` are the protocol's own bound methods: no call in between)."""
+
+    __slots__ = ("http", "get_buffer", "buffer_updated")  # type: ignore[misc]
+    protocol: type["BoundedHttpToolsProtocol"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        http = self.protocol(*args, **kwargs)
+        self.http = http
+        self.get_buffer = http.get_buffer  # type: ignore[method-assign]
+        self.buffer_updated = http.buffer_updated  # type: ignore[method-assign]
+
+    def connection_made(self, transport: Any) -> None:
+        self.http.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.http.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+    def eof_received(self) -> None:
+        self.http.eof_received()
 
 
 def _peer(client: tuple[str, int] | None) -> str:
@@ -342,6 +498,23 @@ def _respond(cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: 
         cycle.transport.close()
     cycle.on_response()  # the connection's next request: a pipelined one, or the keep-alive timer
     return True
+
+
+async def _receive(cycle: Any) -> dict[str, Any]:
+    """:data:`RECEIVE` for one request's ``RequestResponseCycle``: its ``receive``, but the body
+    as the protocol handed it over (``BoundedHttpToolsProtocol._hand_body``)."""
+    if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    if not cycle.disconnected and not cycle.response_complete:
+        cycle.flow.resume_reading()
+        await cycle.message_event.wait()
+        cycle.message_event.clear()
+    if cycle.disconnected or cycle.response_complete:
+        return {"type": "http.disconnect"}
+    body = cycle.body
+    cycle.body = b""
+    return {"type": "http.request", "body": body, "more_body": cycle.more_body}
 
 
 class _Corked:

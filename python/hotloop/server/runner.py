@@ -24,7 +24,7 @@ from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.shared import SharedPersistence
 from hotloop.server.app import HotloopApp, make_tenancy
 from hotloop.server.logs import log_config
-from hotloop.server.httpproto import BoundedHttpToolsProtocol, Limits
+from hotloop.server.httpproto import BoundedHttpToolsProtocol, HttpReader, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.fpkey import KeyFileError
 from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
@@ -83,7 +83,8 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         loop = "asyncio"
     # One Limits per server: its HTTP and WebSocket protocols share the connection count.
     limits = Limits(config.max_connections, config.request_read_timeout)
-    http = type("HttpProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
+    protocol = type("HttpProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
+    http = type("HttpReader", (HttpReader,), {"protocol": protocol})
     ws = type("WebSocketProtocol", (CorkedWebSocketProtocol,), {"limits": limits})
     return uvicorn.Config(
         app,

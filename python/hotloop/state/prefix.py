@@ -274,12 +274,12 @@ class PrefixCache:
         self._d.move_to_end(key)
         return group
 
-    def by_body(self, owner: str, body: bytes) -> tuple[Prefix, int] | None:
+    def by_body(self, owner: str, body: bytes | bytearray) -> tuple[Prefix, int] | None:
         """The longest registered request of ``owner`` whose body bytes up to its last input item
         ``body`` starts with, and where those bytes end in ``body``."""
         best: Prefix | None = None
         end = 0
-        for p in self._bodies.get((owner, body[:BODY_KEY]), ()):
+        for p in self._bodies.get((owner, bytes(body[:BODY_KEY])), ()):
             lead, raw = p.lead, p.raw
             if lead is None or raw is None or (best is not None and p.n <= best.n):
                 continue
