@@ -234,6 +234,13 @@ class ServerScenarios:
 
     track_http_full_history_over_ws.unit = "ratio"  # type: ignore[attr-defined]
 
+    def track_http_full_history_over_ws_process(self) -> float:
+        from hotloop.bench import bench_loop
+
+        return float(bench_loop("http-loop", 40, 2048)["process_http_over_ws_paired_p50"])
+
+    track_http_full_history_over_ws_process.unit = "ratio"  # type: ignore[attr-defined]
+
     def track_stream_cpu_per_event_unpaced_us(self) -> float:
         from hotloop.bench import bench_stream
 

@@ -274,3 +274,15 @@ def test_a_bench_server_leaves_no_data_directory_behind(tmp_path: Any, monkeypat
         assert r.status_code == 200
         assert (made[0] / "hotloop.sqlite3").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_http_loop_reports_both_conversations_from_the_marks_and_the_whole_process() -> None:
+    from hotloop.bench import bench_loop
+
+    out = bench_loop("http-loop", 6, 512)
+    assert out["turns"] == 6 and out["turns_with_cached_tokens"] == 5  # every turn after the first
+    for key in ("server_cpu_per_turn_p50_us", "ws_cpu_per_turn_p50_us", "process_cpu_per_turn_p50_us", "process_ws_cpu_per_turn_p50_us"):
+        assert out[key] > 0, key
+    # the whole process's CPU for a turn holds the turn's own (its reading, parsing and writing too)
+    assert out["process_cpu_per_turn_p50_us"] > out["server_cpu_per_turn_p50_us"]
+    assert out["process_http_over_ws_paired_p50"] > 0 and out["process_http_over_ws_last5"] > 0

@@ -333,15 +333,23 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
     both alike), reporting the cached tokens and the ratio of the two costs."""
     usage: list[tuple[int, int]] = []
     ws_cpu: list[float] = []
-    with server("--sim-rate", "0") as (base, _pid):
+    # The whole server process's CPU from each turn's request to its answer (every thread, the
+    # request's reading and parsing and the response's writing included): the per-turn figures
+    # from the server's own marks begin once the request's task runs and the turn is known.
+    proc: list[float] = []
+    proc_ws: list[float] = []
+    with server("--sim-rate", "0") as (base, pid):
         (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
         if kind == "http-loop":
             _ws_loop(base, 3, new_bytes, seed + 2)
         skip = len(_stats(base))
         if kind == "ws-loop":
-            _ws_loop(base, turns, new_bytes, seed)
+            for _ in _timed(_ws_turns(base, turns, new_bytes, seed), pid, proc):
+                pass
         else:
-            for u, _ in zip(_http_turns(base, turns, new_bytes, seed), _ws_turns(base, turns, new_bytes, seed)):
+            hi = _timed(_http_turns(base, turns, new_bytes, seed), pid, proc)
+            wi = _timed(_ws_turns(base, turns, new_bytes, seed), pid, proc_ws)
+            for u, _ in zip(hi, wi):
                 usage.append(u)
         stats = _stats(base)[skip:]
         # turn_stats' transport: "ws" for WebSocket turns, "json" for non-streaming HTTP
@@ -358,6 +366,8 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
         "first5_mean_us": round(head, 1),
         "last5_mean_us": round(tail, 1),
         "last_over_first": round(tail / head, 3),
+        "process_cpu_per_turn_p50_us": round(_pct(proc, 0.5), 1),
+        "process_last5_mean_us": round(statistics.mean(proc[-5:]), 1),
     }
     if usage:
         tail_ws = statistics.mean(ws_cpu[-5:])
@@ -373,9 +383,27 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
                 "http_over_ws_last5": round(tail / tail_ws, 3),
                 # turn i over HTTP against turn i over WebSocket, run one after the other
                 "http_over_ws_paired_p50": round(_pct([h / w for h, w in zip(cpu, ws_cpu)], 0.5), 3),
+                # the same from the whole process's CPU
+                "process_ws_cpu_per_turn_p50_us": round(_pct(proc_ws, 0.5), 1),
+                "process_http_over_ws_paired_p50": round(_pct([h / w for h, w in zip(proc, proc_ws)], 0.5), 3),
+                "process_http_over_ws_last5": round(statistics.mean(proc[-5:]) / statistics.mean(proc_ws[-5:]), 3),
             }
         )
     return out
+
+
+def _timed(turns: Iterator[Any], pid: int, into: list[float]) -> Iterator[Any]:
+    """``turns``, each turn's whole-process server CPU (us) appended to ``into``."""
+    from hotloop.bench.turns import process_cpu_ns
+
+    while True:
+        c = process_cpu_ns(pid)
+        try:
+            got = next(turns)
+        except StopIteration:
+            return
+        into.append((process_cpu_ns(pid) - c) / 1e3)
+        yield got
 
 
 def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
