@@ -101,3 +101,18 @@ def encode_sse(event_type, payload):
     memcpy(p + 14 + tl, PyBytes_AS_STRING(payload), n)
     memcpy(p + 14 + tl + n, b"\n\n", 2)
     return out
+
+
+from cpython.bytearray cimport PyByteArray_FromStringAndSize
+
+
+def body_buffer(Py_ssize_t size):
+    """A ``bytearray`` of ``size`` bytes whose contents are not set; see ``_frames.pyi``."""
+    if size < 0:
+        return _twin_body_buffer(size)
+    return PyByteArray_FromStringAndSize(NULL, size)
+
+
+cdef object _twin_body_buffer(size):
+    from hotloop._pure import body_buffer
+    return body_buffer(size)

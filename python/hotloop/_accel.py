@@ -37,6 +37,7 @@ __all__ = [
     "ItemChain",
     "SecretScanner",
     "SseDecoder",
+    "body_buffer",
     "encode_delta",
     "encode_sse",
     "plain_delta",
@@ -56,7 +57,7 @@ PURE_REQUESTED: bool = pure_requested()
 # module providing each name -> the names it provides
 _PROVIDERS: dict[str, tuple[str, ...]] = {
     "hotloop._native": ("Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner", "DeltaLane", "plain_delta"),
-    "hotloop._frames": ("encode_delta", "encode_sse"),
+    "hotloop._frames": ("encode_delta", "encode_sse", "body_buffer"),
 }
 
 
@@ -95,6 +96,7 @@ if _ERRORS:
     )
 
 if TYPE_CHECKING:
+    from hotloop._frames import body_buffer as body_buffer
     from hotloop._frames import encode_delta as encode_delta
     from hotloop._frames import encode_sse as encode_sse
     from hotloop._native import Fingerprinter as Fingerprinter
@@ -110,6 +112,7 @@ else:
     SecretScanner = _IMPLS["SecretScanner"]
     encode_delta = _IMPLS["encode_delta"]
     encode_sse = _IMPLS["encode_sse"]
+    body_buffer = _IMPLS["body_buffer"]
     DeltaLane = _IMPLS["DeltaLane"]
     plain_delta = _IMPLS["plain_delta"]
 

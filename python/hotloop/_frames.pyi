@@ -27,3 +27,9 @@ def encode_delta(
 def encode_sse(event_type: str, payload: bytes) -> bytes:
     """One Server-Sent Event: ``b"event: " + event_type.encode() + b"\\ndata: " + payload +
     b"\\n\\n"``. ``payload`` must already be one line (JSON without raw newlines)."""
+
+def body_buffer(size: int) -> bytearray:
+    """A ``bytearray`` of ``size`` bytes for a request body that the socket's reads will fill
+    (``hotloop.server.httpproto``). Its contents are not set (``bytearray(size)`` zeroes them,
+    a pass over the memory that costs about as much as the read that fills it): nothing may
+    read it before it is filled. ``ValueError`` for a negative size, as ``bytearray(size)``."""

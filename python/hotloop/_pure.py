@@ -570,6 +570,14 @@ def encode_sse(event_type: str, payload: bytes) -> bytes:
     return b"".join((b"event: ", event_type.encode("utf-8"), b"\ndata: ", payload, b"\n\n"))
 
 
+def body_buffer(size: int) -> bytearray:
+    """A ``bytearray`` of ``size`` bytes for a request body that reads will fill (the native
+    twin leaves its contents unset; here they are zeros)."""
+    if size < 0:
+        raise ValueError("negative count")
+    return bytearray(size)
+
+
 # -- secret scanner ----------------------------------------------------------------------------
 #
 # SECRET_PATTERNS is THE pattern table: the Rust scanner (``hotloop._native.SecretScanner``) is

@@ -274,6 +274,26 @@ def test_encode_sse_errors_agree(event_type: Any, payload: Any) -> None:
     assert n == outcome(IMPLS["pure"]["encode_sse"], event_type, payload)
 
 
+# -- body_buffer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 200_000, 1024 * 1024])
+def test_body_buffer(impl: Impl, size: int) -> None:
+    buf = impl["body_buffer"](size)
+    assert type(buf) is bytearray and len(buf) == size
+    # writable through a view, as the socket's reads fill it
+    if size:
+        memoryview(buf)[size - 1 :] = b"x"
+        assert buf[-1:] == b"x"
+
+
+@pytest.mark.parametrize("size", [-1, 1.5, "3", None, 2**70])
+def test_body_buffer_errors_agree(size: Any) -> None:
+    n = outcome(IMPLS["native"]["body_buffer"], size)
+    assert n[0] == "err"
+    assert n == outcome(IMPLS["pure"]["body_buffer"], size)
+
+
 # -- SecretScanner ------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from hotloop import errors
+from hotloop._accel import body_buffer
 from hotloop.protocol import events as ev
 from hotloop.server.common import request_id
 
@@ -198,7 +199,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             size = _direct_size(self.headers)
             if size and self.limits.direct_bytes + size <= DIRECT_BODY_BYTES:
                 self.limits.direct_bytes += size
-                self._into = bytearray(size)
+                self._into = body_buffer(size)  # not zeroed: nothing reads it before it is full
                 self._filled = 0
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
