@@ -50,6 +50,7 @@ def test_accel_resolved_every_name_natively() -> None:
         "plain_delta": "hotloop._native",
         "encode_delta": "hotloop._frames",
         "encode_sse": "hotloop._frames",
+        "body_buffer": "hotloop._frames",
     }
     assert expected == _accel.BACKEND_NAMES
     for name, module_name in expected.items():

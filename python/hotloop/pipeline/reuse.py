@@ -255,10 +255,20 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     return False
 
 
-def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[Any, Prefix, RawInput] | None:
+class _InputSpan(msgspec.Struct):
+    """Where a body's ``input`` is (the decoder only scans the rest)."""
+
+    input: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_span_decoder: Any = msgspec.json.Decoder(_InputSpan)
+
+
+def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[CreateRequest, Prefix, RawInput] | None:
     """A body that starts with the very bytes of a registered request up to its last input item
     (same fields before ``input``, same items), then more items: the request decoded from a body
-    without those items (only the new ones are scanned), the hit, and its raw input."""
+    without those items (only the new ones are decoded, as its ``input``), the hit, and its raw
+    input."""
     found = cache.by_body(owner, body)
     if found is None:
         return None
@@ -267,13 +277,14 @@ def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[A
     rest = body[end:].lstrip(_WS)
     if rest[:1] != b"," or b'"input"' in rest or lead is None:
         return None
-    lazy = _lazy_decoder.decode(lead + b"[" + rest[1:])
-    tail = bytes(lazy.input)  # "[" + the new items + "]"
+    short = lead + b"[" + rest[1:]  # the body without the registered items
+    req = decode_body(short)
+    tail = len(_span_decoder.decode(short).input)  # "[" + the new items + "]"
     start = len(body) - len(rest) + 1  # where the new items start in the body
-    raw = memoryview(body)[len(lead) : start + len(tail) - 1]  # a view: no copy of the history
+    raw = memoryview(body)[len(lead) : start + tail - 1]  # a view: no copy of the history
     cache.raw_hits += 1
     cache.body_hits += 1
-    return lazy, p, RawInput(raw, lead)
+    return req, p, RawInput(raw, lead)
 
 
 def decode_create(
@@ -308,34 +319,43 @@ def decode_frame(
     return got[0], (got[1], got[2])
 
 
+def _suffix(
+    req: CreateRequest, prefix: Prefix, raw_input: RawInput, cache: PrefixCache, owner: str
+) -> tuple[CreateRequest, Prefix | None, RawInput]:
+    """A raw hit's request, whose ``input`` holds the items after the prefix, validated; or, when
+    a longer registered input may exist, the whole request, to be matched by fingerprint."""
+    p = validate(req)  # the suffix alone; an error is reported against the whole input below
+    if _longer(cache, owner, prefix.n, p.items):
+        # matched by fingerprint in Engine.start, which finds the longest prefix
+        return msgspec.structs.replace(req, input=msgspec.json.decode(raw_input.raw)), None, raw_input
+    raw_input.prepared = p
+    return req, prefix, raw_input
+
+
 def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
     """The request of ``body`` with its prefix hit and raw input (``None``: anything unusual)."""
     try:
         prefix: Prefix | None
         by_body = _by_body(cache, owner, body) if len(cache) else None
         if by_body is not None:
-            lazy, prefix, raw_input = by_body
-            suffix_raw: bytes | None = bytes(lazy.input)
-        else:
-            lazy = _lazy_decoder.decode(body)
-            raw = bytes(lazy.input)
-            if lazy.previous_response_id is not None or raw[:1] != b"[":
-                value = msgspec.json.decode(raw)  # a continuation, or a string input: nothing to match
-                return (_with_input(lazy, value), None, None) if value is None or type(value) is str or type(value) is list else None
-            raw_input = RawInput(raw, _lead(body, raw))
-            hit = split_raw(cache, owner, raw)
-            prefix, suffix_raw = hit if hit is not None else (None, None)
+            req, prefix, raw_input = by_body
+            suffix = req.input
+            if req.previous_response_id is not None or type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:
+                return None
+            return _suffix(req, prefix, raw_input, cache, owner)
+        lazy = _lazy_decoder.decode(body)
+        raw = bytes(lazy.input)
+        if lazy.previous_response_id is not None or raw[:1] != b"[":
+            value = msgspec.json.decode(raw)  # a continuation, or a string input: nothing to match
+            return (_with_input(lazy, value), None, None) if value is None or type(value) is str or type(value) is list else None
+        raw_input = RawInput(raw, _lead(body, raw))
+        hit = split_raw(cache, owner, raw)
+        prefix, suffix_raw = hit if hit is not None else (None, None)
         if prefix is not None and suffix_raw is not None:
             suffix = msgspec.json.decode(suffix_raw)
             if lazy.previous_response_id is not None or type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:
                 return None
-            req = _with_input(lazy, suffix)
-            p = validate(req)  # the suffix alone; an error is reported against the whole input below
-            if _longer(cache, owner, prefix.n, p.items):
-                # matched by fingerprint in Engine.start, which finds the longest prefix
-                return _with_input(lazy, msgspec.json.decode(raw_input.raw)), None, raw_input
-            raw_input.prepared = p
-            return req, prefix, raw_input
+            return _suffix(_with_input(lazy, suffix), prefix, raw_input, cache, owner)
         value = msgspec.json.decode(raw_input.raw)
         if type(value) is not list:
             return None
