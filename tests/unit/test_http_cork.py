@@ -329,3 +329,17 @@ def test_the_answer_waits_for_the_submission_only_while_the_writer_is_behind(tmp
             await app.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_forwarded_headers_are_read_only_for_the_access_log(tmp_path: Any, access_log: bool) -> None:
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    config = Config(store="memory", sim_rate=0, data_dir=str(tmp_path), access_log=access_log)
+    app = make_app(config)
+    ucfg = uvicorn_config(app, config)
+    ucfg.load()
+    # without the access log (hotloop never reads the client's address) the app is called
+    # directly: no middleware coroutine in every request's chain
+    assert (type(ucfg.loaded_app) is ProxyHeadersMiddleware) is access_log
+    assert (ucfg.loaded_app is app) is not access_log

@@ -326,7 +326,7 @@ def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[i
     return list(_http_turns(base, turns, new_bytes, seed))
 
 
-def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str, Any]:
+def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None) -> dict[str, Any]:
     """``ws-loop``: chained WebSocket turns. ``http-loop``: a client resending its whole history
     over HTTP (prefix reuse) and, on the same server, the same conversation as chained WebSocket
     turns, the two interleaved turn by turn (so that a machine slowing down for a while slows
@@ -338,7 +338,7 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0) -> dict[str
     # from the server's own marks begin once the request's task runs and the turn is known.
     proc: list[float] = []
     proc_ws: list[float] = []
-    with server("--sim-rate", "0") as (base, pid):
+    with server("--sim-rate", "0", pythonpath=server_path) as (base, pid):
         (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
         if kind == "http-loop":
             _ws_loop(base, 3, new_bytes, seed + 2)
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fanout-backend", choices=["simulator", "cerebras"], default="simulator",
         help="ws-fanout: the simulator, or the Cerebras backend against the paced mock",
     )
-    p.add_argument("--server-path", help="idle-ws, ws-fanout, paired (server B): a python/ directory first on the server's PYTHONPATH")
+    p.add_argument("--server-path", help="idle-ws, ws-fanout, ws-loop, http-loop, paired (server B): a python/ directory first on the server's PYTHONPATH")
     p.add_argument("--base-path", help="paired: server A's python/ directory (default: the installed hotloop)")
     p.add_argument(
         "--server-args", default="",
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_stream(args.tokens, args.rate, backend="cerebras", tls=args.mock_tls))
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
-            results.append(bench_loop(kind, args.turns, args.new_bytes))
+            results.append(bench_loop(kind, args.turns, args.new_bytes, server_path=args.server_path))
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
     if args.scenario in ("all", "agent-turns"):

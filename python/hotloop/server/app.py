@@ -66,10 +66,12 @@ class HotloopApp:
             conns = self.open_connections
             conns[kind] += 1
             try:
+                # each coroutine in a request's chain is resumed at its every wake-up: no
+                # pass-through layers here
                 if kind == "http":
-                    await self._http(scope, receive, send)
+                    await self.http(scope, receive, send)
                 else:
-                    await self._websocket(scope, receive, send)
+                    await serve_websocket(self, scope, receive, send)
             finally:
                 conns[kind] -= 1
         elif kind == "lifespan":
@@ -167,14 +169,6 @@ class HotloopApp:
     def ws_queued(self) -> int:
         """response.create frames accepted on WebSocket connections and not yet finished."""
         return sum(c.session.queued for c in self.ws_deadlines.connections() if c.session is not None)
-
-    # -- transports ----------------------------------------------------------------------------
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.http(scope, receive, send)
-
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_websocket(self, scope, receive, send)
 
 
 def make_tenancy(config: Config, keys: KeyStore) -> Tenancy:

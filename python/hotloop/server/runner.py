@@ -85,6 +85,7 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
     limits = Limits(config.max_connections, config.request_read_timeout)
     protocol = type("HttpProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
     http = type("HttpReader", (HttpReader,), {"protocol": protocol})
+    access_log = config.access_log or config.log_level == "debug"
     ws = type("WebSocketProtocol", (CorkedWebSocketProtocol,), {"limits": limits})
     return uvicorn.Config(
         app,
@@ -97,7 +98,11 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         ws_max_size=config.max_body_bytes,
         lifespan="on",
         log_level=config.log_level,
-        access_log=config.access_log or config.log_level == "debug",
+        access_log=access_log,
+        # X-Forwarded-For/-Proto from a trusted proxy (FORWARDED_ALLOW_IPS) are read for the
+        # access log's client address alone (hotloop itself never looks at it): without the log,
+        # no middleware layer on every request
+        proxy_headers=access_log,
         # SIGTERM/SIGINT: stop accepting, let responses in flight finish within the grace (a WebSocket
         # closes with 1001 once idle: CorkedWebSocketProtocol.shutdown); at its end they fail with
         # server_error (HotloopApp.stopping), and what still runs ABORT_WINDOW later is cancelled;
