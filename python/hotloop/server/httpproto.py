@@ -231,8 +231,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- reading a body straight into its buffer ---------------------------------------------------
 
-    # A request with a Content-Length body of at most BODY_BUFFER bytes (no Transfer-Encoding, no
-    # Expect) gets a buffer of that size when its head is complete, and the reads after the head
+    # A request with a Content-Length body of READ_BUFFER to BODY_BUFFER bytes (no
+    # Transfer-Encoding, no Expect) gets a buffer of that size when its head is complete, and the reads after the head
     # go into it (get_buffer): the kernel copies the body where the application will read it,
     # instead of into the loop's read buffer, then a bytes object per read, then the parser's
     # bytes per piece, then a joined body. The parser sees the head alone; once the body is in,
@@ -405,7 +405,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 def _direct_size(headers: list[tuple[bytes, bytes]]) -> int:
     """The body size of a request whose body is read directly (0: read through the parser): a
-    single Content-Length of 1..BODY_BUFFER bytes, and neither Transfer-Encoding nor Expect."""
+    single Content-Length of READ_BUFFER..BODY_BUFFER bytes, and neither Transfer-Encoding nor
+    Expect. A smaller body fits the read buffer, often in the read that brought its head: the
+    parser's one copy of it costs less than a buffer and a fresh parser would."""
     size = 0
     for name, value in headers:
         if name == b"content-length":
@@ -414,7 +416,7 @@ def _direct_size(headers: list[tuple[bytes, bytes]]) -> int:
             size = int(value)
         elif name == b"transfer-encoding" or name == b"expect":
             return 0
-    return size if size <= BODY_BUFFER else 0
+    return size if READ_BUFFER <= size <= BODY_BUFFER else 0
 
 
 class HttpReader(asyncio.BufferedProtocol):
