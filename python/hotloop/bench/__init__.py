@@ -392,8 +392,15 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
     return out
 
 
+# A turn's bookkeeping (caching, registering its input, the store's queue) runs right after its
+# answer is written: a reading taken as soon as the client has the answer would count some of it
+# in the next turn (of the other conversation). The server is idle once it is done.
+_SETTLE = 0.003
+
+
 def _timed(turns: Iterator[Any], pid: int, into: list[float]) -> Iterator[Any]:
-    """``turns``, each turn's whole-process server CPU (us) appended to ``into``."""
+    """``turns``, each turn's whole-process server CPU (us) appended to ``into`` (read once the
+    server has finished the turn's bookkeeping: ``_SETTLE``)."""
     from hotloop.bench.turns import process_cpu_ns
 
     while True:
@@ -402,6 +409,7 @@ def _timed(turns: Iterator[Any], pid: int, into: list[float]) -> Iterator[Any]:
             got = next(turns)
         except StopIteration:
             return
+        time.sleep(_SETTLE)
         into.append((process_cpu_ns(pid) - c) / 1e3)
         yield got
 

@@ -258,7 +258,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._admitted:
             self._feed(scratch, 0, nbytes)
         else:
-            self.data_received(bytes(scratch[:nbytes]))
+            self.data_received(bytes(memoryview(scratch)[:nbytes]))
 
     def _feed(self, data: bytes | bytearray, start: int, stop: int) -> None:
         """Hand ``data[start:stop]`` (one read) to the parser, a request head at a time, and
