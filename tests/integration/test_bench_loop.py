@@ -286,3 +286,6 @@ def test_http_loop_reports_both_conversations_from_the_marks_and_the_whole_proce
     # the whole process's CPU for a turn holds the turn's own (its reading, parsing and writing too)
     assert out["process_cpu_per_turn_p50_us"] > out["server_cpu_per_turn_p50_us"]
     assert out["process_http_over_ws_paired_p50"] > 0 and out["process_http_over_ws_last5"] > 0
+    assert out["process_http_over_ws_last10_paired_p50"] > 0
+    # each conversation pays for its own texts: none of its token counts comes from the other's
+    assert out["token_cache_hits"] == 0

@@ -110,6 +110,10 @@ def _stats(base: str) -> list[dict[str, Any]]:
     return list(httpx.get(base + "/hotloop/stats", timeout=10).json()["turns"])
 
 
+def _token_hits(base: str) -> int:
+    return int(httpx.get(base + "/hotloop/stats", timeout=10).json()["token_cache"]["hits"])
+
+
 def _text(rng: random.Random, nbytes: int) -> str:
     out: list[str] = []
     size = 0
@@ -333,6 +337,11 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
     both alike), reporting the cached tokens and the ratio of the two costs."""
     usage: list[tuple[int, int]] = []
     ws_cpu: list[float] = []
+    # The two conversations of ``http-loop`` have texts of their own (another seed, the same
+    # sizes): with the same texts, the turn that came second found the first one's token counts
+    # in the process-wide token cache and skipped its tokenizing (at 2 KB a turn, about a third
+    # of a WebSocket turn's CPU), which made the WebSocket turn look cheaper than it is.
+    ws_seed = seed + 3
     # The whole server process's CPU from each turn's request to its answer (every thread, the
     # request's reading and parsing and the response's writing included): the per-turn figures
     # from the server's own marks begin once the request's task runs and the turn is known.
@@ -343,15 +352,17 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         if kind == "http-loop":
             _ws_loop(base, 3, new_bytes, seed + 2)
         skip = len(_stats(base))
+        hits0 = _token_hits(base)
         if kind == "ws-loop":
             for _ in _timed(_ws_turns(base, turns, new_bytes, seed), pid, proc):
                 pass
         else:
             hi = _timed(_http_turns(base, turns, new_bytes, seed), pid, proc)
-            wi = _timed(_ws_turns(base, turns, new_bytes, seed), pid, proc_ws)
+            wi = _timed(_ws_turns(base, turns, new_bytes, ws_seed), pid, proc_ws)
             for u, _ in zip(hi, wi):
                 usage.append(u)
         stats = _stats(base)[skip:]
+        hits = _token_hits(base) - hits0
         # turn_stats' transport: "ws" for WebSocket turns, "json" for non-streaming HTTP
         cpu = [t["cpu_us"] for t in stats if (t["transport"] == "ws") == (kind == "ws-loop")]
         ws_cpu = [t["cpu_us"] for t in stats if t["transport"] == "ws"] if kind == "http-loop" else []
@@ -368,6 +379,9 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         "last_over_first": round(tail / head, 3),
         "process_cpu_per_turn_p50_us": round(_pct(proc, 0.5), 1),
         "process_last5_mean_us": round(statistics.mean(proc[-5:]), 1),
+        # token counts found in the server's cache during the measured turns (each conversation
+        # counts its own texts: 0 unless a text repeats)
+        "token_cache_hits": hits,
     }
     if usage:
         tail_ws = statistics.mean(ws_cpu[-5:])
@@ -387,6 +401,8 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
                 "process_ws_cpu_per_turn_p50_us": round(_pct(proc_ws, 0.5), 1),
                 "process_http_over_ws_paired_p50": round(_pct([h / w for h, w in zip(proc, proc_ws)], 0.5), 3),
                 "process_http_over_ws_last5": round(statistics.mean(proc[-5:]) / statistics.mean(proc_ws[-5:]), 3),
+                # the last ten pairs (the longest history), turn by turn: steadier than five means
+                "process_http_over_ws_last10_paired_p50": round(_pct([h / w for h, w in zip(proc[-10:], proc_ws[-10:])], 0.5), 3),
             }
         )
     return out
