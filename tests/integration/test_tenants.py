@@ -181,6 +181,23 @@ def test_usage_is_per_key(tenants: Tenants) -> None:
     assert lines[0].split()[:3] == ["DAY", "KEY", "MODEL"] and all(" bob " in ln for ln in lines[1:]) and len(lines) > 1
 
 
+def test_token_counts_are_cached_per_key(tenants: Tenants) -> None:
+    """A count found in the token cache skips tokenizing: one key's texts must not make another
+    key's requests faster (a timing side channel), so each key finds only its own counts."""
+
+    def hits() -> int:
+        with tenants.http("admin") as h:
+            return int(h.get("/hotloop/stats").json()["token_cache"]["hits"])
+
+    text = "a text only alice has sent: " + secrets.token_hex(16)
+    tenants.client("alice").responses.create(model="hotloop-sim", input=text, store=False)
+    before = hits()
+    tenants.client("bob").responses.create(model="hotloop-sim", input=text, store=False)
+    assert hits() == before  # bob's request counted the text itself
+    tenants.client("alice").responses.create(model="hotloop-sim", input=text, store=False)
+    assert hits() > before  # alice's own count is found
+
+
 # -- rate limits ----------------------------------------------------------------------------------
 
 

@@ -274,3 +274,20 @@ def test_queued_websocket_frames_are_bounded_by_bytes() -> None:
     assert read <= 5
     read, completed = asyncio.run(_flood(64 * 1024 * 1024, 10, 300_000))
     assert completed == 10 and read == 10  # within the budget nothing waits
+
+
+def test_token_cache_views_are_per_owner_and_share_the_bound_and_counters() -> None:
+    cache = itemlib.TokenCache(max_entries=3)
+    alice, bob = cache.view("alice"), cache.view("bob")
+    assert cache.view("anonymous") is cache  # open mode: unprefixed keys
+    fp = b"f" * 16
+    alice.put(fp, 7)
+    assert alice.get(fp) == 7 and bob.get(fp) is None and cache.get(fp) is None
+    # an owner whose name extends another's cannot reach its keys either
+    assert cache.view("alic").get(b"e" + fp[:15]) is None and cache.view("alice" + "\x00").get(fp) is None
+    assert (cache.hits, alice.hits, bob.hits) == (1, 1, 1)  # one counter for every view
+    bob.misses += 1
+    assert cache.misses == 1
+    for i in range(3):  # the bound is the cache's, all owners together
+        bob.put(bytes([i]) * 16, i)
+    assert len(cache) == 3 and alice.get(fp) is None

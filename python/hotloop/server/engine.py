@@ -230,7 +230,7 @@ class Engine:
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
                 marks.append(clock())
-                plan = prepare(p, parent, self.ids, self.tokens, defer=True, stored=await self.stored_items(p, parent, scope))
+                plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=await self.stored_items(p, parent, scope))
             except errors.HotloopError as exc:
                 if prefix is not None:  # name the item's place in the whole input
                     reuse.shift(exc, prefix.n)
@@ -451,7 +451,7 @@ class Engine:
         r = run.turn.response
         if r["status"] in ("completed", "incomplete"):
             input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
-            entry = finished(run.plan, r, self.tokens, run.tenant.id)
+            entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
             if run.prefix is not None:
                 reuse.adopt(entry)
             self._register(run, entry, input_bytes, input_calls)

@@ -160,7 +160,7 @@ class HttpTransport:
             raise errors.ModelNotFound(f"The model '{errors.clip(model_id)}' does not exist.", param="model")
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
-            return await self._input_tokens(_receiver(scope, receive), respond, scope_)
+            return await self._input_tokens(_receiver(scope, receive), respond, tenant)
         if path.startswith("/v1/responses/"):
             rest = path[len("/v1/responses/") :].split("/")
             rid_ = rest[0]
@@ -419,12 +419,13 @@ class HttpTransport:
         }
         await respond(200, encode(body))
 
-    async def _input_tokens(self, receive: Receive, respond: Any, scope: str | None) -> None:
+    async def _input_tokens(self, receive: Receive, respond: Any, tenant: Tenant) -> None:
+        scope = tenant.scope
         req = decode_body(await self._body(receive))
         p = validate(req)
         parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
         stored = await self.app.engine.stored_items(p, parent, scope)
-        plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens, defer=True, stored=stored)
+        plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens.view(tenant.id), defer=True, stored=stored)
         n = await self.app.engine.count_input(plan)
         await respond(200, encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": n}))
 
