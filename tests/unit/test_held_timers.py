@@ -348,3 +348,43 @@ def test_the_backend_idle_watchdog_expires_once_without_spinning(early: float) -
         assert scope.expired[0] >= 1.5 - early
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("early", [0.0, 0.0009])
+def test_keep_alive_is_one_timer_per_connection_and_closes_at_the_idle_deadline(tmp_path: Any, early: float) -> None:
+    """Responses completing one after another do not make and cancel a keep-alive timer each:
+    the connection's one timer, when it fires, closes a connection idle for the keep-alive
+    timeout, or waits for the deadline of the idle time that began since (even firing early)."""
+
+    async def main() -> None:
+        async with _clocked_connection(tmp_path, early=early) as (proto, transport, clock):
+            keep = proto.timeout_keep_alive
+            proto.on_response_complete()  # idle from 0: the timer is due at `keep`
+            made = clock.created
+            for i in range(1, 4):  # three more requests, each arriving and answered in time
+                clock.advance(i * keep / 4)
+                proto._unset_keepalive_if_required()  # a request's first bytes
+                clock.advance(i * keep / 4 + 0.001)
+                proto.on_response_complete()
+            assert clock.created == made  # no timer per response
+            clock.advance(keep)  # the timer fires: idle only since 0.75 * keep
+            assert not transport.closed and clock.created == made + 1
+            clock.advance(1.75 * keep + 0.002)
+            assert transport.closed and clock.created == made + 1
+
+    asyncio.run(main())
+
+
+def test_a_busy_connection_is_not_closed_by_the_keep_alive_timer(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with _clocked_connection(tmp_path) as (proto, transport, clock):
+            keep = proto.timeout_keep_alive
+            proto.on_response_complete()
+            clock.advance(keep / 2)
+            proto._unset_keepalive_if_required()  # the next request is being read and answered
+            clock.advance(keep * 3)
+            assert not transport.closed and clock.pending() <= 1  # the read timer, at most
+            proto.connection_lost(None)
+            assert proto._idle_timer is None
+
+    asyncio.run(main())

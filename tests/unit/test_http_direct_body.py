@@ -220,6 +220,7 @@ def test_a_body_cut_short_gives_its_buffer_back() -> None:
     [
         ([(b"content-length", b"%d" % READ_BUFFER)], READ_BUFFER),
         ([(b"content-length", b"%d" % (READ_BUFFER - 1))], 0),  # fits the read buffer: the parser's
+        ([(b"content-length", b"12")], 0),
         ([(b"content-length", b"0")], 0),
         ([(b"content-length", b"%d" % BODY_BUFFER)], BODY_BUFFER),
         ([(b"content-length", b"%d" % (BODY_BUFFER + 1))], 0),
@@ -231,7 +232,23 @@ def test_a_body_cut_short_gives_its_buffer_back() -> None:
     ],
 )
 def test_which_bodies_are_read_directly(headers: list[tuple[bytes, bytes]], size: int) -> None:
-    assert httpproto._direct_size(headers) == size
+    n = httpproto._body_length(headers)
+    assert (n if httpproto._reads_directly(n) else 0) == size
+
+
+@pytest.mark.parametrize(
+    ("headers", "size"),
+    [
+        ([(b"content-length", b"12")], 12),  # a body the parser reads: its bytes are not searched for a head
+        ([(b"content-length", b"%d" % (BODY_BUFFER + 1))], BODY_BUFFER + 1),
+        ([(b"content-length", b"0")], 0),
+        ([(b"content-length", b"12"), (b"content-length", b"12")], 0),  # unknown until the parser says
+        ([(b"content-length", b"12"), (b"transfer-encoding", b"chunked")], 0),
+        ([(b"content-length", b"12"), (b"expect", b"100-continue")], 0),
+    ],
+)
+def test_the_declared_body_length_is_trusted_only_when_unambiguous(headers: list[tuple[bytes, bytes]], size: int) -> None:
+    assert httpproto._body_length(headers) == size
 
 
 def test_a_real_uvloop_server_reads_bodies_into_the_protocols_buffer(on_body_calls: list[int]) -> None:

@@ -34,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import urllib.parse
 from typing import Any, Callable
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from hotloop import errors
 from hotloop._accel import body_buffer
@@ -164,6 +166,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._into: bytearray | None = None
         self._filled = 0
         self._upgraded = False
+        self._skip = 0  # bytes of the body being read through the parser not fed to it yet
+        # Keep-alive: one timer per connection (as the read timer), not one per response
+        self._idle_since: float | None = None  # when the connection last fell idle (None: busy)
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_due = 0.0
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -176,6 +183,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm(cancel=True)
+        self._idle_since = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._drop_into()  # a body cut short
         self.limits.release(self.transport)
         if not self._admitted:
@@ -186,21 +197,70 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             gone[1]()
 
     def on_headers_complete(self) -> None:
-        before = self.cycle
-        super().on_headers_complete()
-        cycle = self.cycle
-        if cycle is not before and cycle is not None:  # a request for the application (no upgrade)
-            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
-            extensions[ON_DISCONNECT] = functools.partial(self._on_disconnect, cycle)
-            extensions[SEND_NOW] = functools.partial(_send_now, cycle)
-            extensions[CORK] = functools.partial(_cork, cycle)
-            extensions[RESPOND] = functools.partial(_respond, cycle)
-            extensions[RECEIVE] = functools.partial(_receive, cycle)
-            size = _direct_size(self.headers)
-            if size and self.limits.direct_bytes + size <= DIRECT_BODY_BYTES:
-                self.limits.direct_bytes += size
-                self._into = body_buffer(size)  # not zeroed: nothing reads it before it is full
-                self._filled = 0
+        # uvicorn's, then the request's extensions and how its body is read. Its URL is parsed
+        # only when it has a query, a fragment or an absolute form (a plain path is the path).
+        parser = self.parser
+        scope = self.scope
+        http_version = parser.get_http_version()
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if parser.should_upgrade() and self._should_upgrade():
+            return
+        url = self.url
+        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+            raw_path, query = url, b""
+        else:
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        root = self.root_path
+        scope["path"] = root + path
+        scope["raw_path"] = root.encode("ascii") + raw_path if root else raw_path
+        scope["query_string"] = query
+        if self.limit_concurrency is not None and (
+            len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
+        ):
+            app = service_unavailable
+            self.logger.warning("Exceeded concurrency limit.")
+        else:
+            app = self.app
+        existing = self.cycle
+        cycle = self.cycle = RequestResponseCycle(
+            scope=scope,  # type: ignore[arg-type]
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        extensions: dict[str, Any] = {
+            ON_DISCONNECT: functools.partial(self._on_disconnect, cycle),
+            SEND_NOW: functools.partial(_send_now, cycle),
+            CORK: functools.partial(_cork, cycle),
+            RESPOND: functools.partial(_respond, cycle),
+            RECEIVE: functools.partial(_receive, cycle),
+        }
+        scope["extensions"] = extensions  # type: ignore[typeddict-item]
+        size = _body_length(self.headers)
+        if _reads_directly(size) and self.limits.direct_bytes + size <= DIRECT_BODY_BYTES:
+            self.limits.direct_bytes += size
+            self._into = body_buffer(size)  # not zeroed: nothing reads it before it is full
+            self._filled = 0
+        elif size > 0:
+            self._skip = size  # body bytes: no head to look for in them (_feed)
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, app)
+        else:  # a pipelined request waits for the one before it
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app))
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.
@@ -276,8 +336,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 continue
             if self._upgraded or self.parser is None or self.transport.is_closing():
                 return  # upgraded, or answered 400 and closing: the rest is not this protocol's
-            end = data.find(_HEAD_END, start, stop)
-            cut = stop if end < 0 else end + len(_HEAD_END)
+            skip = self._skip
+            if skip:  # the body of a request read through the parser: no head in it
+                cut = start + min(stop - start, skip)
+                self._skip = skip - (cut - start)
+            else:
+                end = data.find(_HEAD_END, start, stop)
+                cut = stop if end < 0 else end + len(_HEAD_END)
             super().data_received(view[start:cut])  # type: ignore[arg-type]
             start = cut
 
@@ -333,10 +398,64 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._read_timed_out()
 
     def on_message_begin(self) -> None:
+        # uvicorn's, then the read timer
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {  # type: ignore[typeddict-item]
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
         self._body_parts = []
         self._body_size = 0
-        super().on_message_begin()
+        self._skip = 0
         self._arm()  # a request's first byte (keep-alive idle time before it is not counted)
+
+    # -- keep-alive timeout -----------------------------------------------------------------------
+
+    # uvicorn sets a timer when a response completes and cancels it when the next request's
+    # first bytes arrive: a timer made and cancelled per request. Here the connection keeps one,
+    # as its read timer: when it fires it closes the connection if it has been idle for the
+    # keep-alive timeout, or waits for the idle time's own deadline.
+
+    def on_response_complete(self) -> None:
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = now = self.loop.time()
+        if self._idle_timer is None:
+            self._set_idle_timer(now + self.timeout_keep_alive)
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # busy (the timer, if set, finds it so)
+
+    def _set_idle_timer(self, due: float) -> None:
+        self._idle_due = due
+        self._idle_timer = self.loop.call_at(due, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        since = self._idle_since
+        if since is None:
+            return
+        due = since + self.timeout_keep_alive
+        if due > max(self._idle_due, self.loop.time()):  # idle since after the timer was set
+            self._set_idle_timer(due)
+        elif not self.transport.is_closing():
+            self.transport.close()
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -403,11 +522,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         transport.close()
 
 
-def _direct_size(headers: list[tuple[bytes, bytes]]) -> int:
-    """The body size of a request whose body is read directly (0: read through the parser): a
-    single Content-Length of READ_BUFFER..BODY_BUFFER bytes, and neither Transfer-Encoding nor
-    Expect. A smaller body fits the read buffer, often in the read that brought its head: the
-    parser's one copy of it costs less than a buffer and a fresh parser would."""
+def _reads_directly(size: int) -> bool:
+    """Whether a body of ``size`` declared bytes is read straight into its own buffer."""
+    return READ_BUFFER <= size <= BODY_BUFFER
+
+
+def _body_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The body size of a request as its head declares it when it can be relied on before the
+    parser has seen the body: a single Content-Length, and neither Transfer-Encoding nor Expect
+    (0 otherwise). A body of READ_BUFFER..BODY_BUFFER bytes is read directly into its buffer; a
+    smaller body fits the read buffer, often in the read that brought its head, and its one copy
+    by the parser costs less than a buffer and a fresh parser would."""
     size = 0
     for name, value in headers:
         if name == b"content-length":
@@ -416,7 +541,7 @@ def _direct_size(headers: list[tuple[bytes, bytes]]) -> int:
             size = int(value)
         elif name == b"transfer-encoding" or name == b"expect":
             return 0
-    return size if READ_BUFFER <= size <= BODY_BUFFER else 0
+    return size
 
 
 class HttpReader(asyncio.BufferedProtocol):
