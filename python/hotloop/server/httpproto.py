@@ -183,10 +183,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm(cancel=True)
-        self._idle_since = None
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._stop_idle()
         self._drop_into()  # a body cut short
         self.limits.release(self.transport)
         if not self._admitted:
@@ -446,6 +443,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_due = due
         self._idle_timer = self.loop.call_at(due, self._idle_check)
 
+    def _stop_idle(self) -> None:
+        self._idle_since = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
     def _idle_check(self) -> None:
         self._idle_timer = None
         since = self._idle_since
@@ -498,6 +501,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._disarm(cancel=True)  # the handshake's request arrived in time
+        self._stop_idle()  # the connection is the WebSocket protocol's from here
         self._upgraded = True
         super().handle_websocket_upgrade()
 
