@@ -353,7 +353,7 @@ def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[Cr
         prefix, suffix_raw = hit if hit is not None else (None, None)
         if prefix is not None and suffix_raw is not None:
             suffix = msgspec.json.decode(suffix_raw)
-            if lazy.previous_response_id is not None or type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:
+            if type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:  # (no continuation: above)
                 return None
             return _suffix(_with_input(lazy, suffix), prefix, raw_input, cache, owner)
         value = msgspec.json.decode(raw_input.raw)

@@ -384,35 +384,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if since is None:
             return
         due = since + self.limits.read_timeout
-        # Set for an earlier request: wait for this one's own deadline. Compared with the time
-        # the timer was set for (or the clock, if it fires late), not with the clock alone:
-        # uvloop rounds a timer's delay down to whole milliseconds, so a timer may fire up to
-        # 1 ms early, and setting it again for a time already this close would fire at once,
-        # again and again, until the clock got there.
-        if due > max(self._read_due, self.loop.time()):
+        # set for an earlier request: wait for this one's own deadline
+        if _later(due, self._read_due, self.loop.time()):
             self._set_read_timer(due)
         else:
             self._read_timed_out()
 
     def on_message_begin(self) -> None:
-        # uvicorn's, then the read timer
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
-        self.scope = {  # type: ignore[typeddict-item]
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-        }
         self._body_parts = []
         self._body_size = 0
         self._skip = 0
+        super().on_message_begin()
         self._arm()  # a request's first byte (keep-alive idle time before it is not counted)
 
     # -- keep-alive timeout -----------------------------------------------------------------------
@@ -455,7 +437,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if since is None:
             return
         due = since + self.timeout_keep_alive
-        if due > max(self._idle_due, self.loop.time()):  # idle since after the timer was set
+        if _later(due, self._idle_due, self.loop.time()):  # idle since after the timer was set
             self._set_idle_timer(due)
         elif not self.transport.is_closing():
             self.transport.close()
@@ -524,6 +506,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
             cycle.message_event.set()
         transport.close()
+
+
+def _later(due: float, set_for: float, now: float) -> bool:
+    """Whether a connection timer (read or keep-alive) that fired, set for ``set_for``, must be
+    set again for ``due``: compared with the time it was set for (or the clock, if it fires
+    late), not with the clock alone. uvloop rounds a timer's delay down to whole milliseconds,
+    so a timer may fire up to 1 ms early, and setting it again for a time already this close
+    would fire at once, again and again, until the clock got there."""
+    return due > max(set_for, now)
 
 
 def _reads_directly(size: int) -> bool:
