@@ -146,6 +146,45 @@ class PrefixTurn:
         self._prepare(req, hit, itemlib.TokenCache(16))
 
 
+class PrefixLookup:
+    """Finding which registered body a full-history request repeats, when ``conversations``
+    conversations of one key start with the same 29 KB (an agent's instructions and tools) and
+    the same first message: the one that matches is the oldest registered, so every other is
+    ruled out first (by its last bytes, not by comparing all that they share)."""
+
+    params = [1, 64, 256]
+    param_names = ["conversations"]
+
+    def setup(self, conversations: int) -> None:
+        import json
+
+        from hotloop.pipeline import reuse
+        from hotloop.state.context import CachedResponse, Context
+        from hotloop.state.prefix import Prefix, PrefixCache
+
+        rng = random.Random(0)
+        settings = {"instructions": _text(rng, 14_000), "tools": [{"type": "function", "name": f"t{i}", "description": _text(rng, 1500)} for i in range(10)]}
+        first = {"role": "user", "content": "Fix the failing test."}
+        self.prefixes = PrefixCache(max_entries=conversations + 1)
+        bodies = []
+        for c in range(conversations):
+            history = [first, {"role": "user", "content": _text(rng, 2048)}, {"role": "user", "content": _text(rng, 2048)}]
+            body = json.dumps({"model": "m", **settings, "input": history}).encode()
+            _, _, raw = reuse.decode_create(body, self.prefixes, "o")
+            reg = reuse.registration(raw, [])
+            entry = CachedResponse({"id": f"resp_{c}"}, Context(), len(history), False, owner="o")
+            self.prefixes.put(Prefix(entry, len(history), b"fp%d" % c, 0, reg.raw, reuse.head_of(reg.raw), None, reg.lead))
+            bodies.append((history, body))
+        history = bodies[0][0] + [{"role": "user", "content": "next"}]
+        self.body = json.dumps({"model": "m", **settings, "input": history}).encode()
+        # correctness before timing: the first conversation's body is found, whole
+        got = self.prefixes.by_body("o", self.body)
+        assert got is not None and got[0].entry.response["id"] == "resp_0" and got[1] == len(bodies[0][1]) - 2
+
+    def time_by_body(self, conversations: int) -> None:
+        self.prefixes.by_body("o", self.body)
+
+
 class BackendRequestBody:
     """The chat-completions request body of a continued conversation (the Cerebras dialect):
     the cached messages of earlier turns and one new 2 KB tool output, at turn 1 and at turn 100

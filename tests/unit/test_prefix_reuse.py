@@ -115,6 +115,29 @@ def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
     assert hit is None and len(req.input) == 3  # type: ignore[arg-type]
 
 
+def test_conversations_that_start_alike_are_each_found_by_their_body() -> None:
+    # One agent's conversations send the same instructions and first message: their bodies share
+    # far more than the index's leading bytes. Each request finds its own conversation's body,
+    # the oldest of many as well as the newest, and only by bytes that are really its own.
+    cache = PrefixCache()
+    before = '"model":"m","instructions":"' + "You are a coding agent. " * 40 + '"'
+    k = PrefixCache.MAX_HEADS  # as many conversations as one index key keeps
+    convs = [["Fix the failing test.", f"conversation {i}: " + "w" * 200] for i in range(k)]
+    for texts in convs:
+        _register(cache, _body(texts, before=before), texts)
+    for i in (0, k // 2, k - 1):
+        req, hit, _ = reuse.decode_create(_body(convs[i] + ["next"], before=before), cache, "alice")
+        assert hit is not None and hit.n == 2 and hit.entry.context.items[1].content == convs[i][1]  # type: ignore[union-attr]
+        assert req.input == [{"role": "user", "content": "next"}]
+    assert cache.body_hits == 3
+    # the same last bytes after a different middle: not a repeat of that body (the tail only
+    # rules candidates out; the whole prefix is compared)
+    impostor = ["Fix the failing test!", convs[3][1]]
+    req, hit, _ = reuse.decode_create(_body(impostor + ["next"], before=before), cache, "alice")
+    assert cache.body_hits == 3 and len(req.input) == 3  # type: ignore[arg-type]
+    assert hit is None or hit.n < 2
+
+
 def test_the_lead_is_only_known_when_input_is_named_once() -> None:
     raw = b'[{"role":"user","content":"a"}]'
     assert reuse._lead(b'{"model":"m","input":' + raw + b"}", raw) == b'{"model":"m","input":'

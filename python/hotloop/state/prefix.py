@@ -34,6 +34,12 @@ from collections import OrderedDict
 from hotloop.protocol.request import FunctionCall
 from hotloop.state.context import CachedResponse, Context, item_id_of
 
+# Trailing bytes of a registered input compared first: inputs that share their leading bytes
+# (one agent's instructions, tools and first messages, sent by all its conversations) end
+# differently, so all but the right one are told apart in TAIL bytes, not in a compare of
+# everything they share.
+TAIL = 64
+
 
 class Prefix:
     """One registered input: the first ``n`` items of ``entry.context`` (its input).
@@ -44,7 +50,7 @@ class Prefix:
     ``lead`` the body's bytes before that array (``{"model":..,"input":``), or ``None``.
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead")
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail")
 
     def __init__(
         self,
@@ -62,6 +68,9 @@ class Prefix:
         self.last_fp = last_fp
         self.nbytes = nbytes
         self.raw = raw
+        # the last bytes of ``raw``: a candidate whose tail is not where its end would be in a
+        # probe is rejected without comparing the bytes before it (see PrefixCache.by_body)
+        self.tail = bytes(raw[-TAIL:]) if raw is not None else b""
         self.head = head
         self.owner = entry.owner
         self.calls = calls  # call ids of the n items (None: found by walking them)
@@ -126,8 +135,9 @@ class PrefixCache:
     """Owner-scoped LRU of registered inputs, bounded by entries and bytes."""
 
     # Entries kept per (owner, leading raw bytes): forks of one conversation, and conversations
-    # that start alike (one system prompt); the rest are still found by fingerprint.
-    MAX_HEADS = 64
+    # that start alike (one agent's instructions, tools and first messages); the rest are still
+    # found by fingerprint. A lookup scans them (each ruled out by its TAIL: about 0.5 us here).
+    MAX_HEADS = 256
     # Entries kept per index key (owner, length, last item's fingerprint): conversations that
     # differ earlier but reach the same length with the same last item (the same scripted turns
     # against a model that answered differently) each keep theirs instead of evicting each other
@@ -279,12 +289,15 @@ class PrefixCache:
         ``body`` starts with, and where those bytes end in ``body``."""
         best: Prefix | None = None
         end = 0
+        size = len(body)
         for p in self._bodies.get((owner, bytes(body[:BODY_KEY])), ()):
             lead, raw = p.lead, p.raw
             if lead is None or raw is None or (best is not None and p.n <= best.n):
                 continue
-            if body.startswith(lead) and body.startswith(raw, len(lead)):
-                best, end = p, len(lead) + len(raw)
+            e = len(lead) + len(raw)
+            tail = p.tail
+            if e < size and body.startswith(tail, e - len(tail)) and body.startswith(lead) and body.startswith(raw, len(lead)):
+                best, end = p, e
         if best is not None:
             self._d.move_to_end((best.owner, best.n, best.last_fp))
             return best, end
@@ -296,7 +309,11 @@ class PrefixCache:
         best: Prefix | None = None
         for p in self._heads.get((owner, head), ()):
             r = p.raw
-            if r is not None and (best is None or p.n > best.n) and raw.startswith(r) and raw[len(r) : len(r) + 1] == b",":
+            if r is None or (best is not None and p.n <= best.n):
+                continue
+            e = len(r)
+            tail = p.tail
+            if raw[e : e + 1] == b"," and raw.startswith(tail, e - len(tail)) and raw.startswith(r):
                 best = p
         if best is not None:
             self._d.move_to_end((best.owner, best.n, best.last_fp))
