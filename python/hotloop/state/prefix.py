@@ -119,8 +119,13 @@ BODY_KEY = 256  # leading bytes of an HTTP body that index the registered reques
 
 
 def _body_key(p: Prefix) -> tuple[str, bytes]:
-    """The ``_bodies`` index key of a registration with raw bytes and a lead."""
-    return p.owner, bytes((p.lead + p.raw[:BODY_KEY])[:BODY_KEY])  # type: ignore[operator,index]
+    """The ``_bodies`` index key of a registration with raw bytes and a lead (its first
+    BODY_KEY bytes, taken without joining the lead, often tens of KB, to the raw input)."""
+    lead = p.lead
+    assert lead is not None and p.raw is not None
+    if len(lead) >= BODY_KEY:
+        return p.owner, lead[:BODY_KEY]
+    return p.owner, lead + bytes(p.raw[: BODY_KEY - len(lead)])
 
 
 def _unlist(index: dict[tuple[str, bytes], list[Prefix]], key: tuple[str, bytes], p: Prefix) -> None:
