@@ -325,7 +325,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             into = self._into
             if into is not None:  # the rest of the read is (the start of) the body
                 k = min(stop - start, len(into) - self._filled)
-                into[self._filled : self._filled + k] = view[start : start + k]
+                # through a view: a bytearray's slice assignment copies any other object into a
+                # temporary bytearray first (two copies of up to READ_BUFFER bytes, not one)
+                memoryview(into)[self._filled : self._filled + k] = view[start : start + k]
                 self._filled += k
                 start += k
                 if self._filled == len(into):
@@ -460,7 +462,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # and handed over joined, as bytes, which uvicorn's receive() passes on without a copy.
         into = self._into
         if into is not None:  # a head's last bytes came with the start of its body
-            into[self._filled : self._filled + len(body)] = body
+            memoryview(into)[self._filled : self._filled + len(body)] = body  # one copy (_feed)
             self._filled += len(body)
             return
         cycle = self.cycle
