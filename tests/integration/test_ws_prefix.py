@@ -114,3 +114,61 @@ def test_store_true_full_history_is_readable(servers: tuple[Server, Server]) -> 
     assert [it.get("role") for it in items["data"]] == [it.get("role") for it in history]
     last = items["data"][-1]["content"]
     assert (last if isinstance(last, str) else last[0]["text"]) == "b" * 100
+
+
+def _agent_tools() -> list[dict[str, Any]]:
+    # ten tools of about 1.8 KB each: a frame that carries them is past FAST_DECODE_BYTES
+    return [
+        {
+            "type": "function",
+            "name": f"tool_{i}",
+            "description": f"Tool {i}. " + "Reads, edits or runs what the agent asks for, then reports. " * 28,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+            "strict": False,
+        }
+        for i in range(10)
+    ]
+
+
+def _tools_stats(s: Server) -> dict[str, int]:
+    return httpx.get(s.base + "/hotloop/stats", timeout=5).json()["tools_cache"]  # type: ignore[no-any-return]
+
+
+def test_an_agents_tools_are_decoded_once_and_echoed_exactly(servers: tuple[Server, Server]) -> None:
+    # The same tools with every turn, chained over a WebSocket and resent over HTTP: the server
+    # with the caches decodes them once per key, and answers exactly as one that decodes them
+    # every time (the echoed tools, the counted tokens).
+    s, ref = servers
+    tools = _agent_tools()
+    assert len(json.dumps({"tools": tools})) > FAST_DECODE_BYTES
+    before, ref_before = _tools_stats(s), _tools_stats(ref)
+    settings = {"tools": tools, "tool_choice": "none", "instructions": "Work in small steps.", "store": False}
+    with ws_connect(s.ws + "/responses", open_timeout=10) as ws, ws_connect(ref.ws + "/responses", open_timeout=10) as rws:
+        prev: dict[str, str] = {}
+        rprev: dict[str, str] = {}
+        for i in range(3):
+            new = {"input": [{"role": "user", "content": f"step {i}"}], **settings}
+            frame = _turn(ws, {**new, **prev})
+            scratch = _turn(rws, {**new, **rprev})
+            assert frame["type"] == scratch["type"] == "response.completed", (frame, scratch)
+            resp, sresp = frame["response"], scratch["response"]
+            assert resp["tools"] == sresp["tools"] == tools
+            if i == 0:  # the same input (later ones chain each server's own answers)
+                assert resp["usage"]["input_tokens"] == sresp["usage"]["input_tokens"]
+            assert (_cached(resp) > 0) == (_cached(sresp) > 0) == (i > 0)
+            prev, rprev = {"previous_response_id": resp["id"]}, {"previous_response_id": sresp["id"]}
+    history: list[dict[str, Any]] = []  # the same history to both: the same counts
+    for i in range(2):
+        history.append({"role": "user", "content": f"http step {i}"})
+        got = [httpx.post(x.v1 + "/responses", json={"model": "hotloop-sim", "input": history, **settings}, timeout=20) for x in (s, ref)]
+        assert got[0].status_code == got[1].status_code == 200, [g.text for g in got]
+        a, b = got[0].json(), got[1].json()
+        assert a["tools"] == b["tools"] == tools and a["usage"]["input_tokens"] == b["usage"]["input_tokens"]
+        history += a["output"]
+    after, ref_after = _tools_stats(s), _tools_stats(ref)
+    # decoded once per spelling: the WebSocket frames (json.dumps) and httpx's compact JSON
+    # differ in their bytes, and the bytes are the key
+    assert after["misses"] - before["misses"] == 2
+    assert after["hits"] - before["hits"] == 3  # the other three turns found them
+    assert after["entries"] >= 1
+    assert ref_after == ref_before  # no prefix cache there: decoded every time, nothing kept

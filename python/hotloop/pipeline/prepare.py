@@ -22,6 +22,7 @@ from hotloop.protocol.request import (
     OtherItem,
     Prepared,
     Reasoning,
+    checked_tools,
     item_from_dict,
 )
 from hotloop.state.context import CachedResponse, Context, item_id_of
@@ -188,7 +189,11 @@ _encode = msgspec.json.encode
 def tools_json(p: Prepared) -> bytes | None:
     """The tool definitions as JSON, as the client sent them (key order and number spelling
     included): with the instructions, what :func:`settings_tokens` counts, so that the same
-    bytes and the same instructions mean the same count. ``None``: nested too deeply to encode."""
+    bytes and the same instructions mean the same count. ``None``: nested too deeply to encode.
+    An array decoded once for many requests (:mod:`hotloop.pipeline.settings`) was encoded then."""
+    shared = checked_tools(p.tools)
+    if shared is not None:
+        return shared.json
     try:
         return _encode(p.tools)
     except RecursionError:

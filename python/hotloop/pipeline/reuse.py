@@ -30,6 +30,7 @@ from hotloop.protocol.request import (
     decode_body,
     validate,
 )
+from hotloop.pipeline.settings import ToolsCache, tools_decoder
 from hotloop.state.context import CachedResponse, item_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache
 
@@ -219,8 +220,8 @@ def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:
 def _lazy_struct() -> Any:
     fields: list[Any] = []
     for f in msgspec.structs.fields(CreateRequest):
-        if f.name == "input":
-            fields.append(("input", msgspec.Raw, msgspec.Raw(b"null")))
+        if f.name in _LEFT_RAW:
+            fields.append((f.name, msgspec.Raw, msgspec.Raw(b"null")))
         elif f.default is not msgspec.NODEFAULT:
             fields.append((f.name, f.type, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
@@ -230,15 +231,26 @@ def _lazy_struct() -> Any:
     return msgspec.defstruct("LazyCreateRequest", fields, kw_only=True)
 
 
-# CreateRequest with ``input`` left as raw JSON bytes: decoding it only scans the history.
+# CreateRequest with ``input`` and ``tools`` left as raw JSON bytes: decoding it only scans the
+# history, and an agent's tools are decoded once (pipeline.settings), not on every turn.
+_LEFT_RAW = ("input", "tools")
 _LazyCreateRequest = _lazy_struct()
 _lazy_decoder: Any = msgspec.json.Decoder(_LazyCreateRequest)
 _asdict = msgspec.structs.asdict
+_NULL = b"null"
 
 
-def _with_input(lazy: Any, value: Any) -> CreateRequest:
+def _with_input(lazy: Any, value: Any, tools: ToolsCache | None, owner: str) -> CreateRequest:
+    """The request of a lazily decoded body, with ``value`` as its input and its tools decoded
+    (and checked) once per owner and bytes. Raises what decoding or checking the tools raises."""
     fields = _asdict(lazy)  # in C: half the time of a getattr per field
     fields["input"] = value
+    raw = bytes(fields["tools"])
+    if raw == _NULL:
+        fields["tools"] = None
+    else:
+        shared = tools.get(owner, raw) if tools is not None else None
+        fields["tools"] = shared.tools if shared is not None else tools_decoder.decode(raw)
     return CreateRequest(**fields)
 
 
@@ -255,16 +267,9 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     return False
 
 
-class _InputSpan(msgspec.Struct):
-    """Where a body's ``input`` is (the decoder only scans the rest)."""
-
-    input: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_span_decoder: Any = msgspec.json.Decoder(_InputSpan)
-
-
-def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[CreateRequest, Prefix, RawInput] | None:
+def _by_body(
+    cache: PrefixCache, owner: str, body: bytes | bytearray, tools: ToolsCache | None
+) -> tuple[CreateRequest, Prefix, RawInput] | None:
     """A body that starts with the very bytes of a registered request up to its last input item
     (same fields before ``input``, same items), then more items: the request decoded from a body
     without those items (only the new ones are decoded, as its ``input``), the hit, and its raw
@@ -278,8 +283,9 @@ def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[C
     if rest[:1] != b"," or b'"input"' in rest or lead is None:
         return None
     short = lead + b"[" + rest[1:]  # the body without the registered items
-    req = decode_body(short)
-    tail = len(_span_decoder.decode(short).input)  # "[" + the new items + "]"
+    lazy = _lazy_decoder.decode(short)
+    tail = len(lazy.input)  # "[" + the new items + "]"
+    req = _with_input(lazy, msgspec.json.decode(lazy.input), tools, owner)
     start = len(body) - len(rest) + 1  # where the new items start in the body
     raw = memoryview(body)[len(lead) : start + tail - 1]  # a view: no copy of the history
     cache.raw_hits += 1
@@ -288,7 +294,7 @@ def _by_body(cache: PrefixCache, owner: str, body: bytes | bytearray) -> tuple[C
 
 
 def decode_create(
-    body: bytes | bytearray, cache: PrefixCache | None, owner: str
+    body: bytes | bytearray, cache: PrefixCache | None, owner: str, tools: ToolsCache | None = None
 ) -> tuple[CreateRequest, Prefix | None, RawInput | None]:
     """Decode an HTTP body for :meth:`Engine.start`: the request (with only the items after a
     prefix hit as its ``input``), the hit, and the raw ``input`` array to register later.
@@ -297,23 +303,24 @@ def decode_create(
     without them (:meth:`PrefixCache.by_body`); otherwise ``input`` is left raw by the decoder
     and matched by its bytes (:func:`split_raw`). Anything unusual (a decode or validation
     error, ``input`` of another type) is decoded again the ordinary way, so errors are exactly
-    :func:`decode_body`'s and :func:`validate`'s.
+    :func:`decode_body`'s and :func:`validate`'s. ``tools``: where an owner's tool arrays are
+    kept decoded and checked (:mod:`hotloop.pipeline.settings`).
     """
     if cache is None or cache.max_entries <= 0:
         return decode_body(body), None, None
-    got = _decode(body, cache, owner)
+    got = _decode(body, cache, owner, tools)
     return got if got is not None else (decode_body(body), None, None)
 
 
 def decode_frame(
-    frame: str, cache: PrefixCache, owner: str
+    frame: str, cache: PrefixCache, owner: str, tools: ToolsCache | None = None
 ) -> tuple[CreateRequest, tuple[Prefix | None, RawInput | None]] | None:
     """:func:`decode_create` for a WebSocket ``response.create`` frame (the session's
     ``decode_create``): the request and ``(prefix, raw input)``, or ``None`` for any other or
     unusual frame, which the session then decodes the ordinary way (with its own errors)."""
     if cache.max_entries <= 0:
         return None
-    got = _decode(frame.encode(), cache, owner)
+    got = _decode(frame.encode(), cache, owner, tools)
     if got is None or got[0].type != CLIENT_CREATE:
         return None
     return got[0], (got[1], got[2])
@@ -332,11 +339,13 @@ def _suffix(
     return req, prefix, raw_input
 
 
-def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
+def _decode(
+    body: bytes | bytearray, cache: PrefixCache, owner: str, tools: ToolsCache | None
+) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
     """The request of ``body`` with its prefix hit and raw input (``None``: anything unusual)."""
     try:
         prefix: Prefix | None
-        by_body = _by_body(cache, owner, body) if len(cache) else None
+        by_body = _by_body(cache, owner, body, tools) if len(cache) else None
         if by_body is not None:
             req, prefix, raw_input = by_body
             suffix = req.input
@@ -347,7 +356,9 @@ def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[Cr
         raw = bytes(lazy.input)
         if lazy.previous_response_id is not None or raw[:1] != b"[":
             value = msgspec.json.decode(raw)  # a continuation, or a string input: nothing to match
-            return (_with_input(lazy, value), None, None) if value is None or type(value) is str or type(value) is list else None
+            if value is None or type(value) is str or type(value) is list:
+                return _with_input(lazy, value, tools, owner), None, None
+            return None
         raw_input = RawInput(raw, _lead(body, raw))
         hit = split_raw(cache, owner, raw)
         prefix, suffix_raw = hit if hit is not None else (None, None)
@@ -355,10 +366,10 @@ def _decode(body: bytes | bytearray, cache: PrefixCache, owner: str) -> tuple[Cr
             suffix = msgspec.json.decode(suffix_raw)
             if type(suffix) is not list or prefix.n + len(suffix) > MAX_INPUT_ITEMS:  # (no continuation: above)
                 return None
-            return _suffix(_with_input(lazy, suffix), prefix, raw_input, cache, owner)
+            return _suffix(_with_input(lazy, suffix, tools, owner), prefix, raw_input, cache, owner)
         value = msgspec.json.decode(raw_input.raw)
         if type(value) is not list:
             return None
-        return _with_input(lazy, value), None, raw_input
+        return _with_input(lazy, value, tools, owner), None, raw_input
     except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
         return None

@@ -14,6 +14,7 @@ import msgspec
 
 from hotloop import _accel
 from hotloop.errors import HotloopError
+from hotloop.protocol.request import checked_tools
 
 Frame = tuple[str, bytes]
 
@@ -65,6 +66,17 @@ def encode(obj: Any) -> bytes:
 def event(kind: str, seq: int, **fields: Any) -> Frame:
     """A non-delta event. ``type`` and ``sequence_number`` come first, as OpenAI sends them."""
     return kind, _encode({"type": kind, "sequence_number": seq, **fields})
+
+
+def response_event(kind: str, seq: int, response: dict[str, Any]) -> Frame:
+    """An event that carries the whole response (created, in progress, completed, ...). Its
+    tools, when they are an array decoded once for many requests (:mod:`hotloop.pipeline.settings`),
+    are written as the bytes they were encoded to then (the same bytes: one encoder, one value),
+    not encoded again for every such event of every turn."""
+    shared = checked_tools(response.get("tools"))
+    if shared is not None:
+        response = {**response, "tools": msgspec.Raw(shared.json)}
+    return kind, _encode({"type": kind, "sequence_number": seq, "response": response})
 
 
 def text_delta(seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> Frame:

@@ -11,6 +11,7 @@ are kept and rejected only when a request forces their use. Invariants the serve
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Literal, Union
 
 import msgspec
@@ -427,10 +428,48 @@ def _range(name: str, value: float | int | None, lo: float, hi: float | None = N
         )
 
 
-def _check_tools(tools: list[dict[str, Any]] | None) -> dict[str, FunctionTool]:
+class CheckedTools:
+    """A ``tools`` array decoded and checked once (``tools``, its ``functions``, and ``json``,
+    its encoding as :func:`hotloop.pipeline.prepare.tools_json` makes it), shared by the
+    requests that send the same bytes again (:class:`hotloop.pipeline.settings.ToolsCache`).
+    Shared, so never changed: nothing in hotloop writes into a request's tools."""
+
+    __slots__ = ("tools", "functions", "json", "__weakref__")
+
+    def __init__(self, tools: list[dict[str, Any]], functions: dict[str, FunctionTool], json: bytes) -> None:
+        self.tools = tools
+        self.functions = functions
+        self.json = json
+
+
+# The shared tools arrays alive, by identity: validating a request whose tools are one of them
+# takes its functions instead of checking it again. Weak values: an array no cache keeps is
+# dropped here with it (an id is reused only after its object is gone).
+_CHECKED: weakref.WeakValueDictionary[int, CheckedTools] = weakref.WeakValueDictionary()
+
+
+def share_checked(c: CheckedTools) -> None:
+    """Make ``c`` known to :func:`checked_tools` (for as long as something keeps it)."""
+    _CHECKED[id(c.tools)] = c
+
+
+def checked_tools(tools: list[dict[str, Any]] | None) -> CheckedTools | None:
+    """The shared, already checked array that ``tools`` is, if it is one."""
+    if not tools:
+        return None
+    c = _CHECKED.get(id(tools))
+    return c if c is not None and c.tools is tools else None
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, FunctionTool]:
+    """The function tools of ``tools`` by name, after checking every tool (the errors name
+    ``tools[i]``); an array already checked (:func:`checked_tools`) is not checked again."""
     fns: dict[str, FunctionTool] = {}
     if not tools:
         return fns
+    shared = checked_tools(tools)
+    if shared is not None:
+        return shared.functions
     if len(tools) > MAX_TOOLS:
         raise errors.InvalidValue(f"Invalid 'tools': at most {MAX_TOOLS} tools are allowed.", param="tools")
     for i, tool in enumerate(tools):
@@ -581,7 +620,7 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
                 "Missing required parameter: 'text.format.schema'.", param="text.format.schema"
             )
     tools = req.tools or []
-    fns = _check_tools(tools)
+    fns = check_tools(tools)
     choice = _check_tool_choice(req.tool_choice, tools, fns)
     items = decode_items(req.input)
     return Prepared(

@@ -54,7 +54,7 @@ class _Quiet:
     def event(*_args: Any, **_kwargs: Any) -> Frame:
         return _Quiet.NO_FRAME
 
-    text_delta = reasoning_delta = arguments_delta = sse_error = event
+    text_delta = reasoning_delta = arguments_delta = sse_error = response_event = event
 
 
 _quiet_text_delta = _Quiet.text_delta
@@ -177,8 +177,8 @@ class Turn:
         self._check("start")
         self._phase = _STREAMING
         return [
-            self._ev.event(ev.CREATED, self._next(), response=self.response),
-            self._ev.event(ev.IN_PROGRESS, self._next(), response=self.response),
+            self._ev.response_event(ev.CREATED, self._next(), self.response),
+            self._ev.response_event(ev.IN_PROGRESS, self._next(), self.response),
         ]
 
     def feed(self, chunk: Chunk) -> list[Frame]:
@@ -425,7 +425,7 @@ class Turn:
             kind = ev.COMPLETED
         r["completed_at"] = int(self._clock())
         self._phase = _DONE
-        out.append(self._ev.event(kind, self._next(), response=r))
+        out.append(self._ev.response_event(kind, self._next(), r))
         return out
 
     def retract(self, err: errors.HotloopError) -> list[Frame]:
@@ -444,7 +444,7 @@ class Turn:
         out: list[Frame] = []
         if self.transport == "sse":
             out.append(self._ev.sse_error(err, self._next()))
-        out.append(self._ev.event(ev.FAILED, self._next(), response=r))
+        out.append(self._ev.response_event(ev.FAILED, self._next(), r))
         return out
 
     def fail(self, err: errors.HotloopError, *, error_event: bool = True) -> list[Frame]:
@@ -462,7 +462,7 @@ class Turn:
         out: list[Frame] = []
         if self._phase == _NEW:
             self._phase = _STREAMING
-            out.append(self._ev.event(ev.CREATED, self._next(), response=self.response))
+            out.append(self._ev.response_event(ev.CREATED, self._next(), self.response))
         self._close_item("incomplete", out)
         if error_event and self.transport == "sse":
             out.append(self._ev.sse_error(err, self._next()))
@@ -472,5 +472,5 @@ class Turn:
         r["error"] = {"code": err.code or "server_error", "message": err.message}
         r["usage"] = self._final_usage() if self._output else None
         self._phase = _DONE
-        out.append(self._ev.event(ev.FAILED, self._next(), response=r))
+        out.append(self._ev.response_event(ev.FAILED, self._next(), r))
         return out

@@ -157,6 +157,7 @@ class HotloopApp:
                 "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits,
                 "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },
+            "tools_cache": {"entries": len(eng.tools), "bytes": eng.tools.nbytes, "hits": eng.tools.hits, "misses": eng.tools.misses},
             "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
             # the cyclic collector: objects frozen at start-up, and per generation its collections
             "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},

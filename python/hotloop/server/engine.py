@@ -40,6 +40,7 @@ from hotloop.pipeline import window
 from hotloop.pipeline.classify import Redact, SecretsClassifier
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
+from hotloop.pipeline.settings import ToolsCache
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
@@ -75,6 +76,8 @@ class Engine:
         )
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+        # An agent's tool definitions, decoded and checked once per key (pipeline.settings).
+        self.tools = ToolsCache()
         self.runs: set[Run] = set()  # the responses streaming now (abort_all fails them)
         self.stopping = False  # the server is shutting down: no new response starts
         self.aborting: errors.HotloopError | None = None  # ... and its grace is over (abort_all)

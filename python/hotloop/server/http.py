@@ -208,7 +208,9 @@ class HttpTransport:
         t0 = time.perf_counter()
         engine = self.app.engine
         # A full-history input is matched against the owner's cached prefixes by its raw bytes.
-        req, prefix, raw = reuse.decode_create(await self._body(_receiver(scope, receive)), engine.prefixes, tenant.id)
+        req, prefix, raw = reuse.decode_create(
+            await self._body(_receiver(scope, receive)), engine.prefixes, tenant.id, engine.tools
+        )
         # A client that disconnects (an aborted stream, a timed-out JSON request) cancels the
         # generation, so the backend stops producing tokens nobody will read. hotloop's protocol
         # calls back when the connection is lost; elsewhere another task waits for the client to

@@ -133,7 +133,8 @@ class Connection:
     def _decode_create(self, frame: str) -> Any:
         """A large ``response.create`` frame that resends a history: matched against the
         tenant's cached prefixes by its bytes (pipeline.reuse), as an HTTP body is."""
-        return reuse.decode_frame(frame, self.app.engine.prefixes, self.tenant.id)
+        engine = self.app.engine
+        return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
 
     async def send_frame(self, payload: bytes) -> None:
         await self._emit([(ev.ERROR, payload)])

@@ -1,0 +1,96 @@
+"""An agent's tool definitions decoded, checked and encoded once, not on every turn.
+
+A coding agent sends the same ``tools`` array, often tens of KB of JSON, with every request
+(``previous_response_id`` carries no tools) and every full-history one. Each time it was decoded
+into dicts, checked (a :class:`~hotloop.protocol.request.FunctionTool` per function) and encoded
+again for the settings' token count. :class:`ToolsCache` keeps, per owner, the result for the
+array's exact bytes; a request that sends those bytes again gets the same (shared, never changed)
+list, and validating it takes the functions already checked
+(:func:`hotloop.protocol.request.checked_tools`).
+
+Exactness: the bytes are the key, so a hit is what decoding them would give. A ``tools`` value
+that does not decode or check is never cached: the request is then decoded the ordinary way and
+gets the ordinary error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from hotloop.protocol.request import CheckedTools, CreateRequest, check_tools, share_checked
+
+# The type CreateRequest declares for ``tools``, so a value decodes (or fails) as it does there
+TOOLS_TYPE: Any = next(f.type for f in msgspec.structs.fields(CreateRequest) if f.name == "tools")
+tools_decoder: Any = msgspec.json.Decoder(TOOLS_TYPE)
+_encode = msgspec.json.encode  # as tools_json (pipeline.prepare)
+
+# What an entry is counted as, per byte of its JSON: the bytes, their encoding again, and the
+# decoded dicts and strings (about three times the JSON in CPython objects).
+WEIGHT = 5
+
+
+def decode_tools(raw: bytes) -> CheckedTools | None:
+    """``raw`` (a request's ``tools`` JSON) decoded and checked; ``None`` for ``null`` or an
+    empty array. Raises what decoding or checking raises."""
+    tools = tools_decoder.decode(raw)
+    if not tools:
+        return None
+    return CheckedTools(tools, check_tools(tools), _encode(tools))
+
+
+class ToolsCache:
+    """``(owner, tools JSON bytes)`` -> :class:`CheckedTools`, LRU-bounded by entries and by
+    bytes (each entry counted as WEIGHT times its JSON). Scoped by owner like the token counts:
+    a hit skips tens of microseconds, which one key could otherwise time to learn another's
+    tools. Arrays under ``min_bytes`` are not kept (decoding them costs less than the lookup)."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 16 * 1024 * 1024, min_bytes: int = 1024) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._d: OrderedDict[tuple[str, bytes], CheckedTools] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, owner: str, raw: bytes) -> CheckedTools | None:
+        """The checked tools of ``raw`` for ``owner``: cached, or decoded and checked now (and
+        kept). ``None``: not kept here (no tools, or fewer than ``min_bytes`` of them, decoded
+        by the caller as any other field). Raises what :func:`decode_tools` raises (nothing is
+        kept)."""
+        if len(raw) < self.min_bytes or self.max_entries <= 0:
+            return None
+        key = (owner, raw)
+        c = self._d.get(key)
+        if c is not None:
+            self._d.move_to_end(key)
+            self.hits += 1
+            return c
+        self.misses += 1
+        c = decode_tools(raw)
+        if c is None:
+            return None
+        size = WEIGHT * len(raw)
+        if size > self.max_bytes // 4:
+            return c  # too large to keep (checked, and encoded once for this request)
+        self._d[key] = c
+        self._bytes += size
+        share_checked(c)
+        while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
+            (_, old), _ = self._d.popitem(last=False)
+            self._bytes -= WEIGHT * len(old)
+        return c
+
+    def clear(self) -> None:
+        self._d.clear()
+        self._bytes = 0

@@ -1,0 +1,136 @@
+"""An agent's tools decoded and checked once per key (pipeline.settings): the same request, the
+same errors and the same event bytes as decoding them every time; bounded; scoped per owner."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from hotloop import errors
+from hotloop.pipeline import reuse
+from hotloop.pipeline.prepare import tools_json
+from hotloop.pipeline.settings import WEIGHT, ToolsCache
+from hotloop.protocol import events as ev
+from hotloop.protocol.request import checked_tools, decode_body, validate
+from hotloop.state.prefix import PrefixCache
+
+
+def _tools(n: int = 6, tag: str = "") -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "name": f"tool_{i}{tag}",
+            "description": f"Tool {i}: " + "does a careful thing with the repository. " * 8,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}}},
+            "strict": False,
+        }
+        for i in range(n)
+    ]
+
+
+def _body(tools: Any, **more: Any) -> bytes:
+    return json.dumps({"model": "m", "instructions": "Be brief.", "tools": tools, "input": "hi", **more}).encode()
+
+
+def _decode(body: bytes, cache: ToolsCache, owner: str = "alice") -> Any:
+    # a prefix cache with room (decode_create then takes the lazy path that the tools cache is on)
+    return reuse.decode_create(body, PrefixCache(), owner, cache)[0]
+
+
+def test_a_request_is_what_decoding_it_gives_and_its_tools_are_shared() -> None:
+    cache = ToolsCache()
+    body = _body(_tools())
+    first = _decode(body, cache)
+    again = _decode(_body(_tools(), input=[{"role": "user", "content": "more"}]), cache)
+    plain = decode_body(body)
+    assert first == plain  # every field, the tools included
+    assert (cache.misses, cache.hits, len(cache)) == (1, 1, 1)
+    assert again.tools is first.tools  # the same bytes: the same (shared) list
+    shared = checked_tools(first.tools)
+    assert shared is not None and shared.tools is first.tools
+    # validating takes the functions checked once; they are what checking them again gives
+    p, q = validate(first), validate(plain)
+    assert p.function_tools is shared.functions and p.function_tools == q.function_tools
+    assert checked_tools(plain.tools) is None  # an ordinary list is checked as before
+    assert tools_json(p) == shared.json == msgspec.json.encode(plain.tools)
+
+
+def test_the_tools_of_one_key_are_never_another_keys() -> None:
+    cache = ToolsCache()
+    alice = _decode(_body(_tools()), cache, "alice")
+    bob = _decode(_body(_tools()), cache, "bob")
+    assert (cache.misses, cache.hits) == (2, 0)
+    assert bob.tools is not alice.tools and bob.tools == alice.tools
+    assert _decode(_body(_tools()), cache, "bob").tools is bob.tools
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        _tools() + [_tools()[0]],  # a duplicate name
+        _tools() + [{"name": "untyped", "description": "x" * 2000}],  # no type
+        _tools() + [{"type": "function", "name": "bad name!", "description": "x" * 2000}],
+        _tools() + [{"type": "function", "name": "s", "parameters": {"type": "string"}, "description": "x" * 2000}],
+        [*_tools(), 5],  # not an object
+        {"not": "an array", "pad": "x" * 2000},
+    ],
+)
+def test_tools_that_fail_are_not_kept_and_fail_as_before(tools: Any) -> None:
+    cache = ToolsCache()
+    body = _body(tools)
+
+    def outcome(decode: Any) -> tuple[type, str, str | None]:
+        with pytest.raises(errors.HotloopError) as info:
+            validate(decode(body))
+        return type(info.value), info.value.message, info.value.param
+
+    assert outcome(lambda b: _decode(b, cache)) == outcome(decode_body)
+    assert len(cache) == 0 and cache.hits == 0
+    # and after the valid array is cached, the invalid one still fails the same way
+    _decode(_body(_tools()), cache)
+    assert outcome(lambda b: _decode(b, cache)) == outcome(decode_body)
+
+
+def test_small_or_missing_tools_are_decoded_as_before() -> None:
+    cache = ToolsCache()
+    small = [{"type": "function", "name": "f"}]
+    for tools in (None, [], small):
+        body = _body(tools)
+        assert _decode(body, cache) == decode_body(body)
+    assert json.loads(b'{"model":"m","input":"x"}') and _decode(b'{"model":"m","input":"x"}', cache).tools is None
+    assert len(cache) == 0 and cache.hits == 0
+
+
+def test_bounded_by_entries_and_bytes() -> None:
+    cache = ToolsCache(max_entries=2)
+    raws = [msgspec.json.encode(_tools(tag=str(i))) for i in range(3)]
+    for raw in raws:
+        assert cache.get("o", raw) is not None
+    assert len(cache) == 2 and cache.nbytes == WEIGHT * (len(raws[1]) + len(raws[2]))
+    cache.get("o", raws[0])  # evicted: decoded again
+    assert cache.misses == 4 and cache.hits == 0
+    one = WEIGHT * len(raws[0])  # each of the same size
+    by_bytes = ToolsCache(max_bytes=4 * one + one // 2)
+    for raw in [msgspec.json.encode(_tools(tag=str(i))) for i in range(6)]:
+        by_bytes.get("o", raw)
+    assert len(by_bytes) == 4 and by_bytes.nbytes == 4 * one <= by_bytes.max_bytes
+    tiny = ToolsCache(max_bytes=one)  # an entry over a quarter of the bound is not kept
+    assert tiny.get("o", raws[0]) is not None and len(tiny) == 0
+    off = ToolsCache(max_entries=0)
+    assert off.get("o", raws[0]) is None and len(off) == 0  # the caller decodes them
+    assert ToolsCache().get("o", b'[{"type":"function","name":"f"}]') is None  # small: likewise
+
+
+def test_response_events_write_shared_tools_as_they_were_encoded() -> None:
+    cache = ToolsCache()
+    req = _decode(_body(_tools()), cache)
+    shared = checked_tools(req.tools)
+    assert shared is not None
+    response = {"id": "resp_1", "object": "response", "instructions": "Be brief.", "tools": req.tools, "usage": None}
+    plain = {**response, "tools": json.loads(json.dumps(req.tools))}  # equal, not shared
+    for kind in (ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED):
+        assert ev.response_event(kind, 7, response) == ev.event(kind, 7, response=plain)
+        assert ev.response_event(kind, 7, plain) == ev.event(kind, 7, response=plain)
