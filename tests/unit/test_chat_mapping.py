@@ -658,3 +658,33 @@ def test_render_cache_byte_budget() -> None:
     assert cache.bytes <= 40_000 and len(cache._d) < 20
     cache.render(items([{"role": "user", "content": "y" * 20_000}]))  # over a quarter: not cached
     assert cache.bytes <= 40_000 and all(e.size <= 10_000 for e in cache._d.values())
+
+
+def test_render_cache_encodes_an_agents_tools_once() -> None:
+    """The same tool objects (an agent's, shared by its turns) are rendered and encoded once per
+    cache; the body is the one rendered from scratch, for every tool choice that selects them."""
+    from hotloop.backends.chat.render import TOOLS_KEPT, TOOLS_MIN_BYTES
+    from hotloop.protocol.request import FunctionTool
+
+    def tools(tag: str, n: int = 8, size: int = 300) -> list[FunctionTool]:
+        return [
+            FunctionTool(name=f"t{i}{tag}", description="d" * size, parameters={"type": "object", "properties": {"a": {"type": "string"}}}, strict=i % 2 == 0)
+            for i in range(n)
+        ]
+
+    cache = RenderCache(CEREBRAS)
+    agent = tools("a")
+    choices: list[Any] = ["auto", "required", {"type": "function", "name": "t3a"}, {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "t1a"}]}]
+    for turn in range(3):
+        for choice in choices:
+            req = request(f"turn {turn}", tools=agent, tool_choice=choice)
+            assert encode_request(req, CEREBRAS, cache) == encode_request(req, CEREBRAS)
+    whole = cache.tools(agent)
+    assert cache.tools(agent) is whole  # kept: the same bytes object
+    assert cache.tools(list(agent)) is whole  # another list of the same tool objects
+    assert cache.tools(tools("a")) is not whole  # equal tools, other objects: rendered again
+    small = tools("s", n=1, size=10)
+    assert len(cache.tools(small)) < TOOLS_MIN_BYTES and cache.tools(small) is not cache.tools(small)
+    for k in range(TOOLS_KEPT + 3):
+        cache.tools(tools(str(k)))
+    assert len(cache._tools) == TOOLS_KEPT

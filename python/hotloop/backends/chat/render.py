@@ -10,7 +10,7 @@ the new ones; :class:`RenderCache` uses that to render and encode only a continu
 from __future__ import annotations
 
 import operator
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -238,6 +238,10 @@ class _Rendered:
         self.size = size
 
 
+TOOLS_KEPT = 16  # rendered tool arrays a RenderCache keeps (RenderCache.tools)
+TOOLS_MIN_BYTES = 1024  # smaller ones are rendered every time (cheaper than keeping them)
+
+
 class RenderCache:
     """Renderings of recent conversations, so a continuation renders only its new items.
 
@@ -257,6 +261,24 @@ class RenderCache:
         self.bytes = 0
         self._d: dict[int, _Rendered] = {}
         self.hits = 0
+        # Rendered tool arrays by the identity of their tools (an agent's, decoded once and
+        # shared by its turns: pipeline.settings), holding the tools so no id is recycled.
+        self._tools: dict[tuple[int, ...], tuple[tuple[FunctionTool, ...], msgspec.Raw]] = {}
+
+    def tools(self, tools: list[FunctionTool]) -> msgspec.Raw:
+        """The chat ``tools`` array of ``tools``, encoded: once for the same tool objects (up
+        to TOOLS_KEPT arrays of TOOLS_MIN_BYTES or more, least recently used out)."""
+        key = tuple(map(id, tools))
+        hit = self._tools.pop(key, None)
+        if hit is None:
+            raw = msgspec.Raw(_encoder.encode([_tool(t) for t in tools]))
+            if len(raw) < TOOLS_MIN_BYTES:
+                return raw
+            hit = (tuple(tools), raw)
+            while len(self._tools) >= TOOLS_KEPT:
+                del self._tools[next(iter(self._tools))]
+        self._tools[key] = hit  # the newest last
+        return hit[1]
 
     def render(self, items: list[Any]) -> list[bytes]:
         """The JSON of the messages of ``items``, comma-separated, as pieces to concatenate
@@ -353,15 +375,18 @@ def _tools_and_choice(
     return tools, None
 
 
-def render(req: BackendRequest, dialect: Dialect, messages: Any = None) -> dict[str, Any]:
+def render(
+    req: BackendRequest, dialect: Dialect, messages: Any = None, tools_of: Callable[[list[FunctionTool]], Any] | None = None
+) -> dict[str, Any]:
     """The chat-completions request body (a streaming request with usage).
 
-    ``messages`` may be given pre-encoded (a ``msgspec.Raw``; see :func:`encode_request`).
+    ``messages`` may be given pre-encoded (a ``msgspec.Raw``; see :func:`encode_request`), and
+    the ``tools`` array by ``tools_of`` (:meth:`RenderCache.tools`).
     """
     body: dict[str, Any] = {"model": req.model, "messages": render_messages(req, dialect) if messages is None else messages}
     tools, choice = _tools_and_choice(req, dialect)
     if tools:
-        body["tools"] = [_tool(t) for t in tools]
+        body["tools"] = tools_of(tools) if tools_of is not None else [_tool(t) for t in tools]
         if choice is not None:
             body["tool_choice"] = choice
         if not req.parallel_tool_calls:
@@ -416,7 +441,7 @@ def encode_request_parts(req: BackendRequest, dialect: Dialect, cache: RenderCac
     # The body around an empty messages array, cut where the messages go: "model" is the first
     # key and its value a JSON string (no unescaped quote inside), so the first '"messages":[]'
     # is the key's.
-    empty = _encoder.encode(render(req, dialect, msgspec.Raw(b"[]")))
+    empty = _encoder.encode(render(req, dialect, msgspec.Raw(b"[]"), cache.tools))
     if not parts and not system:
         return [empty]
     head, sep, tail = empty.partition(_MESSAGES)
