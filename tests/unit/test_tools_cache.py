@@ -134,3 +134,10 @@ def test_response_events_write_shared_tools_as_they_were_encoded() -> None:
     for kind in (ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED):
         assert ev.response_event(kind, 7, response) == ev.event(kind, 7, response=plain)
         assert ev.response_event(kind, 7, plain) == ev.event(kind, 7, response=plain)
+    # long instructions, encoded once for a response's events; another response's are its own
+    for text in ("Be careful \u00e9 \"quoted\"\n" * 200, "Other instructions. " * 100, "short"):
+        a = {**response, "instructions": text}
+        b = {**plain, "instructions": "".join(text)}  # equal, another object
+        for kind in (ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED):
+            assert ev.response_event(kind, 3, a) == ev.event(kind, 3, response=b)
+            assert ev.response_event(kind, 3, b) == ev.event(kind, 3, response=b)
