@@ -663,7 +663,7 @@ def test_render_cache_byte_budget() -> None:
 def test_render_cache_encodes_an_agents_tools_once() -> None:
     """The same tool objects (an agent's, shared by its turns) are rendered and encoded once per
     cache; the body is the one rendered from scratch, for every tool choice that selects them."""
-    from hotloop.backends.chat.render import TOOLS_KEPT, TOOLS_MIN_BYTES
+    from hotloop.backends.chat.render import TOOLS_KEPT, TOOLS_MAX_BYTES, TOOLS_MIN_BYTES
     from hotloop.protocol.request import FunctionTool
 
     def tools(tag: str, n: int = 8, size: int = 300) -> list[FunctionTool]:
@@ -688,3 +688,5 @@ def test_render_cache_encodes_an_agents_tools_once() -> None:
     for k in range(TOOLS_KEPT + 3):
         cache.tools(tools(str(k)))
     assert len(cache._tools) == TOOLS_KEPT
+    huge = tools("h", n=4, size=TOOLS_MAX_BYTES // 3)
+    assert len(cache.tools(huge)) > TOOLS_MAX_BYTES and cache.tools(huge) is not cache.tools(huge)  # not kept

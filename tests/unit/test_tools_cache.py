@@ -134,10 +134,44 @@ def test_response_events_write_shared_tools_as_they_were_encoded() -> None:
     for kind in (ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED):
         assert ev.response_event(kind, 7, response) == ev.event(kind, 7, response=plain)
         assert ev.response_event(kind, 7, plain) == ev.event(kind, 7, response=plain)
-    # long instructions, encoded once for a response's events; another response's are its own
+    # long instructions, encoded once for a response's events (its memo); the same memo given
+    # another response's instructions encodes those
+    memo: list[Any] = [None, None]
     for text in ("Be careful \u00e9 \"quoted\"\n" * 200, "Other instructions. " * 100, "short"):
         a = {**response, "instructions": text}
         b = {**plain, "instructions": "".join(text)}  # equal, another object
         for kind in (ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED):
+            assert ev.response_event(kind, 3, a, memo) == ev.event(kind, 3, response=b)
+            assert ev.response_event(kind, 3, b, memo) == ev.event(kind, 3, response=b)
             assert ev.response_event(kind, 3, a) == ev.event(kind, 3, response=b)
-            assert ev.response_event(kind, 3, b) == ev.event(kind, 3, response=b)
+        assert (memo[0] is b["instructions"]) == (len(text) >= ev.LONG_INSTRUCTIONS)
+
+
+def test_tools_after_a_reused_prefix_are_shared_and_fail_as_before() -> None:
+    # A full-history body that repeats a registered one (decoded without its prefix, _by_body),
+    # with its tools before or after the input: the tools are the cached ones; invalid ones fail
+    # as the ordinary decode does.
+    from tests.unit.test_prefix_reuse import _register
+
+    tools = _tools()
+    for place in ("before", "after"):
+        prefixes, cache = PrefixCache(), ToolsCache()
+
+        def body(texts: list[str], t: Any = tools) -> bytes:
+            items = ",".join(json.dumps({"role": "user", "content": x}) for x in texts)
+            settings = '"tools":' + json.dumps(t)
+            parts = (settings + ',"model":"m","input":[' + items + "]") if place == "before" else ('"model":"m","input":[' + items + "]," + settings)
+            return ("{" + parts + "}").encode()
+
+        texts = ["x" * 300, "second"]
+        _register(prefixes, body(texts), texts)
+        req, hit, _ = reuse.decode_create(body(texts + ["third"]), prefixes, "alice", cache)
+        again, hit2, _ = reuse.decode_create(body(texts + ["fourth"]), prefixes, "alice", cache)
+        assert hit is not None and hit2 is not None and prefixes.body_hits == 2
+        assert req.tools == tools and again.tools is req.tools and checked_tools(req.tools) is not None
+        bad = body(texts + ["third"], tools + [tools[0]])  # a duplicate name
+        with pytest.raises(errors.HotloopError) as got:
+            validate(reuse.decode_create(bad, prefixes, "alice", cache)[0])
+        with pytest.raises(errors.HotloopError) as want:
+            validate(decode_body(bad))
+        assert (type(got.value), got.value.message, got.value.param) == (type(want.value), want.value.message, want.value.param)

@@ -68,28 +68,25 @@ def event(kind: str, seq: int, **fields: Any) -> Frame:
     return kind, _encode({"type": kind, "sequence_number": seq, **fields})
 
 
-# The last long instructions response_event encoded, and their JSON (one entry: the events of
-# one response come in a row; the entry holds the string, so its identity is never reused).
-_instructions: list[Any] = [None, None]
 LONG_INSTRUCTIONS = 1024  # characters from which instructions are encoded once per response
 
 
-def response_event(kind: str, seq: int, response: dict[str, Any]) -> Frame:
+def response_event(kind: str, seq: int, response: dict[str, Any], memo: list[Any] | None = None) -> Frame:
     """An event that carries the whole response (created, in progress, completed, ...). Its
     tools, when they are an array decoded once for many requests (:mod:`hotloop.pipeline.settings`),
-    are written as the bytes they were encoded to then, and long instructions as the bytes the
-    response's first such event encoded them to (the same bytes: one encoder, one value), not
-    encoded again for every such event of every turn."""
+    are written as the bytes they were encoded to then, and long instructions, with ``memo``
+    (the response's: ``[None, None]`` at first), as the bytes its first such event encoded them
+    to (the same bytes: one encoder, one value), not encoded again for every such event."""
     shared = checked_tools(response.get("tools"))
     instructions = response.get("instructions")
-    long = type(instructions) is str and len(instructions) >= LONG_INSTRUCTIONS
+    long = memo is not None and type(instructions) is str and len(instructions) >= LONG_INSTRUCTIONS
     if shared is not None or long:
         response = dict(response)
         if shared is not None:
             response["tools"] = msgspec.Raw(shared.json)
         if long:
-            memo = _instructions
-            if memo[0] is not instructions:
+            assert memo is not None
+            if memo[0] is not instructions:  # (the memo holds the string: its id is not reused)
                 memo[0], memo[1] = instructions, msgspec.Raw(_encode(instructions))
             response["instructions"] = memo[1]
     return kind, _encode({"type": kind, "sequence_number": seq, "response": response})

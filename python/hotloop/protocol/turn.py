@@ -108,6 +108,7 @@ class Turn:
     ) -> None:
         # quiet: the frames are placeholders (a JSON response is built from ``response`` alone)
         self._ev: Any = _Quiet if quiet else ev
+        self._encoded: list[Any] = [None, None]  # this response's long instructions, encoded once
         self._text_delta = _quiet_text_delta if quiet else _text_delta
         self.response = response
         self.ids = ids
@@ -177,8 +178,8 @@ class Turn:
         self._check("start")
         self._phase = _STREAMING
         return [
-            self._ev.response_event(ev.CREATED, self._next(), self.response),
-            self._ev.response_event(ev.IN_PROGRESS, self._next(), self.response),
+            self._ev.response_event(ev.CREATED, self._next(), self.response, self._encoded),
+            self._ev.response_event(ev.IN_PROGRESS, self._next(), self.response, self._encoded),
         ]
 
     def feed(self, chunk: Chunk) -> list[Frame]:
@@ -425,7 +426,7 @@ class Turn:
             kind = ev.COMPLETED
         r["completed_at"] = int(self._clock())
         self._phase = _DONE
-        out.append(self._ev.response_event(kind, self._next(), r))
+        out.append(self._ev.response_event(kind, self._next(), r, self._encoded))
         return out
 
     def retract(self, err: errors.HotloopError) -> list[Frame]:
@@ -444,7 +445,7 @@ class Turn:
         out: list[Frame] = []
         if self.transport == "sse":
             out.append(self._ev.sse_error(err, self._next()))
-        out.append(self._ev.response_event(ev.FAILED, self._next(), r))
+        out.append(self._ev.response_event(ev.FAILED, self._next(), r, self._encoded))
         return out
 
     def fail(self, err: errors.HotloopError, *, error_event: bool = True) -> list[Frame]:
@@ -462,7 +463,7 @@ class Turn:
         out: list[Frame] = []
         if self._phase == _NEW:
             self._phase = _STREAMING
-            out.append(self._ev.response_event(ev.CREATED, self._next(), self.response))
+            out.append(self._ev.response_event(ev.CREATED, self._next(), self.response, self._encoded))
         self._close_item("incomplete", out)
         if error_event and self.transport == "sse":
             out.append(self._ev.sse_error(err, self._next()))
@@ -472,5 +473,5 @@ class Turn:
         r["error"] = {"code": err.code or "server_error", "message": err.message}
         r["usage"] = self._final_usage() if self._output else None
         self._phase = _DONE
-        out.append(self._ev.response_event(ev.FAILED, self._next(), r))
+        out.append(self._ev.response_event(ev.FAILED, self._next(), r, self._encoded))
         return out

@@ -238,8 +238,13 @@ class _Rendered:
         self.size = size
 
 
-TOOLS_KEPT = 16  # rendered tool arrays a RenderCache keeps (RenderCache.tools)
-TOOLS_MIN_BYTES = 1024  # smaller ones are rendered every time (cheaper than keeping them)
+# Rendered tool arrays a RenderCache keeps (RenderCache.tools): 16, of TOOLS_MIN_BYTES to
+# TOOLS_MAX_BYTES each (smaller ones cost less to render than to keep; larger ones are rendered
+# every time), so at most 16 MiB of JSON. Each holds its tool objects, which are normally the
+# ones the tools cache of the server keeps (pipeline.settings) and accounts.
+TOOLS_KEPT = 16
+TOOLS_MIN_BYTES = 1024
+TOOLS_MAX_BYTES = 1024 * 1024
 
 
 class RenderCache:
@@ -267,12 +272,12 @@ class RenderCache:
 
     def tools(self, tools: list[FunctionTool]) -> msgspec.Raw:
         """The chat ``tools`` array of ``tools``, encoded: once for the same tool objects (up
-        to TOOLS_KEPT arrays of TOOLS_MIN_BYTES or more, least recently used out)."""
+        to TOOLS_KEPT arrays of TOOLS_MIN_BYTES to TOOLS_MAX_BYTES, least recently used out)."""
         key = tuple(map(id, tools))
         hit = self._tools.pop(key, None)
         if hit is None:
             raw = msgspec.Raw(_encoder.encode([_tool(t) for t in tools]))
-            if len(raw) < TOOLS_MIN_BYTES:
+            if not TOOLS_MIN_BYTES <= len(raw) <= TOOLS_MAX_BYTES:
                 return raw
             hit = (tuple(tools), raw)
             while len(self._tools) >= TOOLS_KEPT:
