@@ -19,6 +19,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop.pipeline import items as itemlib
+from hotloop.pipeline.settings import ToolsCache, tools_decoder
 from hotloop.protocol.events import CLIENT_CREATE
 from hotloop.protocol.request import (
     MAX_INPUT_ITEMS,
@@ -30,7 +31,6 @@ from hotloop.protocol.request import (
     decode_body,
     validate,
 )
-from hotloop.pipeline.settings import ToolsCache, tools_decoder
 from hotloop.state.context import CachedResponse, item_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache
 
