@@ -185,6 +185,41 @@ class PrefixLookup:
         self.prefixes.by_body("o", self.body)
 
 
+class AgentSettings:
+    """Decoding a chained request that carries an agent's settings (13 KB of instructions and
+    ten tools, 29 KB together, as ``hotloop bench paired --agent-settings`` sends): with the
+    tools cache (``cached``: decoded and checked once, found by their bytes) and without it
+    (``decoded``: every time), then validating it."""
+
+    params = ["cached", "decoded"]
+    param_names = ["tools"]
+
+    def setup(self, tools: str) -> None:
+        import json
+
+        from hotloop.bench.turns import agent_settings
+        from hotloop.pipeline.settings import ToolsCache
+        from hotloop.state.prefix import PrefixCache
+
+        self.body = json.dumps(
+            {"model": "m", **agent_settings(), "previous_response_id": "resp_1", "input": [{"role": "user", "content": "next"}]}
+        ).encode()
+        self.prefixes = PrefixCache()
+        self.tools = ToolsCache() if tools == "cached" else None
+        # correctness before timing: the same request and functions either way
+        plain = validate(decode_body(self.body))
+        got = self._run()
+        assert got.req == plain.req and got.function_tools == plain.function_tools
+
+    def _run(self):
+        from hotloop.pipeline import reuse
+
+        return validate(reuse.decode_create(self.body, self.prefixes, "o", self.tools)[0])
+
+    def time_decode_and_validate(self, tools: str) -> None:
+        self._run()
+
+
 class BackendRequestBody:
     """The chat-completions request body of a continued conversation (the Cerebras dialect):
     the cached messages of earlier turns and one new 2 KB tool output, at turn 1 and at turn 100
