@@ -172,3 +172,34 @@ def test_an_agents_tools_are_decoded_once_and_echoed_exactly(servers: tuple[Serv
     assert after["hits"] - before["hits"] == 3  # the other three turns found them
     assert after["entries"] >= 1
     assert ref_after == ref_before  # no prefix cache there: decoded every time, nothing kept
+
+
+def test_smaller_frames_take_their_tools_from_the_cache_too(servers: tuple[Server, Server]) -> None:
+    # Frames under FAST_DECODE_BYTES (eight tools of about 600 bytes): decoded with the tools
+    # from the cache, answered as by a server that decodes them every time.
+    s, ref = servers
+    tools = [{**t, "name": f"small_{i}", "description": t["description"][:500]} for i, t in enumerate(_agent_tools()[:8])]
+    before, ref_before = _tools_stats(s), _tools_stats(ref)
+    settings = {"tools": tools, "tool_choice": "auto", "store": False}
+    with ws_connect(s.ws + "/responses", open_timeout=10) as ws, ws_connect(ref.ws + "/responses", open_timeout=10) as rws:
+        prev: dict[str, str] = {}
+        rprev: dict[str, str] = {}
+        for i in range(3):
+            new = {"input": [{"role": "user", "content": f"small step {i}"}], **settings}
+            assert len(json.dumps({"type": "response.create", **new, **prev})) < FAST_DECODE_BYTES
+            frame = _turn(ws, {**new, **prev})
+            scratch = _turn(rws, {**new, **rprev})
+            assert frame["type"] == scratch["type"] == "response.completed", (frame, scratch)
+            resp, sresp = frame["response"], scratch["response"]
+            assert resp["tools"] == sresp["tools"] == tools
+            if i == 0:
+                assert resp["usage"]["input_tokens"] == sresp["usage"]["input_tokens"]
+            prev, rprev = {"previous_response_id": resp["id"]}, {"previous_response_id": sresp["id"]}
+        # a bad tool in a small frame: the ordinary error, on both
+        bad = {"input": "x", "tools": tools + [tools[0]]}
+        err, rerr = _turn(ws, bad), _turn(rws, bad)
+        assert err["type"] == rerr["type"] == "error" and err["error"] == rerr["error"], (err, rerr)
+    after, ref_after = _tools_stats(s), _tools_stats(ref)
+    # one miss for the tools, one for the bad array (looked up, never kept), two hits
+    assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (2, 2)
+    assert after["entries"] - before["entries"] <= 1 and ref_after == ref_before

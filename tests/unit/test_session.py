@@ -35,7 +35,7 @@ def test_malformed_frames_are_errors_not_closes() -> None:
 
 def test_a_transport_decoder_takes_large_create_frames_with_the_same_admission() -> None:
     from hotloop.protocol.request import convert_body
-    from hotloop.protocol.session import FAST_DECODE_BYTES
+    from hotloop.protocol.session import FAST_DECODE_BYTES, OFFERED_BYTES
 
     seen: list[int] = []
 
@@ -49,6 +49,11 @@ def test_a_transport_decoder_takes_large_create_frames_with_the_same_admission()
     big = json.dumps({"type": "response.create", "model": "m", "input": "x" * FAST_DECODE_BYTES, "stream_id": "L1"})
     [a] = sess.receive(small, 1)
     assert isinstance(a, RunCreate) and a.decoded is None and seen == []  # small frames: the ordinary way
+    mid = json.dumps({"type": "response.create", "model": "m", "input": "x" * OFFERED_BYTES, "stream_id": "L0"})
+    [m] = sess.receive(mid, 1)  # from OFFERED_BYTES on, offered too
+    assert isinstance(m, RunCreate) and m.decoded == "extra" and seen == [len(mid)]
+    seen.clear()
+    sess.lane_done("L0", Ended(), m)
     [b] = sess.receive(big, 1)
     assert isinstance(b, RunCreate) and b.decoded == "extra" and b.size == len(big) and seen == [len(big)]
     [c] = sess.receive(big.replace('"L1"', '"L2"'), 1)  # the queue bound holds on this path too

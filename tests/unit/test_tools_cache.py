@@ -175,3 +175,34 @@ def test_tools_after_a_reused_prefix_are_shared_and_fail_as_before() -> None:
         with pytest.raises(errors.HotloopError) as want:
             validate(decode_body(bad))
         assert (type(got.value), got.value.message, got.value.param) == (type(want.value), want.value.message, want.value.param)
+
+
+def test_a_small_frame_with_tools_is_decoded_as_the_session_would() -> None:
+    # Frames under FAST_DECODE_BYTES that carry tools (reuse.decode_settings): the request the
+    # ordinary decode gives, the tools from the cache; anything else declined (then decoded
+    # the ordinary way by the session, with its own errors).
+    from hotloop.protocol.request import convert_body
+
+    cache = ToolsCache()
+    frames = [
+        {"type": "response.create", "model": "m", "tools": _tools(), "input": "hi", "stream_id": "a"},
+        {"type": "response.create", "model": "m", "tools": _tools(), "previous_response_id": "resp_1", "input": [{"role": "user", "content": "x"}]},
+        {"type": "response.create", "model": "m", "tools": _tools(), "input": None, "previous_response_id": "resp_1"},
+    ]
+    shared = None
+    for obj in frames:
+        frame = json.dumps(obj)
+        req = reuse.decode_settings(frame, "alice", cache)
+        assert req is not None and req == convert_body(json.loads(frame))
+        shared = shared or req.tools
+        assert req.tools is shared
+    assert (cache.misses, cache.hits) == (1, 2)
+    for obj in (
+        {"type": "response.steer", "model": "m", "tools": _tools(), "input": "x"},
+        {"type": "response.create", "model": "m", "tools": _tools() + [_tools()[0]], "input": "x"},  # duplicate
+        {"type": "response.create", "model": "m", "tools": _tools(), "input": 5},
+        {"type": "response.create", "model": 5, "tools": _tools(), "input": "x"},
+    ):
+        assert reuse.decode_settings(json.dumps(obj), "alice", cache) is None
+    assert reuse.decode_settings("{not json", "alice", cache) is None
+    assert len(cache) == 1

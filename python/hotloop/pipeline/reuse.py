@@ -326,6 +326,22 @@ def decode_frame(
     return got[0], (got[1], got[2])
 
 
+def decode_settings(frame: str, owner: str, tools: ToolsCache) -> CreateRequest | None:
+    """A ``response.create`` frame too small to be matched by its bytes, decoded with its tools
+    taken from ``tools`` (decoded and checked once per owner and bytes); ``None`` for any other
+    or unusual frame, which the session then decodes the ordinary way (with its own errors)."""
+    try:
+        lazy = _lazy_decoder.decode(frame.encode())
+        if lazy.type != CLIENT_CREATE:
+            return None
+        value = msgspec.json.decode(lazy.input)
+        if value is not None and type(value) is not str and type(value) is not list:
+            return None
+        return _with_input(lazy, value, tools, owner)
+    except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+        return None
+
+
 def _suffix(
     req: CreateRequest, prefix: Prefix, raw_input: RawInput, cache: PrefixCache, owner: str
 ) -> tuple[CreateRequest, Prefix | None, RawInput]:

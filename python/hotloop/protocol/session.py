@@ -147,7 +147,12 @@ class Ended(msgspec.Struct):
 Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
-FAST_DECODE_BYTES = 16 * 1024  # frames from this size on are offered to Session.decode_create first
+# Frames from OFFERED_BYTES on are offered to Session.decode_create first (the transport's
+# decoder: from FAST_DECODE_BYTES on, one that matches a resent history by its bytes; below,
+# one that takes an agent's tools from its cache); smaller ones are decoded the ordinary way,
+# which for them is faster (a 2.4 KB frame with one small tool: 6 us against 11.5 us).
+OFFERED_BYTES = 4 * 1024
+FAST_DECODE_BYTES = 16 * 1024
 
 _UNSUPPORTED = {
     ev.CLIENT_INJECT: f"'{ev.CLIENT_INJECT}' is not supported by this server.",
@@ -190,9 +195,10 @@ class Session:
         ids: IdGen | None = None,
         decode_create: Callable[[str], tuple[CreateRequest, Any] | None] | None = None,
     ) -> None:
-        """``decode_create``: a faster decoder the transport may offer for large frames (a
-        full-history input matched against cached prefixes by its bytes): it returns the request
-        of a well-formed ``response.create`` frame and something the transport wants back in the
+        """``decode_create``: a faster decoder the transport may offer for frames of
+        OFFERED_BYTES or more (a full-history input matched against cached prefixes by its
+        bytes, an agent's tools taken from a cache): it returns the request of a well-formed
+        ``response.create`` frame and something the transport wants back in the
         :class:`RunCreate` (``decoded``), or ``None``, and the frame is decoded the ordinary way
         (so every error is the ordinary one)."""
         self.decode_create = decode_create
@@ -279,7 +285,7 @@ class Session:
         if isinstance(data, bytes):
             return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
         fast = self.decode_create
-        if fast is not None and len(data) >= FAST_DECODE_BYTES:
+        if fast is not None and len(data) >= OFFERED_BYTES:
             got = fast(data)
             if got is not None:
                 req, decoded = got

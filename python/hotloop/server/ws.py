@@ -19,7 +19,17 @@ from hotloop import errors
 from hotloop.pipeline import reuse
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
-from hotloop.protocol.session import Action, Close, Ended, RunCreate, SendError, Session, SteerEvent, StopResponse
+from hotloop.protocol.session import (
+    FAST_DECODE_BYTES,
+    Action,
+    Close,
+    Ended,
+    RunCreate,
+    SendError,
+    Session,
+    SteerEvent,
+    StopResponse,
+)
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, request_id
 from hotloop.server.engine import Engine, Run
 from hotloop.server.wsproto import ON_BUSY, ON_CLIENT_GONE, SEND_TEXTS, WAIT_WRITABLE
@@ -131,10 +141,18 @@ class Connection:
         return self.session
 
     def _decode_create(self, frame: str) -> Any:
-        """A large ``response.create`` frame that resends a history: matched against the
-        tenant's cached prefixes by its bytes (pipeline.reuse), as an HTTP body is."""
+        """A large ``response.create`` frame (FAST_DECODE_BYTES or more), which may resend a
+        history: matched against the tenant's cached prefixes by its bytes (pipeline.reuse), as
+        an HTTP body is. A smaller one that carries tools: decoded with them taken from the
+        tenant's tools cache (pipeline.settings), matched by fingerprint as before. The tools
+        cache is on the prefix cache's decoding path, as over HTTP (off with it)."""
         engine = self.app.engine
-        return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
+        if len(frame) >= FAST_DECODE_BYTES:
+            return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
+        if engine.prefixes.max_entries > 0 and _TOOLS_KEY in frame:
+            req = reuse.decode_settings(frame, self.tenant.id, engine.tools)
+            return (req, None) if req is not None else None
+        return None
 
     async def send_frame(self, payload: bytes) -> None:
         await self._emit([(ev.ERROR, payload)])
@@ -497,6 +515,7 @@ class Deadlines:
             conn.expire()
 
 
+_TOOLS_KEY = '"tools"'  # a frame that may carry tools (one without them declines in a scan)
 _ALONE_YIELD = 63  # a lane running alone yields to the loop every 64 batches (see Connection._run)
 
 
