@@ -100,7 +100,7 @@ def test_small_or_missing_tools_are_decoded_as_before() -> None:
     for tools in (None, [], small):
         body = _body(tools)
         assert _decode(body, cache) == decode_body(body)
-    assert json.loads(b'{"model":"m","input":"x"}') and _decode(b'{"model":"m","input":"x"}', cache).tools is None
+    assert _decode(b'{"model":"m","input":"x"}', cache).tools is None
     assert len(cache) == 0 and cache.hits == 0
 
 
@@ -117,8 +117,10 @@ def test_bounded_by_entries_and_bytes() -> None:
     for raw in [msgspec.json.encode(_tools(tag=str(i))) for i in range(6)]:
         by_bytes.get("o", raw)
     assert len(by_bytes) == 4 and by_bytes.nbytes == 4 * one <= by_bytes.max_bytes
-    tiny = ToolsCache(max_bytes=one)  # an entry over a quarter of the bound is not kept
-    assert tiny.get("o", raws[0]) is not None and len(tiny) == 0
+    tiny = ToolsCache(max_bytes=one)  # an entry over a quarter of the bound is not kept...
+    got = tiny.get("o", raws[0])
+    assert got is not None and len(tiny) == 0
+    assert checked_tools(got.tools) is got  # ...but its request's validation takes it as checked
     off = ToolsCache(max_entries=0)
     assert off.get("o", raws[0]) is None and len(off) == 0  # the caller decodes them
     assert ToolsCache().get("o", b'[{"type":"function","name":"f"}]') is None  # small: likewise

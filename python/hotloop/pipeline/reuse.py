@@ -238,6 +238,8 @@ _LazyCreateRequest = _lazy_struct()
 _lazy_decoder: Any = msgspec.json.Decoder(_LazyCreateRequest)
 _asdict = msgspec.structs.asdict
 _NULL = b"null"
+# What decoding a body the fast way may raise: the body is then decoded the ordinary way
+_UNUSUAL = (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError)
 
 
 def _with_input(lazy: Any, value: Any, tools: ToolsCache | None, owner: str) -> CreateRequest:
@@ -332,14 +334,19 @@ def decode_settings(frame: str, owner: str, tools: ToolsCache) -> CreateRequest 
     or unusual frame, which the session then decodes the ordinary way (with its own errors)."""
     try:
         lazy = _lazy_decoder.decode(frame.encode())
-        if lazy.type != CLIENT_CREATE:
-            return None
-        value = msgspec.json.decode(lazy.input)
-        if value is not None and type(value) is not str and type(value) is not list:
-            return None
-        return _with_input(lazy, value, tools, owner)
-    except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+        return _unmatched(lazy, bytes(lazy.input), tools, owner) if lazy.type == CLIENT_CREATE else None
+    except _UNUSUAL:
         return None
+
+
+def _unmatched(lazy: Any, raw: bytes, tools: ToolsCache | None, owner: str) -> CreateRequest | None:
+    """The request of a lazily decoded body whose input (``raw``) is not matched against
+    prefixes here; ``None`` for an input of a type the request does not take (the ordinary
+    decode then reports it)."""
+    value = msgspec.json.decode(raw)
+    if value is None or type(value) is str or type(value) is list:
+        return _with_input(lazy, value, tools, owner)
+    return None
 
 
 def _suffix(
@@ -371,10 +378,8 @@ def _decode(
         lazy = _lazy_decoder.decode(body)
         raw = bytes(lazy.input)
         if lazy.previous_response_id is not None or raw[:1] != b"[":
-            value = msgspec.json.decode(raw)  # a continuation, or a string input: nothing to match
-            if value is None or type(value) is str or type(value) is list:
-                return _with_input(lazy, value, tools, owner), None, None
-            return None
+            plain = _unmatched(lazy, raw, tools, owner)  # a continuation, or a string input
+            return (plain, None, None) if plain is not None else None
         raw_input = RawInput(raw, _lead(body, raw))
         hit = split_raw(cache, owner, raw)
         prefix, suffix_raw = hit if hit is not None else (None, None)
@@ -387,5 +392,5 @@ def _decode(
         if type(value) is not list:
             return None
         return _with_input(lazy, value, tools, owner), None, raw_input
-    except (errors.HotloopError, msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+    except _UNUSUAL:
         return None

@@ -82,17 +82,13 @@ class ToolsCache:
         c = decode_tools(raw)
         if c is None:
             return None
+        share_checked(c)  # validating the request takes its functions (while it lives)
         size = WEIGHT * len(raw)
         if size > self.max_bytes // 4:
-            return c  # too large to keep (checked, and encoded once for this request)
+            return c  # too large to keep
         self._d[key] = c
         self._bytes += size
-        share_checked(c)
         while len(self._d) > self.max_entries or self._bytes > self.max_bytes:
             (_, old), _ = self._d.popitem(last=False)
             self._bytes -= WEIGHT * len(old)
         return c
-
-    def clear(self) -> None:
-        self._d.clear()
-        self._bytes = 0
