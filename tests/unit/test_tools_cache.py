@@ -12,7 +12,7 @@ import pytest
 from hotloop import errors
 from hotloop.pipeline import reuse
 from hotloop.pipeline.prepare import tools_json
-from hotloop.pipeline.settings import WEIGHT, ToolsCache
+from hotloop.pipeline.settings import EDGE, WEIGHT, ToolsCache
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import checked_tools, decode_body, validate
 from hotloop.state.prefix import PrefixCache
@@ -124,6 +124,23 @@ def test_bounded_by_entries_and_bytes() -> None:
     off = ToolsCache(max_entries=0)
     assert off.get("o", raws[0]) is None and len(off) == 0  # the caller decodes them
     assert ToolsCache().get("o", b'[{"type":"function","name":"f"}]') is None  # small: likewise
+
+
+def test_arrays_alike_at_both_ends_never_get_each_others_result() -> None:
+    # Looked up by length and the first and last EDGE bytes: these two share all three and
+    # differ in the middle only (a description), so only the comparison of the whole tells them
+    # apart.
+    cache = ToolsCache()
+    a, b = _tools(), _tools()
+    b[3]["description"] = b[3]["description"].replace("careful", "helpful")
+    ra, rb = msgspec.json.encode(a), msgspec.json.encode(b)
+    assert len(ra) == len(rb) and ra[:EDGE] == rb[:EDGE] and ra[-EDGE:] == rb[-EDGE:] and ra != rb
+    for raw, tools in ((ra, a), (rb, b), (ra, a), (ra, a), (rb, b)):
+        got = cache.get("o", msgspec.Raw(raw))  # as reuse hands it over: no copy first
+        assert got is not None and got.tools == tools and got.json == raw
+    # they take turns in one entry: a miss each time the other was last, a hit otherwise
+    assert (cache.misses, cache.hits, len(cache)) == (4, 1, 1)
+    assert cache.nbytes == WEIGHT * len(ra)
 
 
 def test_response_events_write_shared_tools_as_they_were_encoded() -> None:

@@ -247,8 +247,8 @@ def _with_input(lazy: Any, value: Any, tools: ToolsCache | None, owner: str) -> 
     (and checked) once per owner and bytes. Raises what decoding or checking the tools raises."""
     fields = _asdict(lazy)  # in C: half the time of a getattr per field
     fields["input"] = value
-    raw = bytes(fields["tools"])
-    if raw == _NULL:
+    raw = fields["tools"]  # msgspec.Raw: its bytes are read through its buffer, not copied
+    if len(raw) == 4 and bytes(raw) == _NULL:
         fields["tools"] = None
     else:
         shared = tools.get(owner, raw) if tools is not None else None
