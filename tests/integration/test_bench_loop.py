@@ -289,3 +289,15 @@ def test_http_loop_reports_both_conversations_from_the_marks_and_the_whole_proce
     assert out["process_http_over_ws_last10_paired_p50"] > 0
     # each conversation pays for its own texts: none of its token counts comes from the other's
     assert out["token_cache_hits"] == 0
+
+
+def test_http_loop_repeated_reports_the_median_of_its_runs() -> None:
+    from hotloop.bench import bench_loop_repeated
+
+    out = bench_loop_repeated("http-loop", 4, 512, 3)
+    assert out["repeats"] == 3 and len(out["runs"]) == 3
+    for key in ("process_http_over_ws_paired_p50", "process_http_over_ws_last10_paired_p50", "server_cpu_per_turn_p50_us"):
+        runs = sorted(r[key] for r in out["runs"])
+        assert runs[0] > 0 and out[key] == round(runs[1], 4), key  # each run measured; the middle one reported
+    assert out["turns"] == 4 and out["turns_with_cached_tokens"] == 3  # counts: the same in every run
+    assert bench_loop_repeated("ws-loop", 3, 256, 1)["turns"] == 3  # one run: its own figures, as before

@@ -408,6 +408,30 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
     return out
 
 
+# What a repeated loop reports for each of its runs, besides the medians of every figure
+_RUN_KEYS = (
+    "process_http_over_ws_paired_p50", "process_http_over_ws_last5", "process_http_over_ws_last10_paired_p50",
+    "http_over_ws_paired_p50", "server_cpu_per_turn_p50_us", "process_cpu_per_turn_p50_us",
+)
+
+
+def bench_loop_repeated(kind: str, turns: int, new_bytes: int, repeat: int, server_path: str | None = None) -> dict[str, Any]:
+    """:func:`bench_loop` ``repeat`` times, each on a server of its own with the same texts: the
+    median of each figure over the runs, and each run's main figures (``runs``). One run's last
+    ten pairs are ten samples, which move by 0.1 on this kind of machine from one run to the next."""
+    outs = [bench_loop(kind, turns, new_bytes, server_path=server_path) for _ in range(repeat)]
+    if repeat == 1:
+        return outs[0]
+    merged: dict[str, Any] = {"scenario": kind, "repeats": repeat}
+    for key, value in outs[0].items():
+        if key == "scenario":
+            continue
+        values = [o[key] for o in outs]
+        merged[key] = round(statistics.median(values), 4) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    merged["runs"] = [{k: o[k] for k in _RUN_KEYS if k in o} for o in outs]
+    return merged
+
+
 # A turn's bookkeeping (caching, registering its input, the store's queue) runs right after its
 # answer is written: a reading taken as soon as the client has the answer would count some of it
 # in the next turn (of the other conversation). The server is idle once it is done.
@@ -488,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
     p.add_argument("--new-bytes", type=int, default=2048, help="loops: new input per turn")
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="ws-loop, http-loop: runs, each on a fresh server; the medians over them, and each run's main figures",
+    )
     p.add_argument("--connections", type=int, default=1000, help="idle-ws: idle connections to open")
     p.add_argument("--streams", type=int, default=50, help="ws-fanout: concurrent WebSocket streams")
     p.add_argument("--stream-tokens", type=int, default=400, help="ws-fanout: tokens per stream and round")
@@ -527,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         "throwaway certificate the server trusts (SSL_CERT_FILE); needs trustme",
     )
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat: at least 1")
     if args.scenario == "loop":
         p.error("loop takes its own options, after its name: hotloop bench loop [options] (hotloop bench loop -h)")
     results = []
@@ -536,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_stream(args.tokens, args.rate, backend="cerebras", tls=args.mock_tls))
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
-            results.append(bench_loop(kind, args.turns, args.new_bytes, server_path=args.server_path))
+            results.append(bench_loop_repeated(kind, args.turns, args.new_bytes, args.repeat, server_path=args.server_path))
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
     if args.scenario in ("all", "agent-turns"):
