@@ -508,3 +508,40 @@ def test_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert proxy_for("http://api.example.com") is None
     monkeypatch.setenv("NO_PROXY", "example.com")
     assert proxy_for("https://api.example.com") is None
+
+
+def test_the_chunks_of_one_read_reach_the_response_in_one_piece() -> None:
+    """A streaming server sends one SSE event per chunk of a chunked body, and several chunks
+    arrive in one read when it writes them together (it fell behind, or a read pause held
+    them): the parser reports each chunk on its own, and the response gets the read's chunks
+    joined, once, in order, the read that ends the body included (before its end)."""
+    first = [b"data: early %02d\n\n" % i for i in range(20)]
+    last = [b"data: late %02d\n\n" % i for i in range(10)]
+
+    async def batched(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        for events, end in ((first, b""), (last, b"0\r\n\r\n")):
+            await asyncio.sleep(0.05)  # the client reads the head and waits for the body
+            writer.write(b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + end)  # one write, one read
+            await writer.drain()
+        await reader.read()  # until the client closes
+
+    async def main() -> None:
+        async with Served(batched) as srv:
+            pool = Pool(srv.url())
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            pushed: list[bytes] = []
+
+            def push(body: bytes) -> bool:
+                pushed.append(body)
+                return True
+
+            resp.push = push
+            rest = await collect(resp)  # whatever the push did not take (nothing, here)
+            assert rest == b""
+            assert pushed == [b"".join(first), b"".join(last)]  # one call per read, not per chunk
+            await pool.aclose()
+
+    run(main())

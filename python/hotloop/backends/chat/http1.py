@@ -278,7 +278,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "reads", "mark",
-        "keep_alive", "draining", "expiry", "counted_out", "nap",
+        "keep_alive", "draining", "expiry", "counted_out", "nap", "batch",
     )
 
     def __init__(self, pool: "Pool") -> None:
@@ -297,6 +297,10 @@ class _Conn(asyncio.Protocol):
         self.expiry = pool.keepalive_expiry
         self.counted_out = False  # the pool no longer counts it as open
         self.nap: asyncio.TimerHandle | None = None  # a read pause's end (Pool.read_pause)
+        # The body bytes of the read being parsed: a chunked body calls on_body once per chunk
+        # (a streaming server sends one SSE event a chunk, several in one read when it falls
+        # behind or a read pause held them), and the response gets them joined, once per read.
+        self.batch: list[bytes] | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -309,8 +313,12 @@ class _Conn(asyncio.Protocol):
             self.drop()
             return
         self.reads += 1
+        self.batch = []
         try:
-            self.parser.feed_data(data)
+            try:
+                self.parser.feed_data(data)
+            finally:
+                self._deliver()  # what the read held before its end, an error or its last byte
         except httptools.HttpParserError as exc:  # includes errors raised by the callbacks
             too_large = isinstance(exc.__context__, _TooLarge)
             resp.fail(errors.BackendError(_TOO_LARGE if too_large else _NOT_HTTP))
@@ -358,6 +366,20 @@ class _Conn(asyncio.Protocol):
         resp.on_headers_complete(parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
+        batch = self.batch
+        if batch is not None:
+            batch.append(body)
+        else:  # not from a read (no such caller today): delivered as it comes
+            self._body(body)
+
+    def _deliver(self) -> None:
+        """Hand the current read's body bytes (``batch``) to the response, joined."""
+        batch = self.batch
+        self.batch = None
+        if batch:
+            self._body(batch[0] if len(batch) == 1 else b"".join(batch))
+
+    def _body(self, body: bytes) -> None:
         resp = self.resp
         assert resp is not None
         w = resp._waiter
@@ -383,6 +405,7 @@ class _Conn(asyncio.Protocol):
             self.pause()
 
     def on_message_complete(self) -> None:
+        self._deliver()  # the body's last bytes before its end
         resp = self.resp
         self.resp = None
         self._cancel_timer()
