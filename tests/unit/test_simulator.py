@@ -138,6 +138,51 @@ def test_pacing_never_runs_ahead_of_the_rate() -> None:
     assert total >= 0.05 + 399 / 4000 - 0.002
 
 
+def test_pacing_sleeps_whole_ticks_and_emits_what_is_due_within_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a fake clock: the generator sleeps only when the next token is at least TICK ahead
+    # (uvloop's timers count whole milliseconds; a shorter sleep was a call_soon that found the
+    # token still not due), emits every token due within a tick at once, and no token is
+    # emitted more than a tick early or after its time.
+    from hotloop.backends import simulator as simmod
+
+    clock = [100.0]
+    sleeps: list[float] = []
+
+    class Loop:
+        def time(self) -> float:
+            return clock[0]
+
+        async def run_in_executor(self, _executor: object, fn: object, *args: object) -> object:
+            return fn(*args)  # type: ignore[operator]
+
+    class Shim:
+        @staticmethod
+        def get_running_loop() -> Loop:
+            return Loop()
+
+        @staticmethod
+        async def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+            clock[0] += seconds
+
+    monkeypatch.setattr(simmod, "asyncio", Shim)
+    rate, n = 4000.0, 200
+    sim = SimulatorBackend(rate=rate, ttft=0.0, output_tokens=n)
+
+    async def go() -> list[float]:
+        await sim.start()
+        return [clock[0] async for c in sim.stream(req()) if isinstance(c, TextDelta)]  # when each came
+
+    times = asyncio.run(go())
+    assert len(times) == n
+    assert sleeps and min(sleeps) >= simmod.TICK
+    for i, t in enumerate(times):
+        due = 100.0 + i / rate
+        assert due - simmod.TICK - 1e-9 <= t <= due + 1e-9, (i, t, due)
+    # about one wake-up a millisecond (four tokens each at 4,000 tokens/s), not one a token
+    assert len(sleeps) <= (n / rate) / simmod.TICK + 1
+
+
 def test_example_values_cover_schema_forms() -> None:
     assert example_value({"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 1
     assert example_value({"const": "x"}) == "x"
