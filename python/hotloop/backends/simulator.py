@@ -2,11 +2,13 @@
 
 Token-accurate: output text is real o200k_base tokens (one delta per token), and the reported
 usage counts them. Pacing uses absolute deadlines (``t0 + ttft + i / rate``): the generator sleeps
-only when it is at least ``TICK`` (1 ms) ahead of schedule and emits every token due before then
-at once, so there is no drift and no busy loop, and the simulator itself costs almost nothing.
-uvloop's clock and timers count whole milliseconds: a shorter sleep was a ``call_soon`` that found
-the token still not due, several loop turns per token above 1,000 tokens/s. A token is thus
-emitted up to 1 ms early, as a model server's tokens arrive several to a read at such rates.
+only when it is more than ``TICK`` (half a millisecond) ahead of schedule and emits every token
+due before then at once, so there is no drift and no busy loop, and the simulator itself costs almost
+nothing. uvloop's clock and timers count whole milliseconds and round a delay to the nearest one:
+a sleep of half of one or less was a ``call_soon`` that found the token still not due, several
+loop turns per token above 1,000 tokens/s. A token may thus come up to half a millisecond early, as a
+model server's tokens arrive several to a read at such rates; at 1,000 tokens/s or less nothing
+changes (each token is a millisecond or more after the one before).
 
 What it answers is decided per request, in this order:
 
@@ -65,7 +67,7 @@ class Directives(msgspec.Struct, kw_only=True):
 MAX_TOKENS = 100_000
 MAX_TOOLS = 64
 MAX_STALL = 600.0
-TICK = 0.001  # the least the generator sleeps: the event loop's clock resolution (see above)
+TICK = 0.0005  # the generator sleeps only longer than this: uvloop makes a timer of such delays only (see above)
 
 
 def parse_directives(spec: str) -> Directives:
@@ -363,7 +365,7 @@ class SimulatorBackend:
             if interval:
                 due = t0 + i * interval
                 now = loop.time()
-                if due - now >= TICK:
+                if due - now > TICK:
                     await asyncio.sleep(due - now)
             elif i == 0 and self.ttft:
                 await asyncio.sleep(self.ttft)
