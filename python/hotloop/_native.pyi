@@ -193,6 +193,14 @@ class ItemChain:
     def copy(self) -> ItemChain:
         """An independent copy (same items and ``max_items``)."""
 
+    def fingerprint_at(self, i: int) -> bytes:
+        """The fingerprint of item ``i`` (without copying the others, as ``fingerprints()``
+        would).
+
+        :raises IndexError: ``i >= len(self)``.
+        :raises ValueError: ``i`` is negative.
+        """
+
     def fingerprints(self) -> list[bytes]:
         """The fingerprints, in order (a new list)."""
 

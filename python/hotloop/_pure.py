@@ -221,6 +221,12 @@ class ItemChain:
         new._cum = self._cum.copy()
         return new
 
+    def fingerprint_at(self, i: int) -> bytes:
+        i = _non_negative("i", i)
+        if i >= len(self._fps):
+            raise IndexError(f"i={i} is out of range for a chain of {len(self._fps)} items")
+        return self._fps[i]
+
     def fingerprints(self) -> list[bytes]:
         return self._fps.copy()
 

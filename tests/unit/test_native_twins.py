@@ -98,6 +98,7 @@ def test_item_chain_basics(impl: Impl) -> None:
     assert len(chain) == 3
     assert chain.total_tokens == 18
     assert chain.fingerprints() == [fp(11), fp(12), fp(13)]
+    assert [chain.fingerprint_at(i) for i in range(3)] == chain.fingerprints()
     assert [chain.tokens_upto(n) for n in range(4)] == [0, 5, 11, 18]
     assert chain.common_prefix([fp(11), fp(12), fp(99)]) == 2
     assert chain.common_prefix((fp(11), fp(12), fp(13), fp(14))) == 3
@@ -127,6 +128,12 @@ def test_item_chain_limits(impl: Impl) -> None:
         chain.tokens_upto(3)
     with pytest.raises(ValueError):
         chain.tokens_upto(-1)
+    with pytest.raises(IndexError, match="out of range for a chain of 2 items"):
+        chain.fingerprint_at(2)
+    with pytest.raises(ValueError):
+        chain.fingerprint_at(-1)
+    with pytest.raises(OverflowError):
+        chain.fingerprint_at(2**63)
     with pytest.raises(ValueError):
         chain.truncate(-1)
     with pytest.raises(ValueError):

@@ -643,3 +643,24 @@ def test_decoding_with_the_input_left_raw_gives_the_ordinary_request() -> None:
                 assert req.input == [{"role": "user", "content": "third"}]  # a prefix hit: the new item only
                 req = msgspec.structs.replace(req, input=whole.input)
             assert req == whole
+
+
+def test_a_sent_back_output_takes_its_fingerprint_from_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """continued(): an item equal, field for field, to the entry's own at its place (the output a
+    client sends back as it got it) takes the fingerprint the chain holds for it, without
+    hashing; any other item is hashed and compared as before."""
+    answer = Message(role="assistant", content="done " * 50)
+    e = _entry(["one", "two"])
+    fps, toks, sizes = itemlib.analyze([answer])
+    e.context.extend([answer], fps, toks, sizes)  # the response's output, after its two inputs
+    p = Prefix(e, 2, itemlib.fingerprint(e.context.items[1]), e.context.nbytes)
+    real = itemlib.fingerprint
+    hashed: list[Any] = []
+    monkeypatch.setattr(itemlib, "fingerprint", lambda item, where="input": hashed.append(item) or real(item, where))
+    sent_back = [Message(role="assistant", content="done " * 50), Message(role="user", content="three")]
+    assert sent_back[0] == answer and sent_back[0] is not answer
+    got, k = reuse.continued(p, sent_back)
+    assert k == 1 and got.n == 3 and got.last_fp == fps[0] == real(sent_back[0]) and hashed == []
+    other = [Message(role="assistant", content="not what it said"), sent_back[1]]
+    got, k = reuse.continued(p, other)
+    assert k == 0 and got is p and hashed == [other[0]]  # hashed, and not the entry's

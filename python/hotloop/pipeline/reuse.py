@@ -119,11 +119,18 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
     item is left to be the request's own."""
     ctx = p.entry.context
     room = min(len(ctx.items) - p.n, len(items) - 1)
+    own = ctx.items
     fps: list[bytes] = []
     for j in range(max(0, room)):
         item = items[j]
         if type(item) is ItemReference:
             break
+        if item == own[p.n + j]:
+            # the entry's own item, field for field (a client that sends back the output it was
+            # given, as it was given): its fingerprint is the one the chain holds for it, so it
+            # is not encoded and hashed again (cold, that cost 14-23 us a turn at 200 KB)
+            fps.append(ctx.chain.fingerprint_at(p.n + j))
+            continue
         try:
             fps.append(itemlib.fingerprint(item, f"input[{p.n + j}]"))
         except errors.HotloopError:

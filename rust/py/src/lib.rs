@@ -173,6 +173,17 @@ impl ItemChain {
         }
     }
 
+    fn fingerprint_at<'py>(&self, py: Python<'py>, i: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let i = non_negative("i", i)?;
+        match self.inner.fingerprints().get(i) {
+            Some(fp) => Ok(PyBytes::new(py, &fp.to_le_bytes())),
+            None => Err(PyIndexError::new_err(format!(
+                "i={i} is out of range for a chain of {} items",
+                self.inner.len()
+            ))),
+        }
+    }
+
     fn fingerprints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(
             py,
