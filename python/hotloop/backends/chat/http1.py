@@ -369,7 +369,7 @@ class _Conn(asyncio.Protocol):
         batch = self.batch
         if batch is not None:
             batch.append(body)
-        else:  # not from a read (no such caller today): delivered as it comes
+        else:  # bytes after the body's end in the same read: nobody asked for them (_body fails)
             self._body(body)
 
     def _deliver(self) -> None:
