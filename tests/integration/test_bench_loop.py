@@ -287,8 +287,10 @@ def test_http_loop_reports_both_conversations_from_the_marks_and_the_whole_proce
     assert out["process_cpu_per_turn_p50_us"] > out["server_cpu_per_turn_p50_us"]
     assert out["process_http_over_ws_paired_p50"] > 0 and out["process_http_over_ws_last5"] > 0
     assert out["process_http_over_ws_last10_paired_p50"] > 0
-    # each conversation pays for its own texts: none of its token counts comes from the other's
-    assert out["token_cache_hits"] == 0
+    # each conversation pays for its own texts: none of its token counts comes from the other's;
+    # the only counts found are those of answers repeating an earlier answer (a few runs in a
+    # hundred: the simulator draws its answers from a corpus of a few thousand positions)
+    assert out["token_cache_hits"] == out["repeated_outputs"] >= 0
 
 
 def test_http_loop_repeated_reports_the_median_of_its_runs() -> None:

@@ -271,21 +271,30 @@ def bench_stream(tokens: int, rate: float, backend: str = "simulator", tls: bool
     return out
 
 
-def _chained_turn(ws: Any, frame: dict[str, Any], prev: str | None) -> str:
-    """Send one ``response.create`` continuing ``prev``; wait for completion; the new id."""
+def _output_keys(output: list[dict[str, Any]]) -> list[str]:
+    """What tells a response's output items apart for the server's token cache: each item
+    without its id and status (the fields :func:`hotloop.pipeline.items.semantic_view` leaves out)."""
+    return [json.dumps({k: v for k, v in o.items() if k not in ("id", "status")}, sort_keys=True) for o in output]
+
+
+def _chained_turn(ws: Any, frame: dict[str, Any], prev: str | None, outputs: list[str] | None = None) -> str:
+    """Send one ``response.create`` continuing ``prev``; wait for completion; the new id. The
+    response's output items go to ``outputs`` (:func:`_output_keys`)."""
     if prev:
         frame["previous_response_id"] = prev
     ws.send(json.dumps(frame))
     while True:
         e = json.loads(ws.recv(timeout=120))
         if e["type"] == ev.COMPLETED:
+            if outputs is not None:
+                outputs.extend(_output_keys(e["response"]["output"]))
             return str(e["response"]["id"])
         if e["type"] in (ev.ERROR, ev.FAILED):
             raise RuntimeError(f"turn failed: {e}")
 
 
-def _ws_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[None]:
-    """Chained WebSocket turns, one per ``next()``."""
+def _ws_turns(base: str, turns: int, new_bytes: int, seed: int, outputs: list[str] | None = None) -> Iterator[None]:
+    """Chained WebSocket turns, one per ``next()``; their output items go to ``outputs``."""
     from websockets.sync.client import connect
 
     rng = random.Random(seed)
@@ -300,13 +309,13 @@ def _ws_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[None
                 "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]}],
                 "metadata": {"sim": "text,tokens:16"},
             }
-            prev = _chained_turn(ws, frame, prev)
+            prev = _chained_turn(ws, frame, prev, outputs)
             yield None
 
 
-def _http_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[tuple[int, int]]:
+def _http_turns(base: str, turns: int, new_bytes: int, seed: int, outputs: list[str] | None = None) -> Iterator[tuple[int, int]]:
     """A client resending its whole history, one turn per ``next()``: ``(input_tokens,
-    cached_tokens)`` of each."""
+    cached_tokens)`` of each; the output items go to ``outputs``."""
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
     with httpx.Client(base_url=base + "/v1", timeout=60) as client:
@@ -317,17 +326,19 @@ def _http_turns(base: str, turns: int, new_bytes: int, seed: int) -> Iterator[tu
             body = r.json()
             u = body["usage"]
             history.extend(body["output"])
+            if outputs is not None:
+                outputs.extend(_output_keys(body["output"]))
             yield int(u["input_tokens"]), int(u["input_tokens_details"]["cached_tokens"])
 
 
-def _ws_loop(base: str, turns: int, new_bytes: int, seed: int) -> None:
-    for _ in _ws_turns(base, turns, new_bytes, seed):
+def _ws_loop(base: str, turns: int, new_bytes: int, seed: int, outputs: list[str] | None = None) -> None:
+    for _ in _ws_turns(base, turns, new_bytes, seed, outputs):
         pass
 
 
-def _http_loop(base: str, turns: int, new_bytes: int, seed: int) -> list[tuple[int, int]]:
+def _http_loop(base: str, turns: int, new_bytes: int, seed: int, outputs: list[str] | None = None) -> list[tuple[int, int]]:
     """A client resending its whole history each turn; ``(input_tokens, cached_tokens)`` per turn."""
-    return list(_http_turns(base, turns, new_bytes, seed))
+    return list(_http_turns(base, turns, new_bytes, seed, outputs))
 
 
 def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None) -> dict[str, Any]:
@@ -347,18 +358,24 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
     # from the server's own marks begin once the request's task runs and the turn is known.
     proc: list[float] = []
     proc_ws: list[float] = []
+    # Every output item the server answered, in order. The simulator draws each answer from a
+    # corpus of a few thousand positions, so two answers of the two conversations are sometimes
+    # the same text (a few runs in a hundred), and the second one's count is then rightly found in
+    # the token cache: such repeats are counted apart from the hits on the conversations' texts.
+    outputs: list[str] = []
     with server("--sim-rate", "0", pythonpath=server_path) as (base, pid):
-        (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1)  # warm-up
+        (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1, outputs)  # warm-up
         if kind == "http-loop":
-            _ws_loop(base, 3, new_bytes, seed + 2)
+            _ws_loop(base, 3, new_bytes, seed + 2, outputs)
         skip = len(_stats(base))
         hits0 = _token_hits(base)
+        seen = len(outputs)
         if kind == "ws-loop":
-            for _ in _timed(_ws_turns(base, turns, new_bytes, seed), pid, proc):
+            for _ in _timed(_ws_turns(base, turns, new_bytes, seed, outputs), pid, proc):
                 pass
         else:
-            hi = _timed(_http_turns(base, turns, new_bytes, seed), pid, proc)
-            wi = _timed(_ws_turns(base, turns, new_bytes, ws_seed), pid, proc_ws)
+            hi = _timed(_http_turns(base, turns, new_bytes, seed, outputs), pid, proc)
+            wi = _timed(_ws_turns(base, turns, new_bytes, ws_seed, outputs), pid, proc_ws)
             for u, _ in zip(hi, wi):
                 usage.append(u)
         stats = _stats(base)[skip:]
@@ -366,6 +383,8 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         # turn_stats' transport: "ws" for WebSocket turns, "json" for non-streaming HTTP
         cpu = [t["cpu_us"] for t in stats if (t["transport"] == "ws") == (kind == "ws-loop")]
         ws_cpu = [t["cpu_us"] for t in stats if t["transport"] == "ws"] if kind == "http-loop" else []
+    # measured outputs equal to one answered before (in this run, warm-up included)
+    repeated = (len(outputs) - seen) - (len(set(outputs)) - len(set(outputs[:seen])))
     head = statistics.mean(cpu[:5])
     tail = statistics.mean(cpu[-5:])
     out: dict[str, Any] = {
@@ -379,9 +398,11 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         "last_over_first": round(tail / head, 3),
         "process_cpu_per_turn_p50_us": round(_pct(proc, 0.5), 1),
         "process_last5_mean_us": round(statistics.mean(proc[-5:]), 1),
-        # token counts found in the server's cache during the measured turns (each conversation
-        # counts its own texts: 0 unless a text repeats)
+        # token counts found in the server's cache during the measured turns, and how many of
+        # them were answers repeating an earlier answer's text (each conversation counts its own
+        # texts: the difference is 0 unless an input text repeats)
         "token_cache_hits": hits,
+        "repeated_outputs": repeated,
     }
     if usage:
         tail_ws = statistics.mean(ws_cpu[-5:])
