@@ -218,6 +218,71 @@ def test_sse_deltas_taken_by_the_stream_are_not_written_again_by_the_timer() -> 
     asyncio.run(main())
 
 
+def _end(i: int) -> tuple[str, bytes]:
+    return ev.COMPLETED, b'{"type":"response.completed","n":%d}' % i
+
+
+def test_a_websocket_responses_end_cancels_the_hold_timer() -> None:
+    """Deltas held, then the response's terminal event (never held): it goes out with them, and
+    the hold timer goes, rather than waking the loop later to find nothing. Deltas held after
+    that get a timer of their own and still go out within the interval."""
+
+    async def main() -> None:
+        done = asyncio.Event()
+        proto, transport = await _ws_protocol(done)
+        clock = _Clock(asyncio.get_running_loop())
+        proto.loop = clock  # type: ignore[assignment]
+        proto._held_since = -1.0
+        assert proto.send_texts([_delta(0)], True, WITHIN)  # written at once
+        clock.advance(STEP)
+        assert proto.send_texts([_delta(1)], True, WITHIN)  # held, with a timer
+        assert clock.pending() == 1
+        transport.written.clear()
+        clock.advance(2 * STEP)
+        assert proto.send_texts([_end(2)], True)  # the terminal event: never held
+        out = b"".join(transport.written)
+        assert out.index(b'"n":1') < out.index(b'"n":2')  # what was held goes first
+        assert clock.pending() == 0 and clock.cancels == 1
+        # the next response's deltas: the first at once, the next held on a new timer
+        transport.written.clear()
+        clock.advance(0.1)
+        assert proto.send_texts([_delta(3)], True, WITHIN)
+        clock.advance(0.1 + STEP)
+        assert proto.send_texts([_delta(4)], True, WITHIN)
+        assert clock.pending() == 1 and b'"n":4' not in b"".join(transport.written)
+        clock.advance(0.1 + WITHIN)
+        assert b'"n":4' in b"".join(transport.written) and clock.pending() == 0
+        done.set()
+        await asyncio.gather(*proto.tasks, return_exceptions=True)
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_an_sse_streams_unheld_write_cancels_the_hold_timer() -> None:
+    """SSE: an item's start or end (``held(batch)``) and the streaming loop's own writes
+    (``release``) take what is held and cancel the timed write, which would find nothing."""
+
+    async def main() -> None:
+        clock = _Clock(asyncio.get_running_loop())
+        held, sent = _sse(clock)
+        held.since = -1.0
+        held([_delta(0)])  # at once
+        clock.advance(STEP)
+        held([_delta(1)])  # held, with a timer
+        assert clock.pending() == 1 and not any(b'"n":1' in x for x in sent)
+        held([_delta(2), (ev.OUTPUT_ITEM_DONE, b'{"type":"response.output_item.done","n":3}')])
+        assert b'"n":1' in sent[-1] and sent[-1].index(b'"n":1') < sent[-1].index(b'"n":3')
+        assert clock.pending() == 0 and clock.cancels == 1
+        clock.advance(2 * STEP)
+        held([_delta(4)])  # held again: a new timer
+        assert clock.pending() == 1
+        assert b'"n":4' in held.release()  # the streaming loop's write (or the stream's end)
+        assert clock.pending() == 0 and clock.cancels == 2 and held.take() == b""
+
+    asyncio.run(main())
+
+
 def test_keep_alive_requests_share_one_read_timer(tmp_path: Any) -> None:
     """Three requests on one connection, each read in time: one read-timeout timer (the
     connection's), not one created and cancelled per request."""

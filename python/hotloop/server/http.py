@@ -336,7 +336,7 @@ class HttpTransport:
                 async for batch in frames:
                     body = b"".join([sse(f) for f in batch])
                     if held is not None:  # what push delivery holds goes first
-                        body = held.take() + body
+                        body = held.release() + body
                     # The terminal event's batch is the body's last piece, unless the store's
                     # writer is behind: then the stream ends after the response's submission, so
                     # that the client's next request waits for it (Persistence.has_room).
@@ -351,7 +351,7 @@ class HttpTransport:
             run.emit = None  # no cycle through the closures
             run.emit_deltas = None
             if held is not None:
-                held.take()  # nothing is written after the stream's end
+                held.release()  # nothing is written after the stream's end
             conns["sse"] -= 1
             conns["http"] += 1
             if corked is not None:
@@ -491,7 +491,7 @@ class _Held:
         if not ev.only_deltas(batch):  # an item's start or end goes out at once, after what is held
             sse = ev.sse
             self.parts.append(b"".join([sse(f) for f in batch]))
-            self._send(self.take())
+            self._send(self.release())
             return
         self.deltas(batch)
 
@@ -523,6 +523,17 @@ class _Held:
         data = b"".join(self.parts)
         self.parts.clear()
         return data
+
+    def release(self) -> bytes:
+        """What is held, for a write that is never held (an item's start or end, the stream's
+        terminal event, the stream's end): the pending timed write, if any, is cancelled, since
+        it would find nothing and wake an idle loop for nothing, once a response at least.
+        Rare writes, unlike the held ones :meth:`take` leaves the timer for."""
+        timer = self.timer
+        if timer is not None:
+            self.timer = None
+            timer.cancel()
+        return self.take()
 
 
 def _discard(batch: list[Frame]) -> None:

@@ -379,6 +379,17 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             if not self.transport.is_closing():
                 self.transport.write(data)
 
+    def _write_all(self) -> None:
+        """Write at once everything corked, held deltas included (an event that is never held:
+        an item's start or end, a response's terminal event). The hold timer, if set, is
+        cancelled: it would find nothing held, and wake an idle loop for nothing once a
+        response at least. Rare writes, unlike the held ones ``_flush`` leaves the timer for."""
+        self._flush()
+        held = self._held
+        if held is not None:
+            self._held = None
+            held.cancel()
+
     def _write_held(self) -> None:
         self._held = None
         if self._cork:  # else written since
@@ -401,8 +412,10 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         half of ``within`` ago, hold these (at most until ``within`` after that write), so that
         the events of several reads go out in one write (``--flush-interval-ms``). Any other
         write sends what is held first, so the order never changes; at most one interval's
-        events are held. One timer per connection at a time: a write does not cancel it, and when
-        it fires it writes whatever is held then (at most ``within`` after the write before it).
+        events are held. One timer per connection at a time: a held write does not cancel it, and
+        when it fires it writes whatever is held then (at most ``within`` after the write before
+        it); a write of events that are never held (``now`` without ``within``) cancels it, as
+        nothing is held after it.
 
         Raises ``ClientDisconnected`` once the connection is gone or closing. After ``False``
         the caller awaits :meth:`wait_writable` before sending again (back-pressure).
@@ -433,7 +446,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                     elif self._held is None and not self._flush_scheduled:  # else a write is coming anyway
                         self._held = self.loop.call_at(self._held_since + within, self._write_held)
                 else:
-                    self._flush()
+                    self._write_all()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
@@ -445,7 +458,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 raise ClientDisconnected() from None
             self._corked(conn.data_to_send())
             if now:
-                self._flush()
+                self._write_all()
         return self._writable._set
 
     async def wait_writable(self) -> None:
