@@ -191,3 +191,15 @@ def test_example_values_cover_schema_forms() -> None:
     assert example_value({"const": "x"}) == "x"
     assert example_value({"type": "array", "items": {"type": "number"}, "minItems": 2}) == [1.5, 1.5]
     assert example_value({"type": "string", "format": "date"}) == "2026-01-01"
+
+
+def test_an_answer_that_runs_past_the_corpus_end_keeps_its_words_apart() -> None:
+    """An answer is a window of the corpus's tokens that wraps from its end to its start: the
+    start's first word must not be glued to the end's last word (it was: "hot" + "coding")."""
+    from hotloop.backends.simulator import _WORDS, _Corpus, _sentence
+
+    corpus = _Corpus(0)
+    n = len(corpus.pieces)
+    for back in range(1, 8):
+        words = "".join(_sentence(corpus.take(n - back, 12))).split()
+        assert len(words) == 12 and set(words) <= set(_WORDS), words

@@ -145,7 +145,9 @@ class _Corpus:
     def __init__(self, seed: int) -> None:
         rng = random.Random(seed)
         words = [rng.choice(_WORDS) for _ in range(4000)]
-        text = " ".join(words)
+        # every word with its space before it, the first one too: an answer that runs past the
+        # end of the corpus and on from its start (take) keeps its words apart
+        text = "".join(" " + w for w in words)
         enc = tokenizer.encoding()
         self.pieces = [enc.decode_single_token_bytes(t).decode("ascii") for t in enc.encode_ordinary(text)]
 
