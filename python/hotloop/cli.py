@@ -142,6 +142,20 @@ def _parser() -> argparse.ArgumentParser:
         "(env HOTLOOP_SHUTDOWN_GRACE, default 30)",
     )
     s.add_argument(
+        "--max-turn-input-items",
+        dest="max_turn_input_items",
+        type=int,
+        help="new input items one turn may add (after previous_response_id or a cached prefix); more: 400 "
+        "input_too_large (env HOTLOOP_MAX_TURN_INPUT_ITEMS, default 10000)",
+    )
+    s.add_argument(
+        "--max-turn-input-bytes",
+        dest="max_turn_input_bytes",
+        type=int,
+        help="bytes (their JSON) of the new input items one turn may add; more: 400 input_too_large "
+        "(env HOTLOOP_MAX_TURN_INPUT_BYTES, default 8388608: 8 MiB)",
+    )
+    s.add_argument(
         "--secrets",
         choices=["off", "flag", "redact", "block"],
         help="what the built-in secrets classifier does with credentials in new input: off, flag (ledger and log "
@@ -167,14 +181,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # its own parser, options first included (argparse.REMAINDER leaves `bench -h` to this one)
+        from hotloop.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()
         return 2
-    if args.command == "bench":
-        from hotloop.bench import main as bench_main
-
-        return bench_main(args.args)
     if args.command in ("keys", "usage"):
         return tenants_cli.run(args)
     if args.command == "serve":

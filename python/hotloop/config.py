@@ -74,6 +74,11 @@ class Config:
     store_max_responses: int = 10_000
     # bounds
     max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
+    # what one turn may add to its conversation (hotloop.pipeline.guard): new input items after
+    # previous_response_id or a cached prefix, and their JSON bytes; beyond either a 400
+    # input_too_large before the input is classified or tokenized
+    max_turn_input_items: int = 10_000
+    max_turn_input_bytes: int = 8 * 1024 * 1024
     max_connections: int = 10_000  # open client connections, HTTP and WebSocket (beyond: 503)
     shutdown_grace: int = 30  # seconds responses in flight may take to finish on SIGTERM/SIGINT
     request_read_timeout: float = 30.0  # seconds for a request's head and body to arrive (then 408, closed)

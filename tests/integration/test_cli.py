@@ -28,6 +28,15 @@ def test_no_command_prints_help_and_fails() -> None:
     assert p.returncode == 2 and "serve" in p.stdout and "bench" in p.stdout
 
 
+def test_bench_help_is_the_bench_commands_own() -> None:
+    # `hotloop -h` points to `hotloop bench -h` for the scenarios and their options
+    assert "hotloop bench -h" in run(HOTLOOP, "-h").stdout
+    for args in (["-h"], ["--json", "-h"]):
+        p = run(HOTLOOP, "bench", *args)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.startswith("usage: hotloop bench") and "agent-turns" in p.stdout and "--turn-transport" in p.stdout
+
+
 def test_misconfigured_backend_fails_clearly(tmp_path) -> None:
     p = run(HOTLOOP, "serve", "--backend", "openai-compat", "--port", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path)})
     assert p.returncode == 3

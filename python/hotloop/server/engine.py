@@ -33,7 +33,7 @@ from hotloop import errors
 from hotloop.backends.base import Backend, BackendRequest, PushSlot
 from hotloop.config import Config
 from hotloop.models import ModelLimits, ModelRegistry
-from hotloop.pipeline import classifiers
+from hotloop.pipeline import classifiers, guard
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
@@ -51,6 +51,12 @@ from hotloop.state.prefix import Prefix, PrefixCache
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
+
+
+# Refusals that leave a continuation's chain as it was: the tenant's own limits, a classifier's
+# block, an input over the context window or over the size guard. A retry (smaller, without the
+# secret, later) must find the parent, so it is not evicted from the connection's cache.
+_KEEPS_PARENT = (LimitExceeded, classifiers.InputBlocked, window.WindowExceeded, guard.InputTooLarge)
 
 
 async def _warmup() -> AsyncIterator[Chunk]:
@@ -98,6 +104,9 @@ class Engine:
         # Context windows and output limits per model; a bad --model-limits file raises
         # ModelLimitsError here, before the server starts.
         self.models = ModelRegistry.from_config(config.model_limits or None)
+        # what one turn may add (pipeline.guard)
+        self._max_new_items = config.max_turn_input_items
+        self._max_new_bytes = config.max_turn_input_bytes
         # Server CPU per response on the event-loop thread (bounded ring, newest last), for
         # `hotloop bench` and /hotloop/stats: (transport, cpu_us, pre_us, events, context_items).
         self.turn_stats: deque[tuple[str, float, float, int, int]] = deque(maxlen=4096)
@@ -226,6 +235,8 @@ class Engine:
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
+            # what this turn adds, bounded before anything analyses it (pipeline.guard)
+            guard.check(p.items, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
                 later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
@@ -264,7 +275,7 @@ class Engine:
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
             if grant is not None:
                 grant.finish(None)
-            if not isinstance(exc, (LimitExceeded, classifiers.InputBlocked, window.WindowExceeded)):  # a retry must find the parent
+            if not isinstance(exc, _KEEPS_PARENT):  # a retry must find the parent
                 self._evict(req, conn)
             for fut in started:
                 if fut is not None:

@@ -57,6 +57,10 @@ def make_app(config: Config) -> HotloopApp:
         raise ValueError(f"--backend-read-pause-streams must be 1 or more, got {config.backend_read_pause_streams}")
     if not 0 <= config.store_commit_delay < float("inf"):  # NaN too
         raise ValueError(f"--store-commit-delay must be 0 or more seconds, got {config.store_commit_delay:g}")
+    if config.max_turn_input_items < 1:
+        raise ValueError(f"--max-turn-input-items must be 1 or more, got {config.max_turn_input_items}")
+    if config.max_turn_input_bytes < 1:
+        raise ValueError(f"--max-turn-input-bytes must be 1 or more, got {config.max_turn_input_bytes}")
     backend = backends.create(config)
     store = make_store(config)
     shared = getattr(store, "shared", False) or config.workers > 1  # other processes write it too
