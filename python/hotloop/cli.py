@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
+    if args.command == "bench":  # (an argv that does not start with it, e.g. after "--")
+        from hotloop.bench import main as bench_main
+
+        return bench_main(args.args)
     if args.command in ("keys", "usage"):
         return tenants_cli.run(args)
     if args.command == "serve":

@@ -105,6 +105,42 @@ def test_a_full_history_client_is_bounded_by_what_follows_its_cached_prefix(serv
     assert_too_large(r, "bytes")
 
 
+def test_the_output_sent_back_with_a_prefix_is_not_new_input(server: Server) -> None:
+    first = create(server, input=[user("q " + "p" * 500), user("r " + "p" * 500)], store=False)
+    assert first.status_code == 200, first.text
+    output = first.json()["output"]
+    assert len(output) == 1
+    history = [user("q " + "p" * 500), user("r " + "p" * 500), *output]
+    # the output the response produced, sent back, plus MAX_ITEMS items of the client's own:
+    # only these count (counting the output too would make them one over)
+    r = create(server, input=history + [user(f"n{i}") for i in range(MAX_ITEMS)], store=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert_too_large(create(server, input=history + [user(f"m{i}") for i in range(MAX_ITEMS + 1)], store=False), "new items")
+
+
+def as_parts(item: dict[str, Any]) -> dict[str, Any]:
+    """The same message spelled with content parts (other bytes, the same fingerprint)."""
+    kind = "output_text" if item["role"] == "assistant" else "input_text"
+    text = item["content"] if isinstance(item["content"], str) else item["content"][0]["text"]
+    return {"type": "message", "role": item["role"], "content": [{"type": kind, "text": text}]}
+
+
+def test_a_history_spelled_anew_is_matched_by_fingerprint_and_bounded_after_it(server: Server) -> None:
+    base = [user("s " + "k" * 600), user("t " + "k" * 600)]
+    first = create(server, input=base, store=False)
+    assert first.status_code == 200, first.text
+    # the same items in other bytes: no raw-bytes hit, a fingerprint match of the whole prefix
+    respelled = [as_parts(it) for it in base] + [as_parts(it) for it in first.json()["output"]]
+    before = httpx.get(server.base + "/hotloop/stats", timeout=5).json()["prefix_cache"]
+    r = create(server, input=respelled + [user(f"v{i}") for i in range(MAX_ITEMS)], store=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    after = httpx.get(server.base + "/hotloop/stats", timeout=5).json()["prefix_cache"]
+    assert after["hits"] - before["hits"] == 1 and after["raw_hits"] == before["raw_hits"]
+    assert_too_large(create(server, input=respelled + [user(f"w{i}") for i in range(MAX_ITEMS + 1)], store=False), "new items")
+
+
 def test_over_websocket_an_error_frame_and_the_chain_unchanged(server: Server) -> None:
     with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
         ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi", "store": False}))
