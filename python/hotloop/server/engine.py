@@ -235,7 +235,7 @@ class Engine:
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
-            # what this turn adds, bounded before anything analyses it (pipeline.guard)
+            # what this turn adds, bounded before it is classified, tokenized or stored (pipeline.guard)
             guard.check(p.items, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
