@@ -180,21 +180,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bench(argv: list[str]) -> int:
+    from hotloop.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        # its own parser, options first included (argparse.REMAINDER leaves `bench -h` to this one)
-        from hotloop.bench import main as bench_main
-
-        return bench_main(argv[1:])
+    if argv[:1] == ["bench"]:  # its own parser, options first included (argparse.REMAINDER leaves `bench -h` out)
+        return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()
         return 2
-    if args.command == "bench":  # (an argv that does not start with it, e.g. after "--")
-        from hotloop.bench import main as bench_main
-
-        return bench_main(args.args)
+    if args.command == "bench":  # an argv that names it later (after "--")
+        return _bench(args.args)
     if args.command in ("keys", "usage"):
         return tenants_cli.run(args)
     if args.command == "serve":
