@@ -73,6 +73,58 @@ def sess_expired_like(frame: str) -> list[object]:
     return ref.receive(frame, 7200)
 
 
+def _fast(frame: str) -> tuple[object, str] | None:
+    from hotloop.protocol.request import convert_body
+
+    obj = json.loads(frame)
+    return (convert_body(obj), "extra") if obj.get("type") == "response.create" else None
+
+
+@pytest.mark.parametrize("decoder", [None, _fast])
+def test_a_refused_create_behind_a_busy_lane_is_refused_and_never_run(decoder: object) -> None:
+    """The queue bound on a busy lane: the refusal waits behind the running response, and the
+    refused create is not queued as well (frames the transport's decoder takes included)."""
+    from hotloop.protocol.session import OFFERED_BYTES
+
+    sess = s(max_queued=2, decode_create=decoder)
+    frame = json.dumps({"type": "response.create", "model": "m", "input": "x" * OFFERED_BYTES})
+    [first] = sess.receive(frame, 1)
+    assert isinstance(first, RunCreate) and first.decoded == ("extra" if decoder else None)
+    assert sess.receive(frame, 1) == []  # queued behind the first
+    assert sess.receive(frame, 1) == []  # refused: its error waits behind the first
+    assert sess.queued == 2 and sess.queued_bytes == len(frame)
+    [second] = sess.lane_done(None, Ended("resp_1", "completed"), first)
+    assert isinstance(second, RunCreate)
+    [err] = sess.lane_done(None, Ended("resp_2", "completed"), second)
+    assert isinstance(err, SendError) and err.error.code == "websocket_queue_full"
+    assert sess.queued == 0 and sess.in_flight == 0 and sess.backlog == 0
+
+
+@pytest.mark.parametrize("decoder", [None, _fast])
+@pytest.mark.parametrize("bad", ["", "bad 17", "x" * 257, "\u00e9t\u00e9", "y" * 100_000])
+def test_an_invalid_stream_id_names_no_lane(decoder: object, bad: str) -> None:
+    """No lane state is made for an invalid ``stream_id``, and the id is not echoed: the error
+    is the default lane's (after its running response), as in the guide's example."""
+    from hotloop.protocol.session import OFFERED_BYTES
+
+    sess = s(decode_create=decoder)
+    frame = {"type": "response.create", "model": "m", "input": "x" * OFFERED_BYTES}
+    [run] = sess.receive(json.dumps(frame), 1)
+    assert isinstance(run, RunCreate)
+    assert sess.receive(json.dumps({**frame, "stream_id": bad}), 1) == []  # behind the default lane
+    [named] = sess.receive(json.dumps({**frame, "stream_id": "ok"}), 1)  # a valid lane runs now
+    assert isinstance(named, RunCreate) and named.lane == "ok"
+    [err] = sess.lane_done(None, Ended("resp_1", "completed"), run)
+    assert isinstance(err, SendError) and err.stream_id is None
+    assert (err.error.code, err.error.param, err.error.status) == ("invalid_stream_id", "stream_id", 400)
+    [now] = sess.receive(json.dumps({**frame, "stream_id": bad}), 1)  # the default lane is idle
+    assert isinstance(now, SendError) and now.stream_id is None and now.error.code == "invalid_stream_id"
+    [other] = sess.receive(json.dumps({"type": "response.append", "stream_id": bad}), 1)
+    assert isinstance(other, SendError) and other.stream_id is None and other.error.param == "type"
+    assert set(sess._lanes) <= {None, "ok"} and sess.lanes == {"ok"}
+    assert sess.queued == 1 and sess.in_flight == 1
+
+
 def test_queue_bound() -> None:
     sess = s(max_queued=2)
     frame = json.dumps({"type": "response.create", "model": "m", "input": "x"})

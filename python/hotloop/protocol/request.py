@@ -222,6 +222,16 @@ MAX_INPUT_ITEMS = 10_000
 MAX_TOOLS = 512
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
+
+
+def invalid_stream_id() -> errors.InvalidValue:
+    """The error for a ``stream_id`` that is not ``STREAM_ID_RE`` (the guide's wording)."""
+    return errors.InvalidValue(
+        "The 'stream_id' field must be a non-empty string with at most 256 characters and may "
+        "only contain letters, numbers, underscores, hyphens, and periods.",
+        param="stream_id",
+        code="invalid_stream_id",
+    )
 TRUNCATION_VALUES = ("auto", "disabled")
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
@@ -587,12 +597,7 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
             "Prompt templates ('prompt') are not supported by this server.", param="prompt"
         )
     if req.stream_id is not None and not STREAM_ID_RE.match(req.stream_id):
-        raise errors.InvalidValue(
-            "The 'stream_id' field must be a non-empty string with at most 256 characters and may "
-            "only contain letters, numbers, underscores, hyphens, and periods.",
-            param="stream_id",
-            code="invalid_stream_id",
-        )
+        raise invalid_stream_id()
     _range("temperature", req.temperature, 0, 2)
     _range("top_p", req.top_p, 0, 1)
     _range("max_output_tokens", req.max_output_tokens, 1)

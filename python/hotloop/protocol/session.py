@@ -65,7 +65,7 @@ import msgspec
 from hotloop import errors
 from hotloop.protocol import events as ev
 from hotloop.protocol.objects import IdGen
-from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, shown
+from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, invalid_stream_id, shown
 
 Lane = Union[str, None]
 
@@ -289,7 +289,10 @@ class Session:
             got = fast(data)
             if got is not None:
                 req, decoded = got
-                return self._admit(req.stream_id, now) or self._accept(req, len(data), decoded)
+                refused = self._admit(req.stream_id, now)
+                if refused is not None:  # [] too: refused, its error queued behind its lane
+                    return refused
+                return self._accept(req, len(data), decoded)
         try:
             frame = _decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -303,6 +306,8 @@ class Session:
             return self._steer(frame)
         stream_id = frame.get("stream_id") if isinstance(frame.get("stream_id"), str) else None
         if kind != ev.CLIENT_CREATE:
+            if stream_id is not None and not STREAM_ID_RE.match(stream_id):
+                stream_id = None  # names no lane: not echoed (it may be a megabyte long)
             if isinstance(kind, str) and kind in _UNSUPPORTED:
                 return self._error(errors.UnsupportedParameter(_UNSUPPORTED[kind], param="type"), stream_id)
             return self._error(
@@ -327,6 +332,11 @@ class Session:
         """What refuses one more response on lane ``stream_id`` now (``None``: nothing)."""
         if self.expired(now):
             return self.expire()
+        if stream_id is not None and not STREAM_ID_RE.match(stream_id):
+            # An invalid id names no lane, so none is made for it: the error is the default
+            # lane's, without the id (as in the guide's example), after that lane's running
+            # response like any of its errors.
+            return self._error(invalid_stream_id(), None)
         if self.queued >= self.max_queued:
             return self._error(
                 errors.QueueFull(
