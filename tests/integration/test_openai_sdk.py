@@ -56,6 +56,29 @@ def test_http_json(server) -> None:
     assert r.model == "hotloop-sim"
 
 
+def test_the_text_format_is_echoed_with_its_type(server) -> None:
+    """``text`` as the client sent it, its format's ``type`` included when it is the default
+    (Codex sends only a verbosity; the SDK types the format by its ``type``)."""
+    client = client_for(server)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+    cases = [
+        ({"verbosity": "low"}, {"format": {"type": "text"}, "verbosity": "low"}),
+        ({"format": {"type": "text"}}, {"format": {"type": "text"}, "verbosity": "medium"}),
+        ({}, {"format": {"type": "text"}, "verbosity": "medium"}),
+        ({"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}},
+         {"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}, "verbosity": "medium"}),
+    ]
+    for sent, echoed in cases:
+        r = client.responses.create(model="hotloop-sim", input="x", text=sent)
+        assert r.text.format.type == echoed["format"]["type"]
+        raw = client.responses.with_raw_response.create(model="hotloop-sim", input="x", text=sent).http_response.json()
+        assert raw["text"] == echoed, sent
+        with client.responses.stream(model="hotloop-sim", input="x", text=sent) as stream:
+            events = list(stream)
+        assert events[0].response.text.format.type == echoed["format"]["type"]
+        assert events[-1].response.text.model_dump(exclude_none=True, by_alias=True) == echoed
+
+
 def test_http_sse_stream(server) -> None:
     client = client_for(server)
     events = list(client.responses.create(model="hotloop-sim", input="Say hello.", stream=True))

@@ -230,6 +230,8 @@ def test_token_limits_reserve_then_correct(tenants: Tenants) -> None:
         big = h.post("/v1/responses", json={"model": "hotloop-sim", "input": "x", "max_output_tokens": 2000})
         assert big.status_code == 429 and big.json()["error"]["type"] == "tokens"
         assert "Request too large" in big.json()["error"]["message"]
+        # waiting cannot help: no retry-after, and the SDKs are told not to retry
+        assert "retry-after" not in big.headers and big.headers["x-should-retry"] == "false"
         body = {"model": "hotloop-sim", "input": "x", "max_output_tokens": 900, "stream": True}
         with h.stream("POST", "/v1/responses", json=body) as r:
             # a stream's headers go out when it starts: its whole reservation is held

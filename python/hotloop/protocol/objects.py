@@ -63,7 +63,8 @@ def _text_object(p: Prepared) -> dict[str, Any]:
     text = p.req.text
     if text is None:
         return {"format": {"type": "text"}, "verbosity": "medium"}
-    out: dict[str, Any] = {"format": msgspec.to_builtins(text.format)}
+    # the format's type is always there, "text" included (the struct omits its defaults)
+    out: dict[str, Any] = {"format": {"type": text.format.type, **msgspec.to_builtins(text.format)}}
     out["verbosity"] = text.verbosity or "medium"
     return out
 

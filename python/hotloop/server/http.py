@@ -104,7 +104,7 @@ class HttpTransport:
                 self.app.metrics.error(exc)
             if not started:
                 hdrs = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
-                if exc.status == 429 or exc.status >= 500:
+                if (exc.status == 429 or exc.status >= 500) and "x-should-retry" not in exc.headers:
                     hdrs.append((b"x-should-retry", b"true"))
                 await respond(exc.status, ev.http_error_body(exc), hdrs)
         except Exception:

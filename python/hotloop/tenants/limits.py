@@ -47,6 +47,17 @@ class TokensLimited(LimitExceeded):
     type = "tokens"
 
 
+def too_large(capacity: int, tokens: int) -> TokensLimited:
+    """A request over the whole token budget: waiting cannot help, so no ``retry-after``, and
+    ``x-should-retry: false`` keeps the OpenAI SDKs from retrying it (each retry would take a
+    request of the RPM budget for nothing)."""
+    return TokensLimited(
+        f"Request too large on tokens per min (TPM): Limit {capacity}, Requested {tokens}. "
+        "The input or output tokens must be reduced in order to run successfully.",
+        headers={"x-should-retry": "false"},
+    )
+
+
 def duration(seconds: float) -> str:
     """OpenAI's (Go's) duration format: ``0s``, ``250ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
     if seconds <= 0:
@@ -201,10 +212,7 @@ class MemoryLimiter:
         b = st.tokens
         if b is not None:
             if tokens > b.capacity:
-                raise TokensLimited(
-                    f"Request too large on tokens per min (TPM): Limit {b.capacity}, Requested {tokens}. "
-                    "The input or output tokens must be reduced in order to run successfully."
-                )
+                raise too_large(b.capacity, tokens)
             wait = b.wait(tokens, now)
             if wait > 0:
                 used = b.capacity - max(0, int(b.level))

@@ -53,7 +53,7 @@ from hotloop import errors
 from hotloop.state.redis_store import PREFIX, Breaker, redis_errors
 from hotloop.tenants.keys import Limits
 from hotloop.tenants.limits import (
-    DEFAULT_MAX_KEYS, Grant, RequestsLimited, TokensLimited, _retry_headers, duration,
+    DEFAULT_MAX_KEYS, Grant, RequestsLimited, TokensLimited, _retry_headers, duration, too_large,
 )
 
 log = logging.getLogger("hotloop.tenants")
@@ -282,10 +282,7 @@ class RedisLimiter:
     async def _admit(self, key_id: str, limits: Limits, tokens: int) -> Grant:
         cap = limits.tpm
         if cap is not None and tokens > cap:
-            raise TokensLimited(
-                f"Request too large on tokens per min (TPM): Limit {cap}, Requested {tokens}. "
-                "The input or output tokens must be reduced in order to run successfully."
-            )
+            raise too_large(cap, tokens)
         gid = secrets.token_hex(8)
         inflight = self._key(key_id, "inflight")
         self._check()
