@@ -141,6 +141,38 @@ def test_retrieve_delete_input_items(client: OpenAI) -> None:
     assert client.responses.retrieve(r1.id).id == r1.id
 
 
+def test_input_items_list_messages_in_their_item_form(tmp_path) -> None:
+    """Messages sent in the short form are listed as OpenAI lists them (content parts and a
+    status), whatever spelling the client used: from the process's cache, and from the store
+    by another process."""
+    from tests.conftest import run_server
+
+    short = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "plain text"},
+        {"role": "assistant", "content": "an earlier answer"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "as parts"}]},
+    ]
+    want = [
+        ("system", "completed", [("input_text", "Be brief.")]),
+        ("user", "completed", [("input_text", "plain text")]),
+        ("assistant", "completed", [("output_text", "an earlier answer")]),
+        ("user", "completed", [("input_text", "as parts")]),
+    ]
+    env = {"HOTLOOP_DATA_DIR": str(tmp_path / "data")}
+    rid = None
+    for _ in range(2):  # the second server has only the store
+        with run_server(tmp_path, "--sim-rate", "0", env=env) as s:
+            client = OpenAI(api_key="sk-test", base_url=s.v1, max_retries=0, timeout=30)
+            if rid is None:
+                rid = client.responses.create(model="hotloop-sim", input=short).id  # type: ignore[arg-type]
+            items = client.responses.input_items.list(rid, order="asc").data
+            assert [(i.role, i.status, [(c.type, c.text) for c in i.content]) for i in items] == want  # type: ignore[union-attr]
+            raw = httpx.get(f"{s.v1}/responses/{rid}/input_items", params={"order": "asc"}, timeout=10).json()["data"]
+            assert raw[2]["content"] == [{"type": "output_text", "text": "an earlier answer", "annotations": []}]
+            assert all(i["id"].startswith("msg_") for i in raw)
+
+
 def test_store_false_is_not_retrievable(client: OpenAI) -> None:
     r = client.responses.create(model="hotloop-sim", input="secret", store=False)
     with pytest.raises(openai.NotFoundError):

@@ -647,6 +647,26 @@ def item_to_dict(item: Item) -> dict[str, Any]:
     return msgspec.to_builtins(item)  # type: ignore[no-any-return]
 
 
+def listed_item(d: dict[str, Any]) -> dict[str, Any]:
+    """A stored input item as ``input_items`` lists it. A message sent in the short form
+    (``{"role": "user", "content": "text"}``) is listed in its item form, as OpenAI lists it:
+    content parts (``input_text``, ``output_text`` for the assistant) and a ``status``; the SDKs
+    type a listed message by that form. The stored item itself stays as it was sent."""
+    if d.get("type") != "message":
+        return d
+    content = d.get("content")
+    if isinstance(content, str):
+        part: dict[str, Any] = (
+            {"type": "output_text", "text": content, "annotations": []}
+            if d.get("role") == "assistant"
+            else {"type": "input_text", "text": content}
+        )
+        d = {**d, "content": [part]}
+    if d.get("status") is None:
+        d = {**d, "status": "completed"}
+    return d
+
+
 def item_from_dict(d: dict[str, Any]) -> Item:
     """Inverse of :func:`item_to_dict` for stored items (already validated once)."""
     return decode_item(d, 0, "item")

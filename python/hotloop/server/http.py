@@ -22,7 +22,7 @@ from hotloop.pipeline import reuse
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
-from hotloop.protocol.request import decode_body, item_to_dict, validate
+from hotloop.protocol.request import decode_body, item_to_dict, listed_item, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -412,6 +412,7 @@ class HttpTransport:
         if result is False:
             raise errors.InvalidValue(f"Invalid 'after': no item with id '{errors.clip(str(after))}'.", param="after")
         data, has_more = result
+        data = [listed_item(d) for d in data]
         body = {
             "object": "list",
             "data": data,
