@@ -173,6 +173,30 @@ def test_input_items_list_messages_in_their_item_form(tmp_path) -> None:
             assert all(i["id"].startswith("msg_") for i in raw)
 
 
+def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:
+    """An id sent twice, or an item of the previous response sent again with its id, is
+    OpenAI's 400 "Duplicate item found"; a reference to an item of the chain is not a duplicate."""
+    dup = {"type": "message", "id": "msg_dup1", "role": "user", "content": "a"}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input=[dup, {**dup, "content": "b"}])  # type: ignore[list-item]
+    assert ei.value.param == "input" and ei.value.code is None
+    assert ei.value.body["message"].startswith("Duplicate item found with id msg_dup1.")  # type: ignore[index]
+    r1 = client.responses.create(model="hotloop-sim", input=[dup])  # type: ignore[list-item]
+    out = r1.output[0]
+    again = {"type": "message", "id": out.id, "role": "assistant", "content": r1.output_text}
+    for resent in ([again, {"role": "user", "content": "next"}], [{"role": "user", "content": "next"}, dup]):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", previous_response_id=r1.id, input=resent)  # type: ignore[arg-type]
+        assert ei.value.param == "input" and "Duplicate item found" in ei.value.message
+    # nothing changed: the chain continues, and its items are listed once each
+    r2 = client.responses.create(
+        model="hotloop-sim", previous_response_id=r1.id,
+        input=[{"type": "item_reference", "id": "msg_dup1"}, {"role": "user", "content": "next"}],
+    )
+    ids = [i.id for i in client.responses.input_items.list(r2.id, order="asc", limit=100).data]
+    assert ids[:2] == ["msg_dup1", out.id] and len(ids) == 4 and ids[2] == "msg_dup1"
+
+
 def test_store_false_is_not_retrievable(client: OpenAI) -> None:
     r = client.responses.create(model="hotloop-sim", input="secret", store=False)
     with pytest.raises(openai.NotFoundError):

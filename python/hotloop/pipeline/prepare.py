@@ -240,7 +240,8 @@ def prepare(
     pending_calls: set[str] = set()
     supplied: set[str] = set()
     for i, item in enumerate(p.items):
-        if type(item) is ItemReference:
+        referenced = type(item) is ItemReference
+        if referenced:
             item = _resolve_reference(item, i, base, new, stored)  # type: ignore[arg-type]
         t = type(item)
         if t is FunctionCall:
@@ -254,6 +255,15 @@ def prepare(
                 )
         given = item_id_of(item)
         if given is not None:
+            if not referenced and (given in supplied or (base is not None and base.position(given) is not None)):
+                # OpenAI's answer to an id sent twice, or to an item of the previous response sent
+                # again with previous_response_id: input_items pages by id, and a chain holds
+                # each item once (a reference names an item, and may name one in the chain)
+                raise errors.InvalidRequest(
+                    f"Duplicate item found with id {errors.clip(given)}. Remove duplicate items from "
+                    "your input and try again.",
+                    param="input",
+                )
             supplied.add(given)
         new.append(_with_id(item, ids))
     fps, toks, missing, sizes = itemlib.split(new, cache)
