@@ -197,6 +197,49 @@ def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> No
     assert ids[:2] == ["msg_dup1", out.id] and len(ids) == 4 and ids[2] == "msg_dup1"
 
 
+def test_items_of_every_type_get_ids_and_page(client: OpenAI) -> None:
+    """Items kept verbatim (custom tool calls and outputs) get ids too, so input_items pages
+    through all of them; a minted id is not what the model reads (same input token count)."""
+    call = {"type": "custom_tool_call", "call_id": "ct9", "name": "apply_patch", "input": "*** Begin Patch"}
+    out = {"type": "custom_tool_call_output", "call_id": "ct9", "output": "Done."}
+    user = {"role": "user", "content": "next"}
+    r = client.responses.create(model="hotloop-sim", input=[call, out, user])  # type: ignore[list-item]
+    for order in ("asc", "desc"):
+        paged = list(client.responses.input_items.list(r.id, order=order, limit=1))  # the SDK's auto-pager
+        types = [i.type for i in paged]
+        assert types == (["custom_tool_call", "custom_tool_call_output", "message"])[:: 1 if order == "asc" else -1]
+    ids = [i.id for i in client.responses.input_items.list(r.id, order="asc").data]
+    assert ids[0].startswith("ctc_") and ids[1].startswith("ctco_") and ids[2].startswith("msg_")
+    with_ids = client.responses.create(
+        model="hotloop-sim", input=[{**call, "id": "ctc_given"}, {**out, "id": "ctco_given"}, user]  # type: ignore[list-item]
+    )
+    assert with_ids.usage.input_tokens == r.usage.input_tokens  # type: ignore[union-attr]
+    listed = client.responses.input_items.list(with_ids.id, order="asc").data
+    assert [i.id for i in listed][:2] == ["ctc_given", "ctco_given"]
+
+
+def test_a_resent_history_with_ids_of_its_own_is_not_served_from_another_input(client: OpenAI) -> None:
+    """Prefix reuse matches items by content, ids aside (a client may resend them without), but
+    an item sent with another id than the cached one is another item: listed, and resolved by
+    item_reference, under the id the client gave it."""
+    text = "a long enough first message " * 20
+    first = [{"type": "message", "id": "msg_first_a", "role": "user", "content": text}, {"role": "user", "content": "b"}]
+    r1 = client.responses.create(model="hotloop-sim", input=first)  # type: ignore[arg-type]
+    bare = [{"role": "user", "content": text}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}]
+    hit = client.responses.create(model="hotloop-sim", input=bare)  # type: ignore[arg-type]
+    assert hit.usage.input_tokens_details.cached_tokens > 0  # type: ignore[union-attr]  # no ids: r1's items
+    assert client.responses.input_items.list(hit.id, order="asc").data[0].id == "msg_first_a"
+    own = [{**bare[0], "type": "message", "id": "msg_first_b"}, *bare[1:]]
+    r2 = client.responses.create(model="hotloop-sim", input=own)  # type: ignore[arg-type]
+    assert r2.usage.input_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert r2.usage.input_tokens == hit.usage.input_tokens  # type: ignore[union-attr]
+    assert [i.id for i in client.responses.input_items.list(r2.id, order="asc").data][0] == "msg_first_b"
+    r3 = client.responses.create(
+        model="hotloop-sim", previous_response_id=r2.id, input=[{"type": "item_reference", "id": "msg_first_b"}]
+    )
+    assert r3.status == "completed" and r1.status == "completed"
+
+
 def test_store_false_is_not_retrievable(client: OpenAI) -> None:
     r = client.responses.create(model="hotloop-sim", input="secret", store=False)
     with pytest.raises(openai.NotFoundError):

@@ -71,6 +71,9 @@ def test_unknown_top_level_fields_ignored() -> None:
     assert p.req.model == "m"
 
 
+FN = {"type": "function", "name": "f"}
+
+
 @pytest.mark.parametrize(
     "body,param,code",
     [
@@ -98,6 +101,13 @@ def test_unknown_top_level_fields_ignored() -> None:
         ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "missing_required_parameter"),
         ({"model": "m", "input": "x", "background": True}, "background", "unsupported_parameter"),
         ({"model": "m", "input": "x", "stream_id": ""}, "stream_id", "invalid_stream_id"),
+        # absent (or null) is missing; present with another type is a type error
+        ({"model": "m", "input": "x", "tools": [{"type": 5}]}, "tools[0].type", "invalid_type"),
+        ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "missing_required_parameter"),
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": "function", "name": 5}}, "tool_choice.name", "invalid_type"),
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": "function"}}, "tool_choice.name", "missing_required_parameter"),
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": None}}, "tool_choice.type", "missing_required_parameter"),
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": ["function"]}}, "tool_choice.type", "invalid_type"),
     ],
 )
 def test_errors_name_their_param(body, param, code) -> None:

@@ -41,6 +41,7 @@ from hotloop.protocol.request import (
     ReasoningText,
     Refusal,
     SummaryText,
+    model_view,
 )
 from hotloop.state import fpkey
 from hotloop.state.context import ITEM_OVERHEAD
@@ -144,7 +145,7 @@ def item_text(item: Item) -> str:
         r: Reasoning = item  # type: ignore[assignment]
         return "\n".join([c.text for c in r.content or ()] or [s.text for s in r.summary])
     if t is OtherItem:
-        return _canonical(item.data).decode()  # type: ignore[union-attr]
+        return _canonical(model_view(item.data)).decode()  # type: ignore[union-attr]
     return ""
 
 

@@ -159,8 +159,22 @@ class Plan:
         return base + sum(self._toks) + self._settings + self.pending_chars // CHARS_PER_TOKEN + 1
 
 
+# Ids for item types kept verbatim (OtherItem), as OpenAI mints them; "item" for the rest.
+_OTHER_ID_PREFIX = {"custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+
+
 def _with_id(item: Item, ids: IdGen) -> Item:
-    prefix = _ID_PREFIX.get(type(item))
+    """``item`` with an id: ``input_items`` pages by id, so every stored item has one. An item
+    kept verbatim gets it in its data; the id is not what the model reads (render.py and the
+    token count leave it out), so minting it changes neither the rendering nor the count."""
+    t = type(item)
+    if t is OtherItem:
+        data = item.data  # type: ignore[union-attr]
+        if data.get("id") is None:
+            iid = ids.new(_OTHER_ID_PREFIX.get(item.type, "item"))  # type: ignore[union-attr]
+            return OtherItem(type=item.type, data={**data, "id": iid})  # type: ignore[union-attr]
+        return item
+    prefix = _ID_PREFIX.get(t)
     if prefix is not None and getattr(item, "id", None) is None:
         return msgspec.structs.replace(item, id=ids.new(prefix))  # type: ignore[type-var]
     return item

@@ -31,7 +31,7 @@ from hotloop.protocol.request import (
     decode_body,
     validate,
 )
-from hotloop.state.context import CachedResponse, item_nbytes
+from hotloop.state.context import CachedResponse, item_id_of, item_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache
 
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
@@ -105,9 +105,21 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
             fp(computed)
             computed += 1
         for p in group:
-            if p.entry.context.chain.common_prefix(fps[:n]) >= n:  # type: ignore[arg-type]  # all computed
+            own = p.entry.context
+            if own.chain.common_prefix(fps[:n]) >= n and _same_ids(items, own.items, n):  # type: ignore[arg-type]
                 return p
     return None
+
+
+def _same_ids(items: list[Item], own: list[Item], n: int) -> bool:
+    """Whether none of the first ``n`` of ``items`` carries an id other than its cached twin's.
+    Fingerprints leave ids out (a client may resend items without them), but an item sent with
+    an id of its own is that item: reusing the cached one would list and resolve the cached id."""
+    for i in range(n):
+        iid = item_id_of(items[i])
+        if iid is not None and iid != item_id_of(own[i]):
+            return False
+    return True
 
 
 def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
@@ -125,6 +137,9 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
         item = items[j]
         if type(item) is ItemReference:
             break
+        iid = item_id_of(item)
+        if iid is not None and iid != item_id_of(own[p.n + j]):
+            break  # another item than the entry's own, whatever its content (see _same_ids)
         if item == own[p.n + j]:
             # the entry's own item, field for field (a client that sends back the output it was
             # given, as it was given): its fingerprint is the one the chain holds for it, so it

@@ -124,6 +124,13 @@ class OtherItem(msgspec.Struct, kw_only=True):
 
 Item = Union[Message, FunctionCall, FunctionCallOutput, Reasoning, ItemReference, OtherItem]
 
+
+def model_view(data: dict[str, Any]) -> dict[str, Any]:
+    """What a model reads of an item kept verbatim (``OtherItem.data``): all of it but the id,
+    which the server may have minted (``input_items`` pages by id), so that the item renders and
+    counts the same sent with an id or without."""
+    return {k: v for k, v in data.items() if k != "id"} if "id" in data else data
+
 _ITEM_TYPES: dict[str, type] = {
     "message": Message,
     "function_call": FunctionCall,
@@ -485,9 +492,7 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, FunctionTool]:
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if not isinstance(kind, str):
-            raise errors.MissingParameter(
-                f"Missing required parameter: 'tools[{i}].type'.", param=f"tools[{i}].type"
-            )
+            raise _missing_or_mistyped(kind, f"tools[{i}].type", "a string")
         if kind != "function":
             continue  # kept; rejected only if a request forces its use
         try:
@@ -535,9 +540,7 @@ def _check_tool_choice(
     if kind == "function":
         name = choice.get("name")
         if not isinstance(name, str):
-            raise errors.MissingParameter(
-                "Missing required parameter: 'tool_choice.name'.", param="tool_choice.name"
-            )
+            raise _missing_or_mistyped(name, "tool_choice.name", "a string")
         if name not in fns:
             raise errors.InvalidValue(
                 f"Tool choice {shown(name)} not found in 'tools' parameter.", param="tool_choice"
@@ -570,7 +573,14 @@ def _check_tool_choice(
             f"Invalid 'tool_choice': tools of type {shown(kind)} are not supported by this server.",
             param="tool_choice",
         )
-    raise errors.MissingParameter("Missing required parameter: 'tool_choice.type'.", param="tool_choice.type")
+    raise _missing_or_mistyped(kind, "tool_choice.type", "a string")
+
+
+def _missing_or_mistyped(value: Any, param: str, expected: str) -> errors.HotloopError:
+    """A required field that is absent (or null), or present with the wrong type."""
+    if value is None:
+        return errors.MissingParameter(f"Missing required parameter: '{param}'.", param=param)
+    return errors.InvalidType(f"Invalid type for '{param}': expected {expected}.", param=param)
 
 
 def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:

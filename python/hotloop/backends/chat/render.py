@@ -30,6 +30,7 @@ from hotloop.protocol.request import (
     OutputText,
     Reasoning,
     Refusal,
+    model_view,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def _render_items(
             # user turns, everything else as the assistant's own. The JSON keeps the client's key
             # order, so the rendering is as stable as the item.
             role = "user" if item.type.endswith("_output") else "assistant"
-            add({"role": role, "content": enc(item.data).decode("utf-8")})
+            add({"role": role, "content": enc(model_view(item.data)).decode("utf-8")})
             reasoning = ""
         elif isinstance(item, ItemReference):
             # The server resolves references before calling a backend; one left here is a bug.
