@@ -81,9 +81,9 @@ class UnsupportedParameter(InvalidRequest):
 class PreviousResponseNotFound(InvalidRequest):
     code = "previous_response_not_found"
 
-    def __init__(self, response_id: str) -> None:
+    def __init__(self, response_id: str, message: str | None = None) -> None:
         super().__init__(
-            f"Previous response with id '{clip(response_id)}' not found.", param="previous_response_id"
+            message or f"Previous response with id '{clip(response_id)}' not found.", param="previous_response_id"
         )
 
 

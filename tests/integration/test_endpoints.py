@@ -97,6 +97,34 @@ def test_model_failure_stream(client: OpenAI) -> None:
     assert events[-1].response.error.code == "server_error"
 
 
+@pytest.mark.parametrize("sim", ["fail:server_error", "text,error:server_error"])
+def test_a_failed_stored_response_is_read_not_continued(server, client: OpenAI, sim: str) -> None:
+    """A failed response with ``store`` is retrievable (status, error, its input), as OpenAI's
+    are; continuing it is refused, and the usage ledger counts it not; ``store: false`` keeps
+    nothing."""
+    before = httpx.get(f"{server.base}/hotloop/usage", timeout=10).json()
+    body = {"model": "hotloop-sim", "input": [{"role": "user", "content": "x"}], "metadata": {"sim": sim}, "stream": True}
+    with httpx.stream("POST", server.v1 + "/responses", json=body, timeout=30) as r:
+        last = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")][-1]
+    failed = last["response"]
+    assert last["type"] == "response.failed" and failed["status"] == "failed"
+    got = client.responses.retrieve(failed["id"])
+    assert got.status == "failed" and got.error is not None and got.error.code == failed["error"]["code"]
+    assert httpx.get(f"{server.v1}/responses/{failed['id']}", timeout=10).json() == failed
+    [item] = client.responses.input_items.list(failed["id"]).data
+    assert item.type == "message" and item.content[0].text == "x"  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="hotloop-sim", input="y", previous_response_id=failed["id"])
+    assert ei.value.code == "previous_response_not_found" and ei.value.param == "previous_response_id"
+    assert "failed and cannot be continued" in ei.value.body["message"]  # type: ignore[index]
+    assert httpx.get(f"{server.base}/hotloop/usage", timeout=10).json() == before
+    with httpx.stream("POST", server.v1 + "/responses", json={**body, "store": False}, timeout=30) as r:
+        last = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")][-1]
+    assert last["type"] == "response.failed"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(last["response"]["id"])
+
+
 def test_backend_error_mid_stream_sends_error_event_then_failed(server) -> None:
     body = {"model": "hotloop-sim", "input": "x", "stream": True, "metadata": {"sim": "error"}}
     with httpx.stream("POST", server.v1 + "/responses", json=body, timeout=30) as r:

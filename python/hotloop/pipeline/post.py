@@ -453,13 +453,15 @@ class Persistence:
     # -- writes --------------------------------------------------------------------------------
 
     async def submit(
-        self, entry: CachedResponse, key: str = LEGACY_OWNER, findings: dict[str, int] | None = None
+        self, entry: CachedResponse, key: str = LEGACY_OWNER, findings: dict[str, int] | None = None,
+        *, ledger: bool = True,
     ) -> None:
         """Queue a finished response: the usage ledger (under the key name ``key``, with the
-        classifiers' ``findings`` per kind when it was flagged) always, the response if it is stored."""
+        classifiers' ``findings`` per kind when it was flagged) unless ``ledger`` is false, the
+        response if it is stored."""
         if self._task is None:
             self.start()
-        rec = usage_record(entry.response, key, findings)
+        rec = usage_record(entry.response, key, findings) if ledger else None
         if rec is not None:
             self._usage.append(rec)
             n = len(self._usage)

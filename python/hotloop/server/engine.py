@@ -155,6 +155,14 @@ class Engine:
         hit = self.responses.get(response_id, scope)
         if hit is None:
             hit = await self.persistence.load(response_id, scope)
+            if hit is not None and hit.response.get("status") == "failed":
+                # A failed response is stored to be read, not continued (its output may end in
+                # the middle of a call). The wire reference names no error for it: the code
+                # clients already handle for a parent they cannot continue, with a message that
+                # says why.
+                raise errors.PreviousResponseNotFound(
+                    response_id, f"Previous response with id '{errors.clip(response_id)}' failed and cannot be continued."
+                )
             if hit is not None:
                 self.responses.put(hit)
         if hit is None:
@@ -478,6 +486,13 @@ class Engine:
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)
+            if r["status"] == "failed" and r.get("store", True):
+                # Stored so that GET and input_items answer for it, as they do for OpenAI's failed
+                # responses; nothing caches it for continuing (see resolve), and the usage
+                # ledger keeps to responses that completed.
+                run.plan.settle()
+                entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
+                await self.persistence.submit(entry, run.tenant.name, ledger=False)
 
 
 async def _aclose(stream: AsyncIterator[Chunk]) -> None:
