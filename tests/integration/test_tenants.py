@@ -61,6 +61,8 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     keys["limited"] = create_key(data, "limited", "--rpm", "3")
     keys["tokens"] = create_key(data, "tokens", "--tpm", "1000")
     keys["ws-rpm"] = create_key(data, "ws-rpm", "--rpm", "60")
+    keys["cut-sse"] = create_key(data, "cut-sse", "--tpm", "5000")
+    keys["cut-ws"] = create_key(data, "cut-ws", "--tpm", "5000")
     keys["admin"] = ADMIN_KEY
     env = {"HOTLOOP_DATA_DIR": str(data), "HOTLOOP_API_KEY": ADMIN_KEY}
     with run_server(tmp, "--sim-rate", "0", env=env) as srv:
@@ -332,3 +334,35 @@ def test_open_mode_warns_beyond_loopback(tmp_path: Path) -> None:
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+
+
+@pytest.mark.parametrize("transport", ["sse", "ws"])
+def test_a_response_its_client_left_is_charged_what_it_used(tenants: Tenants, transport: str) -> None:
+    """A client that hangs up in the middle of a response pays for what was generated: in its
+    key's TPM budget and in the usage ledger (not the whole reservation back, not nothing)."""
+    name = f"cut-{transport}"
+    body = {"model": "hotloop-sim", "input": "x", "max_output_tokens": 1000, "metadata": {"sim": "text,tokens:900,rate:400"}}
+    seen = 0
+    if transport == "sse":
+        with tenants.http(name) as h, h.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                seen += line.startswith("data: ") and '"response.output_text.delta"' in line
+                if seen >= 100:
+                    break  # and hang up
+    else:
+        with tenants.ws(name) as ws:
+            ws.send(json.dumps({"type": "response.create", **body}))
+            while seen < 100:
+                seen += json.loads(ws.recv(timeout=30))["type"] == "response.output_text.delta"
+    with tenants.http(name) as h:
+        deadline = time.monotonic() + 10
+        rows: list = []
+        while not rows and time.monotonic() < deadline:
+            rows = h.get("/hotloop/usage").json()["data"]
+            time.sleep(0.1)
+        [row] = rows
+        assert row["responses"] == 1 and 100 <= row["output_tokens"] < 900 and row["input_tokens"] > 0
+        left = int(h.get("/v1/models").headers["x-ratelimit-remaining-tokens"])
+        used = row["input_tokens"] + row["output_tokens"]
+        assert 5000 - used - 50 <= left <= 5000 - used + 50  # the bucket refills meanwhile

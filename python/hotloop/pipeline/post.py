@@ -476,6 +476,21 @@ class Persistence:
             self.pending[entry.id] = entry
             await self._enqueue("put", snap, approx_nbytes(snap.own))
 
+    def charge(self, rec: UsageRecord | None) -> None:
+        """A ledger record for a response that ended without ``submit`` (cut short, or failed),
+        without waiting: it joins the buffer, written within ``USAGE_FLUSH_SECONDS``. Past
+        ``USAGE_BUFFER`` records (a writer long behind) it is dropped, and the log says so."""
+        if rec is None:
+            return
+        if self._task is None:
+            self.start()
+        if len(self._usage) >= self.USAGE_BUFFER:
+            log.error("usage ledger buffer full (%d records): a record is dropped", self.USAGE_BUFFER)
+            return
+        self._usage.append(rec)
+        if self._usage_timer is None:
+            self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
+
     # -- reads ---------------------------------------------------------------------------------
 
     async def _call(self, fn: Any, *args: Any) -> Any:

@@ -389,6 +389,11 @@ class Turn:
         self._output[idx] = obj
         out.append(self._ev.event(ev.OUTPUT_ITEM_DONE, self._next(), output_index=idx, item=obj))
 
+    def spent_usage(self) -> dict[str, Any]:
+        """The usage so far, for a response that has none (cut short, or failed before any
+        output): the backend's report if it sent one, else the input and the deltas counted."""
+        return self._final_usage()
+
     def _final_usage(self) -> dict[str, Any]:
         u = self._usage
         input_tokens = self.input_tokens

@@ -38,7 +38,7 @@ from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
 from hotloop.pipeline.classify import Redact, SecretsClassifier
-from hotloop.pipeline.post import Persistence
+from hotloop.pipeline.post import Persistence, usage_record
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.pipeline.settings import ToolsCache
 from hotloop.protocol.chunks import Chunk, Failure, Finish
@@ -901,7 +901,16 @@ class Run:
                     self._watch = None
         finally:
             engine.runs.discard(self)
+            if not turn.done and not self.plan.settled:
+                # cut short (its client left): its input counted now, for what it is charged
+                self.plan.settle()
+                turn.input_tokens, turn.cached_tokens = self.plan.input_tokens, self.plan.cached_tokens
             self._release()
+            if turn.response["status"] not in ("completed", "incomplete"):
+                # The backend worked for it (a Run exists once its first chunk came): a response
+                # cut short or failed is charged what it used, in the ledger as in its key's TPM
+                # budget (complete() records the others, with the response)
+                engine.persistence.charge(usage_record({**turn.response, "usage": self._spent()}, self.tenant.name))
             # Once the terminal event exists the response is real: its caching and storage come
             # before anything that may suspend (closing the backend stream), and never suspend
             # themselves in a way a leaving client's cancellation could interrupt (see
@@ -918,8 +927,18 @@ class Run:
         """Free the concurrency slot and correct the token reservation to the real usage."""
         grant = self.grant
         if grant is not None and not grant.done:
-            usage = self.turn.response.get("usage")
-            grant.finish(int(usage["total_tokens"]) if usage else None)
+            grant.finish(int(self._spent()["total_tokens"]))
+
+    def _spent(self) -> dict[str, Any]:
+        """What this response used: its usage; without one (cut short, or failed before any
+        output) its input and the output streamed so far (the input estimated while uncounted)."""
+        turn = self.turn
+        usage = turn.response.get("usage")
+        if usage:
+            return usage  # type: ignore[no-any-return]
+        if not self.plan.settled:
+            turn.input_tokens = self.plan.input_estimate()
+        return turn.spent_usage()
 
     def __del__(self) -> None:
         self._release()  # a run never iterated (its client left first) still frees its slot
