@@ -690,3 +690,37 @@ def test_render_cache_encodes_an_agents_tools_once() -> None:
     assert len(cache._tools) == TOOLS_KEPT
     huge = tools("h", n=4, size=TOOLS_MAX_BYTES // 3)
     assert len(cache.tools(huge)) > TOOLS_MAX_BYTES and cache.tools(huge) is not cache.tools(huge)  # not kept
+
+
+def test_parallel_calls_that_all_say_index_0_are_separate_calls() -> None:
+    """Servers that give every parallel call index 0 (Ollama, some proxies): a new id at an
+    index in use starts another call, whole in one chunk or in pieces after its id."""
+    whole = [
+        chunk(tc(0, id="call_h", name="file_write", args='{"path":"hello.py"}')),
+        chunk(tc(0, id="call_w", name="file_write", args='{"path":"world.py"}')),
+        chunk(finish="tool_calls"),
+    ]
+    assert calls_of(through_turn(assemble(whole))) == [
+        ("call_h", "file_write", '{"path":"hello.py"}'),
+        ("call_w", "file_write", '{"path":"world.py"}'),
+    ]
+    pieces = [
+        chunk(tc(0, id="call_1", name="add_numbers", args="")),
+        chunk(tc(0, args='{"a":2,')),
+        chunk(tc(0, args='"b":2}')),
+        chunk(tc(0, id="call_2", name="get_weather", args="")),
+        chunk(tc(0, args='{"location":')),
+        chunk(tc(0, args='"Tokyo"}')),
+        chunk(finish="tool_calls"),
+    ]
+    assert calls_of(through_turn(assemble(pieces))) == [
+        ("call_1", "add_numbers", '{"a":2,"b":2}'),
+        ("call_2", "get_weather", '{"location":"Tokyo"}'),
+    ]
+    # the same id again (servers that repeat it in every delta) continues its call
+    repeated = [
+        chunk(tc(0, id="call_1", name="f", args='{"a":')),
+        chunk(tc(0, id="call_1", name="f", args="1}")),
+        chunk(finish="tool_calls"),
+    ]
+    assert calls_of(through_turn(assemble(repeated))) == [("call_1", "f", '{"a":1}')]

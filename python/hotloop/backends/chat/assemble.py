@@ -92,6 +92,11 @@ _TEXT, _REASONING = "text", "reasoning"
 _NEW, _LIVE, _SEALED, _DEFERRED = 0, 1, 2, 3  # tool call states
 
 
+# Keys of calls whose server index another call took (ChunkAssembler._tool) count up from here,
+# far above any index a server gives (and within the native decoder's integer range).
+RETIRED_KEYS = 1 << 30
+
+
 class _Call:
     __slots__ = ("key", "call_id", "name", "args", "state", "index")
 
@@ -133,7 +138,7 @@ class ChunkAssembler:
     turn machine to generate. Buffered data is bounded by ``MAX_BUFFERED_BYTES``.
     """
 
-    __slots__ = ("_calls", "_open", "_deferred", "_buffered", "_next_index", "finish_reason", "usage")
+    __slots__ = ("_calls", "_open", "_deferred", "_buffered", "_next_index", "_retired", "finish_reason", "usage")
 
     def __init__(self) -> None:
         self._calls: dict[int, _Call] = {}
@@ -141,6 +146,7 @@ class ChunkAssembler:
         self._deferred: list[Union[tuple[str, str], _Call]] = []
         self._buffered = 0
         self._next_index = 0
+        self._retired = RETIRED_KEYS  # the last key given to a call whose server index was reused
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
 
@@ -212,6 +218,13 @@ class ChunkAssembler:
     def _tool(self, tc: _ToolCall, out: list[Chunk]) -> None:
         key = tc.index if tc.index is not None else self._key_without_index(tc.id)
         call = self._calls.get(key)
+        if call is not None and tc.id and call.call_id is not None and tc.id != call.call_id:
+            # Another id at an index in use is another call: servers that give every parallel
+            # call index 0 (Ollama, some proxies). The earlier call moves to a key no server
+            # index uses; what comes at this index without an id continues the new one.
+            call.key = self._retired = self._retired + 1
+            self._calls[call.key] = call
+            call = None
         if call is None:
             call = self._calls[key] = _Call(key)
         if tc.id and call.call_id is None:
