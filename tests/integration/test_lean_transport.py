@@ -7,6 +7,7 @@ the client's behaviour on keep-alive, closes, stalls, garbage and oversized head
 from __future__ import annotations
 
 import asyncio
+import time
 import ssl
 from typing import Any, Awaitable, Callable
 
@@ -273,6 +274,42 @@ def test_server_that_never_answers_times_out() -> None:
             pool = Pool(srv.url(), first_byte_timeout=0.2)
             with pytest.raises(errors.BackendTimeout):
                 await pool.stream("POST", "/chat/completions", b"{}")
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_the_wait_for_the_first_token_is_bounded_by_the_first_byte_timeout() -> None:
+    """A streaming server sends its head at once and its first token after prefill: until the
+    body's first byte the first-byte timeout applies (longer), then the idle timeout."""
+    async def slow_first_token(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.6)  # longer than the idle timeout, shorter than the first-byte one
+        writer.write(b"9\r\ndata: x\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Served(slow_first_token) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=3.0, idle_timeout=0.2)
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            assert await collect(resp) == b"data: x\n\n"
+            await pool.aclose()
+        async with Served(never) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=0.5, idle_timeout=0.2)
+            resp = await pool.stream("POST", "/chat/completions", b"{}")
+            t0 = time.monotonic()
+            with pytest.raises(errors.BackendTimeout) as ei:
+                await resp.__anext__()
+            assert 0.4 < time.monotonic() - t0 < 2.0 and "did not answer in time" in ei.value.message
             assert pool.open == 0
             await pool.aclose()
 

@@ -19,8 +19,9 @@ What it does, and its bounds:
   dropped before use; a request is retried on a fresh connection only when no byte of it was
   sent (the connection was found closed before the write). Once written, a request is never
   replayed by the transport.
-* **Timeouts.** ``connect_timeout`` (TCP + TLS), ``first_byte_timeout`` (write to the response
-  head) and ``idle_timeout`` (silence while reading the body). One timer per request, re-armed
+* **Timeouts.** ``connect_timeout`` (TCP + TLS), ``first_byte_timeout`` (write to the body's
+  first byte: a streaming server's head comes at once, its first token after prefill) and
+  ``idle_timeout`` (silence while reading the body). One timer per request, re-armed
   lazily: a read costs one integer increment, not a timer or a clock read (so silence is
   detected between ``idle_timeout`` and twice that after the last read: a backstop behind the
   engine's own idle watchdog).
@@ -278,7 +279,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "reads", "mark",
-        "keep_alive", "draining", "expiry", "counted_out", "nap", "batch",
+        "body_seen", "keep_alive", "draining", "expiry", "counted_out", "nap", "batch",
     )
 
     def __init__(self, pool: "Pool") -> None:
@@ -292,6 +293,7 @@ class _Conn(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.reads = 0  # reads so far; the timer compares it with ``mark`` to see activity
         self.mark = 0
+        self.body_seen = False  # a byte of the current response's body came (the idle timer runs)
         self.keep_alive = True
         self.draining = False
         self.expiry = pool.keepalive_expiry
@@ -362,10 +364,15 @@ class _Conn(asyncio.Protocol):
         ka = resp.headers.get("keep-alive")
         if ka:
             self.expiry = min(self.pool.keepalive_expiry, _keepalive_timeout(ka, self.pool.keepalive_expiry))
-        self._arm(self.pool.idle_timeout)
+        # the first-byte timer runs on until the body's first byte: a streaming server sends its
+        # head at once and its first token after prefill and queueing, which first_byte_timeout
+        # (--backend-timeout) bounds, not idle_timeout
         resp.on_headers_complete(parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
+        if not self.body_seen:
+            self.body_seen = True
+            self._arm(self.pool.idle_timeout)
         batch = self.batch
         if batch is not None:
             batch.append(body)
@@ -434,6 +441,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.keep_alive = True
         self.draining = False
+        self.body_seen = False
         self._arm(self.pool.first_byte_timeout)
         if body:
             # head and body in one writev, without copying the body (a conversation's history)
@@ -466,11 +474,12 @@ class _Conn(asyncio.Protocol):
         if self.draining:
             self.drop()
             return
-        if resp._state != _HEAD and self.reads != self.mark:
+        if resp._state != _HEAD and self.body_seen and self.reads != self.mark:
             self._arm(self.pool.idle_timeout)  # data arrived meanwhile: wait another period
             return
-        log.warning("%s: %s", self.pool.origin.host_header, "no response head in time" if resp._state == _HEAD else "silent stream")
-        resp.fail(errors.BackendTimeout(_NO_ANSWER if resp._state == _HEAD else _SILENT))
+        early = not self.body_seen  # no head, or no byte of the body, within first_byte_timeout
+        log.warning("%s: %s", self.pool.origin.host_header, "no response in time" if early else "silent stream")
+        resp.fail(errors.BackendTimeout(_NO_ANSWER if early else _SILENT))
         self.drop()
 
     def discard_after(self, seconds: float) -> None:
