@@ -522,6 +522,37 @@ def test_status_errors() -> None:
         assert "/srv" not in e.message and "db down" not in e.message
 
 
+def test_a_backend_400_shows_its_json_message_without_internals_or_credentials(caplog) -> None:  # noqa: ANN001
+    """Of a backend's 400, a client sees the message of a JSON error object only: not a body
+    that is text or HTML, not a traceback, and never a credential (the backends' own keys, and
+    whatever the secret scanner knows), which the server's log does not show either."""
+    from hotloop.backends.chat.statuses import _WITHHELD, status_error, withhold
+
+    def err(status: int, body: object) -> errors.HotloopError:
+        return status_error(status, {}, body, backend="b", model="m")
+
+    own = "sk-backendSECRET-abcdef123456"
+    withhold(own)
+    try:
+        for body in (
+            "<html>Traceback (most recent call last): secret</html>",
+            "plain text from a proxy",
+            {"error": {"message": "Traceback (most recent call last):\n  File /opt/x.py"}},
+            {"error": {"message": "<HTML><body>bad gateway</body></HTML>"}},
+        ):
+            e = err(400, body)
+            assert type(e) is errors.InvalidRequest and e.message == "The model backend rejected the request."
+        ghp = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+        with caplog.at_level("WARNING", logger="hotloop.backends"):
+            e = err(400, {"error": {"message": f"bad key {own} near {ghp} in tools[0]"}})
+        assert e.message == "The model backend rejected the request: bad key [REDACTED] near [REDACTED:github_token] in tools[0]"
+        assert own not in caplog.text and ghp not in caplog.text and "[REDACTED]" in caplog.text
+        for status in (413, 422):
+            assert own not in err(status, {"message": own}).message
+    finally:
+        _WITHHELD.discard(own)
+
+
 # ---------------------------------------------------------------------------------------------
 # incremental rendering (RenderCache) gives the same bytes as rendering from scratch
 # ---------------------------------------------------------------------------------------------

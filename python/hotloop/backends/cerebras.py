@@ -31,6 +31,7 @@ from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
+from hotloop.backends.chat.statuses import withhold
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -71,6 +72,7 @@ class CerebrasBackend(ChatBackend):
             raise RuntimeError(
                 "The cerebras backend needs an API key: set CEREBRAS_API_KEY (or HOTLOOP_BACKEND_API_KEY)."
             )
+        withhold(self._api_key)  # never repeated from a backend's error message
         quiet_http_logs()
         self._client = AsyncCerebras(
             api_key=self._api_key,

@@ -23,6 +23,7 @@ from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
+from hotloop.backends.chat.statuses import withhold
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -50,6 +51,7 @@ class OpenAICompatBackend(ChatBackend):
                 "The openai-compat backend needs --base-url (or HOTLOOP_BASE_URL), including the "
                 "API prefix, e.g. http://localhost:8000/v1."
             )
+        withhold(self._api_key)  # never repeated from a backend's error message
         quiet_http_logs()
         headers = {"User-Agent": f"hotloop/{__version__}"}
         if self._api_key:

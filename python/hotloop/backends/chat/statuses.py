@@ -113,12 +113,41 @@ def _error_fields(body: object) -> tuple[str, str]:
     return "", ""
 
 
+# The backends' own credentials, registered when a backend starts (withhold): a backend's error
+# message that quotes one never repeats it, to a client or in the log. Bounded by the backends
+# one process starts.
+_WITHHELD: set[str] = set()
+_scanner: object = None
+
+
+def withhold(credential: str | None) -> None:
+    """Never show ``credential`` (a backend's API key) in a message taken from a backend."""
+    if credential and len(credential) >= 8:
+        _WITHHELD.add(credential)
+
+
 def _safe(message: str) -> str:
-    """A backend's 400 message, bounded and reduced to printable characters."""
+    """A backend's message, bounded, reduced to printable characters, with the backends' own
+    credentials and anything the secret scanner knows as a credential redacted."""
+    global _scanner
+    for secret in _WITHHELD:
+        message = message.replace(secret, "[REDACTED]")
     text = "".join(ch if ch.isprintable() else " " for ch in message).strip()
     if len(text) > MAX_UPSTREAM_MESSAGE:
         text = text[: MAX_UPSTREAM_MESSAGE - 3] + "..."
-    return text
+    if _scanner is None:
+        from hotloop._accel import SECRET_PATTERNS, SecretScanner
+
+        _scanner = SecretScanner(SECRET_PATTERNS)
+    return str(_scanner.redact(text)[0])  # type: ignore[attr-defined]
+
+
+def _shown(body: object, message: str) -> str:
+    """The part of a backend's 400 a client sees: the message of a JSON error object, unless it
+    carries what a server's internals look like (a traceback, a page of HTML); "" otherwise."""
+    if isinstance(body, str) or "Traceback (most recent call last)" in message or "<html" in message.lower():
+        return ""
+    return _safe(message)
 
 
 def parse_body(raw: bytes) -> object:
@@ -139,7 +168,8 @@ def status_error(
 
     Written for *our* client: 401/403 mean the backend rejected hotloop's own credentials, which
     is a server-side fault (502), not the client's (whose key hotloop accepted). Only a 400's
-    ``message`` is passed on (bounded, printable), because it tells the client what to fix.
+    ``message`` is passed on (from a JSON error object; bounded, printable, credentials redacted),
+    because it tells the client what to fix.
     """
     message, code = _error_fields(body)
     log.warning("%s backend answered HTTP %d: %s", backend, status, _safe(message) or "(no message)")
@@ -155,7 +185,7 @@ def status_error(
             return errors.ContextLengthExceeded(
                 "The input exceeds the context window of this model. Please shorten the input.", param="input"
             )
-        detail = _safe(message)
+        detail = _shown(body, message)
         return errors.InvalidRequest(
             f"The model backend rejected the request: {detail}" if detail else "The model backend rejected the request."
         )
