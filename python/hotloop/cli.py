@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: v for k, v in vars(args).items() if k != "command"}
         if overrides.get("classifiers") is not None:
             overrides["classifiers"] = ",".join(overrides["classifiers"])
-        config = Config.from_env(**overrides)
+        try:
+            config = Config.from_env(**overrides)
+        except ValueError as exc:  # a HOTLOOP_* value of the wrong type: said as argparse says a flag's
+            print(f"hotloop serve: error: {exc}", file=sys.stderr)
+            return 2
         if config.workers > 1:
             from hotloop.server.workers import serve_workers  # before prometheus-client is imported
 

@@ -127,12 +127,63 @@ class Config:
                 setattr(cfg, k, v)
         return cfg
 
+    def check(self) -> None:
+        """ValueError for a setting no server can run with (what the CLI's flags check, for the
+        environment too, and the ranges): said before anything starts."""
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(allowed)}; got {value!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535; got {self.port}")
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be 1 or more; got {getattr(self, name)}")
+        for name in _POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):  # NaN too
+                raise ValueError(f"{_flag(name)} must be a positive number of seconds; got {value!r}")
+        if not 0 <= self.shutdown_grace < float("inf"):
+            raise ValueError(f"--shutdown-grace must be 0 or more seconds; got {self.shutdown_grace!r}")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+# The settings with a fixed set of values (the CLI's choices), and those that must lie in a range:
+# Config.check() holds the environment to what the CLI's flags are held to.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "backend": ("simulator", "cerebras", "openai-compat"),
+    "backend_transport": ("lean", "sdk"),
+    "log_level": ("debug", "info", "warning", "error"),
+    "log_format": ("text", "json"),
+    "store": ("sqlite", "memory", "redis"),
+    "store_sync": ("normal", "full"),
+    "secrets": ("off", "flag", "redact", "block"),
+}
+_AT_LEAST_ONE = ("workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight")
+_POSITIVE_SECONDS = ("request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age")
+
+
+def _flag(name: str) -> str:
+    """How a setting is named in messages: its flag, or its variable when it has no flag."""
+    return f"--{name.replace('_', '-')} (HOTLOOP_{name.upper()})"
+
 
 def _coerce(name: str, current: Any, raw: str) -> Any:
+    """A ``HOTLOOP_<NAME>`` value as its field's type (ValueError naming the variable if not)."""
+    var = f"HOTLOOP_{name.upper()}"
     if isinstance(current, bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(current, int):
-        return int(raw)
-    if isinstance(current, float):
-        return float(raw)
+        value = raw.strip().lower()
+        if value in _TRUE or value in _FALSE:
+            return value in _TRUE
+        raise ValueError(f"{var}={raw!r}: expected one of 1, true, yes, on, 0, false, no, off")
+    try:
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        kind = "an integer" if isinstance(current, int) else "a number"
+        raise ValueError(f"{var}={raw!r}: expected {kind}") from None
     return raw

@@ -66,3 +66,45 @@ def test_a_negative_commit_delay_stops_start_up(tmp_path) -> None:
         p = run(HOTLOOP, "serve", "--port", "0", *flag, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
         assert p.returncode == 3, (flag, env, p.stderr)
         assert "--store-commit-delay must be 0 or more seconds" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"HOTLOOP_PORT": "abc"}, "HOTLOOP_PORT='abc': expected an integer"),
+    ({"HOTLOOP_SHUTDOWN_GRACE": "1.5"}, "HOTLOOP_SHUTDOWN_GRACE='1.5': expected an integer"),
+    ({"HOTLOOP_METRICS": "garbage"}, "HOTLOOP_METRICS='garbage': expected one of 1, true"),
+])
+def test_an_environment_value_of_the_wrong_type_is_refused_like_a_flag(tmp_path, env: dict[str, str], says: str) -> None:
+    p = run(HOTLOOP, "serve", "--port", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args, env, says", [
+    ((), {"HOTLOOP_LOG_FORMAT": "xml"}, "--log-format (HOTLOOP_LOG_FORMAT) must be one of text, json"),
+    ((), {"HOTLOOP_BACKEND_TRANSPORT": "bogus"}, "--backend-transport (HOTLOOP_BACKEND_TRANSPORT) must be one of lean, sdk"),
+    ((), {"HOTLOOP_LOG_LEVEL": "verbose"}, "--log-level (HOTLOOP_LOG_LEVEL) must be one of"),
+    (("--request-read-timeout", "nan"), {}, "--request-read-timeout (HOTLOOP_REQUEST_READ_TIMEOUT) must be a positive"),
+    (("--request-read-timeout", "0"), {}, "--request-read-timeout (HOTLOOP_REQUEST_READ_TIMEOUT) must be a positive"),
+    (("--max-connections", "0"), {}, "--max-connections (HOTLOOP_MAX_CONNECTIONS) must be 1 or more"),
+    (("--port", "70000"), {}, "--port must be between 0 and 65535"),
+    (("--workers", "0"), {}, "--workers (HOTLOOP_WORKERS) must be 1 or more"),
+    (("--shutdown-grace", "-5"), {}, "--shutdown-grace must be 0 or more seconds"),
+])
+def test_settings_no_server_can_run_with_stop_start_up(tmp_path, args: tuple[str, ...], env: dict[str, str], says: str) -> None:
+    p = run(HOTLOOP, "serve", "--port", "0", *args, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
+    assert p.returncode == 3 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_what_start_up_meets_is_one_line_and_exit_3(tmp_path, workers: str) -> None:
+    """A missing script, an unusable data dir: one line, exit 3, and workers are not restarted
+    in a loop (the first generation failing stops the server)."""
+    blocked = tmp_path / "blocked"
+    (blocked / "hotloop.sqlite3").mkdir(parents=True)  # the database file is a directory
+    for args, env, says in (
+        (("--sim-script", str(tmp_path / "missing.json")), {"HOTLOOP_DATA_DIR": str(tmp_path / "d")}, "FileNotFoundError"),
+        ((), {"HOTLOOP_DATA_DIR": str(blocked)}, "start-up failed"),
+    ):
+        p = run(HOTLOOP, "serve", "--port", "0", "--workers", workers, *args, env=env)
+        assert p.returncode == 3, (args, p.stderr)
+        assert says in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("started worker") <= int(workers), p.stderr  # no restarts

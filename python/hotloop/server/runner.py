@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import logging.config
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -197,11 +198,21 @@ def _server_class() -> type:
 def serve(config: Config, sock: Any = None) -> int:
     """Run until stopped; the process exit code (0 after a graceful stop, 3 when start-up failed).
     ``sock``: a listening socket to serve instead of binding ``host:port`` (a worker of ``--workers``)."""
+    try:
+        config.check()
+    except ValueError as exc:
+        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
+        return STARTUP_FAILURE
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
+    log = logging.getLogger("hotloop.server")
     try:
         app = make_app(config)
     except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError, StoreUnavailable) as exc:  # a bad setting, key file or store: say what
-        logging.getLogger("hotloop.server").error("start-up failed: %s", exc)
+        log.error("start-up failed: %s", exc)
+        return STARTUP_FAILURE
+    except Exception as exc:  # anything else start-up met (a data dir, a script, a store file): one line, exit 3
+        log.error("start-up failed: %s: %s", type(exc).__name__, exc)
+        log.debug("start-up failure", exc_info=True)
         return STARTUP_FAILURE
     server = _server_class()(uvicorn_config(app, config))
     server.app, server.grace = app, config.shutdown_grace

@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from typing import Any
@@ -204,6 +205,11 @@ def serve_workers(config: Config) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = created  # before prometheus-client is imported
     from hotloop.server.logs import log_config
 
+    try:
+        config.check()
+    except ValueError as exc:
+        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
+        return STARTUP_FAILURE
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         if config.store == "memory":  # each worker would have its own: continuations would fail at random
@@ -214,10 +220,10 @@ def serve_workers(config: Config) -> int:
             port = socks[0].getsockname()[1]
             socks += [_listen(config.host, port) for _ in range(config.workers - 1)]
             _prepare_store(config)
-        except OSError as exc:
-            log.error("start-up failed: %s", exc)
+        except Exception as exc:  # the data dir or the store file (sqlite3.Error): one line, exit 3
+            log.error("start-up failed: %s: %s", type(exc).__name__, exc)
             return STARTUP_FAILURE
-        log.info("serving on http://%s:%d with %d workers", config.host, config.port, config.workers)
+        log.info("serving on http://%s:%d with %d workers", config.host, port, config.workers)
         return Supervisor(config, socks).run()
     finally:
         if created is not None:
