@@ -344,3 +344,25 @@ def test_item_reference_without_previous_response_id(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": unstored.output[0].id}])
     assert ei.value.code == "item_not_found"
+
+
+def test_a_response_past_the_store_ttl_is_gone_from_the_process_too(tmp_path) -> None:
+    """Past HOTLOOP_STORE_TTL_SECONDS a stored response is gone everywhere: the process's cache
+    does not serve it (GET, previous_response_id, item_reference) after the store forgot it."""
+    import time
+
+    from tests.conftest import run_server
+
+    with run_server(tmp_path, "--sim-rate", "0", env={"HOTLOOP_STORE_TTL_SECONDS": "2"}) as s:
+        client = OpenAI(api_key="sk-test", base_url=s.v1, max_retries=0, timeout=30)
+        r = client.responses.create(model="hotloop-sim", input=[{"type": "message", "id": "msg_ttl_1", "role": "user", "content": "x"}])
+        assert client.responses.retrieve(r.id).id == r.id
+        time.sleep(3.1)  # created_at is in whole seconds
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input="y", previous_response_id=r.id)
+        assert ei.value.code == "previous_response_not_found"
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_ttl_1"}])
+        assert ei.value.code == "item_not_found"

@@ -78,7 +78,8 @@ class Engine:
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
         self.responses = ResponseCache(
-            config.response_cache_entries, config.response_cache_items, config.response_cache_bytes
+            config.response_cache_entries, config.response_cache_items, config.response_cache_bytes,
+            config.store_ttl_seconds, lambda: self.clock(),
         )
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)

@@ -28,8 +28,9 @@ item plus a fixed per-item overhead, and the JSON of the Response object.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -289,13 +290,20 @@ class ResponseCache:
     Defaults: 256 entries, 200,000 items, 128 MiB (:func:`entry_nbytes`). An entry with more than
     ``max_items`` items or larger than a quarter of ``max_bytes`` is not cached: it is served
     from the store. Entries of one chain share their item objects and each counts its whole
-    context, so the byte total over-counts what is held (the safe direction).
+    context, so the byte total over-counts what is held (the safe direction). An entry older
+    than ``ttl`` seconds (its ``created_at`` by ``clock``: the store's time to live) is gone,
+    as it is from the store.
     """
 
-    def __init__(self, max_entries: int = 256, max_items: int = 200_000, max_bytes: int = 128 * 1024 * 1024) -> None:
+    def __init__(
+        self, max_entries: int = 256, max_items: int = 200_000, max_bytes: int = 128 * 1024 * 1024,
+        ttl: float = float("inf"), clock: Callable[[], float] = time.time,
+    ) -> None:
         self.max_entries = max_entries
         self.max_items = max_items
         self.max_bytes = max_bytes
+        self.ttl = ttl
+        self.clock = clock
         self._d: OrderedDict[str, CachedResponse] = OrderedDict()
         self._sizes: dict[str, int] = {}
         self._items = 0
@@ -316,6 +324,9 @@ class ResponseCache:
         """The cached response, if ``scope`` (``None``: every owner) may see it."""
         e = self._d.get(response_id)
         if e is None or not e.visible(scope):
+            return None
+        if e.response.get("created_at", 0) + self.ttl <= self.clock():
+            self.evict(response_id)  # expired in the store too
             return None
         self._d.move_to_end(response_id)
         return e
@@ -348,8 +359,9 @@ class ResponseCache:
     def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
         """A server-minted item among the own items of the cached responses ``scope`` may see,
         by id (newest responses first)."""
+        gone = self.clock() - self.ttl
         for entry in reversed(self._d.values()):
-            if entry.visible(scope):
+            if entry.visible(scope) and entry.response.get("created_at", 0) > gone:
                 found = entry.minted_item(item_id)
                 if found is not None:
                     return found
