@@ -189,4 +189,4 @@ def test_a_bad_classifier_spec_fails_start_up(tmp_path: Path) -> None:
         assert "start-up failed" in out and says in out and "Traceback" not in out
     cmd = [sys.executable, "-m", "hotloop", "serve", "--port", str(free_port()), "--store", "memory"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**env, "HOTLOOP_SECRETS": "loud"}, cwd=ROOT)
-    assert proc.returncode == 3 and "secrets policy must be one of" in proc.stdout + proc.stderr
+    assert proc.returncode == 3 and "--secrets (HOTLOOP_SECRETS) must be one of off, flag, redact, block" in proc.stdout + proc.stderr
