@@ -366,3 +366,9 @@ def test_a_response_past_the_store_ttl_is_gone_from_the_process_too(tmp_path) ->
         with pytest.raises(openai.BadRequestError) as ei:
             client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_ttl_1"}])
         assert ei.value.code == "item_not_found"
+
+
+def test_compaction_is_refused_plainly(client: OpenAI, server) -> None:
+    r = httpx.post(f"{server.v1}/responses/compact", json={"model": "hotloop-sim", "input": "x"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "Compaction" in r.json()["error"]["message"] and "not supported" in r.json()["error"]["message"]

@@ -161,6 +161,14 @@ class HttpTransport:
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
             return await self._input_tokens(_receiver(scope, receive), respond, tenant)
+        if path == "/v1/responses/compact":
+            # OpenAI's standalone compaction answers with an encrypted window of the conversation
+            # that only its own models read; a chat backend has no such form. Said plainly, not
+            # as a 405 for a response whose id is "compact".
+            raise errors.NotFound(
+                "Compaction (POST /v1/responses/compact) is not supported by this server. Compact "
+                "on the client (Codex does so for a model provider other than its built-in 'openai')."
+            )
         if path.startswith("/v1/responses/"):
             rest = path[len("/v1/responses/") :].split("/")
             rid_ = rest[0]
