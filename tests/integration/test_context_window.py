@@ -73,6 +73,12 @@ def test_http_window_check_and_truncation(tmp_path: Path) -> None:
         body = auto.json()
         assert body["truncation"] == "auto" and body["status"] == "completed"
         assert body["usage"]["input_tokens"] <= WINDOW
+        # input_tokens counts what the response is given: after truncation with "auto", the
+        # whole input (over the window) with "disabled"
+        counted = httpx.post(f"{s.v1}/responses/input_tokens", timeout=10, json={"model": MODEL, "input": msgs(8), "truncation": "auto"})
+        assert counted.json()["input_tokens"] == body["usage"]["input_tokens"]
+        whole = httpx.post(f"{s.v1}/responses/input_tokens", timeout=10, json={"model": MODEL, "input": msgs(8)})
+        assert whole.status_code == 200 and whole.json()["input_tokens"] > WINDOW
         listed = httpx.get(f"{s.v1}/responses/{body['id']}/input_items", params={"order": "asc"}, timeout=10).json()
         assert len(listed["data"]) == 8 - dropped
         assert text_of(listed["data"][-1]).startswith("7: ")

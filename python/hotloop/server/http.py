@@ -437,6 +437,10 @@ class HttpTransport:
         parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
         stored = await self.app.engine.stored_items(p, parent, scope)
         plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens.view(tenant.id), defer=True, stored=stored)
+        if req.truncation == "auto":
+            # what the response would be given: its input after truncation (with "disabled" an
+            # input over the window is still counted, whole: the count is how a client finds out)
+            await self.app.engine.fit_window(plan, req, tenant)
         n = await self.app.engine.count_input(plan)
         await respond(200, encode({"object": ev.INPUT_TOKENS_OBJECT, "input_tokens": n}))
 
