@@ -108,3 +108,14 @@ def test_what_start_up_meets_is_one_line_and_exit_3(tmp_path, workers: str) -> N
         assert p.returncode == 3, (args, p.stderr)
         assert says in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert p.stderr.count("started worker") <= int(workers), p.stderr  # no restarts
+
+
+def test_keys_and_usage_say_in_one_line_when_they_cannot_open_the_store(tmp_path) -> None:
+    (tmp_path / "blocked" / "hotloop.sqlite3").mkdir(parents=True)
+    for args in (
+        ("keys", "list", "--data-dir", str(tmp_path / "blocked")),
+        ("usage", "--data-dir", str(tmp_path / "blocked")),
+        ("keys", "list", "--store", "redis", "--redis-url", "notaurl"),
+    ):
+        p = run(HOTLOOP, *args)
+        assert p.returncode == 1 and "cannot open the store" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

@@ -9,6 +9,7 @@ stdout (shown once); everything else a command says goes to stderr, except the t
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 import time
 from datetime import date
@@ -128,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
         why = exc.message if isinstance(exc, RedisVersionError) else f"the store at {config.redis_url} is unreachable"
         print(f"hotloop {args.command}: {why}", file=sys.stderr)
+        return 1
+    except (OSError, sqlite3.Error, ValueError) as exc:  # a data dir or database it cannot use, a malformed --redis-url
+        print(f"hotloop {args.command}: cannot open the store: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 
