@@ -161,6 +161,31 @@ def test_one_keys_limits_and_revocation_hold_across_replicas(redis: Redis, tmp_p
         poll(lambda: create(a, {"input": "hi", "store": False}, auth(other)).status_code == 401, "A to refuse the key")
 
 
+def test_a_key_table_emptied_under_running_replicas_does_not_open_them(redis: Redis, tmp_path: Path) -> None:
+    """A Redis restarted empty (here FLUSHDB) reads like a store that never had a key; a replica
+    that has seen keys stays closed: the lost keys are refused and anonymous callers too."""
+    import redis as redis_py
+
+    url = redis.url[:-1] + "6"
+    with replica(tmp_path, url) as a:
+        anonymous = create(a, {"input": "hi", "store": False})
+        assert anonymous.status_code == 200  # open: no key yet
+        secret = keys(url, "create", "team")
+        assert create(a, {"input": "hi", "store": False}, auth(secret)).status_code == 200
+        poll(lambda: create(a, {"input": "hi", "store": False}).status_code == 401, "A to close")
+        redis_py.Redis.from_url(url).flushdb()
+        poll(lambda: create(a, {"input": "hi", "store": False}, auth(secret)).status_code == 401, "A to drop the key")
+        time.sleep(2 * 1.0)  # two more key-table reads: nothing reopens it
+        for headers in (None, auth("hl-made-up"), auth("anything")):
+            r = create(a, {"input": "hi", "store": False}, headers)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert "the key table went back" in a.logs()
+        # a key created on the emptied store works at once
+        fresh = keys(url, "create", "again")
+        assert create(a, {"input": "hi", "store": False}, auth(fresh)).status_code == 200
+
+
 def test_redis_stopped_and_restarted_mid_run(tmp_path: Path) -> None:
     redis = Redis(tmp_path, persist=True)  # an append-only file, so a restart keeps what was written
     redis.start()

@@ -13,6 +13,10 @@ Callers are :class:`Tenant` objects:
   (operations); it has no limits;
 * in open mode (no admin key and no key ever created), every caller is the one ``anonymous``
   tenant, whatever it sends. Rows stored before owners were recorded belong to ``anonymous``.
+  Open mode is decided when the process starts and can only end: once this process has seen a
+  key, it stays closed even if the key table later reads as never used (a Redis restarted
+  empty, a ``FLUSHDB``, a replaced database file). The keys it loses are then refused (401) and
+  the log says why; a new process started on the empty store is open again, with its warning.
 
 Keys are cached in memory by the SHA-256 of their secret. The key table is re-read when an
 unknown secret arrives (one query, shared by concurrent misses) and checked for changes every
@@ -106,6 +110,7 @@ class Tenancy:
         self._by_hash: dict[bytes, Tenant] = {}
         self._active: set[str] = set()  # ids of keys that are not revoked
         self._version: tuple[int, int, int] | None = None
+        self._closed = False  # latched once a key was seen: never back to open mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-keys")
         self._refreshing: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -116,7 +121,7 @@ class Tenancy:
     @property
     def open(self) -> bool:
         """No admin key and no key ever created: every caller is ``anonymous``."""
-        return self._admin_hash is None and (self._version is None or self._version[0] == 0)
+        return self._admin_hash is None and not self._closed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -162,7 +167,15 @@ class Tenancy:
                 by_hash[r.hash] = Tenant(r.id, r.name, r.limits, r.hash)
         self._by_hash = by_hash
         self._active = {t.id for t in by_hash.values()}
-        self._version = version
+        old, self._version = self._version, version
+        if old is not None and version[0] < old[0]:
+            log.warning(
+                "the key table went back (%d keys ever created, was %d): the store was emptied or replaced; "
+                "keys it no longer holds are refused%s",
+                version[0], old[0], "" if self._admin_hash is not None or not self._closed else ", and the server stays closed",
+            )
+        if version[0] > 0:
+            self._closed = True
 
     def _read(self, known: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], list[KeyRecord] | None]:
         version = self.keys.version()
