@@ -101,6 +101,8 @@ FN = {"type": "function", "name": "f"}
         ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "missing_required_parameter"),
         ({"model": "m", "input": "x", "background": True}, "background", "unsupported_parameter"),
         ({"model": "m", "input": "x", "stream_id": ""}, "stream_id", "invalid_stream_id"),
+        ({"model": "m", "input": "x", "stream_id": "lane\n"}, "stream_id", "invalid_stream_id"),
+        ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f\n"}]}, "tools[0].name", "invalid_value"),
         # absent (or null) is missing; present with another type is a type error
         ({"model": "m", "input": "x", "tools": [{"type": 5}]}, "tools[0].type", "invalid_type"),
         ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "missing_required_parameter"),

@@ -101,7 +101,7 @@ def test_a_refused_create_behind_a_busy_lane_is_refused_and_never_run(decoder: o
 
 
 @pytest.mark.parametrize("decoder", [None, _fast])
-@pytest.mark.parametrize("bad", ["", "bad 17", "x" * 257, "\u00e9t\u00e9", "y" * 100_000])
+@pytest.mark.parametrize("bad", ["", "bad 17", "lane\n", "x" * 257, "\u00e9t\u00e9", "y" * 100_000])
 def test_an_invalid_stream_id_names_no_lane(decoder: object, bad: str) -> None:
     """No lane state is made for an invalid ``stream_id``, and the id is not echoed: the error
     is the default lane's (after its running response), as in the guide's example."""
@@ -319,6 +319,37 @@ def test_steer_on_a_tool_call_turn_is_pending_then_prepended() -> None:
     ]
 
 
+def test_pending_input_comes_back_when_its_continuation_is_refused() -> None:
+    """The explicit continuation after ``pending`` refused before it became a response (a
+    malformed field): the refusal, then the queued input back; a corrected retry is ordinary."""
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
+    [p] = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
+    assert p.kind == "response.steer.pending"
+    err, back = sess.receive(create("s", previous_response_id="resp_1", temperature="hot"), 3)
+    assert isinstance(err, SendError) and err.error.param == "temperature" and err.stream_id == "s"
+    assert isinstance(back, SteerEvent) and back.kind == "response.steer.failed"
+    assert (back.code, back.steer_id, back.input, back.stream_id) == ("successor_creation_failed", acc.steer_id, "one", "s")
+    [retry] = sess.receive(create("s", previous_response_id="resp_1", input=[]), 3)
+    assert isinstance(retry, RunCreate) and retry.steers == []
+
+
+
+def test_a_refused_create_naming_another_response_leaves_pending_input_queued() -> None:
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    sess.lane_done("s", Ended("resp_1", "completed", [{"type": "function_call_output", "call_id": "c", "name": "f"}]), run)
+    [err] = sess.receive(create("s", previous_response_id="resp_0", temperature="hot"), 3)
+    assert isinstance(err, SendError)
+    [err] = sess.receive(create("t", previous_response_id="resp_1", temperature="hot"), 3)  # another lane
+    assert isinstance(err, SendError)
+    [cont] = sess.receive(create("s", previous_response_id="resp_1", input=[]), 3)
+    assert isinstance(cont, RunCreate) and [x.id for x in cont.steers] == [acc.steer_id]
+
+
 def test_pending_input_comes_back_when_the_lane_moves_on() -> None:
     sess = s()
     run = running(sess)
@@ -393,6 +424,9 @@ def test_steer_failure_codes() -> None:
         {"previous_response_id": "resp_1", "input": [{"role": "user", "content": []}]},
         {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
         {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        # parts response.create would refuse: refused before they cut the running response
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}]},
+        {"previous_response_id": "resp_1", "input": [{"role": "user", "content": [{"type": "input_file", "file_data": []}]}]},
     ],
 )
 def test_steer_invalid_input(frame: dict) -> None:

@@ -227,8 +227,8 @@ METADATA_MAX_KEY_LEN = 64
 METADATA_MAX_VALUE_LEN = 512
 MAX_INPUT_ITEMS = 10_000
 MAX_TOOLS = 512
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")  # \Z: "$" would accept a final newline
+STREAM_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,256}\Z")
 
 
 def invalid_stream_id() -> errors.InvalidValue:

@@ -25,7 +25,8 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
 * Only ``type``, ``previous_response_id`` and ``input`` are accepted; ``input`` is a non-empty
   string or a non-empty list of ``user`` messages (``type`` optional and ``message``; only
   ``type``, ``role``, ``content``; content a string or ``input_text``/``input_image``/
-  ``input_file`` parts). Anything else: ``response.steer.failed`` with ``invalid_input``.
+  ``input_file`` parts, each as ``response.create`` validates it). Anything else:
+  ``response.steer.failed`` with ``invalid_input``, and the target response is not stopped.
 * The target must be this connection's response. Running: accepted (``steer_…`` id) at once and
   the response is asked to stop at a safe output boundary (the transport's run decides where:
   never inside a function call's arguments, and never once the response emitted a function
@@ -46,8 +47,8 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
   one ``function_call_output`` stub per call) for each submission, and the input stays queued for
   the lane. The next ``response.create`` on that lane naming that response as
   ``previous_response_id`` gets it prepended to its input, in submission order, and keeps its own
-  settings; if that request fails before ``response.created``, the input comes back as
-  ``successor_creation_failed``. If the lane moves on instead (its next response names another
+  settings; if that request fails before ``response.created`` (refused on arrival too), the input
+  comes back as ``successor_creation_failed``. If the lane moves on instead (its next response names another
   parent or none), the queued input comes back in ``response.steer.failed`` with
   ``response_not_active``.
 * Steering events carry the target response's ``sequence_number`` numbering (the transport takes
@@ -65,7 +66,7 @@ import msgspec
 from hotloop import errors
 from hotloop.protocol import events as ev
 from hotloop.protocol.objects import IdGen
-from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, invalid_stream_id, shown
+from hotloop.protocol.request import STREAM_ID_RE, CreateRequest, convert_body, decode_item, invalid_stream_id, shown
 
 Lane = Union[str, None]
 
@@ -291,7 +292,7 @@ class Session:
                 req, decoded = got
                 refused = self._admit(req.stream_id, now)
                 if refused is not None:  # [] too: refused, its error queued behind its lane
-                    return refused
+                    return refused + self._unpend(req.stream_id, req.previous_response_id)
                 return self._accept(req, len(data), decoded)
         try:
             frame = _decode(data)
@@ -318,15 +319,29 @@ class Session:
                 ),
                 stream_id,
             )
+        prev = frame.get("previous_response_id")
+        prev = prev if isinstance(prev, str) else None
         refused = self._admit(stream_id, now)
         if refused is not None:
-            return refused
+            return refused + self._unpend(stream_id, prev)
         try:
             req = convert_body(frame)
         except errors.HotloopError as exc:
-            prev = frame.get("previous_response_id")
-            return self._error(exc, stream_id, prev if isinstance(prev, str) else None)
+            return self._error(exc, stream_id, prev) + self._unpend(stream_id, prev)
         return self._accept(req, len(data), None)
+
+    def _unpend(self, stream_id: str | None, prev: str | None) -> list[Action]:
+        """A ``response.create`` continuing the lane's pending response (the one its queued
+        steering input waits for) was refused before it became a response: the input comes back
+        (``successor_creation_failed``) after the refusal, as when the request fails later."""
+        st = self._lanes.get(stream_id)
+        if st is None or prev is None or st.pending_parent != prev or st.running or st.queue:
+            return []
+        pending, st.pending_parent, st.pending = st.pending, None, []
+        return [
+            _failed(s, "successor_creation_failed", "The request that was to commit this input was refused.", stream_id)
+            for s in pending
+        ]
 
     def _admit(self, stream_id: str | None, now: float) -> list[Action] | None:
         """What refuses one more response on lane ``stream_id`` now (``None``: nothing)."""
@@ -615,5 +630,12 @@ def steer_items(raw: Any) -> list[dict[str, Any]]:
                     raise ValueError(f"Invalid '{where}.content[{j}].text': expected a string.")
         else:
             raise ValueError(f"Invalid '{where}.content': expected a string or a non-empty array of parts.")
-        out.append({"type": "message", "role": "user", "content": content})
+        msg = {"type": "message", "role": "user", "content": content}
+        try:
+            # the item validation of response.create: a steer that would fail its successor's
+            # creation is refused here, before it cuts the running response
+            decode_item(msg, i)
+        except errors.HotloopError as exc:
+            raise ValueError(exc.message) from None
+        out.append(msg)
     return out
