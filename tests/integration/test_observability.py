@@ -101,6 +101,39 @@ def test_a_backend_failure_is_counted_once(observed: Server) -> None:
     assert backend_errors() == before + 1
 
 
+def test_a_response_its_client_left_is_counted(observed: Server) -> None:
+    """A response cut short (its client hung up) counts as ``disconnected``, with the tokens it
+    is charged (its input and the output streamed so far)."""
+
+    def cut() -> dict[str, float]:
+        m = samples(observed)
+        out = {s.labels["transport"]: s.value for s in m["hotloop_responses_total"] if s.labels["status"] == "disconnected"}
+        out["tokens"] = sum(s.value for s in m["hotloop_tokens_total"] if s.labels["kind"] == "output")
+        return out
+
+    before = cut()
+    body = {"model": "hotloop-sim", "input": "x", "metadata": {"sim": "text,tokens:900,rate:400"}}
+    with httpx.stream("POST", observed.v1 + "/responses", json={**body, "stream": True}, headers=AUTH, timeout=10) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += '"response.output_text.delta"' in line
+            if seen >= 50:
+                break
+    with ws_connect(observed.ws + "/responses", additional_headers=AUTH, open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "response.create", **body}))
+        seen = 0
+        while seen < 50:
+            seen += json.loads(ws.recv(timeout=10))["type"] == "response.output_text.delta"
+    deadline = time.monotonic() + 10
+    while True:
+        after = cut()
+        if after.get("sse", 0) >= before.get("sse", 0) + 1 and after.get("ws", 0) >= before.get("ws", 0) + 1:
+            break
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.05)
+    assert 100 <= after["tokens"] - before["tokens"] < 1800  # what was streamed, not the whole answers
+
+
 def test_metrics_need_a_key(observed: Server) -> None:
     assert httpx.get(observed.base + "/metrics", timeout=5).status_code == 401
     bad = httpx.get(observed.base + "/metrics", headers={"authorization": "Bearer sk-wrong"}, timeout=5)

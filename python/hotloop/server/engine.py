@@ -135,6 +135,10 @@ class Engine:
         self.turn_stats.append(
             (run.turn.transport, (now - mark) * 1e6, (run.started_cpu - mark) * 1e6, run.turn.events, len(run.plan.items))
         )
+        self.observe(run)
+
+    def observe(self, run: "Run") -> None:
+        """Tell the observers (metrics) about a response that ended, or was cut short."""
         for observe in self.observers:
             observe(run)
 
@@ -911,7 +915,9 @@ class Run:
                 # The backend worked for it (a Run exists once its first chunk came): a response
                 # cut short or failed is charged what it used, in the ledger as in its key's TPM
                 # budget (complete() records the others, with the response)
-                engine.persistence.charge(usage_record({**turn.response, "usage": self._spent()}, self.tenant.name))
+                engine.persistence.charge(usage_record({**turn.response, "usage": self.spent()}, self.tenant.name))
+            if not turn.done:
+                engine.observe(self)  # the transports observe the others, after their last write
             # Once the terminal event exists the response is real: its caching and storage come
             # before anything that may suspend (closing the backend stream), and never suspend
             # themselves in a way a leaving client's cancellation could interrupt (see
@@ -928,9 +934,9 @@ class Run:
         """Free the concurrency slot and correct the token reservation to the real usage."""
         grant = self.grant
         if grant is not None and not grant.done:
-            grant.finish(int(self._spent()["total_tokens"]))
+            grant.finish(int(self.spent()["total_tokens"]))
 
-    def _spent(self) -> dict[str, Any]:
+    def spent(self) -> dict[str, Any]:
         """What this response used: its usage; without one (cut short, or failed before any
         output) its input and the output streamed so far (the input estimated while uncounted)."""
         turn = self.turn

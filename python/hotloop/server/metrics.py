@@ -129,10 +129,10 @@ class Metrics:
             buckets[6][bisect_left(_LATENCY_BUCKETS, d)] += 1
             sums[6] += d
         response = run.turn.response
-        status = response["status"]
+        status = response["status"] if run.turn.done else DISCONNECTED
         st = s.statuses
         st[status] = st.get(status, 0) + 1
-        usage = response.get("usage")
+        usage = response.get("usage") if run.turn.done else run.spent()  # cut short: what it is charged
         if usage:
             out = usage["output_tokens"]
             tokens = s.tokens
@@ -156,9 +156,9 @@ class Metrics:
         for name, prev, t in zip(STAGES, m, ends):
             self.mp_stage.labels(name, *key).observe(t - prev)
         response = run.turn.response
-        status = str(response["status"])
+        status = str(response["status"]) if run.turn.done else DISCONNECTED
         self.mp_responses.labels(status, *key).inc()
-        usage = response.get("usage")
+        usage = response.get("usage") if run.turn.done else run.spent()  # cut short: what it is charged
         if usage:
             out = int(usage["output_tokens"])
             self.mp_tokens.labels("input", *key).inc(int(usage["input_tokens"]))
@@ -184,7 +184,8 @@ class Metrics:
 
 
 _STAGE_HELP = "Time spent in each stage of a response."
-_RESPONSES_HELP = "Responses by final status."
+DISCONNECTED = "disconnected"  # the status label of a response cut short: its client left before its end
+_RESPONSES_HELP = "Responses by final status (disconnected: cut short, its client left)."
 _TOKENS_HELP = "Tokens by kind (input, output, cached)."
 _RATE_HELP = "Output tokens per second of generation, per response."
 
