@@ -166,6 +166,13 @@ def test_upper_bound_of_a_deferred_plan() -> None:
     assert bound >= exact
 
 
+def test_upper_bound_of_many_short_items_counts_their_overhead() -> None:
+    body = {"model": "m", "input": [{"role": "user", "content": "a"} for _ in range(300)]}
+    plan = plan_for(body, defer=True)
+    assert not plan.settled
+    assert window.upper_bound(plan) >= plan_for(body).input_tokens  # 4 tokens an item, 1 byte of text
+
+
 # -- truncation --------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hotloop import errors
+from hotloop import errors, tokenizer
 from hotloop.models import ModelLimits
 from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, Message
 from hotloop.state.context import Context
@@ -70,6 +70,7 @@ def upper_bound(plan: "Plan") -> int:
     texts, blobs = plan.pending_texts()
     pending = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     pending += sum(len(t.encode("utf-8", "surrogatepass")) for t in blobs)
+    pending += (len(texts) + len(blobs)) * tokenizer.TOKENS_PER_ITEM  # each item's overhead (count_texts)
     return plan.input_estimate() + pending  # the estimate's own share of pending text over-counts: safe
 
 
