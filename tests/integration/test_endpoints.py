@@ -204,8 +204,9 @@ def test_input_items_list_messages_in_their_item_form(tmp_path) -> None:
 
 
 def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:
-    """An id sent twice, or an item of the previous response sent again with its id, is
-    OpenAI's 400 "Duplicate item found"; a reference to an item of the chain is not a duplicate."""
+    """An id sent twice (also as two references to one item), or an item of the previous
+    response sent again with its id, is OpenAI's 400 "Duplicate item found": input_items pages
+    by id (a duplicate made its pager loop forever)."""
     dup = {"type": "message", "id": "msg_dup1", "role": "user", "content": "a"}
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model="hotloop-sim", input=[dup, {**dup, "content": "b"}])  # type: ignore[list-item]
@@ -214,17 +215,20 @@ def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> No
     r1 = client.responses.create(model="hotloop-sim", input=[dup])  # type: ignore[list-item]
     out = r1.output[0]
     again = {"type": "message", "id": out.id, "role": "assistant", "content": r1.output_text}
+    ref = {"type": "item_reference", "id": out.id}
     for resent in ([again, {"role": "user", "content": "next"}], [{"role": "user", "content": "next"}, dup]):
         with pytest.raises(openai.BadRequestError) as ei:
             client.responses.create(model="hotloop-sim", previous_response_id=r1.id, input=resent)  # type: ignore[arg-type]
         assert ei.value.param == "input" and "Duplicate item found" in ei.value.message
-    # nothing changed: the chain continues, and its items are listed once each
-    r2 = client.responses.create(
-        model="hotloop-sim", previous_response_id=r1.id,
-        input=[{"type": "item_reference", "id": "msg_dup1"}, {"role": "user", "content": "next"}],
-    )
-    ids = [i.id for i in client.responses.input_items.list(r2.id, order="asc", limit=100).data]
-    assert ids[:2] == ["msg_dup1", out.id] and len(ids) == 4 and ids[2] == "msg_dup1"
+    with pytest.raises(openai.BadRequestError) as ei:  # the same item referenced twice
+        client.responses.create(model="hotloop-sim", input=[ref, ref, {"role": "user", "content": "next"}])  # type: ignore[list-item]
+    assert "Duplicate item found" in ei.value.message
+    # nothing changed: the chain continues, and its items are listed once each, to the pager's end
+    r2 = client.responses.create(model="hotloop-sim", previous_response_id=r1.id, input=[{"role": "user", "content": "next"}])
+    ids = [i.id for i in client.responses.input_items.list(r2.id, order="asc", limit=1)]
+    assert ids[:2] == ["msg_dup1", out.id] and len(ids) == 3 == len(set(ids))
+    r3 = client.responses.create(model="hotloop-sim", input=[ref, {"role": "user", "content": "again"}])  # type: ignore[list-item]
+    assert [i.id for i in client.responses.input_items.list(r3.id, order="asc").data][0] == out.id
 
 
 def test_items_of_every_type_get_ids_and_page(client: OpenAI) -> None:
@@ -372,3 +376,18 @@ def test_compaction_is_refused_plainly(client: OpenAI, server) -> None:
     r = httpx.post(f"{server.v1}/responses/compact", json={"model": "hotloop-sim", "input": "x"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     assert "Compaction" in r.json()["error"]["message"] and "not supported" in r.json()["error"]["message"]
+
+
+def test_a_response_pruned_from_the_store_but_cached_can_be_deleted(tmp_path) -> None:
+    """The store prunes past its count bound while the process's cache may still answer for the
+    response: DELETE deletes it (not a 404 beside a GET that answers 200)."""
+    from tests.conftest import run_server
+
+    with run_server(tmp_path, "--store", "memory", "--sim-rate", "0", env={"HOTLOOP_STORE_MAX_RESPONSES": "3"}) as s:
+        ids = [httpx.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": f"n{i}"}, timeout=10).json()["id"]
+               for i in range(6)]
+        first = ids[0]
+        if httpx.get(f"{s.v1}/responses/{first}", timeout=10).status_code == 200:  # cached, though pruned
+            assert httpx.delete(f"{s.v1}/responses/{first}", timeout=10).status_code == 200
+        assert httpx.get(f"{s.v1}/responses/{first}", timeout=10).status_code == 404
+        assert httpx.delete(f"{s.v1}/responses/{first}", timeout=10).status_code == 404

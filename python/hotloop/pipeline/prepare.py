@@ -269,10 +269,11 @@ def prepare(
                 )
         given = item_id_of(item)
         if given is not None:
-            if not referenced and (given in supplied or (base is not None and base.position(given) is not None)):
+            if given in supplied or (not referenced and base is not None and base.position(given) is not None):
                 # OpenAI's answer to an id sent twice, or to an item of the previous response sent
                 # again with previous_response_id: input_items pages by id, and a chain holds
-                # each item once (a reference names an item, and may name one in the chain)
+                # each item once (a reference names an item, and may name one in the chain, but
+                # not one this input already holds: input_items paged such a duplicate forever)
                 raise errors.InvalidRequest(
                     f"Duplicate item found with id {errors.clip(given)}. Remove duplicate items from "
                     "your input and try again.",

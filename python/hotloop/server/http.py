@@ -380,7 +380,10 @@ class HttpTransport:
         await respond(200, encode(response))
 
     async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
-        if not await self.app.persistence.delete(response_id, scope):
+        # a response the store already pruned may still be cached here: it answered GET, so it
+        # is deleted too (evicted), not a 404
+        cached = self.app.engine.responses.get(response_id, scope) is not None
+        if not await self.app.persistence.delete(response_id, scope) and not cached:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         self.app.engine.responses.evict(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
