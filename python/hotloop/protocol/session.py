@@ -48,8 +48,8 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
   the lane. The next ``response.create`` on that lane naming that response as
   ``previous_response_id`` gets it prepended to its input, in submission order, and keeps its own
   settings; if that request fails before ``response.created`` (refused on arrival too), the input
-  comes back as ``successor_creation_failed``. If the lane moves on instead (its next response names another
-  parent or none), the queued input comes back in ``response.steer.failed`` with
+  comes back as ``successor_creation_failed``. If the lane moves on instead (its next response
+  names another parent or none), the queued input comes back in ``response.steer.failed`` with
   ``response_not_active``.
 * Steering events carry the target response's ``sequence_number`` numbering (the transport takes
   the next number of that response's stream; ``0`` when no response is involved) and its lane's

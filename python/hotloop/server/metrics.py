@@ -128,11 +128,9 @@ class Metrics:
             d = run.ended - m[6]
             buckets[6][bisect_left(_LATENCY_BUCKETS, d)] += 1
             sums[6] += d
-        response = run.turn.response
-        status = response["status"] if run.turn.done else DISCONNECTED
+        status, usage = _outcome(run)
         st = s.statuses
         st[status] = st.get(status, 0) + 1
-        usage = response.get("usage") if run.turn.done else run.spent()  # cut short: what it is charged
         if usage:
             out = usage["output_tokens"]
             tokens = s.tokens
@@ -155,10 +153,8 @@ class Metrics:
         ends = m[1:7] + ([run.ended] if len(m) == 7 and run.ended else [])
         for name, prev, t in zip(STAGES, m, ends):
             self.mp_stage.labels(name, *key).observe(t - prev)
-        response = run.turn.response
-        status = str(response["status"]) if run.turn.done else DISCONNECTED
+        status, usage = _outcome(run)
         self.mp_responses.labels(status, *key).inc()
-        usage = response.get("usage") if run.turn.done else run.spent()  # cut short: what it is charged
         if usage:
             out = int(usage["output_tokens"])
             self.mp_tokens.labels("input", *key).inc(int(usage["input_tokens"]))
@@ -181,6 +177,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.scrape_registry)
+
+
+def _outcome(run: "Run") -> tuple[str, dict[str, Any] | None]:
+    """A response's status label and usage; one cut short (its client left) is ``disconnected``
+    with what it is charged."""
+    turn = run.turn
+    if turn.done:
+        return str(turn.response["status"]), turn.response.get("usage")
+    return DISCONNECTED, run.spent()
 
 
 _STAGE_HELP = "Time spent in each stage of a response."

@@ -172,7 +172,7 @@ class Tenancy:
             log.warning(
                 "the key table went back (%d keys ever created, was %d): the store was emptied or replaced; "
                 "keys it no longer holds are refused%s",
-                version[0], old[0], "" if self._admin_hash is not None or not self._closed else ", and the server stays closed",
+                version[0], old[0], "" if self._admin_hash is not None else ", and the server stays closed",
             )
         if version[0] > 0:
             self._closed = True
