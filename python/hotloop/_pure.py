@@ -696,6 +696,22 @@ def shannon_entropy(s: str) -> float:
 _KIND_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 
+#: Letters that end a two-character escape (``\\n``, ``\\t``...) in JSON or C-like text.
+_ESCAPE_LETTERS = frozenset("bfnrt")
+
+
+def _escaped(text: str, i: int) -> bool:
+    """Whether ``text[i]`` is the letter of an escape: one of ``bfnrt`` after an odd run of
+    backslashes. A token right after ``\\n`` in JSON-encoded text (a tool output holding JSON)
+    then starts at a boundary, as it would after the newline the escape stands for."""
+    if text[i] not in _ESCAPE_LETTERS:
+        return False
+    run = 0
+    while i - run > 0 and text[i - run - 1] == "\\":
+        run += 1
+    return run % 2 == 1
+
+
 class SecretScanner:
     """Finds well-known credential formats in text; see ``hotloop._native.SecretScanner``."""
 
@@ -757,7 +773,7 @@ class SecretScanner:
             s, e = m.span(group or 0)
             if s == e:  # also a `secret` group that did not take part (-1, -1)
                 continue
-            if edge and ((s > 0 and text[s - 1] in edge) or (e < n and text[e] in edge)):
+            if edge and ((s > 0 and text[s - 1] in edge and not _escaped(text, s - 1)) or (e < n and text[e] in edge)):
                 continue
             if min_entropy > 0.0 and shannon_entropy(text[s:e]) < min_entropy:
                 continue

@@ -320,6 +320,8 @@ def _secret_texts() -> list[str]:
     texts.append("\n".join(singles))
     texts.append("".join(singles))  # glued: edges and overlaps between neighbours
     texts.append("\U0001f600".join(singles))
+    texts.append("\\n".join(singles))  # JSON-encoded newlines: escape letters as boundaries
+    texts.append("\\\\n".join(singles))  # an escaped backslash, then a plain letter
     return texts
 
 

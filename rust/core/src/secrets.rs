@@ -257,7 +257,7 @@ impl SecretScanner {
                 continue;
             }
             let touches = |i: usize| bytes[i] < 128 && kind.edge[usize::from(bytes[i])];
-            if (s > 0 && touches(s - 1)) || (e < bytes.len() && touches(e)) {
+            if (s > 0 && touches(s - 1) && !escaped(bytes, s - 1)) || (e < bytes.len() && touches(e)) {
                 continue;
             }
             if kind.min_entropy > 0.0 && entropy_wtf8(&original[s..e]) < kind.min_entropy {
@@ -268,6 +268,17 @@ impl SecretScanner {
         }
         c.pos = text.len() + 1;
     }
+}
+
+/// Whether `bytes[i]` is the letter of an escape: one of `bfnrt` after an odd run of
+/// backslashes. A token right after `\n` in JSON-encoded text (a tool output holding JSON) then
+/// starts at a boundary, as it would after the newline the escape stands for.
+fn escaped(bytes: &[u8], i: usize) -> bool {
+    if !matches!(bytes[i], b'b' | b'f' | b'n' | b'r' | b't') {
+        return false;
+    }
+    let run = bytes[..i].iter().rev().take_while(|&&b| b == b'\\').count();
+    run % 2 == 1
 }
 
 struct Cursor {
@@ -451,6 +462,17 @@ mod tests {
         // long_tok is glued to a digit: rejected; short_tok has no edge check
         assert_eq!(scan("tok_abcd9"), vec![("short_tok", 0, 8)]);
         assert_eq!(scan("9tok_abcd"), vec![("short_tok", 1, 9)]);
+    }
+
+    #[test]
+    fn an_escape_letter_is_a_boundary() {
+        // `\n` then the token: the escape's letter does not glue it to a longer word
+        assert_eq!(scan("a\\ntok_abcd b"), vec![("long_tok", 3, 11)]);
+        assert_eq!(scan("\\ttok_abcd"), vec![("long_tok", 2, 10)]);
+        // an escaped backslash then a plain `n`: glued (only short_tok, which has no edge check)
+        assert_eq!(scan("\\\\ntok_abcd"), vec![("short_tok", 3, 11)]);
+        // a letter that ends no escape stays glued
+        assert_eq!(scan("\\xtok_abcd"), vec![("short_tok", 2, 10)]);
     }
 
     #[test]
