@@ -115,6 +115,73 @@ def test_redact_sends_redacted_text_to_a_chat_backend(tmp_path: Path) -> None:
     assert mock.requests[1].json["messages"][-1]["content"] == "again [REDACTED:github_token]"
 
 
+def settings_body(model: str) -> dict[str, Any]:
+    """A request whose secrets sit outside its input: in the instructions, a function tool's
+    description and parameter schema, the output format's schema, and nested in a shell call."""
+    return {
+        "model": model,
+        "instructions": f"You deploy with {GH} when asked.",
+        "tools": [
+            {"type": "function", "name": "read", "description": f"Reads a file (auth {JWT}).",
+             "parameters": {"type": "object", "properties": {
+                 "path": {"type": "string", "description": f"relative; token {GH}"}}}},
+        ],
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "description": f"use {GH}"}}}}},
+        "input": [
+            {"type": "message", "role": "user", "content": "go"},
+            {"type": "local_shell_call", "id": "lsh_1", "call_id": "c7", "status": "completed",
+             "action": {"type": "exec", "command": ["bash", "-lc", f"export T={GH}"], "env": {}}},
+            {"type": "local_shell_call_output", "call_id": "c7", "output": "done"},
+        ],
+    }
+
+
+def test_instructions_tools_format_and_nested_items_are_scanned(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with MockChatServer() as mock:
+        args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model")
+        with run_server(tmp_path, *args, "--secrets", "redact", env={"HOTLOOP_DATA_DIR": str(data)}) as s:
+            mock.push(Reply.stream(text_events('{"a": "ok"}')))
+            r = create(s, **settings_body("mock-model"))
+            assert r.status_code == 200, r.text
+            echoed = r.json()
+            stored = httpx.get(f"{s.v1}/responses/{echoed['id']}", timeout=10).json()
+            items = httpx.get(f"{s.v1}/responses/{echoed['id']}/input_items", params={"order": "asc"}, timeout=10).json()["data"]
+            [row] = usage_rows(s, "mock-model")
+            logs = s.logs()
+        with run_server(tmp_path, *args, "--secrets", "block", "--store", "memory") as s:
+            blocked = create(s, **settings_body("mock-model"))
+            body = settings_body("mock-model")
+            del body["instructions"]
+            blocked_tool = create(s, **body)
+            body["tools"] = []
+            blocked_format = create(s, **body)
+            del body["text"]
+            blocked_item = create(s, **body)
+        assert len(mock.requests) == 1  # nothing blocked reached the backend
+        sent = mock.requests[0].body
+    assert GH.encode() not in sent and JWT.encode() not in sent
+    assert b"You deploy with [REDACTED:github_token] when asked." in sent
+    for obj in (echoed, stored):
+        assert obj["instructions"] == "You deploy with [REDACTED:github_token] when asked."
+        assert obj["tools"][0]["description"] == "Reads a file (auth [REDACTED:jwt])."
+        assert obj["tools"][0]["parameters"]["properties"]["path"]["description"] == "relative; token [REDACTED:github_token]"
+        assert obj["text"]["format"]["schema"]["properties"]["a"]["description"] == "use [REDACTED:github_token]"
+        assert GH not in json.dumps(obj) and JWT not in json.dumps(obj)
+    assert items[1]["action"]["command"] == ["bash", "-lc", "export T=[REDACTED:github_token]"]
+    assert items[1]["call_id"] == "c7"
+    assert row["findings"] == {"github_token": 4, "jwt": 1}
+    on_disk = b"".join(p.read_bytes() for p in data.rglob("*") if p.is_file())
+    assert GH.encode() not in on_disk and JWT.encode() not in on_disk
+    assert GH not in logs and JWT not in logs
+    params = [b.json()["error"]["param"] for b in (blocked, blocked_tool, blocked_format, blocked_item)]
+    assert [b.status_code for b in (blocked, blocked_tool, blocked_format, blocked_item)] == [400] * 4
+    assert params == ["instructions", "tools[0].description", "text.format.schema.properties.a.description",
+                      "input[1].action.command[2]"]
+    assert all(b.json()["error"]["code"] == "secret_detected" for b in (blocked, blocked_item))
+
+
 def test_block_answers_400_and_leaves_the_chain_as_it_was(tmp_path: Path) -> None:
     with run_server(tmp_path, "--sim-rate", "0", "--secrets", "block") as s:
         r = create(s, input=tool_turn(f"ok\nGITHUB_TOKEN={GH}"))

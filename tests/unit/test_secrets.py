@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from hotloop import _accel
-from hotloop.pipeline import classify
+from hotloop.pipeline import classifiers, classify
 from hotloop.protocol.request import (
     FunctionCall,
     FunctionCallOutput,
@@ -390,6 +390,65 @@ def test_item_texts_paths() -> None:
     ]
 
 
+def _nested_items(key: str) -> list[Any]:
+    """Unmodelled items whose text sits below the top level (hosted and shell tools)."""
+    return [
+        OtherItem(type="local_shell_call", data={
+            "type": "local_shell_call", "id": "lsh_1", "call_id": "c9", "status": "completed",
+            "action": {"type": "exec", "command": ["bash", "-lc", "curl -H 'x-key: " + key + "'"],
+                       "env": {"AWS_ACCESS_KEY_ID": key}}}),
+        OtherItem(type="shell_call_output", data={
+            "type": "shell_call_output", "call_id": "c10",
+            "output": [{"stdout": "ok\n", "stderr": ""}, {"stdout": "key " + key, "stderr": ""}]}),
+        OtherItem(type="apply_patch_call", data={
+            "type": "apply_patch_call", "call_id": "c11",
+            "operation": {"type": "update_file", "path": "a.env", "diff": "+KEY=" + key + "\n"}}),
+        OtherItem(type="computer_call_output", data={
+            "type": "computer_call_output", "call_id": "c12",
+            "output": {"type": "computer_screenshot", "image_url": "data:image/png;base64," + key}}),
+    ]
+
+
+def test_nested_texts_of_unmodelled_items_are_scanned_and_redacted() -> None:
+    items = _nested_items(KEY)
+    assert [p for it in items for p, _ in classify.item_texts(it)] == [
+        ("action", "type"), ("action", "command", 0), ("action", "command", 1),
+        ("action", "command", 2), ("action", "env", "AWS_ACCESS_KEY_ID"),
+        ("output", 0, "stdout"), ("output", 0, "stderr"), ("output", 1, "stdout"),
+        ("output", 1, "stderr"), ("operation", "type"), ("operation", "path"),
+        ("operation", "diff"), ("output", "type"),
+    ]  # ids, call ids, statuses and the screenshot's data are not text
+    for impl, scanner in SCANNERS.items():
+        c = classify.SecretsClassifier("redact", scanner)
+        verdict, _ = c.classify(items, c.initial_state())
+        assert isinstance(verdict, classify.Redact), impl
+        assert [(f.item_index, f.path) for f in verdict.findings] == [
+            (0, ("action", "command", 2)), (0, ("action", "env", "AWS_ACCESS_KEY_ID")),
+            (1, ("output", 1, "stdout")), (2, ("operation", "diff")),
+        ]
+        new = verdict.items
+        assert KEY not in msgspec.json.encode([i.data for i in new[:3]]).decode()
+        assert new[0].data["action"]["command"][:2] == ["bash", "-lc"]
+        assert new[0].data["call_id"] == "c9" and new[0].data["id"] == "lsh_1"
+        assert new[1].data["output"][0] is items[1].data["output"][0]  # untouched parts are shared
+        assert new[2].data["operation"]["diff"] == "+KEY=[REDACTED:aws_access_key_id]\n"
+        assert new[3] is items[3]
+        assert KEY in items[0].data["action"]["command"][2]  # the originals are untouched
+        block = classify.SecretsClassifier("block", scanner)
+        verdict, _ = block.classify(items, block.initial_state())
+        assert isinstance(verdict, classify.Block)
+        assert classifiers.blocked_error(verdict).param == "input[0].action.command[2]"
+
+
+def test_string_leaves_stop_at_the_depth_limit() -> None:
+    deep: Any = "ghp"
+    for _ in range(classify.MAX_LEAF_DEPTH + 5):
+        deep = [deep]
+    assert classify.string_leaves(deep, ()) == []
+    assert classify.string_leaves({"a": [1, None, "x", {"b": "y"}]}, ("p",)) == [
+        (("p", "a", 2), "x"), (("p", "a", 3, "b"), "y")]
+
+
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_classifier_policies(impl: str) -> None:
     scanner = SCANNERS[impl]
@@ -464,3 +523,36 @@ def test_classifier_default_scanner_and_bad_policy() -> None:
 def test_classifier_satisfies_the_protocol() -> None:
     c: classify.Classifier[classify.SecretsState] = classify.SecretsClassifier()
     assert c.name == "secrets"
+
+
+def test_settings_scan_cache_is_bounded_and_follows_shared_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hotloop.pipeline.settings import decode_tools
+    from hotloop.protocol.request import CreateRequest, share_checked, validate
+
+    monkeypatch.setattr(classify, "SETTINGS_CACHE_ENTRIES", 3)
+    c = classify.SecretsClassifier("redact")
+    long = "x " * classify.SETTINGS_CACHE_MIN_CHARS
+    for i in range(6):  # distinct long instructions: the cache keeps the 3 newest
+        p = validate(CreateRequest(model="m", input="hi", instructions=f"{i} {long}"))
+        assert c.classify_settings(p) == (classify.ALLOW, p)
+    assert len(c._texts) == 3 and c._text_chars == sum(map(len, c._texts))
+    # the same long instructions again, with a key: found from the cache, redacted
+    text = f"{long} {KEY}"
+    for _ in range(2):
+        p = validate(CreateRequest(model="m", input="hi", instructions=text))
+        verdict, q = c.classify_settings(p)
+        assert isinstance(verdict, classify.Redact) and KEY not in (q.req.instructions or "")
+    assert text in c._texts
+    # a shared tools array is scanned once; its redacted copy is checked again, the original kept
+    raw = msgspec.json.encode([{"type": "function", "name": "f", "description": "key " + KEY}])
+    shared = decode_tools(raw)
+    assert shared is not None
+    share_checked(shared)
+    p = validate(CreateRequest(model="m", input="hi", tools=shared.tools))
+    for _ in range(2):
+        verdict, q = c.classify_settings(p)
+        assert isinstance(verdict, classify.Redact)
+        assert q.function_tools["f"].description == "key [REDACTED:aws_access_key_id]"
+        assert q.tools is not shared.tools and KEY in shared.tools[0]["description"]
+        assert [f.path for f in verdict.findings] == [("tools", 0, "description")]
+    assert list(c._tools.values()) == [[(("tools", 0, "description"), [("aws_access_key_id", 4, 24)])]]

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from hotloop import errors
-from hotloop.pipeline.classify import Block, Classifier, Flag, Redact, SecretsClassifier, TextPath, Verdict
+from hotloop.pipeline.classify import SETTINGS, Block, Classifier, Flag, Redact, SecretsClassifier, TextPath, Verdict
 from hotloop.protocol.request import Item
 
 log = logging.getLogger("hotloop.classify")
@@ -249,9 +249,13 @@ def text_chars(items: Sequence[Item], limit: int) -> int:
 
 
 def _param(path: TextPath, item_index: int, string_input: bool) -> str:
-    if string_input:
+    if item_index == SETTINGS:  # instructions, tools[i]..., text.format...
+        out = str(path[0])
+        path = path[1:]
+    elif string_input:
         return "input"
-    out = f"input[{item_index}]"
+    else:
+        out = f"input[{item_index}]"
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else f".{p}"
     return out

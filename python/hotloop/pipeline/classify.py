@@ -36,6 +36,9 @@ well-known credential formats (``hotloop._accel.SecretScanner``, one native call
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, TypeVar, Union
 
@@ -43,13 +46,18 @@ import msgspec
 
 from hotloop import _accel
 from hotloop.protocol.request import (
+    CheckedTools,
     FunctionCall,
     FunctionCallOutput,
     Item,
     Message,
     OtherItem,
+    Prepared,
     Reasoning,
     Refusal,
+    TextConfig,
+    check_tools,
+    checked_tools,
 )
 
 __all__ = [
@@ -141,8 +149,58 @@ class Classifier(Protocol[S]):
 
 # -- the text fields of items ------------------------------------------------------------------
 
-#: OtherItem data keys holding text a model reads (custom tool calls and their outputs).
-OTHER_TEXT_KEYS = ("input", "output", "arguments", "text")
+#: Top-level OtherItem data keys that are not text a model reads: the item's kind, ids that pair a
+#: call with its output, its status and the tool's name (redacting one would break the pairing).
+#: Every other string in the item, at any depth, is scanned (``local_shell_call.action.command``,
+#: ``shell_call_output.output[].stdout``, ``apply_patch_call.operation.diff``...).
+OTHER_SKIP_KEYS = frozenset(("type", "id", "call_id", "status", "name"))
+
+#: Keys, at any depth, whose strings are data rather than text (images and files, often large
+#: base64): never scanned, as message image and file parts are not.
+BINARY_KEYS = frozenset(("image_url", "file_data", "file_url", "file_id"))
+
+#: Deepest nesting :func:`string_leaves` follows (request items are at most as deep as the decoder
+#: accepts; deeper strings are not scanned).
+MAX_LEAF_DEPTH = 64
+
+
+def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset()) -> list[tuple[TextPath, str]]:
+    """The strings in a JSON value (dicts, lists, strings), with their paths below ``prefix``,
+    in document order; ``skip``: keys of the top-level dict not followed."""
+    out: list[tuple[TextPath, str]] = []
+    stack: list[tuple[TextPath, Any, frozenset[str]]] = [(prefix, value, skip)]
+    while stack:
+        path, v, skipped = stack.pop()
+        if type(v) is str:
+            out.append((path, v))
+        elif len(path) - len(prefix) >= MAX_LEAF_DEPTH:
+            continue
+        elif type(v) is dict:
+            stack.extend(
+                ((*path, k), x, frozenset())
+                for k, x in reversed(v.items())
+                if type(x) in _NESTED and k not in skipped and k not in BINARY_KEYS
+            )
+        elif type(v) is list:
+            stack.extend(((*path, i), x, frozenset()) for i, x in reversed(list(enumerate(v))) if type(x) in _NESTED)
+    return out
+
+
+_NESTED = (str, dict, list)
+
+
+def replace_leaf(value: Any, path: TextPath, text: str) -> Any:
+    """A copy of the JSON ``value`` with the string at ``path`` replaced (the containers on the
+    path are copied; everything else is shared)."""
+    if not path:
+        return text
+    key = path[0]
+    if type(value) is dict:
+        return {**value, key: replace_leaf(value[key], path[1:], text)}
+    copy = list(value)
+    assert isinstance(key, int)
+    copy[key] = replace_leaf(copy[key], path[1:], text)
+    return copy
 
 
 def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, str]]:
@@ -160,8 +218,8 @@ def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, 
 def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     """The text fields of ``item`` a model reads, with their paths: message text parts (or a
     string content), function call arguments, function call outputs, reasoning summaries and
-    texts, and the ``OTHER_TEXT_KEYS`` strings of unmodelled items. Images, files and audio are
-    not text and are not returned."""
+    texts, and every string of an unmodelled item but its ``OTHER_SKIP_KEYS``. Images, files and
+    audio are not text and are not returned."""
     if isinstance(item, Message):
         if isinstance(item.content, str):
             return [(("content",), item.content)]
@@ -178,14 +236,14 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
             out += _part_texts(item.content, ("content",))
         return out
     if isinstance(item, OtherItem):
-        return [((k,), v) for k in OTHER_TEXT_KEYS if isinstance(v := item.data.get(k), str)]
+        return string_leaves(item.data, (), OTHER_SKIP_KEYS)
     return []
 
 
 def _replace_text(item: Any, path: TextPath, text: str) -> Any:
     """A copy of ``item`` with the text at ``path`` replaced (structs are immutable values)."""
     if isinstance(item, OtherItem):
-        return msgspec.structs.replace(item, data={**item.data, path[0]: text})
+        return msgspec.structs.replace(item, data=replace_leaf(item.data, path, text))
     field = path[0]
     assert isinstance(field, str)
     if len(path) == 1:
@@ -197,10 +255,97 @@ def _replace_text(item: Any, path: TextPath, text: str) -> Any:
     return msgspec.structs.replace(item, **{field: parts})
 
 
+# -- the request's own texts -------------------------------------------------------------------
+
+#: Finding.item_index of a text that is not an input item (``instructions``, a tool, the output
+#: format); its path then starts at the request's root (``("tools", 2, "description")``).
+SETTINGS = -1
+
+
+def settings_texts(p: Prepared) -> list[tuple[TextPath, str]]:
+    """The texts a model reads besides the input items, with their paths from the request's root:
+    ``instructions``, each function tool's ``description`` and every string of its
+    ``parameters`` schema, and the ``text.format`` description and schema. (Other tool types are
+    never sent to a backend.)"""
+    req = p.req
+    out: list[tuple[TextPath, str]] = []
+    if req.instructions:
+        out.append((("instructions",), req.instructions))
+    out += tools_texts(p.tools)
+    out += format_texts(req.text)
+    return out
+
+
+def format_texts(text: TextConfig | None) -> list[tuple[TextPath, str]]:
+    """The output format's texts a model reads (see :func:`settings_texts`)."""
+    fmt = text.format if text is not None else None
+    if fmt is None:
+        return []
+    out: list[tuple[TextPath, str]] = []
+    if fmt.description:
+        out.append((("text", "format", "description"), fmt.description))
+    if fmt.schema is not None:
+        out += string_leaves(fmt.schema, ("text", "format", "schema"))
+    return out
+
+
+def tools_texts(tools: Sequence[dict[str, Any]]) -> list[tuple[TextPath, str]]:
+    """The function tools' texts a model reads (see :func:`settings_texts`)."""
+    out: list[tuple[TextPath, str]] = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            continue
+        if isinstance(d := tool.get("description"), str):
+            out.append((("tools", i, "description"), d))
+        if (params := tool.get("parameters")) is not None:
+            out += string_leaves(params, ("tools", i, "parameters"))
+    return out
+
+
+def redact_settings(p: Prepared, texts: dict[TextPath, str]) -> Prepared:
+    """A copy of ``p`` with the settings texts at the paths of ``texts`` replaced (the tools are
+    copied and checked again; the originals, which a cache may share, are untouched)."""
+    req = p.req
+    tools = p.tools
+    fmt = req.text.format if req.text is not None else None
+    changes: dict[str, Any] = {}
+    for path, text in texts.items():
+        head = path[0]
+        if head == "instructions":
+            changes["instructions"] = text
+        elif head == "tools":
+            index = path[1]
+            assert isinstance(index, int)
+            if tools is p.tools:
+                tools = list(tools)
+            tools[index] = replace_leaf(tools[index], path[2:], text)
+        else:  # ("text", "format", field, ...)
+            assert fmt is not None
+            field = path[2]
+            assert isinstance(field, str)
+            value = text if len(path) == 3 else replace_leaf(getattr(fmt, field), path[3:], text)
+            fmt = msgspec.structs.replace(fmt, **{field: value})
+    if fmt is not None and req.text is not None and fmt is not req.text.format:
+        changes["text"] = msgspec.structs.replace(req.text, format=fmt)
+    if tools is not p.tools:
+        changes["tools"] = tools
+    new = msgspec.structs.replace(p, req=msgspec.structs.replace(req, **changes) if changes else req)
+    if tools is not p.tools:
+        new = msgspec.structs.replace(new, tools=tools, function_tools=check_tools(tools))
+    return new
+
+
 # -- secrets -----------------------------------------------------------------------------------
 
 SecretsPolicy = Literal["off", "flag", "redact", "block"]
 POLICIES: tuple[str, ...] = ("off", "flag", "redact", "block")
+
+
+#: The settings-scan cache (SecretsClassifier.classify_settings): texts shorter than this are
+#: scanned every time (it costs less than looking them up); at most this many texts and chars.
+SETTINGS_CACHE_MIN_CHARS = 2048
+SETTINGS_CACHE_ENTRIES = 64
+SETTINGS_CACHE_CHARS = 16 * 1024 * 1024
 
 
 @functools.cache
@@ -234,6 +379,18 @@ class SecretsClassifier:
             raise ValueError(f"secrets policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy: SecretsPolicy = policy
         self.scanner = default_secret_scanner() if scanner is None else scanner
+        # What the request's own texts (classify_settings) were found to hold, so that a client
+        # sending the same instructions and tools every turn has them scanned once:
+        # long instructions by value (LRU, at most SETTINGS_CACHE_ENTRIES texts and
+        # SETTINGS_CACHE_CHARS characters), shared tools arrays (CheckedTools, which the tools
+        # cache keeps) by identity, for as long as they live. Scans may run in the tokenizer
+        # thread, hence the lock.
+        self._texts: OrderedDict[str, list[tuple[str, int, int]]] = OrderedDict()
+        self._text_chars = 0
+        self._tools: weakref.WeakKeyDictionary[CheckedTools, list[tuple[TextPath, list[tuple[str, int, int]]]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
 
     def initial_state(self) -> SecretsState:
         return SecretsState()
@@ -273,7 +430,77 @@ class SecretsClassifier:
             return Flag(labels=labels, findings=tuple(findings)), state
         if self.policy == "redact" and not capped:
             return Redact(labels=labels, findings=tuple(findings), items=tuple(new_items)), state
-        reason = "The input contains credentials (" + ", ".join(kinds) + ")."
+        return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=tuple(findings[:1])), state
+
+    def _reason(self, kinds: Sequence[str], capped: bool) -> str:
         if capped and self.policy == "redact":
-            reason = "The input contains too many credentials to redact (" + ", ".join(kinds) + ")."
-        return Block(reason=reason, labels=labels, code="secret_detected", findings=tuple(findings[:1])), state
+            return "The input contains too many credentials to redact (" + ", ".join(kinds) + ")."
+        return "The input contains credentials (" + ", ".join(kinds) + ")."
+
+    # -- the request's own texts ---------------------------------------------------------------
+
+    def classify_settings(self, p: Prepared) -> tuple[Verdict, Prepared]:
+        """The verdict on the request's own texts (:func:`settings_texts`: instructions, function
+        tools, output format), which come with every request rather than once per chain, so they
+        count in this turn's flags but not in the chain's state. ``redact`` returns a copy of
+        ``p`` with those texts redacted (what the backend reads, and what the response echoes
+        and stores); findings have ``item_index`` :data:`SETTINGS` and paths from the request's
+        root (``tools[2].parameters.properties.path.description``)."""
+        if self.policy == "off":
+            return ALLOW, p
+        found: list[tuple[TextPath, str, list[tuple[str, int, int]]]] = []
+        req = p.req
+        if req.instructions:
+            spans = self._scan_text(req.instructions)
+            if spans:
+                found.append((("instructions",), req.instructions, spans))
+        if p.tools:
+            found += self._scan_tools(p.tools)
+        for path, text in format_texts(req.text):
+            spans = self.scanner.scan(text)
+            if spans:
+                found.append((path, text, spans))
+        if not found:
+            return ALLOW, p
+        findings = tuple(Finding(SETTINGS, path, kind, s, e) for path, _, spans in found for kind, s, e in spans)
+        kinds = sorted({f.kind for f in findings})
+        labels = tuple(f"secret:{k}" for k in kinds)
+        capped = any(len(spans) >= self.scanner.max_matches for _, _, spans in found)
+        if self.policy == "flag":
+            return Flag(labels=labels, findings=findings), p
+        if self.policy == "redact" and not capped:
+            texts = {path: self.scanner.redact(text)[0] for path, text, _ in found}  # rare: scan again
+            return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)
+        return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=findings[:1]), p
+
+    def _scan_text(self, text: str) -> list[tuple[str, int, int]]:
+        if len(text) < SETTINGS_CACHE_MIN_CHARS:
+            return self.scanner.scan(text)  # type: ignore[no-any-return]
+        with self._lock:
+            spans = self._texts.get(text)
+            if spans is not None:
+                self._texts.move_to_end(text)
+                return spans
+        spans = self.scanner.scan(text)
+        if len(text) <= SETTINGS_CACHE_CHARS // 4:
+            with self._lock:
+                if text not in self._texts:
+                    self._texts[text] = spans
+                    self._text_chars += len(text)
+                    while len(self._texts) > SETTINGS_CACHE_ENTRIES or self._text_chars > SETTINGS_CACHE_CHARS:
+                        old, _ = self._texts.popitem(last=False)
+                        self._text_chars -= len(old)
+        return spans
+
+    def _scan_tools(self, tools: list[dict[str, Any]]) -> list[tuple[TextPath, str, list[tuple[str, int, int]]]]:
+        shared = checked_tools(tools)
+        if shared is not None:
+            with self._lock:
+                hits = self._tools.get(shared)
+            if hits is None:
+                hits = [(path, spans) for path, text in tools_texts(tools) if (spans := self.scanner.scan(text))]
+                with self._lock:
+                    self._tools[shared] = hits
+            texts = dict(tools_texts(tools)) if hits else {}
+            return [(path, texts[path], spans) for path, spans in hits]
+        return [(path, text, spans) for path, text in tools_texts(tools) if (spans := self.scanner.scan(text))]

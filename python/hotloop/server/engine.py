@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
@@ -37,7 +37,7 @@ from hotloop.pipeline import classifiers, guard
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
-from hotloop.pipeline.classify import Redact, SecretsClassifier
+from hotloop.pipeline.classify import ALLOW, Block, Flag, Redact, SecretsClassifier
 from hotloop.pipeline.post import Persistence, usage_record
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.pipeline.settings import ToolsCache
@@ -102,6 +102,9 @@ class Engine:
         self._flag_only = bool(self.classifiers) and all(
             type(c) is SecretsClassifier and c.policy == "flag" for c in self.classifiers
         )
+        # It also scans each request's instructions, function tools and output format (what the
+        # model reads besides the items; SecretsClassifier.classify_settings).
+        self._secrets = next((c for c in self.classifiers if isinstance(c, SecretsClassifier)), None)
         # Context windows and output limits per model; a bad --model-limits file raises
         # ModelLimitsError here, before the server starts.
         self.models = ModelRegistry.from_config(config.model_limits or None)
@@ -252,6 +255,9 @@ class Engine:
             guard.check(p.items, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
+                settings_flags = None
+                if self._secrets is not None:
+                    p, settings_flags = self.classify_settings(self._secrets, p, tenant)
                 later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
                 outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
@@ -262,9 +268,10 @@ class Engine:
                 if prefix is not None:  # name the item's place in the whole input
                     reuse.shift(exc, prefix.n)
                 raise
+            plan.flags = settings_flags
             if outcome is not None:
                 plan.states = outcome.states
-                plan.flags = outcome.tally() or None
+                plan.flags = _merged(outcome.tally(), settings_flags)
             await self.fit_window(plan, req, tenant)
             if self.tenancy is not None:
                 admitted = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
@@ -360,6 +367,24 @@ class Engine:
             raise classifiers.blocked_error(block, isinstance(p.req.input, str))
         return outcome
 
+    def classify_settings(self, secrets: SecretsClassifier, p: Prepared, tenant: Tenant) -> tuple[Prepared, dict[str, int] | None]:
+        """Scan the request's instructions, function tools and output format for secrets under
+        the secrets policy: ``p`` (redacted under ``redact``) and the findings per kind, for this
+        turn's flags; raise :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``."""
+        verdict, p = secrets.classify_settings(p)
+        if verdict is ALLOW:
+            return p, None
+        if isinstance(verdict, Block):
+            log.info("classifier %s blocked a request for key %s: %s", secrets.name, tenant.name, _kinds(verdict.findings, verdict.labels))
+            raise classifiers.blocked_error(verdict)
+        assert isinstance(verdict, (Flag, Redact))
+        log.info(
+            "classifier %s %s the instructions, tools or format of a response for key %s: %s",
+            secrets.name, "redacted" if isinstance(verdict, Redact) else "flagged", tenant.name,
+            _kinds(verdict.findings, verdict.labels),
+        )
+        return p, dict(Counter(f.kind for f in verdict.findings))
+
     def _classify_later(self, p: Prepared, parent: CachedResponse | None, tenant: Tenant, plan: Plan) -> "asyncio.Future[None]":
         """:meth:`classify` for classifiers that can only flag (``_flag_only``), on the event loop
         in its next iteration, once the caller's task has written the backend request; the
@@ -373,7 +398,7 @@ class Engine:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
                 self._report(outcome, tenant)
                 plan.states = outcome.states
-                plan.flags = outcome.tally() or None
+                plan.flags = _merged(outcome.tally(), plan.flags)  # plan.flags: the settings' (start)
             except Exception:  # noqa: BLE001
                 # a flag-only scan changes nothing the client sees: the response goes on, without
                 # this turn's flags (the chain keeps its parent's state); the log says why
@@ -507,6 +532,13 @@ async def _aclose(stream: AsyncIterator[Chunk]) -> None:
             await aclose()
         except Exception:  # closing a broken backend stream must not mask the real error
             log.debug("closing the backend stream failed", exc_info=True)
+
+
+def _merged(a: dict[str, int], b: dict[str, int] | None) -> dict[str, int] | None:
+    """Two tallies of findings per kind added up (``None``: none)."""
+    if b:
+        a = dict(Counter(a) + Counter(b))
+    return a or None
 
 
 def _kinds(findings: Any, labels: Any) -> str:
