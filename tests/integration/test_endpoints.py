@@ -318,6 +318,22 @@ def test_item_reference_resolves_or_400(client: OpenAI) -> None:
         input=[{"type": "item_reference", "id": msg_id}, {"role": "user", "content": "more"}],
     )
     assert r2.status == "completed"
+    # the reference names an item r2's chain already holds: the model reads it again, as a copy
+    # with an id of its own, so input_items lists every id once and pages to its end
+    listed = client.responses.input_items.list(r2.id, order="asc").data
+    ids = [i.id for i in listed]
+    assert len(ids) == len(set(ids)) == 4  # "first", r1's answer, its copy, "more"
+    assert ids[1] == msg_id and ids[2] != msg_id
+    assert listed[2].content[0].text == listed[1].content[0].text == r1.output_text  # type: ignore[union-attr]
+    pages, after = [], None
+    while True:  # one item per page: each page starts after the last one's id
+        page = client.responses.input_items.list(r2.id, order="asc", limit=1, **({"after": after} if after else {}))
+        pages += [i.id for i in page.data]
+        if not page.has_more:
+            break
+        after = page.data[-1].id
+        assert len(pages) <= len(ids)
+    assert pages == ids
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_nope"}])
     assert ei.value.code == "item_not_found"

@@ -180,6 +180,14 @@ def _with_id(item: Item, ids: IdGen) -> Item:
     return item
 
 
+def _without_id(item: Item) -> Item:
+    """``item`` without its id (:func:`_with_id` then mints one)."""
+    if type(item) is OtherItem:
+        data = item.data  # type: ignore[union-attr]
+        return OtherItem(type=item.type, data={k: v for k, v in data.items() if k != "id"})  # type: ignore[union-attr]
+    return msgspec.structs.replace(item, id=None)  # type: ignore[type-var]
+
+
 def _resolve_reference(
     ref: ItemReference, index: int, base: Context | None, seen: list[Item], stored: dict[str, Item] | None
 ) -> Item:
@@ -257,6 +265,14 @@ def prepare(
         referenced = type(item) is ItemReference
         if referenced:
             item = _resolve_reference(item, i, base, new, stored)  # type: ignore[arg-type]
+            rid = item_id_of(item)
+            if rid is not None and base is not None and base.position(rid) is not None:
+                # A reference to an item the chain already holds (a client resending its history
+                # with previous_response_id): the model reads it again, as asked, and the copy is
+                # a new item of this response with an id of its own: a chain holds each id once
+                # (input_items pages by id). Refusing it (as a re-sent item with its id is
+                # refused) would break clients that send references to any stored output.
+                item = _with_id(_without_id(item), ids)
         t = type(item)
         if t is FunctionCall:
             pending_calls.add(item.call_id)  # type: ignore[union-attr]
