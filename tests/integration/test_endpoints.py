@@ -394,16 +394,31 @@ def test_compaction_is_refused_plainly(client: OpenAI, server) -> None:
     assert "Compaction" in r.json()["error"]["message"] and "not supported" in r.json()["error"]["message"]
 
 
-def test_a_response_pruned_from_the_store_but_cached_can_be_deleted(tmp_path) -> None:
-    """The store prunes past its count bound while the process's cache may still answer for the
-    response: DELETE deletes it (not a 404 beside a GET that answers 200)."""
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+def test_a_response_the_store_pruned_is_gone_from_the_process_too(tmp_path, store) -> None:
+    """Past the store's count bound the oldest responses are pruned; the process's cache drops
+    them too, so GET, DELETE, previous_response_id and item_reference agree they are gone (the
+    SQLite store prunes every PRUNE_EVERY writes)."""
+    import time
+
+    from hotloop.state.store import SQLiteStore
     from tests.conftest import run_server
 
-    with run_server(tmp_path, "--store", "memory", "--sim-rate", "0", env={"HOTLOOP_STORE_MAX_RESPONSES": "3"}) as s:
-        ids = [httpx.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": f"n{i}"}, timeout=10).json()["id"]
-               for i in range(6)]
-        first = ids[0]
-        got = httpx.get(f"{s.v1}/responses/{first}", timeout=10).status_code  # may be cached, though pruned
-        assert httpx.delete(f"{s.v1}/responses/{first}", timeout=10).status_code == got  # they agree
-        assert httpx.get(f"{s.v1}/responses/{first}", timeout=10).status_code == 404
-        assert httpx.delete(f"{s.v1}/responses/{first}", timeout=10).status_code == 404
+    n = 6 if store == "memory" else SQLiteStore.PRUNE_EVERY + 1
+    with run_server(tmp_path, "--store", store, "--sim-rate", "0", env={"HOTLOOP_STORE_MAX_RESPONSES": "3"}) as s:
+        client = OpenAI(api_key="sk-test", base_url=s.v1, max_retries=0, timeout=30)
+        made = [client.responses.create(model="hotloop-sim", input=f"n{i}") for i in range(n)]
+        first = made[0]
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{s.v1}/responses/{first.id}", timeout=10).status_code != 404:  # the writer's turn
+            assert time.monotonic() < deadline, "a pruned response is still served"
+            time.sleep(0.05)
+        assert httpx.delete(f"{s.v1}/responses/{first.id}", timeout=10).status_code == 404
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input="y", previous_response_id=first.id)
+        assert ei.value.code == "previous_response_not_found"
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": first.output[0].id}])
+        assert ei.value.code == "item_not_found"
+        last = made[-1]  # within the bound: kept everywhere
+        assert client.responses.retrieve(last.id).id == last.id

@@ -23,6 +23,7 @@ from openai import OpenAI
 from websockets.sync.client import connect as ws_connect
 
 from hotloop.pipeline.shared import VISIBILITY_BOUND
+from hotloop.state.store import SQLiteStore
 from tests.conftest import Server, free_port, run_server
 from tests.services import Redis, redis_server, require, stop, wait_port
 
@@ -421,28 +422,53 @@ def test_workers_on_sqlite_see_a_delete_made_through_another(tmp_path: Path) -> 
     response from its process-wide cache (retrieve, input_items, previous_response_id,
     item_reference), on any new connection."""
     with run_server(tmp_path, "--workers", "2", "--sim-rate", "0") as s:
-        def fresh(method: str, path: str, **kw: Any) -> httpx.Response:
-            with httpx.Client(timeout=10) as c:
-                return c.request(method, s.v1 + path, **kw)
+        rid, out_id = _cached_on_both_workers(s)
+        assert _fresh(s, "DELETE", f"/responses/{rid}").status_code == 200
+        _gone_on_every_worker(s, rid, out_id)
 
-        r = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}).json()
-        rid, out_id = r["id"], r["output"][0]["id"]
-        cached: set[int] = set()
 
-        def both_cached() -> bool:  # a continuation on each worker puts the response in its cache
-            body = {"model": "hotloop-sim", "input": "more", "previous_response_id": rid, "store": False}
-            assert fresh("POST", "/responses", json=body).status_code == 200
-            assert fresh("GET", f"/responses/{rid}").status_code == 200
-            with httpx.Client(timeout=10) as c:
-                cached.add(c.get(s.base + "/hotloop/stats").json()["pid"])
-            return len(cached) == 2
+def test_workers_on_sqlite_drop_a_response_another_pruned(tmp_path: Path) -> None:
+    """--workers 2 on SQLite with a count bound: a response one worker's writer prunes leaves
+    both workers' process-wide caches (the deletions table carries prunes too)."""
+    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0", env={"HOTLOOP_STORE_MAX_RESPONSES": "3"}) as s:
+        rid, out_id = _cached_on_both_workers(s)
+        body = {"model": "hotloop-sim", "input": "filler", "store": True}
+        for _ in range(2 * SQLiteStore.PRUNE_EVERY + 8):  # each worker's writer prunes every PRUNE_EVERY writes
+            assert _fresh(s, "POST", "/responses", json=body).status_code == 200
+        poll(lambda: _fresh(s, "GET", f"/responses/{rid}").status_code == 404, "the pruned response to be gone")
+        _gone_on_every_worker(s, rid, out_id)
 
-        poll(both_cached, "both workers to hold the response")
-        assert fresh("DELETE", f"/responses/{rid}").status_code == 200
-        for _ in range(4):  # 16 new connections: both workers (a miss costs VISIBILITY_BOUND)
-            assert fresh("GET", f"/responses/{rid}").status_code == 404
-            assert fresh("GET", f"/responses/{rid}/input_items").status_code == 404
-            cont = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": "x", "previous_response_id": rid})
-            assert cont.status_code == 400 and cont.json()["error"]["code"] == "previous_response_not_found"
-            ref = fresh("POST", "/responses", json={"model": "hotloop-sim", "input": [{"type": "item_reference", "id": out_id}]})
-            assert ref.status_code == 400, ref.text
+
+def _fresh(s: Any, method: str, path: str, **kw: Any) -> httpx.Response:
+    """One request on a new connection (the kernel picks the worker)."""
+    with httpx.Client(timeout=10) as c:
+        return c.request(method, s.v1 + path, **kw)
+
+
+def _cached_on_both_workers(s: Any) -> tuple[str, str]:
+    """A stored response that both workers hold in their process-wide caches: its id and its
+    output message's id."""
+    r = _fresh(s, "POST", "/responses", json={"model": "hotloop-sim", "input": "hi", "store": True}).json()
+    rid = r["id"]
+    cached: set[int] = set()
+
+    def both_cached() -> bool:  # a continuation on each worker puts the response in its cache
+        body = {"model": "hotloop-sim", "input": "more", "previous_response_id": rid, "store": False}
+        assert _fresh(s, "POST", "/responses", json=body).status_code == 200
+        assert _fresh(s, "GET", f"/responses/{rid}").status_code == 200
+        with httpx.Client(timeout=10) as c:
+            cached.add(c.get(s.base + "/hotloop/stats").json()["pid"])
+        return len(cached) == 2
+
+    poll(both_cached, "both workers to hold the response")
+    return rid, r["output"][0]["id"]
+
+
+def _gone_on_every_worker(s: Any, rid: str, out_id: str) -> None:
+    for _ in range(4):  # 16 new connections: both workers (a miss costs VISIBILITY_BOUND)
+        assert _fresh(s, "GET", f"/responses/{rid}").status_code == 404
+        assert _fresh(s, "GET", f"/responses/{rid}/input_items").status_code == 404
+        cont = _fresh(s, "POST", "/responses", json={"model": "hotloop-sim", "input": "x", "previous_response_id": rid})
+        assert cont.status_code == 400 and cont.json()["error"]["code"] == "previous_response_not_found"
+        ref = _fresh(s, "POST", "/responses", json={"model": "hotloop-sim", "input": [{"type": "item_reference", "id": out_id}]})
+        assert ref.status_code == 400, ref.text

@@ -47,7 +47,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -242,6 +242,10 @@ class Persistence:
         self._lost: OrderedDict[str, None] = OrderedDict()
         self._usage: list[UsageRecord] = []
         self._usage_timer: asyncio.TimerHandle | None = None
+        # the process-wide cache's evict (set by the app): responses the store's bounds pruned
+        # (store.take_pruned, after each batch of writes) are not served from it either
+        self.evict: Callable[[str], None] | None = None
+        self._take_pruned: Callable[[], list[str]] | None = getattr(store, "take_pruned", None)
 
     @property
     def queued_bytes(self) -> int:
@@ -418,6 +422,17 @@ class Persistence:
                                 self._lost.popitem(last=False)
                     self.failed += not ok
                     self._finished(job.seq)
+            if self._take_pruned is not None:
+                pruned = self._take_pruned()
+                if pruned:
+                    await self._pruned(pruned)
+
+    async def _pruned(self, ids: list[str]) -> None:
+        """Responses the store's bounds pruned: dropped from the process-wide cache."""
+        evict = self.evict
+        if evict is not None:
+            for rid in ids:
+                evict(rid)
 
     def _write_jobs(self, jobs: list[_Job]) -> list[bool]:
         """Write queued jobs (writer thread), in order: in one store transaction when the store

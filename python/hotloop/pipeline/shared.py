@@ -103,8 +103,8 @@ class SharedPersistence(Persistence):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.evict: Callable[[str], None] | None = None  # the process-wide cache's evict, set by the app
-        # and its clear: deletes published while the subscriber was away are not replayed
+        # the process-wide cache's clear (its evict: Persistence.evict): deletes published while
+        # the subscriber was away are not replayed
         self.forget: Callable[[], None] | None = None
         self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
         self._deletions: DeletionLog | None = None  # SQLite shared by --workers
@@ -188,6 +188,17 @@ class SharedPersistence(Persistence):
                 await asyncio.sleep(DELETE_SETTLE_SECONDS)  # the other workers' polls
         except Exception:  # other processes' caches expire on their own; the delete itself is done
             log.warning("could not publish the delete of %s to other processes", response_id)
+
+    async def _pruned(self, ids: list[str]) -> None:
+        """Pruned responses leave the other workers' caches too, as deletes do (SQLite shared by
+        ``--workers``; Redis expires them everywhere by TTL)."""
+        await super()._pruned(ids)
+        if self._deletions is not None:
+            try:
+                for rid in ids:
+                    await self._call(self._deletions.record, rid)
+            except Exception:  # noqa: BLE001 - their caches' TTL still ends them
+                log.warning("could not publish %d pruned responses to other processes", len(ids))
 
     async def _poll(self, deletions: DeletionLog) -> None:
         """Evict what other workers deleted, every ``DELETE_POLL_SECONDS``."""

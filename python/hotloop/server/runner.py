@@ -72,8 +72,8 @@ def make_app(config: Config) -> HotloopApp:
     )
     tenancy = make_tenancy(config, open_key_store(config.store, config.db_path, config.redis_url))
     app = HotloopApp(config, backend, persistence, tenancy)
+    persistence.evict = app.engine.responses.evict  # responses pruned, or deleted by other processes
     if isinstance(persistence, SharedPersistence):
-        persistence.evict = app.engine.responses.evict  # deletes made by other processes
         persistence.forget = app.engine.responses.clear  # ... while their news could be missed
     return app
 

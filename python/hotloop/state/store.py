@@ -30,7 +30,9 @@ still open: their rows hold whole histories and load as responses without a pare
 
 Retention is bounded by age (``ttl_seconds``, default 30 days) and by the number of live
 responses (``max_responses``, default 10,000): the oldest live responses are pruned first (by the
-rule above), then unreferenced blobs. The memory store also bounds the items it holds
+rule above). A blob leaves with the last row that lists it, in the same transaction (a delete, a
+prune, a tombstone collected). The ids pruned are kept for the process's cache of responses to
+drop (``take_pruned``). The memory store also bounds the items it holds
 (``max_items``, tombstones included). A usage ledger aggregates tokens per UTC day, model and
 key name.
 
@@ -54,7 +56,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from itertools import count
 from operator import itemgetter
@@ -71,6 +73,7 @@ _dec = msgspec.json.Decoder()
 log = logging.getLogger("hotloop.store")
 
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600
+PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
 # Ancestors one load may walk: a context holds at most Context.MAX_ITEMS (100,000) items and a
@@ -206,6 +209,15 @@ class _Node:
         return self.rec.base_len + len(self.rec.items)
 
 
+def _take_pruned(self: Any) -> list[str]:
+    """The ids the bounds pruned since the last call (at most ``PRUNED_KEPT``, the newest), for
+    the process's cache of responses (:class:`~hotloop.pipeline.post.Persistence`)."""
+    with self._lock:
+        out = list(self._pruned)
+        self._pruned.clear()
+    return out
+
+
 class MemoryStore:
     """Bounded in-memory store with the SQLite store's model (parent pointers, own items,
     tombstones). Bounded by live responses (oldest pruned first), by items held (tombstones
@@ -228,6 +240,7 @@ class MemoryStore:
         self._seq = count()
         self._usage: dict[tuple[str, str, str], list[int]] = {}
         self._findings: dict[tuple[str, str, str], Counter[str]] = {}
+        self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         self._lock = threading.Lock()
 
     def put(self, rec: StoredResponse) -> None:
@@ -265,8 +278,11 @@ class MemoryStore:
                 n = self._nodes[oldest]
                 if len(self._live) > self.max_responses or self.items > self.max_items or n.at < cutoff:
                     self._kill(oldest, n)
+                    self._pruned.append(oldest)
                 else:
                     break
+
+    take_pruned = _take_pruned
 
     def _unindex(self, rid: str, node: _Node) -> None:
         for it in node.rec.items:
@@ -541,7 +557,7 @@ class SQLiteStore:
         self._lock = threading.RLock()  # re-entered by writes inside batch()
         self._batching = False
         self._writes = 0
-        self._deleted = False  # deletes since the last blob collection (which runs on prune)
+        self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
@@ -610,7 +626,7 @@ class SQLiteStore:
                 ).fetchone()
                 if row is None or row[0] != base:
                     raise MissingParent(rec.parent_id)
-            db.execute("DELETE FROM response_items WHERE response_id=?", (rid,))
+            self._drop_items_locked(rid)  # a record of the same id, replaced
             db.execute(
                 "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner,"
                 " classifier_state) VALUES (?,?,?,?,?,?,1,?,?)",
@@ -694,14 +710,15 @@ class SQLiteStore:
                     (cutoff, excess),
                 )
             ]
-        if not ids and not self._deleted:
+        if not ids:
             return 0
         with self._txn():
             for rid in ids:
                 self._kill_locked(rid)
-            self._deleted = False
-            db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
+        self._pruned.extend(ids)
         return len(ids)
+
+    take_pruned = _take_pruned
 
     def _kill_locked(self, rid: str) -> None:
         """A live response leaves: a tombstone if it has children, else removed with its items,
@@ -718,8 +735,20 @@ class SQLiteStore:
             if row is None:  # live, still needed by a child, or already gone
                 return
             db.execute("DELETE FROM responses WHERE id = ?", (cur,))
-            db.execute("DELETE FROM response_items WHERE response_id = ?", (cur,))
+            self._drop_items_locked(cur)
             cur = row[0]
+
+    def _drop_items_locked(self, rid: str) -> None:
+        """Remove the rows of ``rid``'s own items, and the item bodies no other row lists
+        (``response_items_hash`` finds the others), inside the caller's transaction."""
+        db = self._db
+        hashes = db.execute("SELECT DISTINCT hash FROM response_items WHERE response_id = ?", (rid,)).fetchall()
+        if not hashes:
+            return
+        db.execute("DELETE FROM response_items WHERE response_id = ?", (rid,))
+        db.executemany(
+            "DELETE FROM blobs WHERE hash = ?1 AND NOT EXISTS (SELECT 1 FROM response_items WHERE hash = ?1)", hashes
+        )
 
     def get(self, response_id: str, scope: str | None = None) -> History | None:
         args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds, scope)
@@ -780,7 +809,6 @@ class SQLiteStore:
             ).fetchone()
             if found is not None:
                 self._kill_locked(response_id)
-                self._deleted = True
         return found is not None
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
