@@ -265,6 +265,32 @@ def test_steer_during_a_tool_call_turn_waits_for_the_tool_output(paced: Server) 
     assert own[1]["content"][0]["text"] == "and Rome"
 
 
+def test_an_error_in_a_continuation_names_the_clients_own_input(paced: Server) -> None:
+    """Pending steering input goes before the continuation's own input; an error about that input
+    still names its place in what the client sent, and the steering input comes back."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}]
+    with ws_connect(paced.ws + "/responses") as ws:
+        ws.send(create(input="weather?", tools=tools, store=True, metadata={"sim": "tools:1,rate:10"}))
+        rid = recv(ws)["response"]["id"]
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "and Rome"}))
+        events = collect(ws, 1)
+        while not any(e["type"] == "response.steer.pending" for e in events):
+            events.append(recv(ws))
+        [call] = [it for e in events if e["type"] == "response.completed" for it in e["response"]["output"]
+                  if it["type"] == "function_call"]
+        outputs = [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+                   {"type": "function_call_output", "call_id": "call_nope", "output": "x"}]
+        ws.send(create(previous_response_id=rid, input=outputs, tools=tools))
+        got = [recv(ws), recv(ws)]
+        [err] = [e for e in got if e["type"] == "error"]
+        assert err["error"]["param"] == "input[1].call_id", err
+        [back] = [e for e in got if e["type"] == "response.steer.failed"]
+        assert back["error"]["code"] == "successor_creation_failed"
+        # the failed continuation evicted its parent from the connection; stored, it still runs
+        ws.send(create(previous_response_id=rid, input=outputs[:1], tools=tools, metadata={"sim": "text,tokens:3"}))
+        assert collect(ws, 1)[-1]["type"] == "response.completed"
+
+
 def test_steer_failures(paced: Server) -> None:
     with ws_connect(paced.ws + "/responses") as ws:
         ws.send(create(metadata={"sim": "text,tokens:3"}, stream_id="q"))

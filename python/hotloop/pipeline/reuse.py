@@ -184,6 +184,15 @@ def shift(exc: errors.HotloopError, n: int) -> None:
         exc.args = (exc.message,)
 
 
+def unshift(exc: errors.HotloopError, n: int) -> None:
+    """An error about an input that had ``n`` items put before it (WebSocket steering input,
+    prepended to the continuation that commits it), renumbered to name the item's place in the
+    input the client sent; one about those ``n`` items keeps their place in the whole."""
+    m = _INDEX.match(exc.param or "")
+    if m is not None and int(m.group(1)) >= n:
+        shift(exc, -n)
+
+
 def adopt(entry: CachedResponse) -> None:
     """A finished response that reused a prefix: the reused items are its own, not a parent's
     (it names no parent, and is stored with its whole input)."""

@@ -354,6 +354,8 @@ class Connection:
                 prefix=prefix, raw_input=raw_input,
             )
         except errors.HotloopError as exc:
+            if action.steers and action.successor_of is None:  # the client's create, steering input first
+                reuse.unshift(exc, sum(len(s.items) for s in action.steers))
             self._count_error(exc)
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return Ended()
