@@ -25,7 +25,7 @@ from hotloop.pipeline import window
 from hotloop.pipeline.post import from_record, to_record
 from hotloop.pipeline.prepare import Plan, finished, prepare
 from hotloop.protocol.objects import IdGen, response_object
-from hotloop.protocol.request import FunctionCall, Message, decode_body, validate
+from hotloop.protocol.request import FunctionCall, Message, OtherItem, decode_body, validate
 from hotloop.state.context import CachedResponse
 
 # -- the registry ------------------------------------------------------------------------------
@@ -239,6 +239,30 @@ def test_calls_and_outputs_go_together() -> None:
     assert kinds[0] == "developer" and kinds[1] == "assistant"
     for cid in ("c1", "c2"):
         assert (f"call:{cid}" in kinds) == (f"out:{cid}" in kinds)
+
+
+def test_custom_tool_calls_and_outputs_go_together() -> None:
+    """Calls of verbatim item types pair by ``call_id`` too: a cut never orphans an output."""
+    items = [
+        msg("user", LONG),
+        {"type": "custom_tool_call", "call_id": "k1", "name": "apply", "input": "patch " * 40},
+        {"type": "custom_tool_call_output", "call_id": "k1", "output": "applied " * 40},
+        msg("user", LONG),
+        {"type": "local_shell_call", "call_id": "k2", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"] * 30, "env": {}}},
+        {"type": "local_shell_call_output", "call_id": "k2", "output": "file " * 40},
+        msg("user", "and now?"),
+    ]
+    n = plan_for(body(items)).input_tokens
+    seen = set()
+    for limit in range(n - 1, n // 5, -7):  # every cut the sizes allow
+        plan = plan_for(body(items))
+        window.fit(plan, ModelLimits(limit), None, "auto")
+        cids = [it.data["call_id"] for it in plan.items if isinstance(it, OtherItem)]  # type: ignore[union-attr]
+        for cid in ("k1", "k2"):
+            assert cids.count(cid) in (0, 2), (limit, cids)
+        seen.add(len(plan.items))
+    assert len(seen) >= 3  # several different cuts were made
 
 
 def test_newest_item_and_instructions_kept() -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from hotloop import errors, tokenizer
 from hotloop.models import ModelLimits
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, Message
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, Message, OtherItem
 from hotloop.state.context import Context
 
 if TYPE_CHECKING:
@@ -92,17 +92,25 @@ def exceeded(tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: 
 
 
 def _forbidden_cuts(items: list[Item]) -> set[int]:
-    """Cut positions ``k`` (keep ``items[k:]``) that would separate items sharing a call id."""
+    """Cut positions ``k`` (keep ``items[k:]``) that would separate items sharing a call id:
+    function calls and their outputs, and the calls and outputs of item types kept verbatim
+    (custom tools, shell, apply_patch, computer use: a ``call_id`` in their data)."""
     spans: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         t = type(it)
         if t is FunctionCall or t is FunctionCallOutput:
             cid = it.call_id  # type: ignore[union-attr]
-            span = spans.get(cid)
-            if span is None:
-                spans[cid] = [i, i]
-            else:
-                span[1] = i
+        elif t is OtherItem:
+            cid = it.data.get("call_id")  # type: ignore[union-attr]
+            if type(cid) is not str:
+                continue
+        else:
+            continue
+        span = spans.get(cid)
+        if span is None:
+            spans[cid] = [i, i]
+        else:
+            span[1] = i
     forbidden: set[int] = set()
     for lo, hi in spans.values():
         forbidden.update(range(lo + 1, hi + 1))
