@@ -385,8 +385,8 @@ PW = rnd(ALNUM, 20)
 def test_item_texts_paths() -> None:
     items = _items(KEY, PW)
     assert [p for it in items for p, _ in classify.item_texts(it)] == [
-        ("content",), ("content", 0, "text"), ("arguments",), ("output", 0, "text"),
-        ("output", 1, "text"), ("output",),
+        ("content",), ("content", 0, "text"), ("content", 1, "image_url"), ("name",), ("call_id",),
+        ("arguments",), ("call_id",), ("output", 0, "text"), ("output", 1, "text"), ("type",), ("output",),
     ]
 
 
@@ -412,12 +412,13 @@ def _nested_items(key: str) -> list[Any]:
 def test_nested_texts_of_unmodelled_items_are_scanned_and_redacted() -> None:
     items = _nested_items(KEY)
     assert [p for it in items for p, _ in classify.item_texts(it)] == [
-        ("action", "type"), ("action", "command", 0), ("action", "command", 1),
-        ("action", "command", 2), ("action", "env", "AWS_ACCESS_KEY_ID"),
-        ("output", 0, "stdout"), ("output", 0, "stderr"), ("output", 1, "stdout"),
-        ("output", 1, "stderr"), ("operation", "type"), ("operation", "path"),
-        ("operation", "diff"), ("output", "type"),
-    ]  # ids, call ids, statuses and the screenshot's data are not text
+        ("type",), ("call_id",), ("status",), ("action", "type"), ("action", "command", 0),
+        ("action", "command", 1), ("action", "command", 2), ("action", "env", "AWS_ACCESS_KEY_ID"),
+        ("type",), ("call_id",), ("output", 0, "stdout"), ("output", 0, "stderr"),
+        ("output", 1, "stdout"), ("output", 1, "stderr"), ("type",), ("call_id",),
+        ("operation", "type"), ("operation", "path"), ("operation", "diff"), ("type",), ("call_id",),
+        ("output", "type"),
+    ]  # ids (the model never reads them) and the screenshot's inline data are not text
     for impl, scanner in SCANNERS.items():
         c = classify.SecretsClassifier("redact", scanner)
         verdict, _ = c.classify(items, c.initial_state())
@@ -430,7 +431,7 @@ def test_nested_texts_of_unmodelled_items_are_scanned_and_redacted() -> None:
         assert KEY not in msgspec.json.encode([i.data for i in new[:3]]).decode()
         assert new[0].data["action"]["command"][:2] == ["bash", "-lc"]
         assert new[0].data["call_id"] == "c9" and new[0].data["id"] == "lsh_1"
-        assert new[1].data["output"][0] is items[1].data["output"][0]  # untouched parts are shared
+        assert new[1].data["output"][0] == items[1].data["output"][0]  # untouched parts are kept
         assert new[2].data["operation"]["diff"] == "+KEY=[REDACTED:aws_access_key_id]\n"
         assert new[3] is items[3]
         assert KEY in items[0].data["action"]["command"][2]  # the originals are untouched
@@ -556,3 +557,47 @@ def test_settings_scan_cache_is_bounded_and_follows_shared_tools(monkeypatch: py
         assert q.tools is not shared.tools and KEY in shared.tools[0]["description"]
         assert [f.path for f in verdict.findings] == [("tools", 0, "description")]
     assert list(c._tools.values()) == [[(("tools", 0, "description"), [("aws_access_key_id", 4, 24)])]]
+
+
+def test_many_secrets_in_one_item_are_redacted_in_one_copy() -> None:
+    """Every leaf of a long list redacted: each is replaced, the original is untouched (the item
+    is copied once, not once per secret)."""
+    keys = ["AK" + "IA" + rnd(UPPER + "234567", 16) for _ in range(300)]
+    item = OtherItem(type="custom_tool_call_output", data={"type": "custom_tool_call_output", "call_id": "c",
+                                                           "output": [{"text": k} for k in keys]})
+    msg = Message(role="user", content=[InputText(text=k) for k in keys])
+    c = classify.SecretsClassifier("redact")
+    verdict, _ = c.classify([item, msg], c.initial_state())
+    assert isinstance(verdict, classify.Redact) and len(verdict.findings) == 600
+    out, m = verdict.items
+    assert [p["text"] for p in out.data["output"]] == ["[REDACTED:aws_access_key_id]"] * 300
+    assert [p.text for p in m.content] == ["[REDACTED:aws_access_key_id]"] * 300
+    assert item.data["output"][7]["text"] == keys[7] and msg.content[7].text == keys[7]
+
+
+def test_settings_beyond_the_model_text_are_scanned() -> None:
+    """Every tool (hosted ones too), a tool_choice object, the format's name, metadata values and
+    the identifiers: redacted (identifiers dropped) or named by block."""
+    from hotloop.protocol.request import CreateRequest, TextConfig, TextFormat, validate
+
+    req = CreateRequest(
+        model="m", input="hi",
+        tools=[{"type": "mcp", "server_label": "gh", "headers": {"Authorization": "Bearer " + KEY}},
+               {"type": "function", "name": "f", "x_note": "key " + KEY}],
+        tool_choice={"type": "function", "name": "f"},
+        text=TextConfig(format=TextFormat(type="json_schema", name="f" + KEY[:5], schema={"a": KEY})),
+        metadata={"note": "key " + KEY}, user=KEY, safety_identifier="s", prompt_cache_key=KEY,
+    )
+    p = validate(req)
+    verdict, q = classify.SecretsClassifier("redact").classify_settings(p)
+    assert isinstance(verdict, classify.Redact)
+    assert sorted(f.path for f in verdict.findings) == sorted([
+        ("tools", 0, "headers", "Authorization"), ("tools", 1, "x_note"), ("text", "format", "schema", "a"),
+        ("metadata", "note"), ("user",), ("prompt_cache_key",)])
+    assert KEY not in msgspec.json.encode(q.req).decode() and KEY not in msgspec.json.encode(q.tools).decode()
+    assert q.req.user is None and q.req.prompt_cache_key is None and q.req.safety_identifier == "s"
+    assert q.req.metadata == {"note": "key [REDACTED:aws_access_key_id]"}
+    assert q.function_tools["f"].name == "f" and KEY in msgspec.json.encode(p.req).decode()
+    verdict, _ = classify.SecretsClassifier("block").classify_settings(p)
+    assert isinstance(verdict, classify.Block)
+    assert classifiers.blocked_error(verdict).param == "tools[0].headers.Authorization"

@@ -29,8 +29,18 @@ from typing import Any, NamedTuple
 import msgspec
 
 from hotloop import errors
-from hotloop.pipeline.classify import SETTINGS, Block, Classifier, Flag, Redact, SecretsClassifier, TextPath, Verdict
-from hotloop.protocol.request import Item
+from hotloop.pipeline.classify import (
+    SETTINGS,
+    Block,
+    Classifier,
+    Flag,
+    Redact,
+    SecretsClassifier,
+    TextPath,
+    Verdict,
+    item_texts,
+)
+from hotloop.protocol.request import Item, OtherItem
 
 log = logging.getLogger("hotloop.classify")
 
@@ -234,6 +244,8 @@ def text_chars(items: Sequence[Item], limit: int) -> int:
     contents and parts' ``text``; enough to decide whether a scan runs off the event loop)."""
     n = 0
     for it in items:
+        if type(it) is OtherItem:  # its strings at any depth (classify.item_texts)
+            n += sum(len(t) for _, t in item_texts(it))
         for field in ("content", "output", "arguments"):
             v = getattr(it, field, None)
             if type(v) is str:

@@ -149,15 +149,15 @@ class Classifier(Protocol[S]):
 
 # -- the text fields of items ------------------------------------------------------------------
 
-#: Top-level OtherItem data keys that are not text a model reads: the item's kind, ids that pair a
-#: call with its output, its status and the tool's name (redacting one would break the pairing).
-#: Every other string in the item, at any depth, is scanned (``local_shell_call.action.command``,
-#: ``shell_call_output.output[].stdout``, ``apply_patch_call.operation.diff``...).
-OTHER_SKIP_KEYS = frozenset(("type", "id", "call_id", "status", "name"))
+#: Top-level OtherItem data keys that are not text a model reads: the item's id (the renderers
+#: leave it out). Every other string in the item, at any depth, is scanned (its ``call_id`` and
+#: ``name`` too, which the model reads: ``local_shell_call.action.command``,
+#: ``shell_call_output.output[].stdout``, ``apply_patch_call.operation.diff``...), but data URLs.
+OTHER_SKIP_KEYS = frozenset(("id",))
 
-#: Keys, at any depth, whose strings are data rather than text (images and files, often large
-#: base64): never scanned, as message image and file parts are not.
-BINARY_KEYS = frozenset(("image_url", "file_data", "file_url", "file_id"))
+#: Strings that are data rather than text (inline images and files, often large base64): never
+#: scanned. A URL the model is given to fetch is text (it may carry a token in its query).
+DATA_URL = "data:"
 
 #: Deepest nesting :func:`string_leaves` follows (request items are at most as deep as the decoder
 #: accepts; deeper strings are not scanned).
@@ -166,20 +166,19 @@ MAX_LEAF_DEPTH = 64
 
 def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset()) -> list[tuple[TextPath, str]]:
     """The strings in a JSON value (dicts, lists, strings), with their paths below ``prefix``,
-    in document order; ``skip``: keys of the top-level dict not followed."""
+    in document order, but data URLs; ``skip``: keys of the top-level dict not followed."""
     out: list[tuple[TextPath, str]] = []
     stack: list[tuple[TextPath, Any, frozenset[str]]] = [(prefix, value, skip)]
     while stack:
         path, v, skipped = stack.pop()
         if type(v) is str:
-            out.append((path, v))
+            if not v.startswith(DATA_URL):
+                out.append((path, v))
         elif len(path) - len(prefix) >= MAX_LEAF_DEPTH:
             continue
         elif type(v) is dict:
             stack.extend(
-                ((*path, k), x, frozenset())
-                for k, x in reversed(v.items())
-                if type(x) in _NESTED and k not in skipped and k not in BINARY_KEYS
+                ((*path, k), x, frozenset()) for k, x in reversed(v.items()) if type(x) in _NESTED and k not in skipped
             )
         elif type(v) is list:
             stack.extend(((*path, i), x, frozenset()) for i, x in reversed(list(enumerate(v))) if type(x) in _NESTED)
@@ -189,18 +188,28 @@ def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset
 _NESTED = (str, dict, list)
 
 
-def replace_leaf(value: Any, path: TextPath, text: str) -> Any:
-    """A copy of the JSON ``value`` with the string at ``path`` replaced (the containers on the
-    path are copied; everything else is shared)."""
-    if not path:
-        return text
-    key = path[0]
-    if type(value) is dict:
-        return {**value, key: replace_leaf(value[key], path[1:], text)}
-    copy = list(value)
-    assert isinstance(key, int)
-    copy[key] = replace_leaf(copy[key], path[1:], text)
-    return copy
+def _copy_json(value: Any) -> Any:
+    """A copy of the containers (dicts, lists) of a JSON value; strings and numbers are shared."""
+    t = type(value)
+    if t is dict:
+        return {k: _copy_json(v) for k, v in value.items()}
+    if t is list:
+        return [_copy_json(v) for v in value]
+    return value
+
+
+def set_leaves(value: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
+    """A copy of the JSON ``value`` with the string at each path of ``edits`` replaced: one copy
+    of the containers, then each string set in place (linear in the value and the edits)."""
+    if any(not path for path, _ in edits):
+        return edits[-1][1]  # the value itself is the string
+    out = _copy_json(value)
+    for path, text in edits:
+        node = out
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = text
+    return out
 
 
 def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, str]]:
@@ -208,28 +217,36 @@ def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, 
     for i, part in enumerate(parts):
         if isinstance(part, Refusal):
             out.append(((*prefix, i, "refusal"), part.refusal))
-        else:
-            text = getattr(part, "text", None)
-            if isinstance(text, str):
-                out.append(((*prefix, i, "text"), text))
+            continue
+        for field in _PART_FIELDS:
+            text = getattr(part, field, None)
+            if isinstance(text, str) and not text.startswith(DATA_URL):
+                out.append(((*prefix, i, field), text))
     return out
+
+
+#: Content part fields a model reads as text: the text, and the URLs it is given (an image's or a
+#: file's, unless inline data).
+_PART_FIELDS = ("text", "image_url", "file_url")
 
 
 def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     """The text fields of ``item`` a model reads, with their paths: message text parts (or a
-    string content), function call arguments, function call outputs, reasoning summaries and
-    texts, and every string of an unmodelled item but its ``OTHER_SKIP_KEYS``. Images, files and
-    audio are not text and are not returned."""
+    string content) and image and file URLs, function call names, call ids and arguments,
+    function call outputs, reasoning summaries and texts, and every string of an unmodelled item
+    but its ``OTHER_SKIP_KEYS``. Inline images and files (``data:`` URLs) and audio are not text
+    and are not returned."""
     if isinstance(item, Message):
         if isinstance(item.content, str):
             return [(("content",), item.content)]
         return _part_texts(item.content, ("content",))
     if isinstance(item, FunctionCall):
-        return [(("arguments",), item.arguments)]
+        return [(("name",), item.name), (("call_id",), item.call_id), (("arguments",), item.arguments)]
     if isinstance(item, FunctionCallOutput):
+        out: list[tuple[TextPath, str]] = [(("call_id",), item.call_id)]
         if isinstance(item.output, str):
-            return [(("output",), item.output)]
-        return _part_texts(item.output, ("output",))
+            return out + [(("output",), item.output)]
+        return out + _part_texts(item.output, ("output",))
     if isinstance(item, Reasoning):
         out = _part_texts(item.summary, ("summary",))
         if item.content:
@@ -240,19 +257,25 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     return []
 
 
-def _replace_text(item: Any, path: TextPath, text: str) -> Any:
-    """A copy of ``item`` with the text at ``path`` replaced (structs are immutable values)."""
+def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
+    """A copy of ``item`` with the text at each path of ``edits`` replaced (structs are immutable
+    values), built once: each list of parts is copied once, whatever the number of edits."""
     if isinstance(item, OtherItem):
-        return msgspec.structs.replace(item, data=replace_leaf(item.data, path, text))
-    field = path[0]
-    assert isinstance(field, str)
-    if len(path) == 1:
-        return msgspec.structs.replace(item, **{field: text})
-    parts = list(getattr(item, field))
-    index = path[1]
-    assert isinstance(index, int)
-    parts[index] = _replace_text(parts[index], path[2:], text)
-    return msgspec.structs.replace(item, **{field: parts})
+        return msgspec.structs.replace(item, data=set_leaves(item.data, edits))
+    changes: dict[str, Any] = {}
+    for path, text in edits:
+        field = path[0]
+        assert isinstance(field, str)
+        if len(path) == 1:
+            changes[field] = text
+            continue
+        parts = changes.get(field)
+        if parts is None:
+            parts = changes[field] = list(getattr(item, field))
+        index, attr = path[1], path[2]
+        assert isinstance(index, int) and isinstance(attr, str)
+        parts[index] = msgspec.structs.replace(parts[index], **{attr: text})
+    return msgspec.structs.replace(item, **changes)
 
 
 # -- the request's own texts -------------------------------------------------------------------
@@ -261,78 +284,96 @@ def _replace_text(item: Any, path: TextPath, text: str) -> Any:
 #: format); its path then starts at the request's root (``("tools", 2, "description")``).
 SETTINGS = -1
 
+#: Request fields that name the caller or a cache, sent to the backend and stored: scanned, and
+#: under ``redact`` dropped rather than marked (one marker would put every redacted caller in one
+#: bucket).
+IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
+
 
 def settings_texts(p: Prepared) -> list[tuple[TextPath, str]]:
-    """The texts a model reads besides the input items, with their paths from the request's root:
-    ``instructions``, each function tool's ``description`` and every string of its
-    ``parameters`` schema, and the ``text.format`` description and schema. (Other tool types are
-    never sent to a backend.)"""
+    """The texts of a request besides its input items, with their paths from the request's
+    root: what the model reads (``instructions``, every string of every tool but its ``type``,
+    of a ``tool_choice`` object, and the ``text.format`` name, description and schema) and what
+    is stored or forwarded with it (``metadata`` values, ``user``, ``safety_identifier``,
+    ``prompt_cache_key``)."""
     req = p.req
     out: list[tuple[TextPath, str]] = []
     if req.instructions:
         out.append((("instructions",), req.instructions))
     out += tools_texts(p.tools)
-    out += format_texts(req.text)
+    out += other_settings_texts(req)
     return out
 
 
-def format_texts(text: TextConfig | None) -> list[tuple[TextPath, str]]:
-    """The output format's texts a model reads (see :func:`settings_texts`)."""
-    fmt = text.format if text is not None else None
-    if fmt is None:
-        return []
+_TYPE = frozenset(("type",))
+
+
+def other_settings_texts(req: Any) -> list[tuple[TextPath, str]]:
+    """:func:`settings_texts` but the instructions and the tools (which have caches of their own)."""
     out: list[tuple[TextPath, str]] = []
-    if fmt.description:
-        out.append((("text", "format", "description"), fmt.description))
-    if fmt.schema is not None:
-        out += string_leaves(fmt.schema, ("text", "format", "schema"))
+    if type(req.tool_choice) is dict:
+        out += string_leaves(req.tool_choice, ("tool_choice",), _TYPE)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None:
+        for field in ("name", "description"):
+            if value := getattr(fmt, field):
+                out.append((("text", "format", field), value))
+        if fmt.schema is not None:
+            out += string_leaves(fmt.schema, ("text", "format", "schema"))
+    if req.metadata:
+        out += string_leaves(req.metadata, ("metadata",))
+    for field in IDENTIFIERS:
+        if value := getattr(req, field):
+            out.append(((field,), value))
     return out
 
 
 def tools_texts(tools: Sequence[dict[str, Any]]) -> list[tuple[TextPath, str]]:
-    """The function tools' texts a model reads (see :func:`settings_texts`)."""
+    """Every string of every tool but its ``type`` (see :func:`settings_texts`)."""
     out: list[tuple[TextPath, str]] = []
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            continue
-        if isinstance(d := tool.get("description"), str):
-            out.append((("tools", i, "description"), d))
-        if (params := tool.get("parameters")) is not None:
-            out += string_leaves(params, ("tools", i, "parameters"))
+        out += string_leaves(tool, ("tools", i), _TYPE)
     return out
 
 
 def redact_settings(p: Prepared, texts: dict[TextPath, str]) -> Prepared:
-    """A copy of ``p`` with the settings texts at the paths of ``texts`` replaced (the tools are
-    copied and checked again; the originals, which a cache may share, are untouched)."""
+    """A copy of ``p`` with the settings texts at the paths of ``texts`` replaced (identifiers
+    dropped; the tools copied and checked again; the originals, which a cache may share, are
+    untouched)."""
     req = p.req
-    tools = p.tools
-    fmt = req.text.format if req.text is not None else None
-    changes: dict[str, Any] = {}
+    groups: dict[Any, list[tuple[TextPath, str]]] = {}
     for path, text in texts.items():
         head = path[0]
-        if head == "instructions":
-            changes["instructions"] = text
-        elif head == "tools":
-            index = path[1]
-            assert isinstance(index, int)
-            if tools is p.tools:
-                tools = list(tools)
-            tools[index] = replace_leaf(tools[index], path[2:], text)
-        else:  # ("text", "format", field, ...)
+        if head == "tools" or head == "text":
+            groups.setdefault((head, path[1 if head == "tools" else 2]), []).append((path[2 if head == "tools" else 3 :], text))
+        else:
+            groups.setdefault(head, []).append((path[1:], text))
+    changes: dict[str, Any] = {}
+    prepared: dict[str, Any] = {}
+    tools = list(p.tools)
+    fmt = req.text.format if req.text is not None else None
+    for key, edits in groups.items():
+        if key == "instructions":
+            changes["instructions"] = edits[0][1]
+        elif key in IDENTIFIERS:
+            changes[key] = None
+        elif key == "metadata":
+            changes["metadata"] = set_leaves(req.metadata, edits)
+        elif key == "tool_choice":
+            changes["tool_choice"] = set_leaves(req.tool_choice, edits)
+            if type(p.tool_choice) is dict:
+                prepared["tool_choice"] = set_leaves(p.tool_choice, edits)
+        elif key[0] == "tools":
+            tools[key[1]] = set_leaves(tools[key[1]], edits)
+            prepared["tools"] = changes["tools"] = tools
+        else:  # ("text", field): the output format's
             assert fmt is not None
-            field = path[2]
-            assert isinstance(field, str)
-            value = text if len(path) == 3 else replace_leaf(getattr(fmt, field), path[3:], text)
-            fmt = msgspec.structs.replace(fmt, **{field: value})
-    if fmt is not None and req.text is not None and fmt is not req.text.format:
-        changes["text"] = msgspec.structs.replace(req.text, format=fmt)
-    if tools is not p.tools:
-        changes["tools"] = tools
-    new = msgspec.structs.replace(p, req=msgspec.structs.replace(req, **changes) if changes else req)
-    if tools is not p.tools:
-        new = msgspec.structs.replace(new, tools=tools, function_tools=check_tools(tools))
-    return new
+            fmt = msgspec.structs.replace(fmt, **{key[1]: set_leaves(getattr(fmt, key[1]), edits)})
+            assert req.text is not None
+            changes["text"] = msgspec.structs.replace(req.text, format=fmt)
+    if "tools" in prepared:
+        prepared["function_tools"] = check_tools(tools)
+    return msgspec.structs.replace(p, req=msgspec.structs.replace(req, **changes), **prepared)
 
 
 # -- secrets -----------------------------------------------------------------------------------
@@ -407,6 +448,7 @@ class SecretsClassifier:
         new_items: list[Item] = list(items)
         capped = False
         for index, item in enumerate(items):
+            edits: list[tuple[TextPath, str]] = []
             for path, text in item_texts(item):
                 if not text:
                     continue
@@ -417,7 +459,9 @@ class SecretsClassifier:
                 capped = capped or len(spans) >= cap
                 findings.extend(Finding(index, path, kind, s, e) for kind, s, e in spans)
                 if redacting:
-                    new_items[index] = _replace_text(new_items[index], path, result[0])
+                    edits.append((path, result[0]))
+            if edits:
+                new_items[index] = with_texts(item, edits)
         if not findings:
             return ALLOW, state
         kinds = sorted({f.kind for f in findings})
@@ -440,11 +484,11 @@ class SecretsClassifier:
     # -- the request's own texts ---------------------------------------------------------------
 
     def classify_settings(self, p: Prepared) -> tuple[Verdict, Prepared]:
-        """The verdict on the request's own texts (:func:`settings_texts`: instructions, function
-        tools, output format), which come with every request rather than once per chain, so they
-        count in this turn's flags but not in the chain's state. ``redact`` returns a copy of
-        ``p`` with those texts redacted (what the backend reads, and what the response echoes
-        and stores); findings have ``item_index`` :data:`SETTINGS` and paths from the request's
+        """The verdict on the request's own texts (:func:`settings_texts`: instructions, tools,
+        tool choice, output format, metadata, identifiers), which come with every request rather
+        than once per chain, so they count in this turn's flags but not in the chain's state.
+        ``redact`` returns a copy of ``p`` with those texts redacted (what the backend reads, and
+        what the response echoes and stores; identifiers dropped); findings have ``item_index`` :data:`SETTINGS` and paths from the request's
         root (``tools[2].parameters.properties.path.description``)."""
         if self.policy == "off":
             return ALLOW, p
@@ -456,7 +500,7 @@ class SecretsClassifier:
                 found.append((("instructions",), req.instructions, spans))
         if p.tools:
             found += self._scan_tools(p.tools)
-        for path, text in format_texts(req.text):
+        for path, text in other_settings_texts(req):
             spans = self.scanner.scan(text)
             if spans:
                 found.append((path, text, spans))
