@@ -334,6 +334,9 @@ def test_item_reference_resolves_or_400(client: OpenAI) -> None:
         after = page.data[-1].id
         assert len(pages) <= len(ids)
     assert pages == ids
+    # the copy's id was minted here: a later request can name it as any other output's
+    r3 = client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": ids[2]}])
+    assert client.responses.input_items.list(r3.id).data[0].id == ids[2]
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": "msg_nope"}])
     assert ei.value.code == "item_not_found"

@@ -271,8 +271,9 @@ def prepare(
                 # with previous_response_id): the model reads it again, as asked, and the copy is
                 # a new item of this response with an id of its own: a chain holds each id once
                 # (input_items pages by id). Refusing it (as a re-sent item with its id is
-                # refused) would break clients that send references to any stored output.
-                item = _with_id(_without_id(item), ids)
+                # refused) would break clients that send references to any stored output. The
+                # new id is minted below, so a later item_reference can name the copy too.
+                item = _without_id(item)
         t = type(item)
         if t is FunctionCall:
             pending_calls.add(item.call_id)  # type: ignore[union-attr]
