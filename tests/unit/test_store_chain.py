@@ -311,3 +311,32 @@ def test_files_of_the_earlier_schema_open(tmp_path, with_item_id) -> None:
     s = SQLiteStore(path)  # opens again once migrated
     assert s.get(child) == c.whole[child] and s.get("resp_old") is None
     s.close()
+
+
+def test_orphan_bodies_of_earlier_versions_are_collected_once(tmp_path) -> None:
+    path = tmp_path / "o.sqlite3"
+    s = SQLiteStore(path)
+    c = Chain(s)
+    c.add()
+    s._db.execute("INSERT INTO blobs VALUES (?, ?)", (b"\x01" * 16, b"{}"))  # an orphan, as they were left
+    s._db.execute("DELETE FROM meta WHERE name = 'orphan_blobs_collected'")  # a file of an earlier version
+    s.close()
+    s = SQLiteStore(path)
+    assert s._db.execute("SELECT COUNT(*) FROM blobs WHERE hash = ?", (b"\x01" * 16,)).fetchone()[0] == 0
+    assert s.get(c.ids[0]) == c.whole[c.ids[0]]  # the live response's bodies stay
+    s._db.execute("INSERT INTO blobs VALUES (?, ?)", (b"\x02" * 16, b"{}"))
+    s.close()
+    s = SQLiteStore(path)  # once per file: not swept at every open
+    assert s._db.execute("SELECT COUNT(*) FROM blobs WHERE hash = ?", (b"\x02" * 16,)).fetchone()[0] == 1
+    s.close()
+
+
+def test_the_deletions_log_records_many_in_one_call(tmp_path) -> None:
+    from hotloop.pipeline.shared import DeletionLog
+
+    SQLiteStore(tmp_path / "d.sqlite3").close()
+    log = DeletionLog(str(tmp_path / "d.sqlite3"))
+    log.record("resp_a")
+    log.record("resp_b", "resp_c")
+    assert [r for _, r in log.since(0)] == ["resp_a", "resp_b", "resp_c"] and log.last() == 3
+    log.close()

@@ -77,11 +77,20 @@ class DeletionLog:
                 "CREATE TABLE IF NOT EXISTS deleted_responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)"
             )
 
-    def record(self, response_id: str) -> None:
+    def record(self, *response_ids: str) -> None:
+        """Append ``response_ids`` (one transaction)."""
         with self._lock:
-            seq = self._db.execute("INSERT INTO deleted_responses (id) VALUES (?)", (response_id,)).lastrowid or 0
-            if seq % 1024 == 0:
-                self._db.execute("DELETE FROM deleted_responses WHERE seq <= ?", (seq - DELETIONS_KEPT,))
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("INSERT INTO deleted_responses (id) VALUES (?)", [(r,) for r in response_ids])
+                seq = db.execute("SELECT max(seq) FROM deleted_responses").fetchone()[0] or 0
+                if seq // 1024 != (seq - len(response_ids)) // 1024:  # now and then: keep the newest
+                    db.execute("DELETE FROM deleted_responses WHERE seq <= ?", (seq - DELETIONS_KEPT,))
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
 
     def last(self) -> int:
         with self._lock:
@@ -108,6 +117,7 @@ class SharedPersistence(Persistence):
         self.forget: Callable[[], None] | None = None
         self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
         self._deletions: DeletionLog | None = None  # SQLite shared by --workers
+        self._publishing: set[asyncio.Task[None]] = set()  # pruned ids being recorded there
         # Reads run beside the writer thread, not behind it: a write being retried during an
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
@@ -193,12 +203,18 @@ class SharedPersistence(Persistence):
         """Pruned responses leave the other workers' caches too, as deletes do (SQLite shared by
         ``--workers``; Redis expires them everywhere by TTL)."""
         await super()._pruned(ids)
-        if self._deletions is not None:
-            try:
-                for rid in ids:
-                    await self._call(self._deletions.record, rid)
-            except Exception:  # noqa: BLE001 - their caches' TTL still ends them
-                log.warning("could not publish %d pruned responses to other processes", len(ids))
+        deletions = self._deletions
+        if deletions is not None:
+            # in the background, one transaction: the writer's next batch does not wait for it
+            task = asyncio.get_running_loop().create_task(self._publish_pruned(deletions, ids))
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+    async def _publish_pruned(self, deletions: DeletionLog, ids: list[str]) -> None:
+        try:
+            await self._call(deletions.record, *ids)
+        except Exception:  # noqa: BLE001 - their caches' TTL still ends them
+            log.warning("could not publish %d pruned responses to other processes", len(ids))
 
     async def _poll(self, deletions: DeletionLog) -> None:
         """Evict what other workers deleted, every ``DELETE_POLL_SECONDS``."""
@@ -266,6 +282,8 @@ class SharedPersistence(Persistence):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
+        if self._publishing:  # pruned ids on their way to the other workers
+            await asyncio.wait(set(self._publishing), timeout=timeout)
         # reads in flight finish (each bounded by the store's timeouts) off the event loop
         await asyncio.to_thread(self._readers.shutdown, wait=True, cancel_futures=True)
         if self._deletions is not None:

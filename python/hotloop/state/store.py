@@ -73,6 +73,7 @@ _dec = msgspec.json.Decoder()
 log = logging.getLogger("hotloop.store")
 
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600
+_ORPHANS_COLLECTED = "orphan_blobs_collected"  # meta: the one-time collection ran (_collect_orphans)
 PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
@@ -212,10 +213,15 @@ class _Node:
 def _take_pruned(self: Any) -> list[str]:
     """The ids the bounds pruned since the last call (at most ``PRUNED_KEPT``, the newest), for
     the process's cache of responses (:class:`~hotloop.pipeline.post.Persistence`)."""
-    with self._lock:
-        out = list(self._pruned)
-        self._pruned.clear()
-    return out
+    pruned: deque[str] = self._pruned
+    out: list[str] = []
+    # without the store's lock (held by a long read in a store thread; this runs on the event
+    # loop): appending and popping a deque are atomic
+    while True:
+        try:
+            out.append(pruned.popleft())
+        except IndexError:
+            return out
 
 
 class MemoryStore:
@@ -573,12 +579,29 @@ class SQLiteStore:
                         pass
             self._migrate_fingerprints()
             self._db.executescript(_INDEXES)
+            self._collect_orphans()
             if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
                 try:
                     self._db.executescript("BEGIN;" + _MIGRATE_USAGE + "COMMIT;")
                 except sqlite3.OperationalError:  # another process migrated it first
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
+
+    def _collect_orphans(self) -> None:
+        """Once per file: the item bodies no row lists any more (earlier versions collected them
+        only when a prune ran in the process that deleted their responses; since then each
+        leaves with its last row)."""
+        db = self._db
+        if db.execute("SELECT 1 FROM meta WHERE name = ?", (_ORPHANS_COLLECTED,)).fetchone():
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
+            db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", (_ORPHANS_COLLECTED, b"1"))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def _migrate_fingerprints(self) -> None:
         """Drop fingerprints made under another key or scheme (and rebuild an INTEGER ``fp``
