@@ -698,18 +698,29 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 #: Letters that end a two-character escape (``\\n``, ``\\t``...) in JSON or C-like text.
 _ESCAPE_LETTERS = frozenset("bfnrt")
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
-def _escaped(text: str, i: int) -> bool:
-    """Whether ``text[i]`` is the letter of an escape: one of ``bfnrt`` after an odd run of
-    backslashes. A token right after ``\\n`` in JSON-encoded text (a tool output holding JSON)
-    then starts at a boundary, as it would after the newline the escape stands for."""
-    if text[i] not in _ESCAPE_LETTERS:
-        return False
+def _odd_backslashes_before(text: str, i: int) -> bool:
     run = 0
     while i - run > 0 and text[i - run - 1] == "\\":
         run += 1
     return run % 2 == 1
+
+
+def _escaped(text: str, i: int) -> bool:
+    """Whether ``text[i]`` ends an escape: one of ``bfnrt`` after an odd run of backslashes, or
+    the last hex digit of a ``\\uXXXX`` escape. A token right after ``\\n`` or ``\\u003e`` in
+    JSON-encoded text (a tool output holding JSON) then starts at a boundary, as it would after
+    the character the escape stands for."""
+    if text[i] in _ESCAPE_LETTERS and _odd_backslashes_before(text, i):
+        return True
+    return (
+        i >= 5
+        and text[i - 4] == "u"
+        and all(c in _HEX for c in text[i - 3 : i + 1])
+        and _odd_backslashes_before(text, i - 4)
+    )
 
 
 class SecretScanner:

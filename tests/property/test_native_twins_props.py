@@ -204,7 +204,7 @@ def _planted(a: str, up: str, hexits: str) -> list[tuple[str, str]]:
 # noise: any code point (lone surrogates and astral planes included) plus key-ish ASCII
 _noise_char = st.one_of(
     any_char,
-    st.sampled_from("=:\"' \n\t-_./+@AKIAskghp_0123456789xoxb-eyJ\\bfnrt"),
+    st.sampled_from("=:\"' \n\t-_./+@AKIAskghp_0123456789xoxb-eyJ\\bfnrtu003eE"),
 )
 _noise = st.text(_noise_char, max_size=30)
 # separators around a planted secret that no pattern can extend into

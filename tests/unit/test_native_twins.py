@@ -322,6 +322,8 @@ def _secret_texts() -> list[str]:
     texts.append("\U0001f600".join(singles))
     texts.append("\\n".join(singles))  # JSON-encoded newlines: escape letters as boundaries
     texts.append("\\\\n".join(singles))  # an escaped backslash, then a plain letter
+    texts.append("\\u003e".join(singles))  # a unicode escape (Go's JSON escapes < and > so)
+    texts.append("\\\\u003e".join(singles))
     return texts
 
 

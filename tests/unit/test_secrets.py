@@ -275,13 +275,14 @@ def test_a_token_after_a_json_escape_is_found(scanner: Any) -> None:
     # a tool output that holds JSON keeps its newlines as the two characters backslash, n: the
     # escape's letter must not glue the token to a longer word
     gh = "gh" + "p_" + rnd(ALNUM, 36)
-    for escape in ("\\n", "\\t", "\\r", "\\\\\\n"):
+    for escape in ("\\n", "\\t", "\\r", "\\\\\\n", "\\u003e", "\\u00E9"):
         text = '{"log": "line one' + escape + gh + '"}'
         start = text.index(gh)
         assert scanner.scan(text) == [("github_token", start, start + len(gh))], escape
     # an escaped backslash followed by a plain "n" is a letter of the word: glued, not found
     assert scanner.scan("\\\\n" + gh) == []
     assert scanner.scan("xn" + gh) == []
+    assert scanner.scan("u003e" + gh) == [] and scanner.scan("\\\\u003e" + gh) == []
 
 
 def test_adjacent_and_overlapping_kinds(scanner: Any) -> None:

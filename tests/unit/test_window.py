@@ -251,6 +251,9 @@ def test_custom_tool_calls_and_outputs_go_together() -> None:
         {"type": "local_shell_call", "call_id": "k2", "status": "completed",
          "action": {"type": "exec", "command": ["ls"] * 30, "env": {}}},
         {"type": "local_shell_call_output", "call_id": "k2", "output": "file " * 40},
+        msg("user", LONG),
+        {"type": "mcp_approval_request", "id": "k3", "server_label": "gh", "name": "list", "arguments": "{} " * 40},
+        {"type": "mcp_approval_response", "approval_request_id": "k3", "approve": True, "reason": "ok " * 40},
         msg("user", "and now?"),
     ]
     n = plan_for(body(items)).input_tokens
@@ -258,8 +261,9 @@ def test_custom_tool_calls_and_outputs_go_together() -> None:
     for limit in range(n - 1, n // 5, -7):  # every cut the sizes allow
         plan = plan_for(body(items))
         window.fit(plan, ModelLimits(limit), None, "auto")
-        cids = [it.data["call_id"] for it in plan.items if isinstance(it, OtherItem)]  # type: ignore[union-attr]
-        for cid in ("k1", "k2"):
+        cids = [it.data.get("call_id") or it.data.get("approval_request_id") or it.data.get("id")  # type: ignore[union-attr]
+                for it in plan.items if isinstance(it, OtherItem)]
+        for cid in ("k1", "k2", "k3"):
             assert cids.count(cid) in (0, 2), (limit, cids)
         seen.add(len(plan.items))
     assert len(seen) >= 3  # several different cuts were made

@@ -94,16 +94,23 @@ def exceeded(tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: 
 def _forbidden_cuts(items: list[Item]) -> set[int]:
     """Cut positions ``k`` (keep ``items[k:]``) that would separate items sharing a call id:
     function calls and their outputs, and the calls and outputs of item types kept verbatim
-    (custom tools, shell, apply_patch, computer use: a ``call_id`` in their data)."""
+    (custom tools, shell, apply_patch, computer use: a ``call_id`` in their data; an MCP
+    approval request's ``id`` and its response's ``approval_request_id``)."""
     spans: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         t = type(it)
         if t is FunctionCall or t is FunctionCallOutput:
             cid = it.call_id  # type: ignore[union-attr]
         elif t is OtherItem:
-            cid = it.data.get("call_id")  # type: ignore[union-attr]
-            if type(cid) is not str:
-                continue
+            data = it.data  # type: ignore[union-attr]
+            cid = data.get("call_id")
+            if type(cid) is not str:  # an MCP approval request and its response pair by its id
+                kind = data.get("type")
+                cid = data.get("id") if kind == "mcp_approval_request" else (
+                    data.get("approval_request_id") if kind == "mcp_approval_response" else None
+                )
+                if type(cid) is not str:
+                    continue
         else:
             continue
         span = spans.get(cid)

@@ -270,15 +270,16 @@ impl SecretScanner {
     }
 }
 
-/// Whether `bytes[i]` is the letter of an escape: one of `bfnrt` after an odd run of
-/// backslashes. A token right after `\n` in JSON-encoded text (a tool output holding JSON) then
-/// starts at a boundary, as it would after the newline the escape stands for.
+/// Whether `bytes[i]` ends an escape: one of `bfnrt` after an odd run of backslashes, or the
+/// last hex digit of a `\uXXXX` escape. A token right after `\n` or `\u003e` in JSON-encoded
+/// text (a tool output holding JSON) then starts at a boundary, as it would after the character
+/// the escape stands for.
 fn escaped(bytes: &[u8], i: usize) -> bool {
-    if !matches!(bytes[i], b'b' | b'f' | b'n' | b'r' | b't') {
-        return false;
+    let odd_backslashes_before = |j: usize| bytes[..j].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1;
+    if matches!(bytes[i], b'b' | b'f' | b'n' | b'r' | b't') && odd_backslashes_before(i) {
+        return true;
     }
-    let run = bytes[..i].iter().rev().take_while(|&&b| b == b'\\').count();
-    run % 2 == 1
+    i >= 5 && bytes[i - 4] == b'u' && bytes[i - 3..=i].iter().all(u8::is_ascii_hexdigit) && odd_backslashes_before(i - 4)
 }
 
 struct Cursor {
@@ -473,6 +474,9 @@ mod tests {
         assert_eq!(scan("\\\\ntok_abcd"), vec![("short_tok", 3, 11)]);
         // a letter that ends no escape stays glued
         assert_eq!(scan("\\xtok_abcd"), vec![("short_tok", 2, 10)]);
+        // a unicode escape's last hex digit is a boundary too; hex digits alone are not
+        assert_eq!(scan("\\u003etok_abcd"), vec![("long_tok", 6, 14)]);
+        assert_eq!(scan("u003etok_abcd"), vec![("short_tok", 5, 13)]);
     }
 
     #[test]
