@@ -91,6 +91,7 @@ FN = {"type": "function", "name": "f"}
         ({"model": "m", "input": "x", "top_p": -0.1}, "top_p", "invalid_value"),
         ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"model": "m", "input": "x", "truncation": "sometimes"}, "truncation", "invalid_value"),
+        ({"model": "m", "input": "x", "prompt_cache_retention": "forever"}, "prompt_cache_retention", "invalid_value"),
         ({"model": "m", "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
         ({"model": "m", "input": "x", "metadata": {"k": "v" * 513}}, "metadata.k", "invalid_value"),
         ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),

@@ -241,6 +241,7 @@ def invalid_stream_id() -> errors.InvalidValue:
     )
 TRUNCATION_VALUES = ("auto", "disabled")
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+PROMPT_CACHE_RETENTIONS = ("in-memory", "24h")
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
 
 _decoder = msgspec.json.Decoder(CreateRequest)
@@ -618,6 +619,12 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
             f"Invalid value for 'truncation': {shown(req.truncation)}. Supported values are: 'auto' and "
             "'disabled'.",
             param="truncation",
+        )
+    if req.prompt_cache_retention is not None and req.prompt_cache_retention not in PROMPT_CACHE_RETENTIONS:
+        raise errors.InvalidValue(
+            f"Invalid value for 'prompt_cache_retention': {shown(req.prompt_cache_retention)}. Supported values "
+            "are: 'in-memory' and '24h'.",
+            param="prompt_cache_retention",
         )
     if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
         raise errors.InvalidValue(
