@@ -291,6 +291,27 @@ def test_an_error_in_a_continuation_names_the_clients_own_input(paced: Server) -
         assert collect(ws, 1)[-1]["type"] == "response.completed"
 
 
+def test_a_blocked_string_continuation_after_steering_names_input(tmp_path: Path) -> None:
+    """A string input becomes a message after the pending steering input; a block of it still
+    names ``input``, as it would without steering."""
+    from tests.unit.test_secrets import POSITIVES
+
+    token = next(secret for kind, _, secret, _ in POSITIVES if kind == "github_token")
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    with run_server(tmp_path, "--sim-rate", str(RATE), "--store", "memory", "--secrets", "block") as s:
+        with ws_connect(s.ws + "/responses") as ws:
+            ws.send(create(input="go", tools=tools, metadata={"sim": "tools:1,rate:10"}))
+            rid = recv(ws)["response"]["id"]
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "and more"}))
+            events = collect(ws, 1)
+            while not any(e["type"] == "response.steer.pending" for e in events):
+                events.append(recv(ws))
+            ws.send(create(previous_response_id=rid, input=f"my key {token}", tools=tools))
+            got = [recv(ws), recv(ws)]
+    [err] = [e for e in got if e["type"] == "error"]
+    assert err["error"]["code"] == "secret_detected" and err["error"]["param"] == "input", err
+
+
 def test_steer_failures(paced: Server) -> None:
     with ws_connect(paced.ws + "/responses") as ws:
         ws.send(create(metadata={"sim": "text,tokens:3"}, stream_id="q"))

@@ -89,6 +89,7 @@ class RunCreate(msgspec.Struct):
     steers: list[Steer] = msgspec.field(default_factory=list)  # submissions it commits
     successor_of: str | None = None  # the response it succeeds automatically (steering)
     decoded: Any = None  # what the session's ``decode_create`` returned beside the request
+    string_input: bool = False  # its own input was a string (made a message when steers went first)
 
     @property
     def lane(self) -> Lane:
@@ -408,6 +409,7 @@ class Session:
             st.pending_parent, st.pending = None, []
             if action.request.previous_response_id == parent:
                 action.steers = pending
+                action.string_input = isinstance(action.request.input, str)
                 action.request = _prepend(action.request, [it for s in pending for it in s.items])
             else:
                 for s in pending:

@@ -356,6 +356,8 @@ class Connection:
         except errors.HotloopError as exc:
             if action.steers and action.successor_of is None:  # the client's create, steering input first
                 reuse.unshift(exc, sum(len(s.items) for s in action.steers))
+                if action.string_input and (exc.param or "").startswith("input[0]"):
+                    exc.param = "input"  # its string input, which became a message after them
             self._count_error(exc)
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return Ended()
