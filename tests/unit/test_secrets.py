@@ -602,3 +602,43 @@ def test_settings_beyond_the_model_text_are_scanned() -> None:
     verdict, _ = classify.SecretsClassifier("block").classify_settings(p)
     assert isinstance(verdict, classify.Block)
     assert classifiers.blocked_error(verdict).param == "tools[0].headers.Authorization"
+
+
+def test_only_inline_data_is_skipped_and_depth_costs_no_recursion() -> None:
+    gh = "gh" + "p_" + rnd(ALNUM, 36)
+    yaml = "data:\n  GITHUB_TOKEN: " + gh  # text that starts with "data:" is text
+    inline = "data:image/png;base64," + gh  # an inline image is data
+    deep: Any = {"leaf": "key " + gh}
+    for _ in range(classify.MAX_LEAF_DEPTH - 3):  # as deep as an item may nest
+        deep = [deep]
+    items = [
+        Message(role="user", content=[InputText(text=yaml), InputImage(image_url=inline)]),
+        OtherItem(type="custom_tool_call", data={"type": "custom_tool_call", "call_id": "c", "name": "n",
+                                                 "input": "x " + gh, "deep": deep, "image_url": inline}),
+    ]
+    c = classify.SecretsClassifier("redact")
+    verdict, _ = c.classify(items, c.initial_state())
+    assert isinstance(verdict, classify.Redact)
+    deep_path = ("deep", *[0] * (classify.MAX_LEAF_DEPTH - 3), "leaf")
+    assert [(f.item_index, f.path) for f in verdict.findings] == [
+        (0, ("content", 0, "text")), (1, ("input",)), (1, deep_path)]
+    new = verdict.items
+    assert new[0].content[0].text == "data:\n  GITHUB_TOKEN: [REDACTED:github_token]"
+    assert new[0].content[1] is items[0].content[1] and new[1].data["image_url"] == inline
+    leaf = new[1].data
+    for key in deep_path[:-1]:
+        leaf = leaf[key]
+    assert leaf == {"leaf": "key [REDACTED:github_token]"} and gh in str(items[1].data["deep"])
+    assert classifiers.blocked_error(classify.Block(reason="r", findings=verdict.findings[2:])).param.startswith(
+        "input[1].deep[0][0]")
+
+
+def test_a_secret_in_a_name_is_refused_under_redact() -> None:
+    from hotloop.protocol.request import CreateRequest, validate
+
+    gh = "gh" + "p_" + rnd(ALNUM, 36)
+    p = validate(CreateRequest(model="m", input="hi", tools=[{"type": "function", "name": gh, "description": "d " + gh}]))
+    verdict, q = classify.SecretsClassifier("redact").classify_settings(p)
+    assert isinstance(verdict, classify.Block) and q is p
+    assert classifiers.blocked_error(verdict).param == "tools[0].name"
+    assert "cannot be redacted" in verdict.reason and gh not in verdict.reason

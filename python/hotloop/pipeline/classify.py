@@ -36,6 +36,7 @@ well-known credential formats (``hotloop._accel.SecretScanner``, one native call
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from typing import Any, Literal, Protocol, TypeVar, Union
 import msgspec
 
 from hotloop import _accel
+from hotloop.pipeline.items import MAX_DEPTH
 from hotloop.protocol.request import (
     CheckedTools,
     FunctionCall,
@@ -155,24 +157,31 @@ class Classifier(Protocol[S]):
 #: ``shell_call_output.output[].stdout``, ``apply_patch_call.operation.diff``...), but data URLs.
 OTHER_SKIP_KEYS = frozenset(("id",))
 
-#: Strings that are data rather than text (inline images and files, often large base64): never
-#: scanned. A URL the model is given to fetch is text (it may carry a token in its query).
-DATA_URL = "data:"
+#: Fields whose value may be inline data rather than text (base64 images and files, often large):
+#: a data URL there (``data:<type>,...``) is not scanned. A URL the model is given to fetch is text
+#: (it may carry a token in its query), and so is any other string starting with "data:".
+DATA_FIELDS = frozenset(("image_url", "file_url", "file_data"))
+_DATA_URL = re.compile(r"data:[^\s,]*,")
 
-#: Deepest nesting :func:`string_leaves` follows (request items are at most as deep as the decoder
-#: accepts; deeper strings are not scanned).
-MAX_LEAF_DEPTH = 64
+
+def _is_data(key: Any, value: str) -> bool:
+    return key in DATA_FIELDS and _DATA_URL.match(value) is not None
+
+
+#: Deepest nesting :func:`string_leaves` follows: as deep as an item or a tool may nest (deeper
+#: ones are refused with a 400 before any backend call, :data:`hotloop.pipeline.items.MAX_DEPTH`).
+MAX_LEAF_DEPTH = MAX_DEPTH
 
 
 def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset()) -> list[tuple[TextPath, str]]:
     """The strings in a JSON value (dicts, lists, strings), with their paths below ``prefix``,
-    in document order, but data URLs; ``skip``: keys of the top-level dict not followed."""
+    in document order, but inline data (``DATA_FIELDS``); ``skip``: keys of the top-level dict not followed."""
     out: list[tuple[TextPath, str]] = []
     stack: list[tuple[TextPath, Any, frozenset[str]]] = [(prefix, value, skip)]
     while stack:
         path, v, skipped = stack.pop()
         if type(v) is str:
-            if not v.startswith(DATA_URL):
+            if not (path and _is_data(path[-1], v)):
                 out.append((path, v))
         elif len(path) - len(prefix) >= MAX_LEAF_DEPTH:
             continue
@@ -188,26 +197,27 @@ def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset
 _NESTED = (str, dict, list)
 
 
-def _copy_json(value: Any) -> Any:
-    """A copy of the containers (dicts, lists) of a JSON value; strings and numbers are shared."""
-    t = type(value)
-    if t is dict:
-        return {k: _copy_json(v) for k, v in value.items()}
-    if t is list:
-        return [_copy_json(v) for v in value]
-    return value
-
-
 def set_leaves(value: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
-    """A copy of the JSON ``value`` with the string at each path of ``edits`` replaced: one copy
-    of the containers, then each string set in place (linear in the value and the edits)."""
+    """A copy of the JSON ``value`` with the string at each path of ``edits`` replaced. Only the
+    containers on the paths are copied, each once whatever the number of edits below it (linear
+    in the edits; no recursion, whatever the depth); everything else is shared."""
     if any(not path for path, _ in edits):
         return edits[-1][1]  # the value itself is the string
-    out = _copy_json(value)
+    copied: set[int] = set()  # ids of the containers this call made
+
+    def own(x: Any) -> Any:
+        c = dict(x) if type(x) is dict else list(x)
+        copied.add(id(c))
+        return c
+
+    out = own(value)
     for path, text in edits:
         node = out
         for key in path[:-1]:
-            node = node[key]
+            child = node[key]
+            if id(child) not in copied:
+                child = node[key] = own(child)
+            node = child
         node[path[-1]] = text
     return out
 
@@ -220,7 +230,7 @@ def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, 
             continue
         for field in _PART_FIELDS:
             text = getattr(part, field, None)
-            if isinstance(text, str) and not text.startswith(DATA_URL):
+            if isinstance(text, str) and not _is_data(field, text):
                 out.append(((*prefix, i, field), text))
     return out
 
@@ -326,6 +336,12 @@ def other_settings_texts(req: Any) -> list[tuple[TextPath, str]]:
         if value := getattr(req, field):
             out.append(((field,), value))
     return out
+
+
+def _is_name(path: TextPath) -> bool:
+    """Whether a settings path is a name the request's parts refer to each other by: a tool's,
+    the output format's, or one in a ``tool_choice`` object."""
+    return path[-1] == "name" and (len(path) == 3 and path[0] in ("tools", "text") or path[0] == "tool_choice")
 
 
 def tools_texts(tools: Sequence[dict[str, Any]]) -> list[tuple[TextPath, str]]:
@@ -512,6 +528,12 @@ class SecretsClassifier:
         capped = any(len(spans) >= self.scanner.max_matches for _, _, spans in found)
         if self.policy == "flag":
             return Flag(labels=labels, findings=findings), p
+        names = [f for f in findings if _is_name(f.path)]
+        if self.policy == "redact" and names:
+            # a function or format name that is redacted no longer names what it named (nor
+            # passes the name check): refused instead, naming it
+            reason = "The input contains credentials (" + ", ".join(kinds) + ") in a name, which cannot be redacted."
+            return Block(reason=reason, labels=labels, code="secret_detected", findings=(names[0],)), p
         if self.policy == "redact" and not capped:
             texts = {path: self.scanner.redact(text)[0] for path, text, _ in found}  # rare: scan again
             return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)

@@ -184,12 +184,18 @@ def shift(exc: errors.HotloopError, n: int) -> None:
         exc.args = (exc.message,)
 
 
+def input_index(param: str | None) -> int | None:
+    """The item index a ``param`` names (``input[3].output`` -> 3), if it names one."""
+    m = _INDEX.match(param or "")
+    return None if m is None else int(m.group(1))
+
+
 def unshift(exc: errors.HotloopError, n: int) -> None:
     """An error about an input that had ``n`` items put before it (WebSocket steering input,
     prepended to the continuation that commits it), renumbered to name the item's place in the
     input the client sent; one about those ``n`` items keeps their place in the whole."""
-    m = _INDEX.match(exc.param or "")
-    if m is not None and int(m.group(1)) >= n:
+    index = input_index(exc.param)
+    if index is not None and index >= n:
         shift(exc, -n)
 
 

@@ -44,6 +44,7 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
@@ -51,6 +52,7 @@ from hotloop import errors
 from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS, Persistence
 from hotloop.protocol.request import Item
 from hotloop.state.context import CachedResponse
+from hotloop.state.store import PRUNED_KEPT
 
 log = logging.getLogger("hotloop.post")
 
@@ -117,7 +119,9 @@ class SharedPersistence(Persistence):
         self.forget: Callable[[], None] | None = None
         self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
         self._deletions: DeletionLog | None = None  # SQLite shared by --workers
-        self._publishing: set[asyncio.Task[None]] = set()  # pruned ids being recorded there
+        self._publishing: asyncio.Task[None] | None = None  # records pruned ids there (_pruned)
+        self._to_publish: deque[str] = deque(maxlen=PRUNED_KEPT)
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-publish")
         # Reads run beside the writer thread, not behind it: a write being retried during an
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
@@ -205,16 +209,21 @@ class SharedPersistence(Persistence):
         await super()._pruned(ids)
         deletions = self._deletions
         if deletions is not None:
-            # in the background, one transaction: the writer's next batch does not wait for it
-            task = asyncio.get_running_loop().create_task(self._publish_pruned(deletions, ids))
-            self._publishing.add(task)
-            task.add_done_callback(self._publishing.discard)
+            # in the background (the writer's next batch does not wait for it), by one task at a
+            # time, one transaction per round for everything pruned meanwhile (at most
+            # PRUNED_KEPT ids wait: the newest), on its own thread (reads do not queue behind it)
+            self._to_publish.extend(ids)
+            if self._publishing is None or self._publishing.done():
+                self._publishing = asyncio.get_running_loop().create_task(self._publish_pruned(deletions))
 
-    async def _publish_pruned(self, deletions: DeletionLog, ids: list[str]) -> None:
-        try:
-            await self._call(deletions.record, *ids)
-        except Exception:  # noqa: BLE001 - their caches' TTL still ends them
-            log.warning("could not publish %d pruned responses to other processes", len(ids))
+    async def _publish_pruned(self, deletions: DeletionLog) -> None:
+        while self._to_publish:
+            ids = list(self._to_publish)
+            self._to_publish.clear()
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._publisher, lambda: deletions.record(*ids))
+            except Exception:  # noqa: BLE001 - their caches' TTL still ends them
+                log.warning("could not publish %d pruned responses to other processes", len(ids))
 
     async def _poll(self, deletions: DeletionLog) -> None:
         """Evict what other workers deleted, every ``DELETE_POLL_SECONDS``."""
@@ -282,8 +291,9 @@ class SharedPersistence(Persistence):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
-        if self._publishing:  # pruned ids on their way to the other workers
-            await asyncio.wait(set(self._publishing), timeout=timeout)
+        if self._publishing is not None:  # pruned ids on their way to the other workers
+            await asyncio.wait({self._publishing}, timeout=timeout)
+        self._publisher.shutdown(wait=False, cancel_futures=True)
         # reads in flight finish (each bounded by the store's timeouts) off the event loop
         await asyncio.to_thread(self._readers.shutdown, wait=True, cancel_futures=True)
         if self._deletions is not None:

@@ -355,8 +355,10 @@ class Connection:
             )
         except errors.HotloopError as exc:
             if action.steers and action.successor_of is None:  # the client's create, steering input first
-                reuse.unshift(exc, sum(len(s.items) for s in action.steers))
-                if action.string_input and (exc.param or "").startswith("input[0]"):
+                n = sum(len(s.items) for s in action.steers)
+                own_string = action.string_input and reuse.input_index(exc.param) == n
+                reuse.unshift(exc, n)
+                if own_string:
                     exc.param = "input"  # its string input, which became a message after them
             self._count_error(exc)
             await self.send_frame(ev.ws_error(exc, stream_id)[1])

@@ -594,7 +594,10 @@ class SQLiteStore:
         db = self._db
         if db.execute("SELECT 1 FROM meta WHERE name = ?", (_ORPHANS_COLLECTED,)).fetchone():
             return
-        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:  # another worker holds the file (collecting): next open
+            return
         try:
             db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
             db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", (_ORPHANS_COLLECTED, b"1"))
