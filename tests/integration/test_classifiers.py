@@ -182,6 +182,21 @@ def test_instructions_tools_format_and_nested_items_are_scanned(tmp_path: Path) 
     assert all(b.json()["error"]["code"] == "secret_detected" for b in (blocked, blocked_item))
 
 
+def test_flag_counts_secrets_outside_the_input_after_the_backend_request(tmp_path: Path) -> None:
+    """Under the default policy the request's own texts are scanned off the critical path, and
+    still counted in the turn's findings."""
+    body = settings_body("hotloop-sim")
+    body["input"] = "go"  # the flag-only path: a small input is classified after the request is out
+    with run_server(tmp_path, "--sim-rate", "0", "--store", "memory") as s:
+        r = create(s, **body)
+        assert r.status_code == 200, r.text
+        assert r.json()["instructions"] == body["instructions"]  # flag changes nothing on the wire
+        [row] = usage_rows(s, "hotloop-sim")
+        logs = s.logs()
+    assert row["flagged"] == 1 and row["findings"] == {"github_token": 3, "jwt": 1}
+    assert "classifier secrets flagged the instructions, tools or format" in logs and GH not in logs
+
+
 def test_block_answers_400_and_leaves_the_chain_as_it_was(tmp_path: Path) -> None:
     with run_server(tmp_path, "--sim-rate", "0", "--secrets", "block") as s:
         r = create(s, input=tool_turn(f"ok\nGITHUB_TOKEN={GH}"))

@@ -256,9 +256,9 @@ class Engine:
             marks.append(clock())
             try:
                 settings_flags = None
-                if self._secrets is not None:
-                    p, settings_flags = self.classify_settings(self._secrets, p, tenant)
                 later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
+                if self._secrets is not None and not later:  # flag-only: after the backend request too
+                    p, settings_flags = self.classify_settings(self._secrets, p, tenant)
                 outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
@@ -398,7 +398,10 @@ class Engine:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
                 self._report(outcome, tenant)
                 plan.states = outcome.states
-                plan.flags = _merged(outcome.tally(), plan.flags)  # plan.flags: the settings' (start)
+                flags = None
+                if self._secrets is not None:  # flag-only: neither changes p nor raises
+                    _, flags = self.classify_settings(self._secrets, p, tenant)
+                plan.flags = _merged(outcome.tally(), flags)
             except Exception:  # noqa: BLE001
                 # a flag-only scan changes nothing the client sees: the response goes on, without
                 # this turn's flags (the chain keeps its parent's state); the log says why
