@@ -300,26 +300,14 @@ SETTINGS = -1
 IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
 
 
-def settings_texts(p: Prepared) -> list[tuple[TextPath, str]]:
-    """The texts of a request besides its input items, with their paths from the request's
-    root: what the model reads (``instructions``, every string of every tool but its ``type``,
-    of a ``tool_choice`` object, and the ``text.format`` name, description and schema) and what
-    is stored or forwarded with it (``metadata`` values, ``user``, ``safety_identifier``,
-    ``prompt_cache_key``)."""
-    req = p.req
-    out: list[tuple[TextPath, str]] = []
-    if req.instructions:
-        out.append((("instructions",), req.instructions))
-    out += tools_texts(p.tools)
-    out += other_settings_texts(req)
-    return out
-
-
 _TYPE = frozenset(("type",))
 
 
 def other_settings_texts(req: Any) -> list[tuple[TextPath, str]]:
-    """:func:`settings_texts` but the instructions and the tools (which have caches of their own)."""
+    """The request's own texts but its instructions and tools (which have caches of their own,
+    :meth:`SecretsClassifier.classify_settings`), with their paths from the request's root: the
+    strings of a ``tool_choice`` object and the ``text.format`` name, description and schema (the
+    model reads them), ``metadata`` values and the :data:`IDENTIFIERS` (stored or forwarded)."""
     out: list[tuple[TextPath, str]] = []
     if type(req.tool_choice) is dict:
         out += string_leaves(req.tool_choice, ("tool_choice",), _TYPE)
@@ -345,7 +333,7 @@ def _is_name(path: TextPath) -> bool:
 
 
 def tools_texts(tools: Sequence[dict[str, Any]]) -> list[tuple[TextPath, str]]:
-    """Every string of every tool but its ``type`` (see :func:`settings_texts`)."""
+    """Every string of every tool but its ``type``, with its path (``("tools", 2, "description")``)."""
     out: list[tuple[TextPath, str]] = []
     for i, tool in enumerate(tools):
         out += string_leaves(tool, ("tools", i), _TYPE)
@@ -357,13 +345,17 @@ def redact_settings(p: Prepared, texts: dict[TextPath, str]) -> Prepared:
     dropped; the tools copied and checked again; the originals, which a cache may share, are
     untouched)."""
     req = p.req
-    groups: dict[Any, list[tuple[TextPath, str]]] = {}
+    groups: dict[Any, list[tuple[TextPath, str]]] = {}  # what is rebuilt -> its edits below it
     for path, text in texts.items():
         head = path[0]
-        if head == "tools" or head == "text":
-            groups.setdefault((head, path[1 if head == "tools" else 2]), []).append((path[2 if head == "tools" else 3 :], text))
+        key: Any
+        if head == "tools":  # ("tools", i, ...): that tool
+            key, rest = (head, path[1]), path[2:]
+        elif head == "text":  # ("text", "format", field, ...): that field of the format
+            key, rest = (head, path[2]), path[3:]
         else:
-            groups.setdefault(head, []).append((path[1:], text))
+            key, rest = head, path[1:]
+        groups.setdefault(key, []).append((rest, text))
     changes: dict[str, Any] = {}
     prepared: dict[str, Any] = {}
     tools = list(p.tools)
@@ -492,20 +484,20 @@ class SecretsClassifier:
             return Redact(labels=labels, findings=tuple(findings), items=tuple(new_items)), state
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=tuple(findings[:1])), state
 
-    def _reason(self, kinds: Sequence[str], capped: bool) -> str:
+    def _reason(self, kinds: Sequence[str], capped: bool, where: str = "") -> str:
         if capped and self.policy == "redact":
             return "The input contains too many credentials to redact (" + ", ".join(kinds) + ")."
-        return "The input contains credentials (" + ", ".join(kinds) + ")."
+        return "The input contains credentials (" + ", ".join(kinds) + ")" + where + "."
 
     # -- the request's own texts ---------------------------------------------------------------
 
     def classify_settings(self, p: Prepared) -> tuple[Verdict, Prepared]:
-        """The verdict on the request's own texts (:func:`settings_texts`: instructions, tools,
-        tool choice, output format, metadata, identifiers), which come with every request rather
-        than once per chain, so they count in this turn's flags but not in the chain's state.
-        ``redact`` returns a copy of ``p`` with those texts redacted (what the backend reads, and
-        what the response echoes and stores; identifiers dropped); findings have ``item_index`` :data:`SETTINGS` and paths from the request's
-        root (``tools[2].parameters.properties.path.description``)."""
+        """The verdict on the request's own texts (instructions, :func:`tools_texts`,
+        :func:`other_settings_texts`), which come with every request rather than once per chain,
+        so they count in this turn's flags but not in the chain's state. ``redact`` returns a
+        copy of ``p`` with those texts redacted (what the backend reads, and what the response
+        echoes and stores; identifiers dropped); findings have ``item_index`` :data:`SETTINGS`
+        and paths from the request's root (``tools[2].parameters.properties.path.description``)."""
         if self.policy == "off":
             return ALLOW, p
         found: list[tuple[TextPath, str, list[tuple[str, int, int]]]] = []
@@ -532,7 +524,7 @@ class SecretsClassifier:
         if self.policy == "redact" and names:
             # a function or format name that is redacted no longer names what it named (nor
             # passes the name check): refused instead, naming it
-            reason = "The input contains credentials (" + ", ".join(kinds) + ") in a name, which cannot be redacted."
+            reason = self._reason(kinds, False, " in a name, which cannot be redacted")
             return Block(reason=reason, labels=labels, code="secret_detected", findings=(names[0],)), p
         if self.policy == "redact" and not capped:
             texts = {path: self.scanner.redact(text)[0] for path, text, _ in found}  # rare: scan again

@@ -91,6 +91,11 @@ def exceeded(tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: 
     return WindowExceeded(msg, param="input")
 
 
+#: Verbatim item types that pair by another key than ``call_id``: an MCP approval request (its id)
+#: and its response.
+_PAIRED_BY = {"mcp_approval_request": "id", "mcp_approval_response": "approval_request_id"}
+
+
 def _forbidden_cuts(items: list[Item]) -> set[int]:
     """Cut positions ``k`` (keep ``items[k:]``) that would separate items sharing a call id:
     function calls and their outputs, and the calls and outputs of item types kept verbatim
@@ -103,14 +108,9 @@ def _forbidden_cuts(items: list[Item]) -> set[int]:
             cid = it.call_id  # type: ignore[union-attr]
         elif t is OtherItem:
             data = it.data  # type: ignore[union-attr]
-            cid = data.get("call_id")
-            if type(cid) is not str:  # an MCP approval request and its response pair by its id
-                kind = data.get("type")
-                cid = data.get("id") if kind == "mcp_approval_request" else (
-                    data.get("approval_request_id") if kind == "mcp_approval_response" else None
-                )
-                if type(cid) is not str:
-                    continue
+            cid = data.get(_PAIRED_BY.get(str(data.get("type")), "call_id"))
+            if type(cid) is not str:
+                continue
         else:
             continue
         span = spans.get(cid)

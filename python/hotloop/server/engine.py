@@ -102,8 +102,8 @@ class Engine:
         self._flag_only = bool(self.classifiers) and all(
             type(c) is SecretsClassifier and c.policy == "flag" for c in self.classifiers
         )
-        # It also scans each request's instructions, function tools and output format (what the
-        # model reads besides the items; SecretsClassifier.classify_settings).
+        # It also scans each request's own texts besides its items (instructions, tools, output
+        # format, metadata, identifiers: SecretsClassifier.classify_settings).
         self._secrets = next((c for c in self.classifiers if isinstance(c, SecretsClassifier)), None)
         # Context windows and output limits per model; a bad --model-limits file raises
         # ModelLimitsError here, before the server starts.
@@ -368,8 +368,7 @@ class Engine:
         return outcome
 
     def classify_settings(self, secrets: SecretsClassifier, p: Prepared, tenant: Tenant) -> tuple[Prepared, dict[str, int] | None]:
-        """Scan the request's instructions, function tools and output format for secrets under
-        the secrets policy: ``p`` (redacted under ``redact``) and the findings per kind, for this
+        """Scan the request's own texts besides its items for secrets under the secrets policy: ``p`` (redacted under ``redact``) and the findings per kind, for this
         turn's flags; raise :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``."""
         verdict, p = secrets.classify_settings(p)
         if verdict is ALLOW:

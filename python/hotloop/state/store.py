@@ -210,21 +210,25 @@ class _Node:
         return self.rec.base_len + len(self.rec.items)
 
 
-def _take_pruned(self: Any) -> list[str]:
-    """The ids the bounds pruned since the last call (at most ``PRUNED_KEPT``, the newest), for
-    the process's cache of responses (:class:`~hotloop.pipeline.post.Persistence`)."""
-    pruned: deque[str] = self._pruned
-    out: list[str] = []
-    # without the store's lock (held by a long read in a store thread; this runs on the event
-    # loop): appending and popping a deque are atomic
-    while True:
-        try:
-            out.append(pruned.popleft())
-        except IndexError:
-            return out
+class _Pruned:
+    """The ids a store's bounds pruned, kept (at most ``PRUNED_KEPT``, the newest) until the
+    process's cache of responses takes them (:class:`~hotloop.pipeline.post.Persistence`)."""
+
+    _pruned: deque[str]
+
+    def take_pruned(self) -> list[str]:
+        """The ids pruned since the last call. Without the store's lock (a long read may hold it
+        in a store thread; this runs on the event loop): appending and popping a deque are atomic."""
+        pruned = self._pruned
+        out: list[str] = []
+        while True:
+            try:
+                out.append(pruned.popleft())
+            except IndexError:
+                return out
 
 
-class MemoryStore:
+class MemoryStore(_Pruned):
     """Bounded in-memory store with the SQLite store's model (parent pointers, own items,
     tombstones). Bounded by live responses (oldest pruned first), by items held (tombstones
     included) and by age. Nothing survives a restart."""
@@ -287,8 +291,6 @@ class MemoryStore:
                     self._pruned.append(oldest)
                 else:
                     break
-
-    take_pruned = _take_pruned
 
     def _unindex(self, rid: str, node: _Node) -> None:
         for it in node.rec.items:
@@ -521,7 +523,7 @@ _POS = itemgetter(3)
 CACHE_KIB = 32 * 1024
 
 
-class SQLiteStore:
+class SQLiteStore(_Pruned):
     """The embedded default: one SQLite file in WAL mode, bounded by age and count (and a
     ``CACHE_KIB`` page cache).
 
@@ -743,8 +745,6 @@ class SQLiteStore:
                 self._kill_locked(rid)
         self._pruned.extend(ids)
         return len(ids)
-
-    take_pruned = _take_pruned
 
     def _kill_locked(self, rid: str) -> None:
         """A live response leaves: a tombstone if it has children, else removed with its items,
