@@ -249,6 +249,34 @@ def test_secret_scanner_twins_agree(
         assert n.scan(text) == p.scan(text) == want[:cap]
 
 
+# The native scanner runs only the kinds a RegexSet pass reports below 4096 bytes of UTF-8
+# (SET_BELOW in rust/core/src/secrets.rs) and every kind's own search from there on.
+_SET_BELOW = 4096
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(_noise, st.integers(0, 4), _sep, _sep), min_size=1, max_size=5),
+    st.lists(st.sampled_from(_ALNUM), min_size=40, max_size=60, unique=True).map("".join),
+    st.permutations("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567").map("".join),
+    st.permutations("0123456789abcdef").map("".join),
+    st.sampled_from(["\n", " ", "\u00e9", "x = 1\n"]),
+)
+def test_secret_scanner_twins_agree_past_the_set_threshold(
+    pieces: list[tuple[str, int, str, str]], alnum: str, up: str, hexits: str, pad_unit: str
+) -> None:
+    secrets = _planted(alnum, up, hexits)
+    text = ""
+    for noise, which, left, right in pieces:
+        text += noise + left + secrets[which][1] + right
+    pad = pad_unit * (_SET_BELOW // len(pad_unit.encode()) + 1)
+    short = _NATIVE_SCANNER.scan(text)
+    long = _NATIVE_SCANNER.scan(pad + "\n" + text)
+    assert long == _PURE_SCANNER.scan(pad + "\n" + text)
+    assert long == [(kind, start + len(pad) + 1, end + len(pad) + 1) for kind, start, end in short]
+    assert short  # a planted secret always shows
+
+
 @SETTINGS
 @given(st.text(_noise_char, max_size=200))
 def test_secret_scanner_twins_agree_on_noise(text: str) -> None:
