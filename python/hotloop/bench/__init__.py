@@ -26,6 +26,9 @@ Scenarios:
   turns per second with 1 and 2 ``--workers``; server CPU per stored turn, SQLite against Redis.
 * ``idle-ws`` and ``ws-fanout`` (:mod:`hotloop.bench.wsload`): server memory per idle WebSocket
   connection, and server CPU per delta event with many concurrent WebSocket streams.
+* ``classify-turns`` (:mod:`hotloop.bench.classifyturns`, not part of ``all``): the secrets
+  classifier's time per turn (``--secrets redact``, the ``classify`` and ``prepare`` stages of
+  ``/metrics``) over a growing conversation, per transport: turns 6-15 against the last ten.
 * ``loop`` (:mod:`hotloop.bench.loop`, its own options: ``hotloop bench loop -h``): scripted agent
   loops over the four transports against the direct floor, every stream and turn checked, against
   a hotloop started here or any Responses server by URL.
@@ -528,14 +531,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return loop_main(argv[1:])
     p = argparse.ArgumentParser(prog="hotloop bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu", "paired"])
+    p.add_argument("scenario", nargs="?", default="all", choices=["all", "stream", "stream-cerebras", "ws-loop", "http-loop", "overhead", "idle-ws", "ws-fanout", "agent-turns", "loop", "http-throughput", "store-cpu", "paired", "classify-turns"])
     p.add_argument("--tokens", type=int, default=4000, help="stream: tokens in the response")
     p.add_argument("--rate", type=float, default=4000.0, help="stream: simulator tokens/s")
     p.add_argument("--turns", type=int, default=100, help="loops: number of turns")
     p.add_argument("--new-bytes", type=int, default=2048, help="loops: new input per turn")
     p.add_argument(
         "--repeat", type=int, default=1,
-        help="ws-loop, http-loop: runs, each on a fresh server; the medians over them, and each run's main figures",
+        help="ws-loop, http-loop, classify-turns: runs, each on a fresh server; the medians over them, and each run's main figures",
     )
     p.add_argument("--connections", type=int, default=1000, help="idle-ws: idle connections to open")
     p.add_argument("--streams", type=int, default=50, help="ws-fanout: concurrent WebSocket streams")
@@ -569,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
     p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
     p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
+    p.add_argument(
+        "--secrets", choices=["off", "flag", "redact", "block"], default="redact",
+        help="classify-turns: the server's --secrets (redact and block scan in the classify stage; flag after it)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     p.add_argument(
         "--mock-tls", action="store_true",
@@ -619,6 +626,14 @@ def main(argv: list[str] | None = None) -> int:
                 server_args=shlex.split(args.server_args), server_env=dict(args.server_env), agent=args.agent_settings,
             )
         )
+    if args.scenario == "classify-turns":  # not in "all": a target check of its own (--secrets redact)
+        from hotloop.bench.classifyturns import bench_classify_turns, render
+
+        report = bench_classify_turns(args.turns, args.new_bytes, args.repeat, secrets=args.secrets)
+        if not args.json:
+            print(render(report))
+            return 0
+        results.append(report)
     if args.scenario in ("http-throughput", "store-cpu"):  # not in "all": several servers, redis-server
         from hotloop.bench import scaleout
 

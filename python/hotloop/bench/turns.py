@@ -234,7 +234,8 @@ def _call_of(response: dict[str, Any]) -> str:
 
 
 def _ws_prev(
-    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS,
+    output: Callable[[random.Random, int], str] = _output,
 ) -> None:
     from websockets.sync.client import connect
 
@@ -248,7 +249,7 @@ def _ws_prev(
                 frame["input"] = "Fix the failing test."
             else:
                 frame["previous_response_id"] = prev
-                frame["input"] = [{"type": "function_call_output", "call_id": call_id, "output": _output(rng, new_bytes)}]
+                frame["input"] = [{"type": "function_call_output", "call_id": call_id, "output": output(rng, new_bytes)}]
             payload = json.dumps(frame)
             sent = time.perf_counter()
             ws.send(payload)
@@ -274,15 +275,17 @@ def _sse_completed(raw: bytes) -> dict[str, Any]:
 
 
 def _http_full(
-    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS,
+    output: Callable[[random.Random, int], str] = _output,
 ) -> None:
-    _http(base, model, turns, new_bytes, seed, tick, False, settings)
+    _http(base, model, turns, new_bytes, seed, tick, False, settings, output)
 
 
 def _http_prev(
-    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS,
+    output: Callable[[random.Random, int], str] = _output,
 ) -> None:
-    _http(base, model, turns, new_bytes, seed, tick, True, settings)
+    _http(base, model, turns, new_bytes, seed, tick, True, settings, output)
 
 
 def _http_json(
@@ -310,7 +313,7 @@ def _http_json(
 
 def _http(
     base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], chained: bool,
-    settings: dict[str, Any] = SETTINGS,
+    settings: dict[str, Any] = SETTINGS, output: Callable[[random.Random, int], str] = _output,
 ) -> None:
     rng = random.Random(seed)
     history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
@@ -335,7 +338,7 @@ def _http(
             response = _sse_completed(raw)
             call_id = _call_of(response)
             prev = response["id"]
-            out = {"type": "function_call_output", "call_id": call_id, "output": _output(rng, new_bytes)}
+            out = {"type": "function_call_output", "call_id": call_id, "output": output(rng, new_bytes)}
             history.extend(response["output"])
             history.append(out)
             new = [out]
