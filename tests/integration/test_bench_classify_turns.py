@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from hotloop.bench import server
-from hotloop.bench.classifyturns import STAGES, TRANSPORTS, _Meter, code_log_text
+from hotloop.bench.classifyturns import MIN_TURNS, STAGES, TRANSPORTS, _Meter, _stage_summary, bench_classify_turns, code_log_text
 from hotloop.pipeline.classify import default_secret_scanner
 
 TURNS = 8
@@ -52,7 +52,7 @@ def test_redact_every_transport_times_every_turn() -> None:
             assert 0 < st["p50_us"] < 1e5 and st["early_p50_us"] > 0 and st["late_p50_us"] > 0
             assert st["late_over_early"] == pytest.approx(st["late_p50_us"] / st["early_p50_us"], rel=0.01)
         assert t["flat"] == (t["classify"]["late_over_early"] <= 1.2)
-        # the scan of 1 KB of new input: microseconds, not nothing (the stage is the inline scan)
+        # something is timed in the stage (what is the scan's share: the two tests below)
         assert t["classify"]["p50_us"] > 3, t
 
 
@@ -88,7 +88,7 @@ def test_meter_counts_each_response_once() -> None:
             assert r.status_code == 200, r.text
 
         turn("hello")
-        meter = _Meter(client)
+        meter = _Meter(client, 1)
         rng = random.Random(5)
         big = code_log_text(rng, 48 * 1024)  # below the size scanned off the event loop
         assert default_secret_scanner().scan(big) == []
@@ -99,3 +99,31 @@ def test_meter_counts_each_response_once() -> None:
         assert meter.steps == [1, 1, 1]
         assert all(set(t) == set(STAGES) and all(v > 0 for v in t.values()) for t in times)
         assert times[1]["classify"] > 3 * max(times[0]["classify"], times[2]["classify"]), times
+
+
+def test_paired_ratio_tells_growth_from_a_slow_spell() -> None:
+    # a slow spell slows the long and the short conversation alike: the raw ratio sees it, the
+    # paired one does not; growth of the long conversation's turns alone shows in both
+    n = 100
+    fresh = [50e-6] * 60 + [80e-6] * 40  # the machine slows down for the last 40 turns
+    spell = _stage_summary([2 * f for f in fresh], fresh)
+    assert spell["late_over_early"] == pytest.approx(1.6) and spell["late_over_early_paired"] == pytest.approx(1.0)
+    assert spell["early_over_fresh"] == pytest.approx(2.0) and spell["late_over_fresh"] == pytest.approx(2.0)
+    assert (spell["early_turns"], spell["late_turns"]) == ("6-15", "91-100")
+    flat = [50e-6] * n
+    growing = [50e-6 * (1 + i / 50) for i in range(n)]
+    grown = _stage_summary(growing, flat)
+    assert grown["late_over_early"] > 1.2
+    assert grown["late_over_early_paired"] == pytest.approx(grown["late_over_early"], rel=1e-3)
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="--turns"):
+        bench_classify_turns(turns=MIN_TURNS - 1)
+    with pytest.raises(ValueError, match="unknown transports"):
+        bench_classify_turns(turns=MIN_TURNS, transports=("http-json",))
+    r = subprocess.run(
+        [sys.executable, "-m", "hotloop", "bench", "classify-turns", "--turns", "1"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ),
+    )
+    assert r.returncode == 2 and "--turns >= 4" in r.stderr and "Traceback" not in r.stderr

@@ -269,12 +269,19 @@ def test_secret_scanner_twins_agree_past_the_set_threshold(
     text = ""
     for noise, which, left, right in pieces:
         text += noise + left + secrets[which][1] + right
-    pad = pad_unit * (_SET_BELOW // len(pad_unit.encode()) + 1)
+    # and a kind whose span is a group of its match (the scanner's captures path)
+    text += " password=" + alnum[:20] + " "
+    pad = pad_unit * (_SET_BELOW // len(pad_unit.encode()) + 1) + "\n"
+    assert len((pad + text).encode("utf-8", "surrogatepass")) >= _SET_BELOW > len(text.encode("utf-8", "surrogatepass"))
     short = _NATIVE_SCANNER.scan(text)
-    long = _NATIVE_SCANNER.scan(pad + "\n" + text)
-    assert long == _PURE_SCANNER.scan(pad + "\n" + text)
-    assert long == [(kind, start + len(pad) + 1, end + len(pad) + 1) for kind, start, end in short]
-    assert short  # a planted secret always shows
+    long = _NATIVE_SCANNER.scan(pad + text)
+    assert long == _PURE_SCANNER.scan(pad + text)
+    assert long == [(kind, start + len(pad), end + len(pad)) for kind, start, end in short]
+    assert short and short[-1][0] == "generic_secret"  # the planted secrets always show
+    redacted, spans = _NATIVE_SCANNER.redact(pad + text)
+    assert (redacted, spans) == _PURE_SCANNER.redact(pad + text) and redacted.startswith(pad)
+    capped = native.SecretScanner(_PATTERNS, 1)
+    assert capped.scan(pad + text) == _pure.SecretScanner(_PATTERNS, 1).scan(pad + text) == long[:1]
 
 
 @SETTINGS

@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument(
         "--secrets", choices=["off", "flag", "redact", "block"], default="redact",
-        help="classify-turns: the server's --secrets (redact and block scan in the classify stage; flag after it)",
+        help="classify-turns: the server's --secrets (redact and block scan in the classify stage; flag after it, below 64 K characters of new input)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario")
     p.add_argument(
@@ -629,7 +629,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario == "classify-turns":  # not in "all": a target check of its own (--secrets redact)
         from hotloop.bench.classifyturns import bench_classify_turns, render
 
-        report = bench_classify_turns(args.turns, args.new_bytes, args.repeat, secrets=args.secrets)
+        try:
+            report = bench_classify_turns(args.turns, args.new_bytes, args.repeat, secrets=args.secrets)
+        except ValueError as exc:
+            print(f"hotloop bench: {exc}", file=sys.stderr)
+            return 2
         if not args.json:
             print(render(report))
             return 0

@@ -53,6 +53,7 @@ from hotloop.bench.turns import _LOOPS, TOOL, _Stepper
 TRANSPORTS = ("ws-prev", "http-prev", "http-full")
 STAGES = ("classify", "prepare")
 TARGET = 1.2  # late p50 over early p50
+MIN_TURNS = 4  # the early and late windows (see _window) need two turns each after the first
 FRESH_CHAIN = 5  # turns of each short conversation measured beside the long one (the first, a short message, is not)
 WARMUP = 20  # turns of a conversation of its own before the measured one (the first turns on a new server are slower)
 MODEL = "hotloop-sim"
@@ -149,22 +150,32 @@ def stage_totals(client: httpx.Client) -> dict[str, tuple[float, int]]:
 
 
 class _Meter:
-    """Each response's stage times, from the growth of ``/metrics`` since the last reading."""
+    """Each response's stage times, from the growth of ``/metrics`` since the last reading. A
+    response is recorded as it ends, which may be a moment after its client has it, so each
+    reading waits for the count it expects, and any other count stops the run at once (a lagging
+    record would otherwise shift every turn's time onto the next)."""
 
-    def __init__(self, client: httpx.Client) -> None:
+    def __init__(self, client: httpx.Client, responses: int | None = None) -> None:
+        """``responses``: how many the server has answered so far, waited for before the first
+        reading (``None``: take what is there)."""
         self.client = client
-        self.last = stage_totals(client)
+        self.last = stage_totals(client) if responses is None else self._wait(responses)
         self.steps: list[int] = []  # how much the count grew at each reading (1 each)
+
+    def _wait(self, count: int) -> dict[str, tuple[float, int]]:
+        deadline = time.monotonic() + 10
+        while True:
+            now = stage_totals(self.client)
+            if now["classify"][1] >= count or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        if now["classify"][1] != count:
+            raise RuntimeError(f"/metrics counts {now['classify'][1]} responses where {count} were answered")
+        return now
 
     def turn(self) -> dict[str, float]:
         """Seconds per stage of the one response that ended since the last call."""
-        want = self.last["classify"][1] + 1
-        deadline = time.monotonic() + 10
-        while True:  # a response is observed as it ends, which may be after its client has it
-            now = stage_totals(self.client)
-            if now["classify"][1] >= want or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
+        now = self._wait(self.last["classify"][1] + 1)
         self.steps.append(now["classify"][1] - self.last["classify"][1])
         out = {s: now[s][0] - self.last[s][0] for s in STAGES}
         self.last = now
@@ -182,7 +193,7 @@ def run_transport(name: str, turns: int, new_bytes: int, seed: int = 0, secrets:
         base, _pid = stack.enter_context(server("--sim-rate", "0", "--secrets", secrets, *extra))
         client = stack.enter_context(httpx.Client(base_url=base, timeout=30))
         loop(base, MODEL, WARMUP, new_bytes, seed + 1, lambda sent: None, SETTINGS)  # a conversation of its own
-        meter = _Meter(client)
+        meter = _Meter(client, WARMUP)
         long = _Stepper(loop, base, MODEL, new_bytes, seed, SETTINGS)
         stack.callback(long.close)
         fresh: _Stepper | None = None
@@ -213,7 +224,7 @@ def run_transport(name: str, turns: int, new_bytes: int, seed: int = 0, secrets:
 
 def _window(n: int, late: bool) -> tuple[int, int]:
     """Turns 6-15 (``late``: the last ten) as a slice, or with fewer than 30 turns the first half
-    from turn 2 (the last half): turn 1 is the user's short message."""
+    from turn 2 (the last half): turn 1 is the user's short message. At least ``MIN_TURNS``."""
     if n >= 30:
         return (n - 10, n) if late else (5, 15)
     return (n // 2, n) if late else (min(1, n - 1), max(2, n // 2))
@@ -254,6 +265,10 @@ def bench_classify_turns(
     """Every transport in turn, ``repeat`` times (each run on fresh servers, the same texts); with
     several runs each turn's time is the median over the runs, and each run's own figures are in
     ``runs``."""
+    if turns < MIN_TURNS or repeat < 1 or new_bytes < 1:
+        raise ValueError(f"classify-turns needs --turns >= {MIN_TURNS}, --repeat >= 1 and --new-bytes >= 1")
+    if unknown := [t for t in transports if t not in TRANSPORTS]:
+        raise ValueError(f"classify-turns: unknown transports {unknown} (known: {', '.join(TRANSPORTS)})")
     runs = [{t: run_transport(t, turns, new_bytes, seed, secrets) for t in transports} for _ in range(repeat)]
     rows = []
     for t in transports:
