@@ -244,6 +244,28 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20
 
 
+@pytest.mark.parametrize("only", [None, "http-json"])
+def test_agent_turns_against_the_naive_proxy_and_one_transport_alone(only: str | None) -> None:
+    """``hotloop bench agent-turns``: hotloop and the naive proxy on the real mock, each turn's
+    CPU and wall time against the direct loop; ``--turn-transport`` measures that one alone."""
+    env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
+    args = ["agent-turns", "--turns", "3", "--tool-tokens", "4", "--json"]
+    if only:
+        args += ["--turn-transport", only, "--no-naive"]
+    proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["scenario"] == "agent-turns" and out["relay_floor_cpu_per_turn_ms"] > 0
+    rows = out["transports"]
+    assert [r["transport"] for r in rows] == ([only] if only else ["ws-prev", "http-full", "http-prev"])
+    for r in rows:
+        assert r["hotloop"]["turns"] == 3 and r["hotloop"]["cpu_per_turn_p50_ms"] > 0
+        assert ("naive" in r) is (only is None)
+        if only is None:
+            assert r["cpu_p50_hotloop_over_naive"] == pytest.approx(
+                r["hotloop"]["cpu_per_turn_p50_ms"] / r["naive"]["cpu_per_turn_p50_ms"], rel=0.01)
+
+
 def test_stream_cerebras_over_tls() -> None:
     """``--mock-tls``: the mock behind a throwaway CA's certificate, which the server (started by
     the bench, inheriting SSL_CERT_FILE) trusts; the stream goes through."""

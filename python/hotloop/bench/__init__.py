@@ -564,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         help="paired: an environment variable for server B only (repeatable; e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
     )
     p.add_argument(
-        "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json"], default="ws-prev",
-        help="paired: the transport of the alternating turns",
+        "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json"],
+        help="paired: the transport of the alternating turns (default ws-prev); agent-turns: only this transport "
+        "(default ws-prev, http-full and http-prev)",
     )
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
@@ -602,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
 
         results.append(
             bench_agent_turns(
-                args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive
+                args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive,
+                **({"only": (args.turn_transport,)} if args.turn_transport else {}),
             )
         )
     if args.scenario in ("all", "idle-ws", "ws-fanout"):
@@ -622,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
 
         results.append(
             bench_paired(
-                args.base_path, args.server_path, args.turn_transport, args.turns, args.new_bytes, tokens=args.tool_tokens,
+                args.base_path, args.server_path, args.turn_transport or "ws-prev", args.turns, args.new_bytes, tokens=args.tool_tokens,
                 server_args=shlex.split(args.server_args), server_env=dict(args.server_env), agent=args.agent_settings,
             )
         )

@@ -378,11 +378,15 @@ def _measure(base: str, pid: int, loop: Callable[..., None], model: str, turns: 
     return cpu, walls
 
 
+AGENT_TRANSPORTS = ("ws-prev", "http-full", "http-prev")  # what agent-turns measures unless told
+
+
 def bench_agent_turns(
     turns: int = 100, new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20,
-    transport: str = "lean", seed: int = 0, naive: bool = True,
+    transport: str = "lean", seed: int = 0, naive: bool = True, only: tuple[str, ...] = AGENT_TRANSPORTS,
 ) -> dict[str, Any]:
-    """Every transport through hotloop, and (``naive``) through the naive proxy, in one run."""
+    """Every transport of ``only`` (keys of ``_LOOPS``) through hotloop, and (``naive``) through
+    the naive proxy, in one run."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     results: list[dict[str, Any]] = []
     with mock_process() as (url, mock_pid):
@@ -392,12 +396,8 @@ def bench_agent_turns(
         mock_cpu_ms = (process_cpu_ns(mock_pid) - m0) / 1e6 / turns
         floor_ms = relay_floor(url, model, turns)
         os.environ.setdefault("CEREBRAS_API_KEY", "bench")
-        runs: list[tuple[str, tuple[str, ...], Callable[..., None]]] = [
-            ("ws-prev", (), _ws_prev),
-            ("http-full", (), _http_full),
-            ("http-prev", ("--store", "sqlite"), _http_prev),
-        ]
-        for name, extra, loop in runs:
+        for name in only:
+            extra, loop = _LOOPS[name]
             row: dict[str, Any] = {"transport": name}
             args = ("--backend", "cerebras", "--base-url", url, "--backend-transport", transport, *extra)
             with server(*args) as (base, pid):
