@@ -599,12 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
     if args.scenario in ("all", "agent-turns"):
-        from hotloop.bench.turns import bench_agent_turns
+        from hotloop.bench.turns import AGENT_TRANSPORTS, bench_agent_turns
 
         results.append(
             bench_agent_turns(
                 args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive,
-                **({"only": (args.turn_transport,)} if args.turn_transport else {}),
+                only=(args.turn_transport,) if args.turn_transport else AGENT_TRANSPORTS,
             )
         )
     if args.scenario in ("all", "idle-ws", "ws-fanout"):
