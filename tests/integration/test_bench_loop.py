@@ -245,13 +245,14 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
 
 
 @pytest.mark.parametrize("only", [None, "http-json"])
-def test_agent_turns_against_the_naive_proxy_and_one_transport_alone(only: str | None) -> None:
-    """``hotloop bench agent-turns``: hotloop and the naive proxy on the real mock, each turn's
-    CPU and wall time against the direct loop; ``--turn-transport`` measures that one alone."""
+def test_agent_turns_every_transport_or_one_alone(only: str | None) -> None:
+    """``hotloop bench agent-turns`` on the real mock: each turn's CPU and wall time against the
+    direct loop, over the three transports or the one ``--turn-transport`` names. (Without the
+    naive proxy, which needs aiohttp from the ``bench`` extra.)"""
     env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
-    args = ["agent-turns", "--turns", "3", "--tool-tokens", "4", "--json"]
+    args = ["agent-turns", "--turns", "3", "--tool-tokens", "4", "--no-naive", "--json"]
     if only:
-        args += ["--turn-transport", only, "--no-naive"]
+        args += ["--turn-transport", only]
     proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -259,11 +260,10 @@ def test_agent_turns_against_the_naive_proxy_and_one_transport_alone(only: str |
     rows = out["transports"]
     assert [r["transport"] for r in rows] == ([only] if only else ["ws-prev", "http-full", "http-prev"])
     for r in rows:
-        assert r["hotloop"]["turns"] == 3 and r["hotloop"]["cpu_per_turn_p50_ms"] > 0
-        assert ("naive" in r) is (only is None)
-        if only is None:
-            assert r["cpu_p50_hotloop_over_naive"] == pytest.approx(
-                r["hotloop"]["cpu_per_turn_p50_ms"] / r["naive"]["cpu_per_turn_p50_ms"], rel=0.01)
+        h = r["hotloop"]
+        assert h["turns"] == 3 and h["cpu_per_turn_p50_ms"] > 0 and "naive" not in r
+        # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
+        assert h["wall_per_turn_p50_ms"] > 20
 
 
 def test_stream_cerebras_over_tls() -> None:
