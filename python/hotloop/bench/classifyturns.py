@@ -258,6 +258,11 @@ def _stage_summary(seconds: list[float], fresh: list[float]) -> dict[str, Any]:
 _RUN_KEYS = ("p50_us", "late_over_early", "late_over_early_paired")
 
 
+def _run_summaries(times: dict[str, dict[str, list[float]]]) -> list[tuple[str, dict[str, Any]]]:
+    """One run's summary per stage (what ``--repeat`` lists for each run)."""
+    return [(s, _stage_summary(times["long"][s], times["fresh"][s])) for s in STAGES]
+
+
 def bench_classify_turns(
     turns: int = 100, new_bytes: int = 2048, repeat: int = 1, seed: int = 0,
     transports: tuple[str, ...] = TRANSPORTS, secrets: str = "redact",
@@ -279,8 +284,7 @@ def bench_classify_turns(
             )
         if repeat > 1:
             row["runs"] = [
-                {f"{s}_{k}": _stage_summary(run[t]["long"][s], run[t]["fresh"][s])[k] for s in STAGES for k in _RUN_KEYS}
-                for run in runs
+                {f"{s}_{k}": summary[k] for s, summary in _run_summaries(run[t]) for k in _RUN_KEYS} for run in runs
             ]
         c = row["classify"]
         row["flat"] = c["late_over_early"] is not None and c["late_over_early"] <= TARGET

@@ -368,8 +368,9 @@ class Engine:
         return outcome
 
     def classify_settings(self, secrets: SecretsClassifier, p: Prepared, tenant: Tenant) -> tuple[Prepared, dict[str, int] | None]:
-        """Scan the request's own texts besides its items for secrets under the secrets policy: ``p`` (redacted under ``redact``) and the findings per kind, for this
-        turn's flags; raise :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``."""
+        """Scan the request's own texts besides its items for secrets under the secrets policy:
+        ``p`` (redacted under ``redact``) and the findings per kind, for this turn's flags; raise
+        :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``."""
         verdict, p = secrets.classify_settings(p)
         if verdict is ALLOW:
             return p, None
