@@ -177,20 +177,30 @@ def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset
     """The strings in a JSON value (dicts, lists, strings), with their paths below ``prefix``,
     in document order, but inline data (``DATA_FIELDS``); ``skip``: keys of the top-level dict not followed."""
     out: list[tuple[TextPath, str]] = []
-    stack: list[tuple[TextPath, Any, frozenset[str]]] = [(prefix, value, skip)]
+    limit = len(prefix) + MAX_LEAF_DEPTH  # containers this deep are not followed
+    stack: list[tuple[TextPath, Any]]
+    if type(value) is dict:
+        stack = [((*prefix, k), x) for k, x in reversed(value.items()) if k not in skip and type(x) in _NESTED]
+    else:
+        stack = [(prefix, value)]
+    pop, push = stack.pop, stack.append
     while stack:
-        path, v, skipped = stack.pop()
-        if type(v) is str:
+        path, v = pop()
+        t = type(v)
+        if t is str:
             if not (path and _is_data(path[-1], v)):
                 out.append((path, v))
-        elif len(path) - len(prefix) >= MAX_LEAF_DEPTH:
+        elif len(path) >= limit:
             continue
-        elif type(v) is dict:
-            stack.extend(
-                ((*path, k), x, frozenset()) for k, x in reversed(v.items()) if type(x) in _NESTED and k not in skipped
-            )
-        elif type(v) is list:
-            stack.extend(((*path, i), x, frozenset()) for i, x in reversed(list(enumerate(v))) if type(x) in _NESTED)
+        elif t is dict:
+            for k, x in reversed(v.items()):
+                if type(x) in _NESTED:
+                    push(((*path, k), x))
+        elif t is list:
+            for i in range(len(v) - 1, -1, -1):
+                x = v[i]
+                if type(x) in _NESTED:
+                    push(((*path, i), x))
     return out
 
 
