@@ -23,30 +23,27 @@
 //!    result is sorted and non-overlapping;
 //! 4. at most `max_matches` spans are reported per text (the first ones).
 //!
-//! Which kinds run: below [`SET_BELOW`] bytes, a [`RegexSet`] over all patterns first says which
-//! kinds can match at all, so a short text without secrets costs one pass. From there on, every
-//! kind's regex searches on its own, with the literal prefilter the `regex` crate derives from
-//! its pattern (most kinds start with a fixed prefix such as `ghp_` or `AKIA`), and a kind without
-//! a match drops out after that one search. The set's pass is one lazy DFA over every pattern at
-//! once, about 2.6 ns a byte, and a kind it reports is then searched again; the prefiltered
-//! searches cost about 16 ns each to start, which only short texts notice. Both ways give the
-//! same findings: the set only skips kinds that cannot match.
+//! Where each kind is searched: a kind whose every match starts with one of a few literal
+//! prefixes (`ghp_`, `AKIA`, `-----BEGIN`, and `password`, `token`, ... spelled in any case; found
+//! by the `regex-syntax` literal extractor, see [`prefixes`]) is tried only where one of them
+//! occurs, anchored there. All the kinds' prefixes are found in one pass over the ASCII-lowercased
+//! text (Teddy, the SIMD multi-literal search of the `aho-corasick` crate), and a kind none of
+//! whose prefixes occurs is not searched at all. A kind without such prefixes searches the text on
+//! its own. Both give the findings of an unanchored search of every kind (the property tests
+//! check it): every match starts where one of its kind's prefixes occurs, and the anchored match
+//! there is the leftmost-first one the unanchored search reports. On 2 KB of tool output this is
+//! one pass of about 0.5 ns a byte where a `RegexSet` over all the patterns took 2-3 ns a byte
+//! (its lazy DFA), plus a few anchored attempts.
 //! Offsets here are byte offsets; [`char_offsets`] converts them to code point offsets.
 
 use std::fmt;
 
-use regex::{CaptureLocations, Regex, RegexSet};
+use aho_corasick::{AhoCorasick, MatchKind};
+use regex::{CaptureLocations, Regex};
+use regex_syntax::hir::literal::{ExtractKind, Extractor};
 
 /// Default bound on the spans reported for one text.
 pub const DEFAULT_MAX_MATCHES: usize = 10_000;
-
-/// Texts shorter than this (in bytes) run only the kinds a [`RegexSet`] pass reports; texts
-/// this long or longer run every kind's own search (see the module's documentation). Measured
-/// on tool output (code, logs, JSON) with the project's table: at 2 KB the set is ahead on text without
-/// secret-like matches (4.4 against 5.8 us) and behind when the keyword kinds match (12.3
-/// against 9.1 us); at 200 KB the per-kind searches take 414 against 628 us on the same mixed
-/// text, 277 against 367 us on JSON lines, and 310 against 323 us on prose.
-pub const SET_BELOW: usize = 4096;
 
 /// One row of the pattern table.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,13 +96,132 @@ struct Kind {
     group: Option<usize>,
     edge: [bool; 128],
     min_entropy: f64,
+    /// The pattern anchored at the start of the text (`\A(?:pattern)`), for a kind with
+    /// [`prefixes`]: run on the text from a place where one of them occurs.
+    anchored: Option<Regex>,
 }
 
 /// A compiled pattern table. Immutable once built; share it freely between threads.
 pub struct SecretScanner {
-    set: RegexSet,
     kinds: Vec<Kind>,
+    /// Every kind's [`prefixes`], longest first, searched in the lowercased text.
+    finder: Option<Finder>,
+    /// For each prefix, the kinds of the prefixes that occur where it does: itself and the
+    /// shorter prefixes it starts with (the finder reports the longest one at each place).
+    prefix_kinds: Vec<Vec<usize>>,
     max_matches: usize,
+}
+
+/// Leftmost-first multi-string search: SIMD (Teddy) when the CPU and the prefixes allow it, an
+/// Aho-Corasick automaton otherwise.
+enum Finder {
+    Packed(aho_corasick::packed::Searcher),
+    Automaton(AhoCorasick),
+}
+
+impl Finder {
+    fn new(needles: &[Vec<u8>]) -> Result<Self, aho_corasick::BuildError> {
+        let packed = aho_corasick::packed::Config::new()
+            .match_kind(aho_corasick::packed::MatchKind::LeftmostFirst)
+            .builder()
+            .extend(needles)
+            .build();
+        Ok(match packed {
+            Some(p) => Finder::Packed(p),
+            None => Finder::Automaton(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostFirst)
+                    .build(needles)?,
+            ),
+        })
+    }
+
+    /// The leftmost prefix at or after `from`: where, and which.
+    fn find(&self, hay: &[u8], from: usize) -> Option<(usize, usize)> {
+        let m = match self {
+            Finder::Packed(p) => p.find_in(
+                hay,
+                aho_corasick::Span {
+                    start: from,
+                    end: hay.len(),
+                },
+            ),
+            Finder::Automaton(a) => a.find(aho_corasick::Input::new(hay).span(from..hay.len())),
+        }?;
+        Some((m.start(), m.pattern().as_usize()))
+    }
+}
+
+/// Places tried, in one [`SecretScanner::scan`], for one kind before it goes back to its
+/// unanchored search: a text made of one kind's prefix (`token token token ...`) costs at most
+/// this many anchored attempts more than the plain search.
+const PREFIX_MISSES: u32 = 64;
+
+/// A text is crowded with prefixes, and every kind then searches it on its own, when more than
+/// `CROWDED_BASE` plus one every `CROWDED_BYTES` bytes occur before some place in it (checked as
+/// they are found, so a text made of them is told early). Text of any kind has far fewer: 2 KB of
+/// code, logs or prose 0 to 30, one every 70 bytes or more. Each costs a restart of the search
+/// and an anchored attempt, so a text made of prefixes (`token1=x1 token2=x2 ...`) would
+/// otherwise cost several times the plain searches.
+const CROWDED_BASE: usize = 64;
+
+/// Texts up to this many bytes are lowercased on the stack (tool descriptions, short messages).
+const SMALL_TEXT: usize = 512;
+const CROWDED_BYTES: usize = 32;
+
+/// The longest prefix kept (longer ones are cut to it): long enough to be rare in text, short
+/// enough that a pattern's many spellings collapse into a few.
+const PREFIX_LEN: usize = 8;
+
+/// The most prefixes one kind has (more are cut shorter, see [`prefixes`]).
+const PREFIXES_PER_KIND: usize = 12;
+
+/// The prefixes of `pattern`: lowercase ASCII strings of three to [`PREFIX_LEN`] bytes, one of
+/// which every match of the pattern starts with, ignoring ASCII case, none a prefix of another;
+/// `None` when the pattern has no such list of at most [`PREFIXES_PER_KIND`], or has look-around.
+/// Found by the `regex-syntax` literal extractor (the literals every match starts with), so
+/// they hold for any pattern.
+fn prefixes(pattern: &str) -> Option<Vec<Vec<u8>>> {
+    let hir = regex_syntax::Parser::new().parse(pattern).ok()?;
+    // An anchor or a word boundary would see the anchored search's slice, not the whole text
+    if !hir.properties().look_set().is_empty() {
+        return None;
+    }
+    let mut ex = Extractor::new();
+    ex.kind(ExtractKind::Prefix).limit_total(4096);
+    let seq = ex.extract(&hir);
+    let mut lower: Vec<Vec<u8>> = seq
+        .literals()?
+        .iter()
+        .map(|l| l.as_bytes()[..l.len().min(PREFIX_LEN)].to_ascii_lowercase())
+        .collect();
+    if lower.is_empty() || lower.iter().any(|l| l.len() < 3 || !l.is_ascii()) {
+        return None;
+    }
+    loop {
+        lower.sort();
+        lower.dedup();
+        // sorted: a prefix that others start with comes right before them; they find nothing more
+        let mut kept: Vec<Vec<u8>> = Vec::new();
+        for l in lower {
+            if !kept.last().is_some_and(|k| l.starts_with(k)) {
+                kept.push(l);
+            }
+        }
+        // Many spellings (`xapp-1-`, `xapp-2-`, ...): cut them shorter until they are few, so that
+        // the whole table's stay within what the SIMD search takes (64)
+        let longest = kept.iter().map(Vec::len).max().unwrap_or(0);
+        if kept.len() <= PREFIXES_PER_KIND || longest <= 3 {
+            return (kept.len() <= PREFIXES_PER_KIND).then_some(kept);
+        }
+        lower = kept
+            .into_iter()
+            .map(|mut l| {
+                l.truncate(longest - 1);
+                l
+            })
+            .collect();
+    }
 }
 
 fn valid_kind(kind: &str) -> bool {
@@ -118,6 +234,7 @@ impl SecretScanner {
     /// Compile a pattern table.
     pub fn new(specs: &[PatternSpec], max_matches: usize) -> Result<Self, PatternError> {
         let mut kinds: Vec<Kind> = Vec::with_capacity(specs.len());
+        let mut needles: Vec<(Vec<u8>, Vec<usize>)> = Vec::new(); // each prefix and its kinds
         for (index, spec) in specs.iter().enumerate() {
             let err = |message: String| PatternError { index, message };
             if !valid_kind(&spec.kind) {
@@ -150,16 +267,49 @@ impl SecretScanner {
                 group,
                 edge,
                 min_entropy: spec.min_entropy,
+                anchored: None,
             });
+            if let Some(words) = prefixes(&spec.pattern) {
+                let anchored = Regex::new(&format!("\\A(?:{})", spec.pattern))
+                    .map_err(|e| err(format!("bad pattern: {e}")))?;
+                kinds[index].anchored = Some(anchored);
+                for w in words {
+                    match needles.iter().position(|(n, _)| *n == w) {
+                        Some(i) => needles[i].1.push(index),
+                        None => needles.push((w, vec![index])),
+                    }
+                }
+            }
         }
-        let set =
-            RegexSet::new(specs.iter().map(|s| s.pattern.as_str())).map_err(|e| PatternError {
+        // Longest first: at a place where several occur (each a prefix of the longer ones), the
+        // finder reports the longest, and the kinds of all of them come with it.
+        needles.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        let prefix_kinds: Vec<Vec<usize>> = needles
+            .iter()
+            .map(|(n, _)| {
+                let mut ks: Vec<usize> = needles
+                    .iter()
+                    .filter(|(m, _)| n.starts_with(m))
+                    .flat_map(|(_, k)| k.iter().copied())
+                    .collect();
+                ks.sort_unstable();
+                ks.dedup();
+                ks
+            })
+            .collect();
+        let words: Vec<Vec<u8>> = needles.into_iter().map(|(n, _)| n).collect();
+        let finder = if words.is_empty() {
+            None
+        } else {
+            Some(Finder::new(&words).map_err(|e| PatternError {
                 index: 0,
-                message: format!("pattern set: {e}"),
-            })?;
+                message: format!("prefixes: {e}"),
+            })?)
+        };
         Ok(SecretScanner {
-            set,
             kinds,
+            finder,
+            prefix_kinds,
             max_matches,
         })
     }
@@ -199,20 +349,58 @@ impl SecretScanner {
         if self.max_matches == 0 || text.is_empty() {
             return out;
         }
-        let candidates: Vec<usize> = if text.len() < SET_BELOW {
-            self.set.matches(text).into_iter().collect()
-        } else {
-            (0..self.kinds.len()).collect()
-        };
+        // Where each kind's prefixes occur, in order (a kind with prefixes and none here cannot match)
+        // (allocated at the first prefix found: a clean short text allocates nothing here)
+        let mut starts: Vec<Vec<usize>> = Vec::new();
+        // A text crowded with prefixes (`token token token ...`): every kind searches on its own
+        let mut crowded = false;
+        if let Some(finder) = &self.finder {
+            let mut small = [0u8; SMALL_TEXT];
+            let large: Vec<u8>;
+            let lower: &[u8] = if text.len() <= SMALL_TEXT {
+                let buf = &mut small[..text.len()];
+                buf.copy_from_slice(text.as_bytes());
+                buf.make_ascii_lowercase();
+                buf
+            } else {
+                large = text.as_bytes().to_ascii_lowercase();
+                &large
+            };
+            let (mut from, mut found) = (0, 0);
+            while let Some((s, p)) = finder.find(lower, from) {
+                found += 1;
+                if found > CROWDED_BASE + s / CROWDED_BYTES {
+                    crowded = true;
+                    break;
+                }
+                if starts.is_empty() {
+                    starts = vec![Vec::new(); self.kinds.len()];
+                }
+                for &k in &self.prefix_kinds[p] {
+                    starts[k].push(s);
+                }
+                from = s + 1;
+            }
+        }
         // In table order, which the tie rule below relies on.
-        let mut cursors: Vec<Cursor> = Vec::with_capacity(candidates.len());
-        for k in candidates {
-            let kind = &self.kinds[k];
+        let mut cursors: Vec<Cursor> = Vec::new();
+        for (k, kind) in self.kinds.iter().enumerate() {
+            let cands = starts.get_mut(k).map(std::mem::take).unwrap_or_default();
+            if kind.anchored.is_some() && cands.is_empty() && !crowded {
+                continue; // none of its prefixes occurs: it cannot match
+            }
             let mut c = Cursor {
                 kind: k,
                 pos: 0,
                 head: None,
                 locs: kind.group.map(|_| kind.re.capture_locations()),
+                anchored_locs: match (&kind.anchored, kind.group) {
+                    (Some(re), Some(_)) => Some(re.capture_locations()),
+                    _ => None,
+                },
+                cands,
+                next: 0,
+                misses: if crowded { PREFIX_MISSES } else { 0 },
             };
             self.advance(&mut c, text, original);
             if c.head.is_some() {
@@ -256,9 +444,24 @@ impl SecretScanner {
         let bytes = text.as_bytes();
         c.head = None;
         while c.pos <= text.len() {
+            if let Some(anchored) = kind.anchored.as_ref().filter(|_| c.misses < PREFIX_MISSES) {
+                match from_prefixes(kind, anchored, c, text) {
+                    Anchored::Match(m_start, m_end, span) => {
+                        if self.keep(c, kind, text, original, bytes, m_start, m_end, span) {
+                            return;
+                        }
+                        continue;
+                    }
+                    Anchored::Exhausted => break,
+                    Anchored::TooMany => {} // the plain search from c.pos, below
+                }
+            }
             let (m_start, m_end, span) = match kind.group {
                 Some(g) => {
-                    let locs = c.locs.as_mut().expect("a kind with a secret group has locations");
+                    let locs = c
+                        .locs
+                        .as_mut()
+                        .expect("a kind with a secret group has locations");
                     match kind.re.captures_read_at(locs, text, c.pos) {
                         Some(m) => (m.start(), m.end(), locs.get(g)),
                         None => break,
@@ -269,27 +472,46 @@ impl SecretScanner {
                     None => break,
                 },
             };
-            c.pos = if m_end > m_start {
-                m_end
-            } else {
-                // Unreachable for accepted tables (no empty matches); step one character.
-                m_end + text[m_end..].chars().next().map_or(1, char::len_utf8)
-            };
-            let Some((s, e)) = span else { continue };
-            if s == e {
-                continue;
+            if self.keep(c, kind, text, original, bytes, m_start, m_end, span) {
+                return;
             }
-            let touches = |i: usize| bytes[i] < 128 && kind.edge[usize::from(bytes[i])];
-            if (s > 0 && touches(s - 1) && !escaped(bytes, s - 1)) || (e < bytes.len() && touches(e)) {
-                continue;
-            }
-            if kind.min_entropy > 0.0 && entropy_wtf8(&original[s..e]) < kind.min_entropy {
-                continue;
-            }
-            c.head = Some((s, e));
-            return;
         }
         c.pos = text.len() + 1;
+    }
+
+    /// Move past the match `m_start..m_end` and, when its span passes the checks, make it the
+    /// cursor's head (true).
+    #[allow(clippy::too_many_arguments)]
+    fn keep(
+        &self,
+        c: &mut Cursor,
+        kind: &Kind,
+        text: &str,
+        original: &[u8],
+        bytes: &[u8],
+        m_start: usize,
+        m_end: usize,
+        span: Option<(usize, usize)>,
+    ) -> bool {
+        c.pos = if m_end > m_start {
+            m_end
+        } else {
+            // Unreachable for accepted tables (no empty matches); step one character.
+            m_end + text[m_end..].chars().next().map_or(1, char::len_utf8)
+        };
+        let Some((s, e)) = span else { return false };
+        if s == e {
+            return false;
+        }
+        let touches = |i: usize| bytes[i] < 128 && kind.edge[usize::from(bytes[i])];
+        if (s > 0 && touches(s - 1) && !escaped(bytes, s - 1)) || (e < bytes.len() && touches(e)) {
+            return false;
+        }
+        if kind.min_entropy > 0.0 && entropy_wtf8(&original[s..e]) < kind.min_entropy {
+            return false;
+        }
+        c.head = Some((s, e));
+        true
     }
 }
 
@@ -298,11 +520,15 @@ impl SecretScanner {
 /// text (a tool output holding JSON) then starts at a boundary, as it would after the character
 /// the escape stands for.
 fn escaped(bytes: &[u8], i: usize) -> bool {
-    let odd_backslashes_before = |j: usize| bytes[..j].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1;
+    let odd_backslashes_before =
+        |j: usize| bytes[..j].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1;
     if matches!(bytes[i], b'b' | b'f' | b'n' | b'r' | b't') && odd_backslashes_before(i) {
         return true;
     }
-    i >= 5 && bytes[i - 4] == b'u' && bytes[i - 3..=i].iter().all(u8::is_ascii_hexdigit) && odd_backslashes_before(i - 4)
+    i >= 5
+        && bytes[i - 4] == b'u'
+        && bytes[i - 3..=i].iter().all(u8::is_ascii_hexdigit)
+        && odd_backslashes_before(i - 4)
 }
 
 struct Cursor {
@@ -311,6 +537,64 @@ struct Cursor {
     head: Option<(usize, usize)>,
     /// Only for kinds whose pattern has a `secret` group (the others need no captures).
     locs: Option<CaptureLocations>,
+    /// The same for the anchored pattern.
+    anchored_locs: Option<CaptureLocations>,
+    /// Where the kind's prefixes occur in the text, in order, and the next one to try.
+    cands: Vec<usize>,
+    next: usize,
+    /// Places where the anchored pattern did not match (see [`PREFIX_MISSES`]).
+    misses: u32,
+}
+
+/// What [`from_prefixes`] found.
+enum Anchored {
+    /// The kind's next match at or after the cursor's position: start, end, reported span.
+    Match(usize, usize, Option<(usize, usize)>),
+    /// None: no place left where a match starts.
+    Exhausted,
+    /// The cursor used up its [`PREFIX_MISSES`]: search on without its prefixes.
+    TooMany,
+}
+
+/// The kind's leftmost match at or after `c.pos`. Every match starts where one of the kind's
+/// prefixes occurs, so the first such place where the anchored pattern matches is where the
+/// unanchored search would find it, and the anchored pattern's match there is the one it would
+/// report (leftmost-first at a given start).
+fn from_prefixes(kind: &Kind, anchored: &Regex, c: &mut Cursor, text: &str) -> Anchored {
+    while let Some(&s) = c.cands.get(c.next) {
+        c.next += 1;
+        if s < c.pos {
+            continue;
+        }
+        // a prefix is ASCII, so it starts on a character boundary
+        let rest = &text[s..];
+        let found = match c.anchored_locs.as_mut() {
+            Some(locs) => anchored.captures_read(locs, rest).map(|m| {
+                (
+                    s + m.start(),
+                    s + m.end(),
+                    kind.group
+                        .and_then(|g| locs.get(g))
+                        .map(|(a, b)| (s + a, s + b)),
+                )
+            }),
+            None => anchored.find(rest).map(|m| {
+                (
+                    s + m.start(),
+                    s + m.end(),
+                    Some((s + m.start(), s + m.end())),
+                )
+            }),
+        };
+        if let Some((ms, me, span)) = found {
+            return Anchored::Match(ms, me, span);
+        }
+        c.misses += 1;
+        if c.misses >= PREFIX_MISSES {
+            return Anchored::TooMany;
+        }
+    }
+    Anchored::Exhausted
 }
 
 /// Shannon entropy of the characters of `s`, in bits per character (0.0 for an empty string).
@@ -523,20 +807,224 @@ mod tests {
     }
 
     #[test]
-    fn long_texts_skip_the_set_and_find_the_same() {
+    fn a_shifted_text_finds_the_same_shifted() {
         let s = SecretScanner::new(&table(), DEFAULT_MAX_MATCHES).unwrap();
         let text = "tok_abcd key=Xy7Qw2Er9 9tok_zzzz key=aaaaaaaaaaaa tok_zzzzzz";
         let short = s.scan(text);
         assert_eq!(short.len(), 4);
-        let pad = " ".repeat(SET_BELOW);
+        let pad = " ".repeat(5000);
         let long = s.scan(&format!("{pad}{text}"));
         let shifted: Vec<Finding> = short
             .iter()
-            .map(|f| Finding { kind: f.kind, start: f.start + SET_BELOW, end: f.end + SET_BELOW })
+            .map(|f| Finding {
+                kind: f.kind,
+                start: f.start + 5000,
+                end: f.end + 5000,
+            })
             .collect();
         assert_eq!(long, shifted);
-        // a kind with no match in a long text drops out: nothing found, nothing kept
         assert!(s.scan(&pad).is_empty());
+    }
+
+    // Kinds spelled in any case, as in the project's table, and one with a plain prefix.
+    fn keyword_table() -> Vec<PatternSpec> {
+        vec![
+            spec("pem", "-----BEGIN[ A-Z]{0,20}PRIVATE KEY-----", "", 0.0),
+            spec(
+                "generic",
+                "(?:[Pp][Aa][Ss][Ss][Ww][Oo][Rr][Dd]|[Pp][Aa][Ss][Ss][Ww][Dd]|[Ss][Ee][Cc][Rr][Ee][Tt]|[Tt][Oo][Kk][Ee][Nn]|[Aa][Pp][Ii][_-]?[Kk][Ee][Yy]|[Aa][Cc][Cc][Ee][Ss][Ss][_-]?[Kk][Ee][Yy])(?:[_.-][A-Za-z0-9_.-]{0,30})?[\"']?[ \\t]{0,8}(?:=>|:=|=|:)[ \\t]{0,8}[\"']?(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-]{12,})",
+                "",
+                3.0,
+            ),
+            spec(
+                "auth",
+                "[Aa][Uu][Tt][Hh][Oo][Rr][Ii][Zz][Aa][Tt][Ii][Oo][Nn][ \\t]{0,8}[:=][ \\t]{0,8}(?:[Bb]earer|[Tt]oken)[ \\t]{1,8}(?P<secret>[A-Za-z0-9_~+/=.-]{16,})",
+                "",
+                3.0,
+            ),
+            spec("secret_word", "[Ss][Ee][Cc][Rr][Ee][Tt][A-Za-z]{0,6}", ALNUM, 0.0),
+        ]
+    }
+
+    /// Every kind searched on its own, unanchored: the reference the prefixes must agree with.
+    fn without_prefixes(mut s: SecretScanner) -> SecretScanner {
+        for k in &mut s.kinds {
+            k.anchored = None;
+        }
+        s
+    }
+
+    #[test]
+    fn prefixes_come_from_the_pattern() {
+        let words = |p: &str| {
+            prefixes(p).map(|w| {
+                w.iter()
+                    .map(|k| String::from_utf8(k.clone()).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        // lowercase, cut to PREFIX_LEN bytes, none a prefix of another
+        assert_eq!(
+            words("[Tt][Oo][Kk][Ee][Nn]=x"),
+            Some(vec!["token=x".to_owned()])
+        );
+        assert_eq!(
+            words("(?:[Pp][Aa][Ss][Ss][Ww][Oo][Rr][Dd]|[Pp][Aa][Ss][Ss]|[Aa][Pp][Ii][_-]?[Kk][Ee][Yy])[A-Za-z0-9]"),
+            Some(vec!["api-key".to_owned(), "api_key".to_owned(), "apikey".to_owned(), "pass".to_owned()])
+        );
+        assert_eq!(words("ghp_[A-Za-z0-9]{36}"), Some(vec!["ghp_".to_owned()]));
+        assert_eq!(
+            words("-----BEGIN[ A-Z]{0,20}KEY"),
+            Some(vec!["-----beg".to_owned()])
+        );
+        // many spellings are cut shorter until they are few
+        assert_eq!(
+            words("(?:xapp|xoxa|xoxb)-[0-9]-[a-z]+"),
+            Some(vec![
+                "xapp-".to_owned(),
+                "xoxa-".to_owned(),
+                "xoxb-".to_owned()
+            ])
+        );
+        // no literal start, or one too short, or too many: none
+        assert_eq!(words("[A-Za-z0-9]{40}"), None);
+        // look-around (outside what a table may use): none, so the slice never changes a match
+        assert_eq!(words("^ghp_[a-z]{4}"), None);
+        assert_eq!(words("\\bghp_[a-z]{4}"), None);
+        assert_eq!(words("[Aa][Bb]"), None);
+        assert_eq!(words("(?:[a-p][0-9])[0-9]x"), None);
+        let s = SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap();
+        assert!(s.kinds.iter().all(|k| k.anchored.is_some()));
+        assert!(matches!(
+            s.finder,
+            Some(Finder::Packed(_)) | Some(Finder::Automaton(_))
+        ));
+    }
+
+    #[test]
+    fn prefixes_find_what_the_plain_search_finds() {
+        let fast = SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap();
+        let plain =
+            without_prefixes(SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap());
+        let cases = [
+            "PASSWORD='kDnNfribxUdl7dXTPyLs'",
+            "x pAsSwOrD: Xk29fjQm4LpW8zNc and token=aaaaaaaaaaaaaaaa then Token = Qm4LpW8zNcXk29fj",
+            // prefixes that overlap: \"access\" then \"secret\" starting inside it
+            "accessecret=Zx81Lm29Qa7Wp3Ks accesSecretive",
+            // a prefix not followed by a match, then one that is; a rejected span (low entropy)
+            "token token: tokens api_key=\"ab\" apiKey = 'J8d7Kq2mZ0xV5bNw' secret=zzzzzzzzzzzzzzzz",
+            "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.abc authorization=token 0123456789abcdefXYZ",
+            // non-ASCII around prefixes (byte offsets stay those of the text)
+            "é TOKEN=\u{1F600}ab Tökén password=Ab3dE5gH9jK1mN ü",
+            "-----BEGIN RSA PRIVATE KEY----- secretsauce SECRETIVE",
+        ];
+        for text in cases {
+            assert_eq!(fast.scan(text), plain.scan(text), "{text:?}");
+        }
+        // every kind finds something above, so the comparison is not vacuous
+        let kinds: std::collections::BTreeSet<usize> = cases
+            .iter()
+            .flat_map(|t| fast.scan(t))
+            .map(|f| f.kind)
+            .collect();
+        assert_eq!(kinds.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        // pseudo-random texts from prefix fragments in mixed case, short and long
+        let parts = [
+            "pass",
+            "PASSWORD",
+            "Passwd",
+            "word",
+            "=",
+            ": ",
+            "'",
+            "\"",
+            " ",
+            "\n",
+            "token",
+            "TOKEN",
+            "Secret",
+            "api",
+            "_key",
+            "-KEY",
+            "access",
+            "Xk29fjQm4LpW8zNc",
+            "aaaaaaaaaaaaaaaa",
+            "Authorization:",
+            " Bearer ",
+            "0123456789abcdefXYZ",
+            "é",
+            "secretive",
+            "ApI-KeY",
+        ];
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut found = 0;
+        for round in 0..400 {
+            let mut text = String::new();
+            let target = if round % 4 == 0 { 5000 } else { 200 };
+            while text.len() < target {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                text.push_str(parts[(state % parts.len() as u64) as usize]);
+            }
+            let got = fast.scan(&text);
+            assert_eq!(got, plain.scan(&text), "{text:?}");
+            found += got.len();
+        }
+        assert!(found > 100, "{found}");
+    }
+
+    #[test]
+    fn more_prefixes_than_the_simd_search_takes_use_the_automaton() {
+        let specs: Vec<PatternSpec> = (0..70)
+            .map(|i| {
+                spec(
+                    &format!("k{i}"),
+                    &format!("[Kk]{i:02}_[a-z]{{4}}"),
+                    ALNUM,
+                    0.0,
+                )
+            })
+            .collect();
+        let fast = SecretScanner::new(&specs, DEFAULT_MAX_MATCHES).unwrap();
+        assert!(matches!(fast.finder, Some(Finder::Automaton(_))));
+        let plain = without_prefixes(SecretScanner::new(&specs, DEFAULT_MAX_MATCHES).unwrap());
+        let text = "x K07_abcd k69_wxyz 12_abcd k12_ab K3_abcd k00_zzzz9 k00_zzzz";
+        let got = fast.scan(text);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got, plain.scan(text));
+    }
+
+    #[test]
+    fn a_text_crowded_with_prefixes_is_searched_plainly() {
+        let fast = SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap();
+        let plain =
+            without_prefixes(SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap());
+        for n in [10, 200, 2000] {
+            let text = format!(
+                "{}Token: Qm4LpW8zNcXk29fj {}",
+                "tokens ".repeat(n),
+                "pass ".repeat(n)
+            );
+            let got = fast.scan(&text);
+            assert_eq!(got.len(), 1, "{n}");
+            assert_eq!(got, plain.scan(&text), "{n}");
+        }
+    }
+
+    #[test]
+    fn a_text_of_prefixes_falls_back_to_the_plain_search() {
+        let fast = SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap();
+        let plain =
+            without_prefixes(SecretScanner::new(&keyword_table(), DEFAULT_MAX_MATCHES).unwrap());
+        // more places without a match than PREFIX_MISSES, then matches
+        let text = format!(
+            "{}token = Qm4LpW8zNcXk29fj password: Xk29fjQm4LpW8zNc",
+            "token ".repeat(200)
+        );
+        let got = fast.scan(&text);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got, plain.scan(&text));
     }
 
     #[test]
