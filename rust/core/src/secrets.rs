@@ -120,12 +120,16 @@ enum Finder {
 }
 
 impl Finder {
-    fn new(needles: &[Vec<u8>]) -> Result<Self, aho_corasick::BuildError> {
-        let packed = aho_corasick::packed::Config::new()
-            .match_kind(aho_corasick::packed::MatchKind::LeftmostFirst)
-            .builder()
-            .extend(needles)
-            .build();
+    fn new(needles: &[Vec<u8>], simd: bool) -> Result<Self, aho_corasick::BuildError> {
+        let packed = simd
+            .then(|| {
+                aho_corasick::packed::Config::new()
+                    .match_kind(aho_corasick::packed::MatchKind::LeftmostFirst)
+                    .builder()
+                    .extend(needles)
+                    .build()
+            })
+            .flatten();
         Ok(match packed {
             Some(p) => Finder::Packed(p),
             None => Finder::Automaton(
@@ -176,6 +180,10 @@ const PREFIX_LEN: usize = 8;
 /// The most prefixes one kind has (more are cut shorter, see [`prefixes`]).
 const PREFIXES_PER_KIND: usize = 12;
 
+/// The most prefixes of a whole table the SIMD search (Teddy) takes; beyond them, kinds search
+/// on their own, those with the longest prefixes first (see [`SecretScanner::new`]).
+const SIMD_PREFIXES: usize = 64;
+
 /// The prefixes of `pattern`: lowercase ASCII strings of three to [`PREFIX_LEN`] bytes, one of
 /// which every match of the pattern starts with, ignoring ASCII case, none a prefix of another;
 /// `None` when the pattern has no such list of at most [`PREFIXES_PER_KIND`], or has look-around.
@@ -188,7 +196,7 @@ fn prefixes(pattern: &str) -> Option<Vec<Vec<u8>>> {
         return None;
     }
     let mut ex = Extractor::new();
-    ex.kind(ExtractKind::Prefix).limit_total(4096);
+    ex.kind(ExtractKind::Prefix).limit_total(10_000);
     let seq = ex.extract(&hir);
     let mut lower: Vec<Vec<u8>> = seq
         .literals()?
@@ -208,8 +216,7 @@ fn prefixes(pattern: &str) -> Option<Vec<Vec<u8>>> {
                 kept.push(l);
             }
         }
-        // Many spellings (`xapp-1-`, `xapp-2-`, ...): cut them shorter until they are few, so that
-        // the whole table's stay within what the SIMD search takes (64)
+        // Many spellings (`xapp-1-`, `xapp-2-`, ...): cut them shorter until they are few
         let longest = kept.iter().map(Vec::len).max().unwrap_or(0);
         if kept.len() <= PREFIXES_PER_KIND || longest <= 3 {
             return (kept.len() <= PREFIXES_PER_KIND).then_some(kept);
@@ -233,7 +240,13 @@ fn valid_kind(kind: &str) -> bool {
 impl SecretScanner {
     /// Compile a pattern table.
     pub fn new(specs: &[PatternSpec], max_matches: usize) -> Result<Self, PatternError> {
+        Self::build(specs, max_matches, true)
+    }
+
+    /// [`new`](Self::new), with the SIMD search of prefixes or (`simd` false) the automaton.
+    fn build(specs: &[PatternSpec], max_matches: usize, simd: bool) -> Result<Self, PatternError> {
         let mut kinds: Vec<Kind> = Vec::with_capacity(specs.len());
+        let mut found: Vec<(usize, Vec<Vec<u8>>)> = Vec::new(); // kinds with prefixes, and theirs
         let mut needles: Vec<(Vec<u8>, Vec<usize>)> = Vec::new(); // each prefix and its kinds
         for (index, spec) in specs.iter().enumerate() {
             let err = |message: String| PatternError { index, message };
@@ -273,11 +286,31 @@ impl SecretScanner {
                 let anchored = Regex::new(&format!("\\A(?:{})", spec.pattern))
                     .map_err(|e| err(format!("bad pattern: {e}")))?;
                 kinds[index].anchored = Some(anchored);
-                for w in words {
-                    match needles.iter().position(|(n, _)| *n == w) {
-                        Some(i) => needles[i].1.push(index),
-                        None => needles.push((w, vec![index])),
-                    }
+                found.push((index, words));
+            }
+        }
+        // Within what the SIMD search takes: the kinds whose shortest prefix is longest search on
+        // their own instead (the `regex` crate's own prefilter does well on a long literal)
+        while found
+            .iter()
+            .flat_map(|(_, w)| w)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            > SIMD_PREFIXES
+        {
+            let (i, _) = found
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, (_, w))| (w.iter().map(Vec::len).min(), w.len()))
+                .expect("more prefixes than SIMD_PREFIXES: some kind has one");
+            let (index, _) = found.remove(i);
+            kinds[index].anchored = None;
+        }
+        for (index, words) in found {
+            for w in words {
+                match needles.iter().position(|(n, _)| *n == w) {
+                    Some(i) => needles[i].1.push(index),
+                    None => needles.push((w, vec![index])),
                 }
             }
         }
@@ -301,7 +334,7 @@ impl SecretScanner {
         let finder = if words.is_empty() {
             None
         } else {
-            Some(Finder::new(&words).map_err(|e| PatternError {
+            Some(Finder::new(&words, simd).map_err(|e| PatternError {
                 index: 0,
                 message: format!("prefixes: {e}"),
             })?)
@@ -975,8 +1008,9 @@ mod tests {
     }
 
     #[test]
-    fn more_prefixes_than_the_simd_search_takes_use_the_automaton() {
-        let specs: Vec<PatternSpec> = (0..70)
+    fn past_the_simd_search_kinds_search_on_their_own_or_the_automaton_finds_them() {
+        // 70 kinds of one prefix each, two of them longer: those two search on their own
+        let mut specs: Vec<PatternSpec> = (0..70)
             .map(|i| {
                 spec(
                     &format!("k{i}"),
@@ -986,13 +1020,32 @@ mod tests {
                 )
             })
             .collect();
+        specs[5] = spec("k5", "[Kk]05_long_[a-z]{4}", ALNUM, 0.0);
+        specs[9] = spec("k9", "[Kk]09_longer_[a-z]{4}", ALNUM, 0.0);
         let fast = SecretScanner::new(&specs, DEFAULT_MAX_MATCHES).unwrap();
-        assert!(matches!(fast.finder, Some(Finder::Automaton(_))));
+        let own: Vec<usize> = (0..70)
+            .filter(|&k| fast.kinds[k].anchored.is_none())
+            .collect();
+        assert_eq!(own.len(), 6, "{own:?}");
+        assert!(own.contains(&5) && own.contains(&9));
+        let automaton = SecretScanner::build(&specs, DEFAULT_MAX_MATCHES, false).unwrap();
+        assert!(matches!(automaton.finder, Some(Finder::Automaton(_))));
+        assert!(automaton.kinds.iter().any(|k| k.anchored.is_some()));
         let plain = without_prefixes(SecretScanner::new(&specs, DEFAULT_MAX_MATCHES).unwrap());
-        let text = "x K07_abcd k69_wxyz 12_abcd k12_ab K3_abcd k00_zzzz9 k00_zzzz";
+        let text = "x K07_abcd k69_wxyz 12_abcd k12_ab K3_abcd k00_zzzz9 k00_zzzz k05_long_abcd K09_LONGER_abcd k09_longer_abcd";
         let got = fast.scan(text);
-        assert_eq!(got.len(), 3);
+        assert_eq!(got.len(), 5);
         assert_eq!(got, plain.scan(text));
+        assert_eq!(automaton.scan(text), got);
+        let table = keyword_table();
+        let auto_kw = SecretScanner::build(&table, DEFAULT_MAX_MATCHES, false).unwrap();
+        let simd_kw = SecretScanner::new(&table, DEFAULT_MAX_MATCHES).unwrap();
+        for t in [
+            "PASSWORD='kDnNfribxUdl7dXTPyLs' accessecret=Zx81Lm29Qa7Wp3Ks",
+            "token token: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.abc",
+        ] {
+            assert_eq!(auto_kw.scan(t), simd_kw.scan(t), "{t:?}");
+        }
     }
 
     #[test]
