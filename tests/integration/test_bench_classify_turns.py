@@ -82,7 +82,7 @@ def test_meter_counts_each_response_once() -> None:
     # the meter attributes to each turn the growth of /metrics since the last reading: one response
     # each, the classify stage's sum growing with what was scanned
     with server("--sim-rate", "0", "--secrets", "redact") as (base, _pid), httpx.Client(base_url=base, timeout=30) as client:
-        def turn(text: str) -> None:
+        def turn(text: str | list[dict[str, object]]) -> None:
             body = {"model": "hotloop-sim", "store": False, "input": text, "metadata": {"sim": "text,tokens:4"}}
             r = client.post("/v1/responses", json=body)
             assert r.status_code == 200, r.text
@@ -90,8 +90,11 @@ def test_meter_counts_each_response_once() -> None:
         turn("hello")
         meter = _Meter(client, 1)
         rng = random.Random(5)
-        big = code_log_text(rng, 48 * 1024)  # below the size scanned off the event loop
-        assert default_secret_scanner().scan(big) == []
+        # 48 KB in 400 messages (below the size scanned off the event loop): the stage walks and
+        # scans each item, so it grows with them whatever the scanner's speed on one text
+        texts = [code_log_text(rng, 120) for _ in range(400)]
+        assert all(default_secret_scanner().scan(t) == [] for t in texts)
+        big = [{"type": "message", "role": "user", "content": t} for t in texts]
         times = []
         for text in ("small", big, "small"):
             turn(text)
