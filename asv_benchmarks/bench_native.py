@@ -44,11 +44,38 @@ KEY = bytes(range(32))
 _canonical = msgspec.json.Encoder(order="sorted").encode  # hotloop.pipeline.items' canonical form
 
 
+def batched(cls: type) -> type:
+    """Time ``cls``'s calls batched: its ``prepare(self, *params)`` runs at the first call for a
+    set of parameters (and again when they change), not as asv's ``setup``.
+
+    asv_runner times one call per sample, each right after ``setup``, when a benchmark has one
+    (asv#966); at a microsecond or less a lone call reads well above its batched time (the
+    secret scanner's 2 KB scan: 12.5-13.3 us against 6-7 us). Without ``setup`` asv batches the
+    calls. The price is one dictionary look-up and comparison a call (about 0.1 us), the same
+    for every implementation, so the native/pure ratios are still read side by side.
+    """
+    prepare = cls.prepare  # type: ignore[attr-defined]
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("time_"):
+            continue
+
+        def timed(self: Any, *params: Any, _fn: Any = fn) -> None:
+            if self.__dict__.get("_params") != params:
+                prepare(self, *params)
+                self._params = params
+            _fn(self, *params)
+
+        functools.update_wrapper(timed, fn)
+        setattr(cls, name, timed)
+    return cls
+
+
+@batched
 class Fingerprint:
     params = (IMPL_NAMES, [100, 2048, 204800])
     param_names = ["impl", "size"]
 
-    def setup(self, impl: str, size: int) -> None:
+    def prepare(self, impl: str, size: int) -> None:
         self.fn = IMPLS[impl]["Fingerprinter"](KEY)
         self.data = (b"0123456789abcdef" * (size // 16 + 1))[:size]
         assert self.fn(self.data) == hashlib.blake2b(self.data, digest_size=16, key=KEY).digest()
@@ -57,13 +84,14 @@ class Fingerprint:
         self.fn(self.data)
 
 
+@batched
 class ItemFingerprint:
     """canonical form + fingerprint of one item: the per-item work of a new turn."""
 
     params = (IMPL_NAMES, ["message_2kb", "tool_call"])
     param_names = ["impl", "item"]
 
-    def setup(self, impl: str, item: str) -> None:
+    def prepare(self, impl: str, item: str) -> None:
         self.fp = IMPLS[impl]["Fingerprinter"](KEY)
         self.item = _message_item(7) if item == "message_2kb" else _tool_item(7)
         ref = json.dumps(self.item, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -74,13 +102,14 @@ class ItemFingerprint:
         self.fp(_canonical(self.item))
 
 
+@batched
 class ItemChainOps:
     """A 1,000-item history: match a resent history, then append a turn's new items."""
 
     params = IMPL_NAMES
     param_names = ["impl"]
 
-    def setup(self, impl: str) -> None:
+    def prepare(self, impl: str) -> None:
         cls = IMPLS[impl]["ItemChain"]
         fingerprint = _pure.Fingerprinter(KEY)
         self.fps = [fingerprint(str(i).encode()) for i in range(1000)]
@@ -112,13 +141,14 @@ def _delta_event(i: int) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+@batched
 class SseFeed:
     """One backend network chunk per feed: a single delta event, or 64 KiB of them."""
 
     params = (IMPL_NAMES, ["one_event", "64kb_split"])
     param_names = ["impl", "chunk"]
 
-    def setup(self, impl: str, chunk: str) -> None:
+    def prepare(self, impl: str, chunk: str) -> None:
         self.cls = IMPLS[impl]["SseDecoder"]
         if chunk == "one_event":
             self.chunks = [_delta_event(1)]
@@ -137,6 +167,7 @@ class SseFeed:
             feed(c)
 
 
+@batched
 class PlainDeltas:
     """One backend read holding one plain delta, taken into its item and made into its event:
     ``SseDecoder.feed_lane`` (native and pure), against the general path it replaces (SSE
@@ -145,7 +176,7 @@ class PlainDeltas:
     params = ["native", "pure", "general_path"]
     param_names = ["impl"]
 
-    def setup(self, impl: str) -> None:
+    def prepare(self, impl: str) -> None:
         from hotloop.backends.chat.assemble import ChunkAssembler, chunk_decoder
         from hotloop.protocol.objects import IdGen, response_object
         from hotloop.protocol.request import decode_body, validate
@@ -187,13 +218,14 @@ class PlainDeltas:
             del self.lane.parts[:]
 
 
+@batched
 class EncodeDelta:
     """Once per streamed token: the delta event's JSON, then its SSE frame."""
 
     params = IMPL_NAMES
     param_names = ["impl"]
 
-    def setup(self, impl: str) -> None:
+    def prepare(self, impl: str) -> None:
         self.enc = IMPLS[impl]["encode_delta"]
         self.sse = IMPLS[impl]["encode_sse"]
         self.args = ("response.output_text.delta", 1234, "msg_67a1b2c3d4e5f6", 0, 0,
