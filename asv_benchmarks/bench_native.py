@@ -286,39 +286,27 @@ def _secret_text(size: int) -> tuple[str, list[tuple[str, int, int]]]:
     return text, spans
 
 
-@functools.lru_cache(maxsize=None)
-def _scan_fixture(impl: str, size: int) -> tuple[Any, str]:
-    """A checked and warmed scanner and its text, once per process."""
-    scanner = IMPLS[impl]["SecretScanner"](_pure.SECRET_PATTERNS)
-    text, want = _secret_text(size)
-    assert len(text) == size
-    assert scanner.scan(text) == want
-    redacted, spans = scanner.redact(text)
-    assert spans == want and redacted.count("[REDACTED:") == len(want)
-    # The server builds its scanner once; the regexes' lazy DFAs fill their caches over the
-    # first few texts (the first 2 KB scan costs about 150 us). Time the warm scanner.
-    for _ in range(max(1, 400_000 // size) if impl == "native" else 0):
-        scanner.scan(text)
-    return scanner, text
-
-
+@batched
 class SecretScan:
-    """One new input text of 2 KB or 200 KB scanned for secrets (and redacted).
-
-    No ``setup``: asv_runner times one call per sample, right after a setup, when a benchmark
-    has one (asv#966), and at a few microseconds a lone call reads about twice its batched
-    time (2 KB: 12.5-13.3 us against 6-7 us). The fixture is built and checked by the first
-    call instead (:func:`_scan_fixture`, an ``lru_cache`` look-up of about 0.1 us a call), and
-    asv batches the calls.
-    """
+    """One new input text of 2 KB or 200 KB scanned for secrets (and redacted)."""
 
     params = (IMPL_NAMES, [2_000, 200_000])
     param_names = ["impl", "size"]
 
+    def prepare(self, impl: str, size: int) -> None:
+        self.scanner = IMPLS[impl]["SecretScanner"](_pure.SECRET_PATTERNS)
+        self.text, want = _secret_text(size)
+        assert len(self.text) == size
+        assert self.scanner.scan(self.text) == want
+        redacted, spans = self.scanner.redact(self.text)
+        assert spans == want and redacted.count("[REDACTED:") == len(want)
+        # The server builds its scanner once; the regexes' lazy DFAs fill their caches over the
+        # first few texts (the first 2 KB scan costs about 150 us). Time the warm scanner.
+        for _ in range(max(1, 400_000 // size) if impl == "native" else 0):
+            self.scanner.scan(self.text)
+
     def time_scan(self, impl: str, size: int) -> None:
-        scanner, text = _scan_fixture(impl, size)
-        scanner.scan(text)
+        self.scanner.scan(self.text)
 
     def time_redact(self, impl: str, size: int) -> None:
-        scanner, text = _scan_fixture(impl, size)
-        scanner.redact(text)
+        self.scanner.redact(self.text)
