@@ -325,3 +325,43 @@ def test_http_loop_repeated_reports_the_median_of_its_runs() -> None:
         assert runs[0] > 0 and out[key] == round(runs[1], 4), key  # each run measured; the middle one reported
     assert out["turns"] == 4 and out["turns_with_cached_tokens"] == 3  # counts: the same in every run
     assert bench_loop_repeated("ws-loop", 3, 256, 1)["turns"] == 3  # one run: its own figures, as before
+
+
+def test_history_body_is_what_a_client_encoding_the_whole_history_sends() -> None:
+    from hotloop.bench import HistoryBody
+
+    def compact(obj: Any) -> bytes:  # httpx's json= (and most clients): compact, UTF-8
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+    before, after = {"model": "hotloop-sim", "store": False}, {"metadata": {"sim": "text,tokens:16"}}
+    body = HistoryBody(before, after)
+    items: list[dict[str, Any]] = []
+    assert body.body() == compact({**before, "input": items, **after})
+    for i in range(4):
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"tür {i} \"q\""}]}
+        body.add(item)
+        items.append(item)
+        assert body.body() == compact({**before, "input": items, **after})
+    lone = HistoryBody({}, {})
+    lone.add({"a": 1})
+    assert lone.body() == b'{"input":[{"a":1}]}'
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs; on one it is off (split_cpus is None)")
+def test_loop_benchmarks_run_the_server_and_the_client_on_cpus_of_their_own() -> None:
+    from hotloop.bench import bench_loop, client_cpus, server, split_cpus
+
+    split = split_cpus()
+    assert split is not None
+    mine, theirs = split[1], split[0]
+    assert mine and theirs and not (mine & theirs) and mine | theirs == os.sched_getaffinity(0)
+    before = os.sched_getaffinity(0)
+    with server("--sim-rate", "0", cpus=theirs) as (base, pid), client_cpus(mine):
+        assert os.sched_getaffinity(0) == mine
+        r = httpx.post(base + "/v1/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=30)
+        assert r.status_code == 200
+        tids = os.listdir(f"/proc/{pid}/task")
+        assert tids and all(os.sched_getaffinity(int(t)) == theirs for t in tids)  # every thread of it
+    assert os.sched_getaffinity(0) == before  # given back
+    assert bench_loop("ws-loop", 2, 128)["pinned"] is True
+    assert bench_loop("ws-loop", 2, 128, pin=False)["pinned"] is False

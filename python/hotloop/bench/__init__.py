@@ -15,7 +15,8 @@ Scenarios:
   ``--new-bytes`` of new input (the history grows to turns x new-bytes). Reports per-turn server
   CPU (p50, p90) and the ratio of the last turns to the first.
 * ``http-loop``: the same conversation over HTTP, the client resending the full history each turn
-  (no ``previous_response_id``): prefix reuse through the token cache.
+  (no ``previous_response_id``): prefix reuse through the token cache. Both loops run the server
+  on a CPU of its own where there are two or more (:func:`split_cpus`; ``--no-pin``).
 * ``overhead``: a 20-turn agent loop at 1,000 tokens/s through hotloop (Cerebras backend, paced
   mock) against the same loop talking to the mock directly: the end-to-end cost of hotloop.
 * ``agent-turns`` (:mod:`hotloop.bench.turns`): server CPU and added wall time per tool-call turn
@@ -72,12 +73,15 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def server(*args: str, pythonpath: str | None = None, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+def server(
+    *args: str, pythonpath: str | None = None, env: dict[str, str] | None = None, cpus: set[int] | None = None
+) -> Iterator[tuple[str, int]]:
     """A ``hotloop serve`` subprocess; yields (base_url, pid).
 
     ``pythonpath``: a directory put first on the server's ``PYTHONPATH`` (another source tree's
     ``python/`` directory, to compare two versions of the server in one run). ``env``: more
     environment variables for the server (a tuning to compare, such as ``GLIBC_TUNABLES``).
+    ``cpus``: the CPUs the server's threads may run on (:func:`split_cpus`).
     """
     port = _free_port()
     data = tempfile.mkdtemp(prefix="hotloop-bench-")
@@ -86,6 +90,10 @@ def server(*args: str, pythonpath: str | None = None, env: dict[str, str] | None
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(cmd, env=env)
+    if cpus:
+        # Popen returns once the child has started the interpreter, before it starts a thread;
+        # threads inherit their creator's CPUs (each thread is set again once it is up, below)
+        os.sched_setaffinity(proc.pid, cpus)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -98,6 +106,10 @@ def server(*args: str, pythonpath: str | None = None, env: dict[str, str] | None
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not start within 30 s")
             time.sleep(0.05)
+        if cpus:
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                with contextlib.suppress(OSError):  # a thread that has ended since
+                    os.sched_setaffinity(int(tid), cpus)
         yield base, proc.pid
     finally:
         proc.terminate()
@@ -107,6 +119,35 @@ def server(*args: str, pythonpath: str | None = None, env: dict[str, str] | None
             proc.kill()
             proc.wait(10)
         shutil.rmtree(data, ignore_errors=True)  # its store and fingerprint key
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(the server's CPU, the client's CPUs) when this process may run on two or more: the last
+    CPU for the server, the others for the client. None on a single CPU.
+
+    A client that shares a core with the server makes the server slower: its own work between
+    turns (encoding a request, decoding an answer) evicts the server's data from the core's
+    caches, so the server's next turn costs more. Measured here (2 vCPUs), a client that JSON-encodes
+    200 KB between its WebSocket turns raised the server's CPU per turn by 28% when the two could
+    share a core, and by about 14% with each on a CPU of its own."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None
+    return {allowed[-1]}, set(allowed[:-1])
+
+
+@contextlib.contextmanager
+def client_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This process (and the threads it starts meanwhile) on ``cpus``, restored afterwards."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _stats(base: str) -> list[dict[str, Any]]:
@@ -316,19 +357,48 @@ def _ws_turns(base: str, turns: int, new_bytes: int, seed: int, outputs: list[st
             yield None
 
 
+class HistoryBody:
+    """The JSON body of a request that resends its whole history, built as items are added: the
+    bytes ``json.dumps`` (compact, as httpx's ``json=`` and most clients write it) makes of
+    ``{**before, "input": items, **after}``, without encoding the history again each turn.
+
+    A load generator's own work lands on the machine it shares with the server: encoding 200 KB
+    of history a turn cost the client about as much CPU as the server's whole turn, and slowed
+    the server's next turn (see :func:`split_cpus`). A real client does that encoding on its
+    own machine."""
+
+    def __init__(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        self._head = _compact(before)[:-1] + (b',"input":[' if before else b'"input":[')
+        self._tail = b"]" + (b"," + _compact(after)[1:] if after else b"}")
+        self._items = bytearray()
+
+    def add(self, item: dict[str, Any]) -> None:
+        if self._items:
+            self._items += b","
+        self._items += _compact(item)
+
+    def body(self) -> bytes:
+        return b"".join((self._head, self._items, self._tail))
+
+
+def _compact(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def _http_turns(base: str, turns: int, new_bytes: int, seed: int, outputs: list[str] | None = None) -> Iterator[tuple[int, int]]:
     """A client resending its whole history, one turn per ``next()``: ``(input_tokens,
     cached_tokens)`` of each; the output items go to ``outputs``."""
     rng = random.Random(seed)
-    history: list[dict[str, Any]] = []
+    history = HistoryBody({"model": "hotloop-sim", "store": False}, {"metadata": {"sim": "text,tokens:16"}})
     with httpx.Client(base_url=base + "/v1", timeout=60) as client:
         for _ in range(turns):
-            history.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]})
-            r = client.post("/responses", json={"model": "hotloop-sim", "store": False, "input": history, "metadata": {"sim": "text,tokens:16"}})
+            history.add({"type": "message", "role": "user", "content": [{"type": "input_text", "text": _text(rng, new_bytes)}]})
+            r = client.post("/responses", content=history.body(), headers={"content-type": "application/json"})
             r.raise_for_status()
             body = r.json()
             u = body["usage"]
-            history.extend(body["output"])
+            for item in body["output"]:
+                history.add(item)
             if outputs is not None:
                 outputs.extend(_output_keys(body["output"]))
             yield int(u["input_tokens"]), int(u["input_tokens_details"]["cached_tokens"])
@@ -344,11 +414,14 @@ def _http_loop(base: str, turns: int, new_bytes: int, seed: int, outputs: list[s
     return list(_http_turns(base, turns, new_bytes, seed, outputs))
 
 
-def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None) -> dict[str, Any]:
+def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None, pin: bool = True) -> dict[str, Any]:
     """``ws-loop``: chained WebSocket turns. ``http-loop``: a client resending its whole history
     over HTTP (prefix reuse) and, on the same server, the same conversation as chained WebSocket
     turns, the two interleaved turn by turn (so that a machine slowing down for a while slows
-    both alike), reporting the cached tokens and the ratio of the two costs."""
+    both alike), reporting the cached tokens and the ratio of the two costs.
+
+    ``pin``: the server on one CPU and this client on the others (:func:`split_cpus`), where
+    there are two or more."""
     usage: list[tuple[int, int]] = []
     ws_cpu: list[float] = []
     # The two conversations of ``http-loop`` have texts of their own (another seed, the same
@@ -366,7 +439,9 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
     # the same text (a few runs in a hundred), and the second one's count is then rightly found in
     # the token cache: such repeats are counted apart from the hits on the conversations' texts.
     outputs: list[str] = []
-    with server("--sim-rate", "0", pythonpath=server_path) as (base, pid):
+    cpus = split_cpus() if pin else None
+    server_cpus, own_cpus = cpus if cpus else (None, None)
+    with server("--sim-rate", "0", pythonpath=server_path, cpus=server_cpus) as (base, pid), client_cpus(own_cpus):
         (_ws_loop if kind == "ws-loop" else _http_loop)(base, 3, new_bytes, seed + 1, outputs)  # warm-up
         if kind == "http-loop":
             _ws_loop(base, 3, new_bytes, seed + 2, outputs)
@@ -394,6 +469,7 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         "scenario": kind,
         "turns": len(cpu),
         "history_bytes": turns * new_bytes,
+        "pinned": cpus is not None,
         "server_cpu_per_turn_p50_us": round(_pct(cpu, 0.5), 1),
         "server_cpu_per_turn_p90_us": round(_pct(cpu, 0.9), 1),
         "first5_mean_us": round(head, 1),
@@ -439,11 +515,13 @@ _RUN_KEYS = (
 )
 
 
-def bench_loop_repeated(kind: str, turns: int, new_bytes: int, repeat: int, server_path: str | None = None) -> dict[str, Any]:
+def bench_loop_repeated(
+    kind: str, turns: int, new_bytes: int, repeat: int, server_path: str | None = None, pin: bool = True
+) -> dict[str, Any]:
     """:func:`bench_loop` ``repeat`` times, each on a server of its own with the same texts: the
     median of each figure over the runs, and each run's main figures (``runs``). One run's last
     ten pairs are ten samples, which move by 0.1 on this kind of machine from one run to the next."""
-    outs = [bench_loop(kind, turns, new_bytes, server_path=server_path) for _ in range(repeat)]
+    outs = [bench_loop(kind, turns, new_bytes, server_path=server_path, pin=pin) for _ in range(repeat)]
     if repeat == 1:
         return outs[0]
     merged: dict[str, Any] = {"scenario": kind, "repeats": repeat}
@@ -571,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
+    p.add_argument(
+        "--no-pin", action="store_true",
+        help="ws-loop, http-loop: let the server and this client share every CPU (by default, with two or more, "
+        "the server runs on the last one and the client on the others)",
+    )
     p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
     p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument(
@@ -595,7 +678,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_stream(args.tokens, args.rate, backend="cerebras", tls=args.mock_tls))
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
-            results.append(bench_loop_repeated(kind, args.turns, args.new_bytes, args.repeat, server_path=args.server_path))
+            results.append(
+                bench_loop_repeated(kind, args.turns, args.new_bytes, args.repeat, server_path=args.server_path, pin=not args.no_pin)
+            )
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
     if args.scenario in ("all", "agent-turns"):
