@@ -74,6 +74,13 @@ log = logging.getLogger("hotloop.store")
 
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600
 _ORPHANS_COLLECTED = "orphan_blobs_collected"  # meta: the one-time collection ran (_collect_orphans)
+# A response's instructions and tools, when their JSON together is at least SETTINGS_BLOB_MIN
+# bytes, are stored once, as a blob named by its hash like an item's body (SQLite store), instead
+# of in the body of every response: a coding agent resends the same 10-30 KB of them with every
+# turn, which made each stored turn write them again (about 30 KB for 2 KB of new items). The
+# body keeps their keys, with null, so the response loads with its keys in their order.
+SETTINGS_BLOB_MIN = 1024
+_SETTINGS_FIELDS = ("instructions", "tools")
 PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
@@ -478,10 +485,12 @@ _ADDED_COLUMNS = (
     ("response_items", "minted", "INTEGER NOT NULL DEFAULT 0"),
     ("responses", "classifier_state", "BLOB"),
     ("key_usage", "flagged", "INTEGER NOT NULL DEFAULT 0"),
+    ("responses", "settings_hash", "BLOB"),  # the blob of its instructions and tools (SETTINGS_BLOB_MIN)
 )
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
 CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
+CREATE INDEX IF NOT EXISTS responses_settings ON responses(settings_hash) WHERE settings_hash IS NOT NULL;
 """
 _ITEM_COLUMNS = "response_id, pos, hash, fp, tokens, item_id, minted"
 # Files written before fingerprints were keyed held unkeyed 64-bit INTEGER fingerprints: the table
@@ -507,7 +516,8 @@ _CHAIN = (
 # The live, unexpired response ?1 in scope ?4 (NULL: any owner) and whether its chain reaches a
 # root (a response without parent).
 _LOAD_HEAD = _CHAIN + (
-    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL, t.owner, t.classifier_state FROM responses t,"
+    "SELECT t.body, t.input_len, t.parent_id, t.base_len, root.parent_id IS NULL, t.owner, t.classifier_state, t.settings_hash"
+    " FROM responses t,"
     " (SELECT parent_id FROM chain ORDER BY depth DESC LIMIT 1) root"
     " WHERE t.id = ?1 AND t.live = 1 AND t.created_at >= ?3 AND (?4 IS NULL OR t.owner = ?4)"
 )
@@ -518,6 +528,55 @@ _LOAD_ITEMS = _CHAIN + (
     " JOIN blobs b ON b.hash = ri.hash"
 )
 _POS = itemgetter(3)
+# A blob that no item row and no response's settings name any more (?1: its hash).
+_DROP_BLOB = (
+    "DELETE FROM blobs WHERE hash = ?1 AND NOT EXISTS (SELECT 1 FROM response_items WHERE hash = ?1)"
+    " AND NOT EXISTS (SELECT 1 FROM responses WHERE settings_hash = ?1)"
+)
+
+
+class _SettingsBlobs:
+    """A response's settings blob and its hash: ``(body, settings, settings_hash)`` for
+    :meth:`SQLiteStore.put` (``settings`` None: they stay in the body, under SETTINGS_BLOB_MIN
+    bytes or absent).
+
+    Remembers the last ``KEEP`` settings it encoded (the writer thread's own): a conversation's
+    turns carry the same tools object (the process's tools cache shares one per API key and exact
+    bytes) and equal instructions, so their settings are encoded and hashed once, not per turn
+    (30 KB: about 50 us). Tools are matched by identity, instructions by equality; anything else
+    is encoded again. Bounded: ``KEEP`` entries of settings up to ``KEEP_BYTES`` of JSON each
+    (larger ones are encoded every time), each holding the settings and their blob: a few MB at
+    most. Each entry is made whole before it is listed, so two threads' puts racing here can
+    only encode the same settings twice."""
+
+    KEEP = 8
+    KEEP_BYTES = 256 * 1024
+
+    def __init__(self) -> None:
+        self._memo: list[tuple[Any, Any, bytes, bytes]] = []  # (instructions, tools, blob, hash), newest first
+
+    def split(self, response: dict[str, Any]) -> tuple[bytes, bytes | None, bytes | None]:
+        values = {f: response[f] for f in _SETTINGS_FIELDS if response.get(f)}
+        if not values:
+            return _enc.encode(response), None, None
+        instructions, tools = values.get("instructions"), values.get("tools")
+        for memo in self._memo:
+            if memo[1] is tools and memo[0] == instructions:
+                settings, settings_hash = memo[2], memo[3]
+                break
+        else:
+            settings = _enc.encode(values)
+            if len(settings) < SETTINGS_BLOB_MIN:
+                return _enc.encode(response), None, None
+            settings_hash = _blob_hash(settings)
+            if len(settings) <= self.KEEP_BYTES:
+                self._memo.insert(0, (instructions, tools, settings, settings_hash))
+                del self._memo[self.KEEP :]
+        return _enc.encode({**response, **dict.fromkeys(values)}), settings, settings_hash
+
+
+def _blob_hash(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=16).digest()
 
 # SQLite's page cache (KiB): a long history's item bodies are read from memory, not the OS.
 CACHE_KIB = 32 * 1024
@@ -565,6 +624,7 @@ class SQLiteStore(_Pruned):
         self._lock = threading.RLock()  # re-entered by writes inside batch()
         self._batching = False
         self._writes = 0
+        self._settings = _SettingsBlobs()  # instructions and tools encoded lately (put)
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -601,7 +661,10 @@ class SQLiteStore(_Pruned):
         except sqlite3.OperationalError:  # another worker holds the file (collecting): next open
             return
         try:
-            db.execute("DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)")
+            db.execute(
+                "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)"
+                " AND NOT EXISTS (SELECT 1 FROM responses WHERE responses.settings_hash = blobs.hash)"
+            )
             db.execute("INSERT OR REPLACE INTO meta(name, value) VALUES (?, ?)", (_ORPHANS_COLLECTED, b"1"))
         except BaseException:
             db.execute("ROLLBACK")
@@ -643,7 +706,11 @@ class SQLiteStore(_Pruned):
         """
         rid = rec.response["id"]
         bodies = [_enc.encode(it) for it in rec.items]
-        hashes = [hashlib.blake2b(b, digest_size=16).digest() for b in bodies]
+        hashes = [_blob_hash(b) for b in bodies]
+        body, settings, settings_hash = self._settings.split(rec.response)
+        if settings is not None and settings_hash is not None:
+            hashes.append(settings_hash)
+            bodies.append(settings)
         base = rec.base_len if rec.parent_id is not None else 0
         with self._lock, self._txn() as db:
             if rec.parent_id is not None:
@@ -654,13 +721,20 @@ class SQLiteStore(_Pruned):
                 ).fetchone()
                 if row is None or row[0] != base:
                     raise MissingParent(rec.parent_id)
-            self._drop_items_locked(rid)  # a record of the same id, replaced
+            # a record of the same id, replaced: its settings' blob, and whether it listed items
+            old_settings, has_items = db.execute(
+                "SELECT (SELECT settings_hash FROM responses WHERE id = ?1),"
+                " EXISTS (SELECT 1 FROM response_items WHERE response_id = ?1)",
+                (rid,),
+            ).fetchone()
+            if has_items:
+                self._drop_items_locked(rid)
             db.execute(
                 "INSERT OR REPLACE INTO responses(id, created_at, body, input_len, parent_id, base_len, live, owner,"
-                " classifier_state) VALUES (?,?,?,?,?,?,1,?,?)",
+                " classifier_state, settings_hash) VALUES (?,?,?,?,?,?,1,?,?,?)",
                 (
-                    rid, time.time(), _enc.encode(rec.response), rec.input_len, rec.parent_id, base, rec.owner,
-                    _enc.encode(rec.states) if rec.states else None,
+                    rid, time.time(), body, rec.input_len, rec.parent_id, base, rec.owner,
+                    _enc.encode(rec.states) if rec.states else None, settings_hash,
                 ),
             )
             db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?,?)", zip(hashes, bodies))
@@ -671,6 +745,8 @@ class SQLiteStore(_Pruned):
                     for i, (h, fp, tk, it) in enumerate(zip(hashes, rec.fps, rec.toks, rec.items))
                 ],
             )
+            if old_settings is not None and old_settings != settings_hash:
+                db.execute(_DROP_BLOB, (old_settings,))
         with self._lock:
             self._writes += 1
             if self._writes % self.PRUNE_EVERY == 0:
@@ -754,7 +830,7 @@ class SQLiteStore(_Pruned):
         cur: str | None = rid
         while cur is not None:
             row = db.execute(
-                "SELECT parent_id FROM responses WHERE id = ?1 AND live = 0"
+                "SELECT parent_id, settings_hash FROM responses WHERE id = ?1 AND live = 0"
                 " AND NOT EXISTS (SELECT 1 FROM responses WHERE parent_id = ?1)",
                 (cur,),
             ).fetchone()
@@ -762,6 +838,8 @@ class SQLiteStore(_Pruned):
                 return
             db.execute("DELETE FROM responses WHERE id = ?", (cur,))
             self._drop_items_locked(cur)
+            if row[1] is not None:
+                db.execute(_DROP_BLOB, (row[1],))
             cur = row[0]
 
     def _drop_items_locked(self, rid: str) -> None:
@@ -772,9 +850,7 @@ class SQLiteStore(_Pruned):
         if not hashes:
             return
         db.execute("DELETE FROM response_items WHERE response_id = ?", (rid,))
-        db.executemany(
-            "DELETE FROM blobs WHERE hash = ?1 AND NOT EXISTS (SELECT 1 FROM response_items WHERE hash = ?1)", hashes
-        )
+        db.executemany(_DROP_BLOB, hashes)
 
     def get(self, response_id: str, scope: str | None = None) -> History | None:
         args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds, scope)
@@ -782,7 +858,8 @@ class SQLiteStore(_Pruned):
             head = self._db.execute(_LOAD_HEAD, args).fetchone()
             if head is None:
                 return None
-            body, input_len, parent_id, base_len, rooted, owner, states = head
+            body, input_len, parent_id, base_len, rooted, owner, states, settings_hash = head
+            response = self._response_locked(body, settings_hash)
             rows: list[Any] = []
             if parent_id is None:
                 rows = self._db.execute(
@@ -793,11 +870,11 @@ class SQLiteStore(_Pruned):
             elif rooted:
                 rows = self._db.execute(_LOAD_ITEMS, args[:2]).fetchall()
                 rows.sort(key=_POS)
-        if not rooted or any(r[3] != i for i, r in enumerate(rows)):
+        if response is None or not rooted or any(r[3] != i for i, r in enumerate(rows)):
             log.warning("stored response %s has a broken or too deep chain; treated as not found", response_id)
             return None
         return History(
-            response=_dec.decode(body),
+            response=response,
             items=[_dec.decode(r[0]) for r in rows],
             fps=[r[1] for r in rows],
             toks=[r[2] for r in rows],
@@ -823,10 +900,27 @@ class SQLiteStore(_Pruned):
     def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT body FROM responses WHERE id=?1 AND live = 1 AND created_at >= ?2 AND (?3 IS NULL OR owner = ?3)",
+                "SELECT body, settings_hash FROM responses WHERE id=?1 AND live = 1 AND created_at >= ?2"
+                " AND (?3 IS NULL OR owner = ?3)",
                 (response_id, time.time() - self.ttl_seconds, scope),
             ).fetchone()
-        return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
+            if row is None:
+                return None
+            response = self._response_locked(*row)
+        if response is None:
+            log.warning("stored response %s has lost its settings; treated as not found", response_id)
+        return response
+
+    def _response_locked(self, body: bytes, settings_hash: bytes | None) -> dict[str, Any] | None:
+        """A stored response's object, its instructions and tools put back from their blob
+        (``SETTINGS_BLOB_MIN``); None if that blob is missing."""
+        response: dict[str, Any] = _dec.decode(body)
+        if settings_hash is not None:
+            row = self._db.execute("SELECT body FROM blobs WHERE hash = ?", (settings_hash,)).fetchone()
+            if row is None:
+                return None
+            response.update(_dec.decode(row[0]))  # the keys are there (null): their places are kept
+        return response
 
     def delete(self, response_id: str, scope: str | None = None) -> bool:
         with self._lock, self._txn() as db:
