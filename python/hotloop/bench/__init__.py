@@ -127,9 +127,9 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
 
     A client that shares a core with the server makes the server slower: its own work between
     turns (encoding a request, decoding an answer) evicts the server's data from the core's
-    caches, so the server's next turn costs more. Measured here (2 vCPUs), a client that JSON-encodes
-    200 KB between its WebSocket turns raised the server's CPU per turn by 28% when the two could
-    share a core, and by about 14% with each on a CPU of its own."""
+    caches, so the server's next turn costs more. Measured on a 2-vCPU VM: a client that
+    JSON-encodes 200 KB between its WebSocket turns raised the server's CPU per turn by 28% when
+    the two could share a core, and by about 14% with each on a CPU of its own."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         return None
