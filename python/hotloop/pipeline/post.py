@@ -123,6 +123,8 @@ def _record(
     ``own_from`` on are the response's own, whose ids the server minted unless the client
     supplied them (inherited items of a whole record count as supplied: nobody vouches for them)."""
     chain = entry.context.chain
+    # a response's own items: their fingerprints alone (fingerprints() copies the whole chain's)
+    fps = [chain.fingerprint_at(i) for i in range(start, end)] if start else list(chain.fingerprints()[:end])
     upto = [int(chain.tokens_upto(i)) for i in range(start, end + 1)]
     dicts = [item_to_dict(it) for it in items]
     supplied = entry.supplied
@@ -130,7 +132,7 @@ def _record(
     return StoredResponse(
         response=entry.response,
         items=dicts,
-        fps=list(chain.fingerprints()[start:end]),
+        fps=fps,
         toks=[b - a for a, b in zip(upto, upto[1:])],
         input_len=entry.input_len,
         parent_id=parent_id,
