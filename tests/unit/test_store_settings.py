@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from hotloop.protocol.request import CheckedTools, check_tools, share_checked
 from hotloop.state.store import SETTINGS_BLOB_MIN, SQLiteStore, StoredResponse
 
 INSTRUCTIONS = "You are a coding agent. Read, change and test the code; explain what you did. " * 40  # 3.2 KB
@@ -153,7 +154,7 @@ def test_a_lost_settings_blob_loads_as_not_found(tmp_path, caplog) -> None:
     _put(s, "resp_a")
     s._db.execute("DELETE FROM blobs WHERE hash IN (SELECT settings_hash FROM responses)")
     assert s.get_response("resp_a") is None and s.get("resp_a") is None
-    assert "settings" in caplog.text or "broken" in caplog.text
+    assert caplog.text.count("has lost its settings") == 2
     s.close()
 
 
@@ -177,9 +178,16 @@ def test_a_file_of_the_earlier_schema_gets_the_column_and_keeps_its_bodies(tmp_p
     s.close()
 
 
+def _shared(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], CheckedTools]:
+    """``tools`` as the tools cache shares them (the caller keeps the holder alive)."""
+    holder = CheckedTools(tools, check_tools(tools), b"")
+    share_checked(holder)
+    return tools, holder
+
+
 def test_settings_encoded_lately_are_reused_only_for_the_same_settings(tmp_path) -> None:
     s = SQLiteStore(tmp_path / "h.sqlite3")
-    shared = [dict(t) for t in TOOLS]  # one tools object for several turns, as the tools cache shares it
+    shared, _holder = _shared([dict(t) for t in TOOLS])  # one tools object for several turns
     a = _response("resp_a", tools=shared)
     b = _response("resp_b", instructions="Other instructions. " * 80, tools=shared)  # same tools, other text
     c = _response("resp_c", instructions="".join(INSTRUCTIONS), tools=shared)  # equal text, another str
@@ -190,11 +198,27 @@ def test_settings_encoded_lately_are_reused_only_for_the_same_settings(tmp_path)
         assert s.get_response(r["id"]) == r
     assert _settings_blobs(s) == 3  # a and c share theirs
     memo = s._settings._memo
-    assert len(memo) == 3 and all(m[1] is shared for m in memo[1:])
+    assert len(memo) == 2 and all(m[1] is shared for m in memo)  # a (c hit it) and b; d's tools are its own
     for i in range(20):  # bounded by entries...
-        _put(s, f"resp_n{i}", response=_response(f"resp_n{i}", instructions=f"Agent {i}. " * 200))
+        _put(s, f"resp_n{i}", response=_response(f"resp_n{i}", instructions=f"Agent {i}. " * 200, tools=shared))
     assert len(memo) == s._settings.KEEP
-    huge = _response("resp_huge", instructions="y" * (s._settings.KEEP_BYTES + 1))
+    huge = _response("resp_huge", instructions="y" * (s._settings.KEEP_BYTES + 1), tools=shared)
     _put(s, "resp_huge", response=huge)  # ... and by size: not kept
     assert all(len(m[2]) <= s._settings.KEEP_BYTES for m in memo) and s.get_response("resp_huge") == huge
+    s.close()
+
+
+def test_tools_that_are_not_shared_or_instructions_that_are_not_text_are_encoded_every_time(tmp_path) -> None:
+    s = SQLiteStore(tmp_path / "h.sqlite3")
+    own = [dict(t) for t in TOOLS]  # decoded for one request: it could change, it is not remembered
+    _put(s, "resp_a", response=_response("resp_a", tools=own))
+    own.append({"type": "function", "name": "added_later", "parameters": {"type": "object"}})
+    _put(s, "resp_b", response=_response("resp_b", tools=own))
+    assert s.get_response("resp_b")["tools"] == own and len(s.get_response("resp_a")["tools"]) == len(TOOLS)
+    listed = ["Follow the rules. " * 80, 1]  # instructions as a list: 1 == 1.0 == True, not the same JSON
+    _put(s, "resp_c", response=_response("resp_c", instructions=listed, tools=None))
+    _put(s, "resp_d", response=_response("resp_d", instructions=["Follow the rules. " * 80, 1.0], tools=None))
+    assert s.get_response("resp_d")["instructions"] == ["Follow the rules. " * 80, 1.0]
+    assert type(s.get_response("resp_d")["instructions"][1]) is float
+    assert s._settings._memo == []
     s.close()

@@ -65,6 +65,7 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from hotloop.protocol.request import checked_tools
 from hotloop.state import fpkey
 
 _enc = msgspec.json.Encoder()
@@ -542,12 +543,14 @@ class _SettingsBlobs:
 
     Remembers the last ``KEEP`` settings it encoded (the writer thread's own): a conversation's
     turns carry the same tools object (the process's tools cache shares one per API key and exact
-    bytes) and equal instructions, so their settings are encoded and hashed once, not per turn
-    (30 KB: about 50 us). Tools are matched by identity, instructions by equality; anything else
-    is encoded again. Bounded: ``KEEP`` entries of settings up to ``KEEP_BYTES`` of JSON each
-    (larger ones are encoded every time), each holding the settings and their blob: a few MB at
-    most. Each entry is made whole before it is listed, so two threads' puts racing here can
-    only encode the same settings twice."""
+    bytes, never changed: :func:`checked_tools`) and equal instructions, so their settings are
+    encoded and hashed once, not per turn (30 KB: about 50 us). Only such shared tools (or none)
+    and string instructions are remembered, tools by identity and instructions by equality;
+    anything else (a tools list decoded for one request, which could change and would be kept
+    alive for nothing) is encoded every time. Bounded: ``KEEP`` entries of settings up to
+    ``KEEP_BYTES`` of JSON each, each holding its blob and a reference to tools the tools cache
+    holds anyway. Each entry is made whole before it is listed, so two threads' puts racing here
+    can only encode the same settings twice."""
 
     KEEP = 8
     KEEP_BYTES = 256 * 1024
@@ -560,7 +563,8 @@ class _SettingsBlobs:
         if not values:
             return _enc.encode(response), None, None
         instructions, tools = values.get("instructions"), values.get("tools")
-        for memo in self._memo:
+        keep = (instructions is None or type(instructions) is str) and (tools is None or checked_tools(tools) is not None)
+        for memo in self._memo if keep else ():
             if memo[1] is tools and memo[0] == instructions:
                 settings, settings_hash = memo[2], memo[3]
                 break
@@ -569,7 +573,7 @@ class _SettingsBlobs:
             if len(settings) < SETTINGS_BLOB_MIN:
                 return _enc.encode(response), None, None
             settings_hash = _blob_hash(settings)
-            if len(settings) <= self.KEEP_BYTES:
+            if keep and len(settings) <= self.KEEP_BYTES:
                 self._memo.insert(0, (instructions, tools, settings, settings_hash))
                 del self._memo[self.KEEP :]
         return _enc.encode({**response, **dict.fromkeys(values)}), settings, settings_hash
@@ -637,8 +641,9 @@ class SQLiteStore(_Pruned):
                 if column not in cols:  # a file written by an earlier schema
                     try:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-                    except sqlite3.OperationalError:  # another process added it first
-                        pass
+                    except sqlite3.OperationalError:  # another process added it first, or holds the file
+                        if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                            raise
             self._migrate_fingerprints()
             self._db.executescript(_INDEXES)
             self._collect_orphans()
@@ -860,6 +865,9 @@ class SQLiteStore(_Pruned):
                 return None
             body, input_len, parent_id, base_len, rooted, owner, states, settings_hash = head
             response = self._response_locked(body, settings_hash)
+            if response is None:
+                log.warning("stored response %s has lost its settings; treated as not found", response_id)
+                return None
             rows: list[Any] = []
             if parent_id is None:
                 rows = self._db.execute(
@@ -870,7 +878,7 @@ class SQLiteStore(_Pruned):
             elif rooted:
                 rows = self._db.execute(_LOAD_ITEMS, args[:2]).fetchall()
                 rows.sort(key=_POS)
-        if response is None or not rooted or any(r[3] != i for i, r in enumerate(rows)):
+        if not rooted or any(r[3] != i for i, r in enumerate(rows)):
             log.warning("stored response %s has a broken or too deep chain; treated as not found", response_id)
             return None
         return History(
