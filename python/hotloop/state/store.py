@@ -713,7 +713,7 @@ class SQLiteStore(_Pruned):
         bodies = [_enc.encode(it) for it in rec.items]
         hashes = [_blob_hash(b) for b in bodies]
         body, settings, settings_hash = self._settings.split(rec.response)
-        if settings is not None and settings_hash is not None:
+        if settings is not None and settings_hash is not None:  # together, or neither
             hashes.append(settings_hash)
             bodies.append(settings)
         base = rec.base_len if rec.parent_id is not None else 0
@@ -864,9 +864,8 @@ class SQLiteStore(_Pruned):
             if head is None:
                 return None
             body, input_len, parent_id, base_len, rooted, owner, states, settings_hash = head
-            response = self._response_locked(body, settings_hash)
+            response = self._response_locked(response_id, body, settings_hash)
             if response is None:
-                log.warning("stored response %s has lost its settings; treated as not found", response_id)
                 return None
             rows: list[Any] = []
             if parent_id is None:
@@ -912,20 +911,16 @@ class SQLiteStore(_Pruned):
                 " AND (?3 IS NULL OR owner = ?3)",
                 (response_id, time.time() - self.ttl_seconds, scope),
             ).fetchone()
-            if row is None:
-                return None
-            response = self._response_locked(*row)
-        if response is None:
-            log.warning("stored response %s has lost its settings; treated as not found", response_id)
-        return response
+            return None if row is None else self._response_locked(response_id, *row)
 
-    def _response_locked(self, body: bytes, settings_hash: bytes | None) -> dict[str, Any] | None:
+    def _response_locked(self, response_id: str, body: bytes, settings_hash: bytes | None) -> dict[str, Any] | None:
         """A stored response's object, its instructions and tools put back from their blob
-        (``SETTINGS_BLOB_MIN``); None if that blob is missing."""
+        (``SETTINGS_BLOB_MIN``); None (logged) if that blob is missing."""
         response: dict[str, Any] = _dec.decode(body)
         if settings_hash is not None:
             row = self._db.execute("SELECT body FROM blobs WHERE hash = ?", (settings_hash,)).fetchone()
             if row is None:
+                log.warning("stored response %s has lost its settings; treated as not found", response_id)
                 return None
             response.update(_dec.decode(row[0]))  # the keys are there (null): their places are kept
         return response
