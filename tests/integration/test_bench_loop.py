@@ -205,6 +205,9 @@ def test_usage_errors_exit_2() -> None:
     assert r.returncode == 2 and "--model" in r.stderr
     r = subprocess.run([sys.executable, "-m", "hotloop", "bench", "paired", "--server-env", "NOEQUALS"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "NAME=VALUE" in r.stderr
+    for gap in ("-1", "nan", "20000"):
+        r = subprocess.run([sys.executable, "-m", "hotloop", "bench", "http-loop", "--gap-ms", gap], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--gap-ms" in r.stderr, gap
 
 
 def test_plot(tmp_path: Any) -> None:
@@ -313,6 +316,29 @@ def test_http_loop_reports_both_conversations_from_the_marks_and_the_whole_proce
     # the only counts found are those of answers repeating an earlier answer (a few runs in a
     # hundred: the simulator draws its answers from a corpus of a few thousand positions)
     assert out["token_cache_hits"] == out["repeated_outputs"] >= 0
+
+
+def test_loop_turns_wait_for_the_gap_after_their_reading() -> None:
+    import time
+
+    from hotloop.bench import _timed
+
+    into: list[float] = []
+    t0 = time.monotonic()
+    assert list(_timed(iter("abc"), os.getpid(), into, gap=0.1)) == ["a", "b", "c"]
+    assert time.monotonic() - t0 >= 0.3  # the client's 0.1 s after each turn
+    assert len(into) == 3 and all(us < 50_000 for us in into)  # not counted in the turns' CPU (a sleep: none)
+
+
+def test_http_loop_reports_what_an_http_turn_costs_over_its_pair() -> None:
+    from hotloop.bench import bench_loop
+
+    out = bench_loop("http-loop", 4, 512, gap=0.01)
+    assert out["gap_ms"] == 10 and out["turns"] == 4
+    extra, http, ws = out["process_http_extra_last10_us"], out["process_cpu_per_turn_p50_us"], out["process_ws_cpu_per_turn_p50_us"]
+    # a median of differences, within what the two medians allow (4 pairs: the mean of the middle two)
+    assert isinstance(extra, float) and abs(extra) < max(http, ws)
+    assert bench_loop("ws-loop", 2, 128)["gap_ms"] == 0
 
 
 def test_http_loop_repeated_reports_the_median_of_its_runs() -> None:

@@ -414,14 +414,22 @@ def _http_loop(base: str, turns: int, new_bytes: int, seed: int, outputs: list[s
     return list(_http_turns(base, turns, new_bytes, seed, outputs))
 
 
-def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None, pin: bool = True) -> dict[str, Any]:
+def bench_loop(
+    kind: str, turns: int, new_bytes: int, seed: int = 0, server_path: str | None = None, pin: bool = True, gap: float = 0.0
+) -> dict[str, Any]:
     """``ws-loop``: chained WebSocket turns. ``http-loop``: a client resending its whole history
     over HTTP (prefix reuse) and, on the same server, the same conversation as chained WebSocket
     turns, the two interleaved turn by turn (so that a machine slowing down for a while slows
     both alike), reporting the cached tokens and the ratio of the two costs.
 
     ``pin``: the server on one CPU and this client on the others (:func:`split_cpus`), where
-    there are two or more."""
+    there are two or more. ``gap``: seconds the client waits after each turn (after the turn's
+    reading), as an agent's tool runs between its turns; 0: the next turn at once.
+
+    Both conversations' turns are measured alike, so the ratio compares them; but a turn after
+    an idle gap costs more (this VM: about 0.5 ms more for either kind after 30 ms, caches and
+    the CPU's idle state), which the ratio then divides by. ``process_http_extra_last10_us``
+    (what an HTTP turn costs over its WebSocket pair, in us) does not move with it."""
     usage: list[tuple[int, int]] = []
     ws_cpu: list[float] = []
     # The two conversations of ``http-loop`` have texts of their own (another seed, the same
@@ -449,11 +457,11 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         hits0 = _token_hits(base)
         seen = len(outputs)
         if kind == "ws-loop":
-            for _ in _timed(_ws_turns(base, turns, new_bytes, seed, outputs), pid, proc):
+            for _ in _timed(_ws_turns(base, turns, new_bytes, seed, outputs), pid, proc, gap):
                 pass
         else:
-            hi = _timed(_http_turns(base, turns, new_bytes, seed, outputs), pid, proc)
-            wi = _timed(_ws_turns(base, turns, new_bytes, ws_seed, outputs), pid, proc_ws)
+            hi = _timed(_http_turns(base, turns, new_bytes, seed, outputs), pid, proc, gap)
+            wi = _timed(_ws_turns(base, turns, new_bytes, ws_seed, outputs), pid, proc_ws, gap)
             for u, _ in zip(hi, wi):
                 usage.append(u)
         stats = _stats(base)[skip:]
@@ -470,6 +478,7 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
         "turns": len(cpu),
         "history_bytes": turns * new_bytes,
         "pinned": cpus is not None,
+        "gap_ms": round(gap * 1e3, 3),
         "server_cpu_per_turn_p50_us": round(_pct(cpu, 0.5), 1),
         "server_cpu_per_turn_p90_us": round(_pct(cpu, 0.9), 1),
         "first5_mean_us": round(head, 1),
@@ -503,6 +512,8 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
                 "process_http_over_ws_last5": round(statistics.mean(proc[-5:]) / statistics.mean(proc_ws[-5:]), 3),
                 # the last ten pairs (the longest history), turn by turn: steadier than five means
                 "process_http_over_ws_last10_paired_p50": round(_pct([h / w for h, w in zip(proc[-10:], proc_ws[-10:])], 0.5), 3),
+                # the same pairs' difference: what an HTTP turn costs over its WebSocket pair (us)
+                "process_http_extra_last10_us": round(_pct([h - w for h, w in zip(proc[-10:], proc_ws[-10:])], 0.5), 1),
             }
         )
     return out
@@ -511,17 +522,17 @@ def bench_loop(kind: str, turns: int, new_bytes: int, seed: int = 0, server_path
 # What a repeated loop reports for each of its runs, besides the medians of every figure
 _RUN_KEYS = (
     "process_http_over_ws_paired_p50", "process_http_over_ws_last5", "process_http_over_ws_last10_paired_p50",
-    "http_over_ws_paired_p50", "server_cpu_per_turn_p50_us", "process_cpu_per_turn_p50_us",
+    "process_http_extra_last10_us", "http_over_ws_paired_p50", "server_cpu_per_turn_p50_us", "process_cpu_per_turn_p50_us",
 )
 
 
 def bench_loop_repeated(
-    kind: str, turns: int, new_bytes: int, repeat: int, server_path: str | None = None, pin: bool = True
+    kind: str, turns: int, new_bytes: int, repeat: int, server_path: str | None = None, pin: bool = True, gap: float = 0.0
 ) -> dict[str, Any]:
     """:func:`bench_loop` ``repeat`` times, each on a server of its own with the same texts: the
     median of each figure over the runs, and each run's main figures (``runs``). One run's last
     ten pairs are ten samples, which move by 0.1 on this kind of machine from one run to the next."""
-    outs = [bench_loop(kind, turns, new_bytes, server_path=server_path, pin=pin) for _ in range(repeat)]
+    outs = [bench_loop(kind, turns, new_bytes, server_path=server_path, pin=pin, gap=gap) for _ in range(repeat)]
     if repeat == 1:
         return outs[0]
     merged: dict[str, Any] = {"scenario": kind, "repeats": repeat}
@@ -540,9 +551,10 @@ def bench_loop_repeated(
 _SETTLE = 0.003
 
 
-def _timed(turns: Iterator[Any], pid: int, into: list[float]) -> Iterator[Any]:
+def _timed(turns: Iterator[Any], pid: int, into: list[float], gap: float = 0.0) -> Iterator[Any]:
     """``turns``, each turn's whole-process server CPU (us) appended to ``into`` (read once the
-    server has finished the turn's bookkeeping: ``_SETTLE``)."""
+    server has finished the turn's bookkeeping: ``_SETTLE``); then ``gap`` seconds of client
+    time (a tool running) before the next turn."""
     from hotloop.bench.turns import process_cpu_ns
 
     while True:
@@ -553,6 +565,8 @@ def _timed(turns: Iterator[Any], pid: int, into: list[float]) -> Iterator[Any]:
             return
         time.sleep(_SETTLE)
         into.append((process_cpu_ns(pid) - c) / 1e3)
+        if gap > 0:
+            time.sleep(gap)
         yield got
 
 
@@ -654,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
         help="ws-loop, http-loop: let the server and this client share every CPU (by default, with two or more, "
         "the server runs on the last one and the client on the others)",
     )
+    p.add_argument(
+        "--gap-ms", type=float, default=0.0,
+        help="ws-loop, http-loop: milliseconds the client waits after each turn, as a tool runs between an agent's turns (default 0)",
+    )
     p.add_argument("--clients", type=int, default=16, help="http-throughput: keep-alive client connections")
     p.add_argument("--seconds", type=float, default=5.0, help="http-throughput: seconds per worker count")
     p.add_argument(
@@ -669,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat: at least 1")
+    if not 0 <= args.gap_ms <= 10_000:
+        p.error("--gap-ms: 0 to 10000")
     if args.scenario == "loop":
         p.error("loop takes its own options, after its name: hotloop bench loop [options] (hotloop bench loop -h)")
     results = []
@@ -679,7 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("ws-loop", "http-loop"):
         if args.scenario in ("all", kind):
             results.append(
-                bench_loop_repeated(kind, args.turns, args.new_bytes, args.repeat, server_path=args.server_path, pin=not args.no_pin)
+                bench_loop_repeated(
+                    kind, args.turns, args.new_bytes, args.repeat, server_path=args.server_path, pin=not args.no_pin,
+                    gap=args.gap_ms / 1e3,
+                )
             )
     if args.scenario in ("all", "overhead"):
         results.append(bench_overhead(20, 1000.0, 200))
