@@ -336,6 +336,9 @@ def test_steer_failures(paced: Server) -> None:
             {"previous_response_id": rid, "input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
             {"previous_response_id": rid, "input": []},
             {"previous_response_id": rid, "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+            # a part type that is not a string, not even hashable (it once ended the connection)
+            {"previous_response_id": rid, "input": [{"role": "user", "content": [{"type": []}]}]},
+            {"previous_response_id": rid, "input": [{"role": "user", "content": [{"type": {"x": 1}}]}]},
             {"input": "x"},
         ):
             ws.send(steer(**bad))

@@ -55,6 +55,24 @@ def test_chain_loads_whole_history_and_checks_the_parent(store: RedisStore) -> N
         store.put(rec("r3", [item("i4")], parent="nope", base=1))
 
 
+def test_integers_beyond_64_bits_are_stored_and_read_back(store: RedisStore) -> None:
+    """JSON integers have no size limit and msgpack's stop at 64 bits: a response echoing a
+    client's ``max_output_tokens`` of 2**70, an item kept verbatim with a huge number, and a
+    classifier state with one are stored, and read back as the same integers."""
+    big = {"type": "custom_thing", "id": "c1", "n": 2**70, "nested": [{"m": -(2**80)}, 2**64 - 1, -(2**63)]}
+    r = rec("big1", [item("i1"), big])
+    r.response["max_output_tokens"] = 2**70
+    store.put(r._replace(states={"s": [2**65]}))
+    h = store.get("big1", "alice")
+    assert h is not None and h.items == [item("i1"), big]
+    assert h.response["max_output_tokens"] == 2**70 and h.states == {"s": [2**65]}
+    assert store.get_response("big1", "alice")["max_output_tokens"] == 2**70  # type: ignore[index]
+    assert store.get_item("c1", "alice") == big
+    store.put(rec("big2", [item("i2")], parent="big1", base=2))  # a child of it
+    h2 = store.get("big2", "alice")
+    assert h2 is not None and h2.items[1] == big
+
+
 def test_fingerprints_are_opaque(store: RedisStore) -> None:
     fps = [b"\x01" * 16, (1 << 64) - 1]
     store.put(rec("f1", [item("a"), item("b")], fps=fps))

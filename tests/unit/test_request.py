@@ -111,6 +111,12 @@ FN = {"type": "function", "name": "f"}
         ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": "function"}}, "tool_choice.name", "missing_required_parameter"),
         ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": None}}, "tool_choice.type", "missing_required_parameter"),
         ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": ["function"]}}, "tool_choice.type", "invalid_type"),
+        # values that are not strings, not even hashable, where a name or an id is looked up
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": [1]}]}}, "tool_choice.tools[0]", "invalid_value"),
+        ({"model": "m", "input": "x", "tools": [FN], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": {"n": "f"}}]}}, "tool_choice.tools[0]", "invalid_value"),
+        ({"model": "m", "input": [{"type": "custom_thing", "id": [1, 2]}]}, "input[0].id", "invalid_type"),
+        ({"model": "m", "input": [{"type": "custom_thing", "id": {"a": 1}}]}, "input[0].id", "invalid_type"),
+        ({"model": "m", "input": [{"type": "custom_thing", "id": 7}]}, "input[0].id", "invalid_type"),
     ],
 )
 def test_errors_name_their_param(body, param, code) -> None:

@@ -388,6 +388,11 @@ def decode_item(raw: Any, index: int, field: str = "input") -> Item:
         raise errors.InvalidType(f"Invalid type for '{where}.type': expected a string.", param=f"{where}.type")
     cls = _ITEM_TYPES.get(kind)
     if cls is None:
+        # kept verbatim, but its id is what the store, ``input_items`` and the chain's id
+        # lookups read: a string (or absent/null), as every modelled item's is
+        iid = raw.get("id")
+        if iid is not None and not isinstance(iid, str):
+            raise errors.InvalidType(f"Invalid type for '{where}.id': expected a string.", param=f"{where}.id")
         return OtherItem(type=kind, data=raw)
     try:
         return msgspec.convert(raw, cls)  # type: ignore[no-any-return]
@@ -561,7 +566,8 @@ def _check_tool_choice(
                 param="tool_choice.tools",
             )
         for j, t in enumerate(allowed):
-            if not isinstance(t, dict) or (t.get("type") == "function" and t.get("name") not in fns):
+            name = t.get("name") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or (t.get("type") == "function" and not (isinstance(name, str) and name in fns)):
                 raise errors.InvalidValue(
                     f"Invalid 'tool_choice.tools[{j}]': it names no function in 'tools'.",
                     param=f"tool_choice.tools[{j}]",

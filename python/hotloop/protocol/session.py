@@ -625,7 +625,8 @@ def steer_items(raw: Any) -> list[dict[str, Any]]:
             pass
         elif isinstance(content, list) and content:
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _STEER_PARTS:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(kind, str) or kind not in _STEER_PARTS:  # (a list or dict is not hashable)
                     raise ValueError(f"Invalid '{where}.content[{j}]': expected an 'input_text', 'input_image' "
                                      "or 'input_file' part.")
                 if part["type"] == "input_text" and not isinstance(part.get("text"), str):

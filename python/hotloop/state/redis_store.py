@@ -90,8 +90,49 @@ CONNECT_TIMEOUT = 1.0
 USAGE_BATCH_MIN_TTL = 3600  # seconds a batch's marker outlives its last possible retry, at least
 MIN_REDIS_VERSION = (7, 0)
 
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
+# msgpack integers stop at 64 bits, JSON's do not: an integer beyond them (a client's
+# ``max_output_tokens`` of 2**70, a number in a tool's schema or in an item kept verbatim) is
+# stored as this extension type holding its decimal digits, and read back as the same integer.
+# Only a record that holds one is walked for them; one that does not is encoded as it always was.
+BIG_INT_EXT = 1
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def _big_ints(value: Any) -> Any:
+    """``value`` with every integer beyond msgpack's range as a :data:`BIG_INT_EXT` extension."""
+    t = type(value)
+    if t is int:
+        return msgspec.msgpack.Ext(BIG_INT_EXT, str(value).encode()) if not _INT_MIN <= value <= _INT_MAX else value
+    if t is dict:
+        return {k: _big_ints(v) for k, v in value.items()}
+    if t is list or t is tuple:
+        return [_big_ints(v) for v in value]
+    return value
+
+
+def _ext(code: int, data: memoryview) -> Any:
+    if code == BIG_INT_EXT:
+        return int(bytes(data))
+    return msgspec.msgpack.Ext(code, bytes(data))
+
+
+class _Encoder:
+    """msgpack, with integers beyond 64 bits as :data:`BIG_INT_EXT` (see :func:`_big_ints`)."""
+
+    __slots__ = ("_enc",)
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+
+    def encode(self, value: Any) -> bytes:
+        try:
+            return self._enc.encode(value)
+        except OverflowError:
+            return self._enc.encode(_big_ints(value))
+
+
+_enc = _Encoder()
+_dec = msgspec.msgpack.Decoder(ext_hook=_ext)
 
 T = TypeVar("T")
 
