@@ -9,6 +9,7 @@ every request is answered exactly as the same body sent in one piece.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -96,6 +97,30 @@ def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
         assert [b["input_tokens"] for _, b in got] == expected
     finally:
         s.close()
+
+
+def test_pipelining_of_any_depth_is_answered_in_order_with_a_bounded_queue(server: Server) -> None:
+    """uvicorn queued every pipelined request head of every read, without a bound: at most
+    MAX_PIPELINED wait now, the bytes after them wait unparsed until a response makes room,
+    and every request is still answered, in order."""
+    from hotloop.server.httpproto import MAX_PIPELINED
+
+    n = 20 * MAX_PIPELINED
+    s = _connect(server)
+    try:
+        # distinct requests, to check the order: paths a server answers with their own 404s
+        s.sendall(b"".join(b"GET /nope-%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(n)))
+        buf = b""
+        while buf.count(b"HTTP/1.1 ") < n or not buf.endswith(b"}"):
+            chunk = s.recv(65536)
+            assert chunk, (buf.count(b"HTTP/1.1 "), buf[-300:])
+            buf += chunk
+    finally:
+        s.close()
+    assert buf.count(b"HTTP/1.1 404 ") == n
+    order = [int(m) for m in re.findall(rb"/nope-(\d+)", buf)]
+    assert order == list(range(n)), order[:40]
+    assert httpx.get(server.base + "/healthz", timeout=WAIT).status_code == 200
 
 
 def test_a_body_over_the_limit_is_refused_and_the_server_stays_usable(tmp_path) -> None:

@@ -281,7 +281,7 @@ def prepare(
             cid = item.call_id  # type: ignore[union-attr]
             if cid not in known_calls and cid not in pending_calls:
                 raise errors.InvalidRequest(
-                    f"No tool call found for function call output with call_id {cid}.",
+                    f"No tool call found for function call output with call_id {errors.clip(cid)}.",
                     param=f"input[{i}].call_id",
                 )
         given = item_id_of(item)

@@ -548,7 +548,7 @@ class Session:
 
         extra = sorted(set(frame) - _STEER_FIELDS)
         if extra:
-            return fail("invalid_input", f"Unknown parameter: '{extra[0]}'. '{ev.CLIENT_STEER}' accepts only "
+            return fail("invalid_input", f"Unknown parameter: '{errors.clip(extra[0])}'. '{ev.CLIENT_STEER}' accepts only "
                         "'type', 'previous_response_id' and 'input' (the target response determines the lane).")
         if not isinstance(prev, str) or not prev:
             return fail("invalid_input", "Missing required parameter: 'previous_response_id' (a response id).")
@@ -559,10 +559,10 @@ class Session:
         if st is None:
             if prev in self._known:
                 if self._known[prev][1] == "completed":
-                    return fail("response_already_completed", f"Response '{prev}' has completed and no longer "
+                    return fail("response_already_completed", f"Response '{errors.clip(prev)}' has completed and no longer "
                                 "accepts steering input.")
-                return fail("response_not_active", f"Response '{prev}' is no longer active.")
-            return fail("response_not_found", f"Response '{prev}' is not running on this connection.")
+                return fail("response_not_active", f"Response '{errors.clip(prev)}' is no longer active.")
+            return fail("response_not_found", f"Response '{errors.clip(prev)}' is not running on this connection.")
         if st.ending == "completed":
             return fail("response_already_completed", f"Response '{prev}' has completed and no longer accepts "
                         "steering input.")

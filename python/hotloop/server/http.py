@@ -189,7 +189,7 @@ class HttpTransport:
     @staticmethod
     def _method(method: str, allowed: str) -> None:
         if method != allowed:
-            raise errors.MethodNotAllowed(f"Method {method} is not allowed here; use {allowed}.")
+            raise errors.MethodNotAllowed(f"Method {errors.clip(method)} is not allowed here; use {allowed}.")
 
     async def _body(self, receive: Receive) -> bytes | bytearray:
         """The request body; hotloop's HTTP protocol hands a body it read directly into its own

@@ -49,7 +49,7 @@ async def serve_websocket(app: "HotloopApp", scope: Scope, receive: Receive, sen
     path = scope["path"].rstrip("/")
     try:
         if path != "/v1/responses":
-            raise errors.NotFound(f"WebSocket mode is served on /v1/responses, not {path}.")
+            raise errors.NotFound(f"WebSocket mode is served on /v1/responses, not {errors.clip(path)}.")
         tenant = await app.tenancy.authenticate(scope)  # once per connection; it belongs to this key
     except errors.HotloopError as exc:
         await _reject(scope, send, exc)
