@@ -209,6 +209,24 @@ def test_memory_item_bound_counts_tombstones() -> None:
     assert m.items <= 7
 
 
+def test_memory_bound_counts_responses_without_items_of_their_own() -> None:
+    """A chain of continuations without input of their own (``generate: false``) adds no items:
+    each counts as one against ``max_items``, else their tombstones grew without a bound."""
+    m = MemoryStore(max_responses=10, max_items=100)
+    first = [{"type": "message", "role": "user", "content": "x"}]
+    m.put(StoredResponse({"id": "r0"}, first, [None], [1], 1))
+    restarts = 0
+    for i in range(1, 3000):
+        try:
+            m.put(StoredResponse({"id": f"r{i}"}, [], [], [], 1, parent_id=f"r{i - 1}", base_len=1))
+        except MissingParent:  # the bound took the whole chain (its newest response included)
+            restarts += 1
+            m.put(StoredResponse({"id": f"r{i}"}, first, [None], [1], 1))
+        assert len(m._nodes) <= 101 and m.items + m.empty <= 100 and len(m._live) <= 10
+    assert restarts > 0 and m.empty == sum(1 for n in m._nodes.values() if not n.rec.items)
+    assert m.get("r2999") is not None
+
+
 def test_reload_after_restart(tmp_path) -> None:
     path = tmp_path / "h.sqlite3"
     s = SQLiteStore(path)

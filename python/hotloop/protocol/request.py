@@ -226,6 +226,9 @@ METADATA_MAX_KEYS = 16
 METADATA_MAX_KEY_LEN = 64
 METADATA_MAX_VALUE_LEN = 512
 MAX_INPUT_ITEMS = 10_000
+# A model name is a key of the model registry's cache, the usage ledger and the metrics: a name
+# as long as the body (32 MiB) was kept whole in each. Model ids are tens of characters.
+MAX_MODEL_CHARS = 256
 MAX_TOOLS = 512
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")  # \Z: "$" would accept a final newline
 STREAM_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,256}\Z")
@@ -596,6 +599,10 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
         raise errors.MissingParameter("Missing required parameter: 'model'.", param="model")
     if not req.model:
         raise errors.InvalidValue("Invalid 'model': the model name must not be empty.", param="model")
+    if len(req.model) > MAX_MODEL_CHARS:
+        raise errors.InvalidValue(
+            f"Invalid 'model': the model name must be at most {MAX_MODEL_CHARS} characters.", param="model"
+        )
     if req.input is None and req.previous_response_id is None and req.prompt is None:
         raise errors.MissingParameter("Missing required parameter: 'input'.", param="input")
     if req.background:

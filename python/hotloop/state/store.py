@@ -33,7 +33,7 @@ responses (``max_responses``, default 10,000): the oldest live responses are pru
 rule above). A blob leaves with the last row that lists it, in the same transaction (a delete, a
 prune, a tombstone collected). The ids pruned are kept for the process's cache of responses to
 drop (``take_pruned``). The memory store also bounds the items it holds
-(``max_items``, tombstones included). A usage ledger aggregates tokens per UTC day, model and
+(``max_items``, tombstones included; a response without items of its own counts as one). A usage ledger aggregates tokens per UTC day, model and
 key name.
 
 Ownership. Every stored response has an ``owner`` (the id of the tenant that created it; rows
@@ -252,6 +252,9 @@ class MemoryStore(_Pruned):
         self.max_items = max_items
         self.fingerprint_key = fpkey.PROCESS_KEY  # nothing outlives the process
         self.items = 0  # own items of every node, tombstones included
+        # nodes without own items (a `generate: false` continuation without input): each counts
+        # as one item against ``max_items``, else a chain of them grew without a bound
+        self.empty = 0
         self._nodes: dict[str, _Node] = {}
         self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
         self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
@@ -276,6 +279,7 @@ class MemoryStore(_Pruned):
             if old is not None:
                 node.children = old.children
                 self.items -= len(old.rec.items)
+                self.empty -= not old.rec.items
                 if old.live:
                     self._unindex(rid, old)
                     del self._live[rid]
@@ -286,6 +290,7 @@ class MemoryStore(_Pruned):
             self._nodes[rid] = node
             self._live[rid] = None
             self.items += len(rec.items)
+            self.empty += not rec.items
             for i, it in enumerate(rec.items):
                 iid = _item_id(it)
                 if iid is not None and _minted(rec, i):
@@ -294,7 +299,7 @@ class MemoryStore(_Pruned):
             while self._live:
                 oldest = next(iter(self._live))
                 n = self._nodes[oldest]
-                if len(self._live) > self.max_responses or self.items > self.max_items or n.at < cutoff:
+                if len(self._live) > self.max_responses or self.items + self.empty > self.max_items or n.at < cutoff:
                     self._kill(oldest, n)
                     self._pruned.append(oldest)
                 else:
@@ -317,6 +322,7 @@ class MemoryStore(_Pruned):
         while not node.live and node.children == 0:
             del self._nodes[rid]
             self.items -= len(node.rec.items)
+            self.empty -= not node.rec.items
             pid = node.rec.parent_id
             parent = self._nodes.get(pid) if pid is not None else None
             if parent is None:
