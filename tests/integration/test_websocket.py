@@ -180,3 +180,64 @@ def test_large_and_small_frames_through_the_batch_send(server) -> None:
         assert all(e["stream_id"] == "lane_big" for e in evs)
         assert final["response"]["output"][0]["content"][0]["text"] == "".join(deltas)
         assert len(json.dumps(final)) > 65536
+
+
+def _ws_frame(opcode: int, payload: bytes) -> bytes:
+    """A client's masked, final frame (payload under 126 bytes)."""
+    import os
+
+    mask = os.urandom(4)
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_a_client_that_pings_and_never_reads_gets_one_pong_held_not_all(server) -> None:
+    """uvicorn wrote a pong for every ping, whether or not the client read them (about 25 MB a
+    second held by the server for one such client). While the client does not read, only the
+    latest ping's pong is kept: it arrives once the client reads, after those written before."""
+    import base64
+    import os
+    import socket
+
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # no autotuning (up to 32 MB here)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", server.port))
+    try:
+        key = base64.b64encode(os.urandom(16))
+        s.sendall(
+            b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 101")
+        rest = head.split(b"\r\n\r\n", 1)[1]
+        pings = 200_000  # 26 MB of pongs: more than the kernel's buffers on both sides hold
+        batch = b"".join(_ws_frame(0x9, b"%06d" % i + b"p" * 119) for i in range(1000))
+        s.settimeout(60)
+        for _ in range(pings // 1000):
+            s.sendall(batch)  # the same 1,000 frames each time
+        last = _ws_frame(0x9, b"last-ping")
+        s.sendall(last)
+        time.sleep(0.5)  # the server reads it all
+        # now read: the pongs written before the client stopped reading, then the held one
+        s.settimeout(2)
+        buf = rest
+        while True:
+            try:
+                chunk = s.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+        pongs = buf.count(b"\x8a\x7d") + buf.count(b"\x8a\x09")  # 125- and 9-byte pongs
+        assert buf.endswith(b"\x8a\x09last-ping"), buf[-40:]  # the latest ping is answered, last
+        assert pongs < pings // 2, pongs  # the rest were never held
+    finally:
+        s.close()
+    # the server serves on, WebSocket mode included
+    with ws_connect(server.ws + "/responses") as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi", "store": False}))
+        assert raw_until_terminal(ws)[-1]["type"] == "response.completed"

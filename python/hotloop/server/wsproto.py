@@ -212,6 +212,7 @@ def _in_message(conn: Any) -> bool:
 # self.reader.at_eof()``, its buffer empty). Anywhere else (inside a frame, or another parser
 # after a close) incoming bytes go to websockets.
 _BETWEEN_FRAMES = getattr(getattr(StreamReader, "at_eof", None), "__code__", None)
+_PONG = b"\x8a"  # the first byte of a server's pong frame (FIN, opcode 0xA)
 
 
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -230,9 +231,33 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._on_gone: Any = None
         self._app_closed = False
         self._busy: Any = None
+        self._pong = b""  # the pong of the latest ping, held while the client does not read (handle_ping)
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
+
+    # -- pings ----------------------------------------------------------------------------------
+
+    def handle_ping(self) -> None:
+        # uvicorn writes every ping's pong at once: a client that sends pings and reads nothing
+        # grew the server by about 25 MB a second. While the client is not taking what is written
+        # (the write buffer above its high-water mark) only the latest ping's pong is kept, and
+        # written once it drains (RFC 6455 5.5.3: an endpoint MAY answer only the most recent
+        # ping), so a connection holds at most one pong.
+        output = self.conn.data_to_send()  # a pong per ping of the read (one frame per chunk)
+        if not self._writable._set:
+            pongs = [chunk for chunk in output if chunk[:1] == _PONG]
+            if pongs:
+                self._pong = pongs[-1]
+                output = [chunk for chunk in output if chunk[:1] != _PONG]
+        if output:
+            self.transport.write(b"".join(output))
+
+    def resume_writing(self) -> None:
+        pong, self._pong = self._pong, b""
+        if pong and not self.transport.is_closing():
+            self.transport.write(pong)
+        super().resume_writing()
 
     # -- receiving ------------------------------------------------------------------------------
 
