@@ -93,6 +93,38 @@ def test_entry_nbytes_counts_context_and_response() -> None:
     assert entry_nbytes(entry) > entry.context.nbytes + 3000  # the Response object holds the output too
 
 
+def test_a_response_counts_its_decoded_form_and_its_tools_unless_the_tools_cache_holds_them() -> None:
+    """The Response object was counted as its JSON: decoded, with 429 KB of tool definitions,
+    it held about 8 times that. Now its JSON is weighted, its tools as the tools cache counts
+    them; tools the tools cache holds (shared) are counted there, once."""
+    from hotloop.pipeline.settings import ToolsCache
+    from hotloop.state.context import RESPONSE_WEIGHT, TOOLS_WEIGHT, response_nbytes
+
+    props = {f"p{i}": {"type": "string", "description": "x" * 20} for i in range(40)}
+    tools = [{"type": "function", "name": f"f{j}", "parameters": {"type": "object", "properties": props}} for j in range(30)]
+    raw = json.dumps(tools).encode()
+    response = {"id": "resp_t", "object": "response", "output": [], "tools": tools}
+    whole = len(json.dumps(response, separators=(",", ":")))
+    assert response_nbytes(response) >= RESPONSE_WEIGHT * whole + TOOLS_WEIGHT * len(raw) * 0.9
+    shared = ToolsCache().get("owner", raw)  # the tools cache's own (shared) list
+    assert shared is not None
+    held = {**response, "tools": shared.tools}
+    assert RESPONSE_WEIGHT * whole * 0.9 <= response_nbytes(held) < TOOLS_WEIGHT * len(raw)
+
+
+def test_entry_nbytes_is_computed_once_and_counts_in_the_prefix_cache() -> None:
+    from hotloop.state.prefix import Prefix
+
+    entry = _entry("resp_p", "p" * 500)
+    entry.response["instructions"] = "i" * 100_000  # echoed instructions: not in the context
+    n = entry_nbytes(entry)
+    assert n > entry.context.nbytes + 100_000 and entry.nbytes == n
+    entry.response["instructions"] = None
+    assert entry_nbytes(entry) == n  # a cached entry no longer changes: not encoded again
+    p = Prefix(entry, 1, b"f" * 16, entry.context.nbytes)
+    assert p.size >= n  # the prefix cache counts the Response object too (it did not)
+
+
 # -- ResponseCache -----------------------------------------------------------------------------
 
 

@@ -23,7 +23,9 @@ across requests) resolves only ids the server minted, among each entry's own ite
 :class:`ConnectionCache` belongs to one WebSocket connection, hence to one tenant.
 
 Sizes are estimates (:attr:`Context.nbytes`, :func:`entry_nbytes`): the canonical JSON of each
-item plus a fixed per-item overhead, and the JSON of the Response object.
+item plus a fixed per-item overhead, and the Response object's JSON weighted for its decoded
+form (``RESPONSE_WEIGHT``; its tool definitions, unless the tools cache holds them,
+``TOOLS_WEIGHT``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Callable
 import msgspec
 
 from hotloop import _accel
-from hotloop.protocol.request import FunctionCall, Item
+from hotloop.protocol.request import FunctionCall, Item, checked_tools
 from hotloop.state.store import LEGACY_OWNER, visible
 
 
@@ -54,10 +56,23 @@ def item_nbytes(item: Item) -> int:
         return ITEM_OVERHEAD
 
 
+# A Response object decoded, against its JSON: measured 1.4x (output text) to 2.8x (tool
+# definitions mostly descriptions); and its tool definitions, when the tools cache does not
+# hold them (arrays under 1 KB, or too large to keep): counted as the tools cache counts them
+# (pipeline.settings.WEIGHT), 3.5-12x measured. A count of its JSON alone let a cache of
+# responses with 429 KB of tools each hold about 8 times its byte budget.
+RESPONSE_WEIGHT = 3
+TOOLS_WEIGHT = 16
+
+
 def response_nbytes(response: dict[str, Any]) -> int:
-    """Approximate bytes a Response object holds (its JSON; a few microseconds for a turn)."""
+    """Approximate bytes a Response object holds (its JSON, weighted; a few microseconds)."""
     try:
-        return len(msgspec.json.encode(response))
+        n = RESPONSE_WEIGHT * len(msgspec.json.encode(response))
+        tools = response.get("tools")
+        if tools and type(tools) is list and checked_tools(tools) is None:  # not the tools cache's
+            n += TOOLS_WEIGHT * len(msgspec.json.encode(tools))
+        return n
     except (TypeError, ValueError, OverflowError):
         return 0
 
@@ -150,6 +165,7 @@ class CachedResponse:
 
     __slots__ = (
         "response", "context", "input_len", "store", "parent_id", "base_len", "owner", "supplied", "states", "settings",
+        "nbytes",
     )
 
     def __init__(
@@ -175,6 +191,7 @@ class CachedResponse:
         self.supplied = supplied
         self.states = states
         self.settings = settings
+        self.nbytes: int | None = None  # entry_nbytes, once asked (the entry no longer changes)
 
     def visible(self, scope: str | None) -> bool:
         """Whether a caller of ``scope`` (``None``: every owner) may see this response."""
@@ -198,12 +215,18 @@ class CachedResponse:
 
 
 def entry_nbytes(entry: CachedResponse) -> int:
-    """Approximate bytes a cached response holds: its context's items plus its Response object.
+    """Approximate bytes a cached response holds: its context's items plus its Response object
+    (computed once per entry: the caches that hold it all ask).
 
     Entries of one chain share their item objects, so summing this over a cache's entries
     over-counts what the cache really holds: the safe direction for a bound."""
-    settings = entry.settings
-    return entry.context.nbytes + response_nbytes(entry.response) + (len(settings[0]) if settings is not None else 0)
+    n = entry.nbytes
+    if n is None:
+        settings = entry.settings
+        n = entry.nbytes = (
+            entry.context.nbytes + response_nbytes(entry.response) + (len(settings[0]) if settings is not None else 0)
+        )
+    return n
 
 
 class ConnectionCache:

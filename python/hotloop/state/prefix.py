@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from hotloop.protocol.request import FunctionCall
-from hotloop.state.context import CachedResponse, Context, item_id_of
+from hotloop.state.context import CachedResponse, Context, entry_nbytes, item_id_of
 
 # Trailing bytes of a registered input compared first: inputs that share their leading bytes
 # (one agent's instructions, tools and first messages, sent by all its conversations) end
@@ -82,7 +82,9 @@ class Prefix:
         # a raw view holds the whole request body it was cut from
         raw = self.raw
         held = 0 if raw is None else len(raw.obj) if type(raw) is memoryview else len(raw)  # type: ignore[arg-type]
-        return self.entry.context.nbytes + held + (len(self.lead) if self.lead is not None else 0)
+        # the entry as the caches of responses count it (its Response object too: its echoed
+        # instructions and tools once held about 4 times what was counted here)
+        return entry_nbytes(self.entry) + held + (len(self.lead) if self.lead is not None else 0)
 
     def context(self) -> Context:
         """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
