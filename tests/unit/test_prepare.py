@@ -172,3 +172,16 @@ def test_a_deferred_scan_that_fails_leaves_the_response_alone(caplog) -> None:  
         status, flags, states = asyncio.run(main())
     assert status == "completed" and flags is None and states is None
     assert "the secrets scan failed" in caplog.text and "scanner exploded" in caplog.text
+
+
+def test_an_unknown_call_id_is_echoed_clipped() -> None:
+    import pytest
+
+    from hotloop import errors
+
+    cid = "c" * 50_000
+    with pytest.raises(errors.HotloopError) as ei:
+        plan_for({"model": "m", "input": [{"type": "function_call_output", "call_id": cid, "output": "x"}]})
+    e = ei.value
+    assert e.status == 400 and e.param == "input[0].call_id"
+    assert e.message.startswith("No tool call found for function call output with call_id ccc") and len(e.message) < 200

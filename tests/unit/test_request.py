@@ -127,6 +127,25 @@ def test_errors_name_their_param(body, param, code) -> None:
     assert set(e.body()) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (b'{"model":"m","input":"x","temperature":1e400}', "temperature", "Invalid value for 'temperature': the number is out of range."),
+        (b'{"model":"m","input":"x","max_output_tokens":' + b"9" * 5000 + b"}", "max_output_tokens", "Invalid value for 'max_output_tokens': the number is out of range."),
+        (b'{"model":"m","input":"x","max_output_tokens":' + b"9" * 400 + b"}", "max_output_tokens", "Invalid 'max_output_tokens': " + "9" * 30 + "... is out of range; it must be between 1 and 2147483647."),
+        (b'{"model":"m","input":"x","max_tool_calls":2147483648}', "max_tool_calls", "Invalid 'max_tool_calls': 2147483648 is out of range; it must be between 1 and 2147483647."),
+        # inside a free-form value the decoder names no key ("[...]"): the param names the value
+        (b'{"model":"m","input":"x","tools":[{"type":"function","name":"f","parameters":{"type":"object","x":1e400}}]}', "tools[0]", "Invalid value for 'tools[0]': a number in it is out of range."),
+        (b'{"model":"m","input":"x","metadata":{"k":1e400}}', "metadata", "Invalid value for 'metadata': a number in it is out of range."),
+        (b'{"model":"m","input":[{"role":"user","content":"x","extra":1e400}]}', "input[0]", "Invalid value for 'input[0]': a number in it is out of range."),
+        (b'{"model":"m","input":"x","tool_choice":{"type":"function","x":[1e400]}}', "tool_choice", "Invalid value for 'tool_choice': a number in it is out of range."),
+    ],
+)
+def test_numbers_out_of_range_name_their_value_in_json_terms(body: bytes, param: str, message: str) -> None:
+    e = err(body)
+    assert (e.param, e.code, e.message) == (param, "invalid_value", message)
+
+
 def test_unknown_tool_types_kept_until_forced() -> None:
     p = prep({"model": "m", "input": "x", "tools": [{"type": "web_search"}, {"type": "function", "name": "f"}]})
     assert list(p.function_tools) == ["f"] and len(p.tools) == 2

@@ -321,6 +321,11 @@ def json_terms(detail: str) -> str:
     return errors.clip(_QUOTED_RE.sub(lambda q: _json_type(q.group(1)), detail).rstrip("."), 200)
 
 
+# The decoder's words for a JSON number beyond what it holds (a float past 1.8e308, an integer
+# past the 64 bits a typed field takes)
+_OUT_OF_RANGE = ("Number out of range", "Integer value out of range")
+
+
 def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> errors.InvalidRequest:
     text = str(exc)
     m = _AT_RE.search(text)
@@ -328,6 +333,17 @@ def _from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> er
     detail = text[: m.start()] if m else text
     if prefix:
         param = prefix + ("" if param is None else ("" if param.startswith("[") else ".") + param)
+    inside = False
+    if param is not None and "[...]" in param:
+        # the decoder names an object's key it does not keep as "[...]": the param names the
+        # value that holds it (``tools[0]``, ``metadata``), never the decoder's placeholder
+        param = param[: param.index("[...]")].rstrip(".") or None
+        inside = True
+    if detail.rstrip(".") in _OUT_OF_RANGE:
+        what = "a number in it is out of range" if inside else "the number is out of range"
+        if param is None:
+            return errors.InvalidValue(f"Invalid value: {what.replace(' in it', '')}.", param=None)
+        return errors.InvalidValue(f"Invalid value for '{param}': {what}.", param=param)
     if detail.startswith("Object missing required field"):
         field = detail.split("`")[1] if "`" in detail else None
         full = param + "." + field if param and field else (field or param)
@@ -448,10 +464,19 @@ def _range(name: str, value: float | int | None, lo: float, hi: float | None = N
     if value is None:
         return
     if value < lo or (hi is not None and value > hi):
-        bound = f"between {lo:g} and {hi:g}" if hi is not None else f"at least {lo:g}"
+        bound = f"between {_num(lo)} and {_num(hi)}" if hi is not None else f"at least {_num(lo)}"
         raise errors.InvalidValue(
             f"Invalid '{name}': {errors.clip(repr(value), 30)} is out of range; it must be {bound}.", param=name
         )
+
+
+def _num(x: float | int) -> str:
+    return str(x) if type(x) is int else f"{x:g}"
+
+
+# The largest count a request may ask for (``max_output_tokens``, ``max_tool_calls``): a 32-bit
+# integer, as backends take it (a JSON integer has no size of its own: 10**400 decoded).
+MAX_COUNT = 2**31 - 1
 
 
 class CheckedTools:
@@ -624,8 +649,8 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
         raise invalid_stream_id()
     _range("temperature", req.temperature, 0, 2)
     _range("top_p", req.top_p, 0, 1)
-    _range("max_output_tokens", req.max_output_tokens, 1)
-    _range("max_tool_calls", req.max_tool_calls, 1)
+    _range("max_output_tokens", req.max_output_tokens, 1, MAX_COUNT)
+    _range("max_tool_calls", req.max_tool_calls, 1, MAX_COUNT)
     _range("top_logprobs", req.top_logprobs, 0, 20)
     if req.truncation is not None and req.truncation not in TRUNCATION_VALUES:
         raise errors.InvalidValue(

@@ -297,7 +297,9 @@ class Session:
                 return self._accept(req, len(data), decoded)
         try:
             frame = _decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except msgspec.ValidationError:  # valid JSON, with a number beyond a double (1e400)
+            return self._error(errors.InvalidValue("Invalid value: a number in the frame is out of range."), None)
+        except msgspec.DecodeError:
             return self._error(errors.InvalidJSON("The frame is not a valid JSON object."), None)
         except RecursionError:
             return self._error(errors.InvalidJSON("The frame's JSON is nested too deeply."), None)
