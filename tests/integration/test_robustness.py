@@ -158,3 +158,42 @@ def test_client_chosen_item_ids_are_not_resolvable_by_others(server) -> None:
     assert r.status_code == 200
     r = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": [{"type": "item_reference", "id": "msg_1"}]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found"
+
+
+def _raw_exchange(server, raw: bytes) -> tuple[int, dict]:
+    """Send ``raw`` on a fresh connection; the status and JSON body of what comes back."""
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        s.sendall(raw)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        s.close()
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_what_is_not_http_or_not_a_handshake_gets_the_openai_error_shape(server) -> None:
+    """uvicorn and websockets answered these in text, websockets' naming its own exceptions
+    (a base64 decoder's "Incorrect padding")."""
+    for raw in (
+        b"BLAH BLAH\r\n\r\n",
+        b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ):
+        status, body = _raw_exchange(server, raw)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (raw, body)
+        assert body["error"]["code"] == "invalid_http_request", (raw, body)
+    upgrade = b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+    for raw in (upgrade + b"\r\n", upgrade + b"Sec-WebSocket-Key: bad\r\n\r\n"):
+        status, body = _raw_exchange(server, raw)
+        assert status == 400 and body["error"]["code"] == "invalid_websocket_handshake", body
+        assert "padding" not in body["error"]["message"] and "Sec-WebSocket" not in body["error"]["message"]
+    assert httpx.get(server.base + "/healthz", timeout=10).status_code == 200

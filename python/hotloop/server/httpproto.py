@@ -131,7 +131,7 @@ class Limits:
 
 def _error_response(exc: errors.HotloopError, extra: list[tuple[bytes, bytes]]) -> bytes:
     body = ev.http_error_body(exc)
-    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(exc.status, b"Error")
+    reason = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}.get(exc.status, b"Error")
     head = [
         b"HTTP/1.1 %d %s" % (exc.status, reason),
         b"content-type: application/json",
@@ -141,6 +141,13 @@ def _error_response(exc: errors.HotloopError, extra: list[tuple[bytes, bytes]]) 
         *(name + b": " + value for name, value in extra),
     ]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def malformed_response() -> bytes:
+    """The 400 a request that is not HTTP/1.1 gets (a bad head, a bad chunked body, a bad
+    WebSocket handshake): the OpenAI error shape, as every other error, not uvicorn's text."""
+    exc = errors.InvalidRequest("The request is not a valid HTTP/1.1 request.", code="invalid_http_request")
+    return _error_response(exc, [])
 
 
 def overloaded_response() -> bytes:
@@ -266,6 +273,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:  # a pipelined request waits for the one before it
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, app))
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to what its parser refuses (its log line says what): text/plain
+        self.transport.write(malformed_response())
+        self.transport.close()
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.

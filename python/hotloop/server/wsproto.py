@@ -48,6 +48,7 @@ through this class, and the fast path's tests pass on websockets 15 and 17.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -56,6 +57,10 @@ from websockets.exceptions import InvalidState
 from websockets.frames import apply_mask
 from websockets.protocol import State
 from websockets.streams import StreamReader
+
+from hotloop import errors
+from hotloop.protocol import events as ev
+from hotloop.server.httpproto import malformed_response
 
 SEND_TEXTS = "hotloop.websocket.send_texts"
 """Scope extension: ``send_texts(events: list[tuple[str, bytes]]) -> bool``; see
@@ -215,6 +220,34 @@ _BETWEEN_FRAMES = getattr(getattr(StreamReader, "at_eof", None), "__code__", Non
 _PONG = b"\x8a"  # the first byte of a server's pong frame (FIN, opcode 0xA)
 
 
+# What a refused handshake says (websockets' text names its own exceptions, a base64 decoder's
+# message among them): the status websockets chose, with an OpenAI error body.
+_REFUSALS = {
+    400: ("The WebSocket handshake request is not valid.", "invalid_websocket_handshake"),
+    403: ("The WebSocket handshake's origin is not allowed.", "invalid_websocket_handshake"),
+    426: ("This endpoint needs a WebSocket upgrade (Upgrade: websocket).", "upgrade_required"),
+}
+
+
+def _accept(accept: Any, request: Any) -> Any:
+    """``ServerProtocol.accept``, a refusal's text body replaced by the OpenAI error shape."""
+    response = accept(request)
+    status = response.status_code
+    if status != 101:
+        message, code = _REFUSALS.get(status, ("The WebSocket handshake failed.", "websocket_handshake_failed"))
+        exc = errors.HotloopError(message, code=code)
+        exc.status = status
+        exc.type = "invalid_request_error" if status < 500 else "server_error"
+        body = ev.http_error_body(exc)
+        headers = response.headers
+        for name in ("Content-Type", "Content-Length"):
+            del headers[name]
+        headers["Content-Type"] = "application/json"
+        headers["Content-Length"] = str(len(body))
+        response.body = body
+    return response
+
+
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     limits: Any = None  # the server's hotloop.server.httpproto.Limits (its connection count)
     fast_text = True  # read single-frame text messages without websockets' parser (data_received)
@@ -235,6 +268,17 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
+
+    def handle_handshake_exception(self) -> None:
+        # websockets could not parse the handshake request: uvicorn answers 400 in text (unless
+        # websockets queued its own 414/431 for a limit, kept), here in the OpenAI error shape
+        if not self.conn.writes:
+            self.handshake_complete = True
+            self.close_sent = True
+            self.transport.write(malformed_response())
+            self.transport.close()
+            return
+        super().handle_handshake_exception()
 
     # -- pings ----------------------------------------------------------------------------------
 
@@ -382,6 +426,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._client_gone()
 
     def handle_connect(self, event: Any) -> None:
+        self.conn.accept = functools.partial(_accept, self.conn.accept)  # type: ignore[method-assign]
         super().handle_connect(event)
         if self.handshake_complete:  # refused during the handshake: the transport is closing
             return
