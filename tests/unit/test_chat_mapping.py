@@ -539,9 +539,18 @@ def test_a_backend_400_shows_its_json_message_without_internals_or_credentials(c
             "plain text from a proxy",
             {"error": {"message": "Traceback (most recent call last):\n  File /opt/x.py"}},
             {"error": {"message": "<HTML><body>bad gateway</body></HTML>"}},
+            # a server's internals without a traceback's first line: a frame, a path, a class
+            {"error": {"message": '1 validation error for ChatCompletionRequest input_type=NoneType] File "/srv/vllm/entrypoints/openai/protocol.py", line 312'}},
+            {"error": {"message": "sqlite3.OperationalError: no such table: quotas (/var/lib/gw/gw.db)"}},
+            {"error": {"message": "AttributeError: 'dict' object has no attribute 'get'"}},
+            {"message": "KeyError: 'model' in handler.py:12"},
         ):
             e = err(400, body)
             assert type(e) is errors.InvalidRequest and e.message == "The model backend rejected the request."
+        # what tells the client what to fix still shows
+        for shown in ("Unsupported value: 'temperature' must be at most 2.",
+                      "max_tokens must be at least 1, got 0.", "Error: the model gpt-x does not exist"):
+            assert err(400, {"error": {"message": shown}}).message == f"The model backend rejected the request: {shown}"
         ghp = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
         with caplog.at_level("WARNING", logger="hotloop.backends"):
             e = err(400, {"error": {"message": f"bad key {own} near {ghp} in tools[0]"}})

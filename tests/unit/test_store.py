@@ -151,3 +151,20 @@ def test_two_processes_writing_one_sqlite_file_never_lose_a_batch(tmp_path) -> N
         assert a.get_response(rid) is not None and b.get_response(rid) is not None
     a.close()
     b.close()
+
+
+def test_memory_ledger_keeps_at_most_its_rows_dropping_the_oldest_day() -> None:
+    """A row per (day, model, key name), and the model is the client's string: the memory
+    store's ledger drops its oldest day's rows at its bound instead of growing."""
+    m = MemoryStore()
+    m.max_ledger_rows = 10
+    day = 86_400.0
+    m.record_usage([UsageRecord(f"old-{i}", 1, 1, 0, 0, 0.0) for i in range(6)])  # day 1
+    m.record_usage([UsageRecord(f"new-{i}", 1, 1, 0, 0, day) for i in range(4)])  # day 2: 10 rows
+    assert len(m.usage()) == 10
+    m.record_usage([UsageRecord("new-0", 1, 1, 0, 0, day)])  # an existing row: nothing drops
+    assert len(m.usage()) == 10
+    m.record_usage([UsageRecord("newer", 1, 1, 0, 0, day)])  # a new row: day 1 leaves
+    rows = m.usage()
+    assert len(rows) == 5 and {r["model"] for r in rows} == {"new-0", "new-1", "new-2", "new-3", "newer"}
+    assert next(r for r in rows if r["model"] == "new-0")["responses"] == 2

@@ -237,11 +237,22 @@ class _SeriesCollector:
         yield tokens
 
 
+# Distinct error codes given a series of their own: the server's own codes are a few dozen, but
+# a backend's code may be relayed (and the simulator's ``fail:CODE`` directive takes any): past
+# these, a new code is counted as OTHER, so that the series stay bounded.
+MAX_ERROR_CODES = 128
+_codes: set[str] = set()
+
+
 def _bounded_code(code: str) -> str:
     """Error codes come from the server's own error classes, but a backend's code may be relayed:
-    keep the label short and of a plain shape."""
+    keep the label short, of a plain shape, and one of at most ``MAX_ERROR_CODES``."""
     if len(code) > 40 or not code.replace("_", "").replace("-", "").isalnum():
         return OTHER
+    if code not in _codes:
+        if len(_codes) >= MAX_ERROR_CODES:
+            return OTHER
+        _codes.add(code)
     return code
 
 

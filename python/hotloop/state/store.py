@@ -85,6 +85,9 @@ _SETTINGS_FIELDS = ("instructions", "tools")
 PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
+# Usage ledger rows the memory store keeps, one per (UTC day, model, key name): a model name is
+# a client's string, so distinct rows grew with requests; at the bound the oldest day's leave.
+MAX_LEDGER_ROWS = 100_000
 # Ancestors one load may walk: a context holds at most Context.MAX_ITEMS (100,000) items and a
 # stored turn normally adds at least one, so no real chain is deeper.
 MAX_CHAIN_DEPTH = 100_000
@@ -259,6 +262,8 @@ class MemoryStore(_Pruned):
         self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
         self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
         self._seq = count()
+        # (day, model, key name) -> counts: at most max_ledger_rows (then the oldest day's go)
+        self.max_ledger_rows = MAX_LEDGER_ROWS
         self._usage: dict[tuple[str, str, str], list[int]] = {}
         self._findings: dict[tuple[str, str, str], Counter[str]] = {}
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
@@ -304,6 +309,15 @@ class MemoryStore(_Pruned):
                     self._pruned.append(oldest)
                 else:
                     break
+
+    def _drop_oldest_day(self) -> None:
+        """The ledger at its bound (``max_ledger_rows``): its oldest day's rows leave."""
+        oldest = min(day for day, _, _ in self._usage)
+        gone = [k for k in self._usage if k[0] == oldest]
+        for k in gone:
+            del self._usage[k]
+            self._findings.pop(k, None)
+        log.warning("the memory store's usage ledger is at its %d rows: the rows of %s were dropped", self.max_ledger_rows, oldest)
 
     def _unindex(self, rid: str, node: _Node) -> None:
         for it in node.rec.items:
@@ -393,7 +407,10 @@ class MemoryStore(_Pruned):
         with self._lock:
             for rec in recs:
                 day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
-                row = self._usage.setdefault((day, rec.model, rec.key), [0, 0, 0, 0, 0, 0])
+                k = (day, rec.model, rec.key)
+                if k not in self._usage and len(self._usage) >= self.max_ledger_rows:
+                    self._drop_oldest_day()
+                row = self._usage.setdefault(k, [0, 0, 0, 0, 0, 0])
                 row[5] += 1 if rec.findings else 0
                 row[0] += 1
                 row[1] += rec.input_tokens

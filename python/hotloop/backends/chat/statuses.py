@@ -142,10 +142,21 @@ def _safe(message: str) -> str:
     return str(_scanner.redact(text)[0])  # type: ignore[attr-defined]
 
 
+# What a server's internals look like in an error message: a traceback or one of its frames, a
+# source file or a path on the server, an exception's class, an attribute error's wording
+_INTERNALS = re.compile(
+    r"Traceback \(most recent call last\)|File \"[^\"]*\", line \d|\.py[\":,)]|site-packages|"
+    r"(?:^|[\s(\"'])/(?:usr|srv|var|home|opt|app|tmp|etc|root)/|\b[A-Z][A-Za-z]*(?:Error|Exception)\b(?:\:|\s*\()|"
+    r"\b(?:sqlite3|psycopg2?|asyncpg|sqlalchemy)\.|object has no attribute|NoneType|<html",
+    re.IGNORECASE,
+)
+
+
 def _shown(body: object, message: str) -> str:
     """The part of a backend's 400 a client sees: the message of a JSON error object, unless it
-    carries what a server's internals look like (a traceback, a page of HTML); "" otherwise."""
-    if isinstance(body, str) or "Traceback (most recent call last)" in message or "<html" in message.lower():
+    carries what a server's internals look like (a traceback, a source path, an exception's
+    class, a page of HTML: ``_INTERNALS``); "" otherwise."""
+    if isinstance(body, str) or _INTERNALS.search(message):
         return ""
     return _safe(message)
 
