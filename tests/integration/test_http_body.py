@@ -123,6 +123,45 @@ def test_pipelining_of_any_depth_is_answered_in_order_with_a_bounded_queue(serve
     assert httpx.get(server.base + "/healthz", timeout=WAIT).status_code == 200
 
 
+def test_pipelined_requests_with_bodies_beyond_the_queue_are_all_answered_in_order(server: Server) -> None:
+    """Requests that read their bodies resume reading while bytes wait for room in the
+    pipeline: what arrives then goes after those bytes, never over them."""
+    from hotloop.server.httpproto import MAX_PIPELINED
+
+    bodies = [_body(300 + i % 7, i) for i in range(4 * MAX_PIPELINED)]  # 2 KB each: several reads
+    expected = {b: _counted(server, b) for b in set(bodies)}
+    s = _connect(server)
+    try:
+        s.sendall(b"".join(_request(b) for b in bodies))
+        got = _responses(s, len(bodies))
+    finally:
+        s.close()
+    assert [status for status, _ in got] == [200] * len(bodies)
+    assert [b["input_tokens"] for _, b in got] == [expected[b] for b in bodies]
+
+
+def test_pipelined_responses_that_wait_on_their_model_are_all_answered_in_order(server: Server) -> None:
+    """A response that waits for its model lets the event loop read on (its request's
+    receive() resumed reading) while bytes wait for room in the pipeline: those reads go after
+    them. Each answer echoes its request's metadata, so the order shows."""
+    from hotloop.server.httpproto import MAX_PIPELINED
+
+    n = 4 * MAX_PIPELINED
+    pad = "x" * 2000  # several reads' worth of requests
+    reqs = []
+    for i in range(n):
+        body = json.dumps({"model": "hotloop-sim", "input": pad, "store": False, "metadata": {"i": str(i), "sim": "text,tokens:2"}}).encode()
+        reqs.append(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    s = _connect(server)
+    try:
+        s.sendall(b"".join(reqs))
+        got = _responses(s, n)
+    finally:
+        s.close()
+    assert [status for status, _ in got] == [200] * n
+    assert [b["metadata"]["i"] for _, b in got] == [str(i) for i in range(n)]
+
+
 def test_a_body_over_the_limit_is_refused_and_the_server_stays_usable(tmp_path) -> None:
     from tests.conftest import run_server
 

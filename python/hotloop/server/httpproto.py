@@ -341,6 +341,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Hand ``data[start:stop]`` (one read) to the parser, a request head at a time, and
         what follows a head whose body is read directly to that body."""
         view = memoryview(data)
+        if self._held:  # bytes wait for room in the pipeline (a request's receive() resumed
+            # reading meanwhile): these come after them, unparsed until they are
+            self._held += bytes(view[start:stop])
+            self.flow.pause_reading()
+            return
         while start < stop:
             into = self._into
             if into is not None:  # the rest of the read is (the start of) the body
