@@ -38,7 +38,7 @@ import urllib.parse
 from typing import Any, Callable
 
 import httptools
-from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.flow_control import FlowControl, service_unavailable
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from hotloop import errors
@@ -53,7 +53,7 @@ MAX_REJECTED_HEAD = 64 * 1024  # bytes read from a connection beyond the limit b
 # parsed every request head of a read (a 64 KiB read holds about 1,900 small ones) and queued
 # them all, each read after a response adding more, without a bound (one client pipelining
 # `GET /healthz` took the server to 2.4 GB in 20 s). Now the bytes after the head that fills
-# the queue wait, unparsed (at most one read's, READ_BUFFER), with reading paused, until a
+# the queue wait, unparsed (at most a read's, READ_BUFFER), with reading paused (_Flow), until a
 # response makes room: pipelining of any depth is answered, in order, in bounded memory.
 MAX_PIPELINED = 32
 ON_DISCONNECT = "hotloop.http.on_disconnect"
@@ -161,10 +161,23 @@ def timeout_response(seconds: float) -> bytes:
     return _error_response(errors.RequestTimeout(seconds), [])
 
 
+class _Flow(FlowControl):
+    """uvicorn's flow control, but reading stays paused while the connection holds bytes that
+    wait for room in its pipeline (``held``): a request's ``receive()`` resumes reading, and a
+    read per request processed would let a client that pipelines on grow what is held."""
+
+    held = False
+
+    def resume_reading(self) -> None:
+        if not self.held:
+            super().resume_reading()
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """``HttpToolsProtocol`` under :class:`Limits` (set ``limits`` on a subclass per server)."""
 
     limits: Limits
+    flow: _Flow
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -191,6 +204,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _Flow(transport)  # (nothing holds uvicorn's yet: its cycles come with requests)
         self._admitted = self.limits.admit(transport)
         if not self._admitted:
             self.connections.discard(self)  # not served, not counted
@@ -341,8 +355,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Hand ``data[start:stop]`` (one read) to the parser, a request head at a time, and
         what follows a head whose body is read directly to that body."""
         view = memoryview(data)
-        if self._held:  # bytes wait for room in the pipeline (a request's receive() resumed
-            # reading meanwhile): these come after them, unparsed until they are
+        if self._held:  # bytes wait for room in the pipeline (reading stays paused meanwhile,
+            # _Flow; should a read come anyway, it goes after them, unparsed until they are)
             self._held += bytes(view[start:stop])
             self.flow.pause_reading()
             return
@@ -368,6 +382,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 if len(self.pipeline) >= MAX_PIPELINED:  # another head, with that many waiting:
                     self._held = bytes(view[start:stop])  # parsed once a response makes room
                     self.flow.pause_reading()
+                    self.flow.held = True  # and reading stays paused until then
                     return
                 end = data.find(_HEAD_END, start, stop)
                 cut = stop if end < 0 else end + len(_HEAD_END)
@@ -447,6 +462,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         held = self._held
         if held:  # request bytes that waited for room in the pipeline (_feed)
             self._held = b""
+            self.flow.held = False
             self._feed(held, 0, len(held))
             if self._held:
                 return  # still no room: reading stays paused
