@@ -162,6 +162,32 @@ def test_pipelined_responses_that_wait_on_their_model_are_all_answered_in_order(
     assert [b["metadata"]["i"] for _, b in got] == [str(i) for i in range(n)]
 
 
+def test_pipelined_chunked_bodies_beyond_the_queue_are_read_whole_and_answered_in_order(server: Server) -> None:
+    """A chunked body is read through the parser, its chunks cut where a head would end: bytes
+    are held only where a request begins, never in the middle of a body."""
+    from hotloop.server.httpproto import MAX_PIPELINED
+
+    bodies = [_body(300 + i % 5, i) for i in range(2 * MAX_PIPELINED)]
+    expected = {b: _counted(server, b) for b in set(bodies)}
+
+    def chunked(body: bytes) -> bytes:
+        half = len(body) // 2
+        return (
+            b"POST /v1/responses/input_tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
+        )
+
+    s = _connect(server)
+    try:
+        s.sendall(b"".join(chunked(b) for b in bodies))
+        got = _responses(s, len(bodies))
+    finally:
+        s.close()
+    assert [status for status, _ in got] == [200] * len(bodies)
+    assert [b["input_tokens"] for _, b in got] == [expected[b] for b in bodies]
+
+
 def test_a_body_over_the_limit_is_refused_and_the_server_stays_usable(tmp_path) -> None:
     from tests.conftest import run_server
 

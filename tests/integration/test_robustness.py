@@ -192,7 +192,8 @@ def test_what_is_not_http_or_not_a_handshake_gets_the_openai_error_shape(server)
         assert status == 400 and body["error"]["type"] == "invalid_request_error", (raw, body)
         assert body["error"]["code"] == "invalid_http_request", (raw, body)
     upgrade = b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-    for raw in (upgrade + b"\r\n", upgrade + b"Sec-WebSocket-Key: bad\r\n\r\n"):
+    post = upgrade.replace(b"GET ", b"POST ", 1) + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    for raw in (upgrade + b"\r\n", upgrade + b"Sec-WebSocket-Key: bad\r\n\r\n", post):  # the last: websockets cannot parse it
         status, body = _raw_exchange(server, raw)
         assert status == 400 and body["error"]["code"] == "invalid_websocket_handshake", body
         assert "padding" not in body["error"]["message"] and "Sec-WebSocket" not in body["error"]["message"]

@@ -15,3 +15,4 @@ def test_error_code_labels_are_bounded(monkeypatch) -> None:  # noqa: ANN001
     assert metrics._bounded_code("one_more") == metrics.OTHER
     assert metrics._bounded_code("code_7") == "code_7"
     assert metrics._bounded_code("bad code!") == metrics.OTHER
+    assert metrics._bounded_code("rate_limit_exceeded") == "rate_limit_exceeded"  # the server's own: always

@@ -31,6 +31,9 @@ def test_malformed_frames_are_errors_not_closes() -> None:
         assert isinstance(a, SendError) and a.error.status == 400
     [a] = sess.receive(json.dumps({"type": "response.create", "model": ["m"]}), 1.0)
     assert isinstance(a, SendError) and a.error.param == "model"
+    for frame in ("[1]", '"x"', "5"):  # valid JSON, not an object
+        [a] = sess.receive(frame, 1.0)
+        assert isinstance(a, SendError) and a.error.code == "invalid_json", frame
     # valid JSON holding a number beyond a double: not "not valid JSON"
     [a] = sess.receive('{"type": "response.create", "model": "m", "input": "x", "temperature": 1e400}', 1.0)
     assert isinstance(a, SendError) and a.error.code == "invalid_value" and "out of range" in a.error.message

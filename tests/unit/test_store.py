@@ -168,3 +168,7 @@ def test_memory_ledger_keeps_at_most_its_rows_dropping_the_oldest_day() -> None:
     rows = m.usage()
     assert len(rows) == 5 and {r["model"] for r in rows} == {"new-0", "new-1", "new-2", "new-3", "newer"}
     assert next(r for r in rows if r["model"] == "new-0")["responses"] == 2
+    # all of them today's: a new model's usage is counted, under "(other)", nothing is dropped
+    m.record_usage([UsageRecord(f"more-{i}", 2, 1, 0, 0, day) for i in range(8)])
+    rows = {r["model"]: r for r in m.usage()}
+    assert len(rows) == 11 and "new-0" in rows and rows["(other)"]["input_tokens"] == 2 * 3  # more-5..7

@@ -297,9 +297,10 @@ class Session:
                 return self._accept(req, len(data), decoded)
         try:
             frame = _decode(data)
-        except msgspec.ValidationError:  # valid JSON, with a number beyond a double (1e400)
-            return self._error(errors.InvalidValue("Invalid value: a number in the frame is out of range."), None)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if isinstance(exc, msgspec.ValidationError) and str(exc).startswith("Number out of range"):
+                # valid JSON, with a number beyond a double (1e400)
+                return self._error(errors.InvalidValue("Invalid value: a number in the frame is out of range."), None)
             return self._error(errors.InvalidJSON("The frame is not a valid JSON object."), None)
         except RecursionError:
             return self._error(errors.InvalidJSON("The frame's JSON is nested too deeply."), None)
@@ -616,7 +617,7 @@ def steer_items(raw: Any) -> list[dict[str, Any]]:
             raise ValueError(f"Invalid '{where}': expected a message object.")
         extra = sorted(set(item) - _STEER_MESSAGE_FIELDS)
         if extra:
-            raise ValueError(f"Invalid '{where}': unknown field '{extra[0]}'; steering messages may contain only "
+            raise ValueError(f"Invalid '{where}': unknown field '{errors.clip(extra[0])}'; steering messages may contain only "
                              "'type', 'role' and 'content'.")
         if item.get("type", "message") != "message":
             raise ValueError(f"Invalid '{where}.type': steering accepts only 'message' items.")

@@ -143,11 +143,13 @@ def _error_response(exc: errors.HotloopError, extra: list[tuple[bytes, bytes]]) 
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
-def malformed_response() -> bytes:
-    """The 400 a request that is not HTTP/1.1 gets (a bad head, a bad chunked body, a bad
-    WebSocket handshake): the OpenAI error shape, as every other error, not uvicorn's text."""
-    exc = errors.InvalidRequest("The request is not a valid HTTP/1.1 request.", code="invalid_http_request")
-    return _error_response(exc, [])
+def malformed_response(
+    message: str = "The request is not a valid HTTP/1.1 request.", code: str = "invalid_http_request"
+) -> bytes:
+    """The 400 a request that is not HTTP/1.1 gets (a bad head, a bad chunked body; with another
+    message and code, a WebSocket handshake that cannot be parsed): the OpenAI error shape, as
+    every other error, not uvicorn's text."""
+    return _error_response(errors.InvalidRequest(message, code=code), [])
 
 
 def overloaded_response() -> bytes:
@@ -195,6 +197,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._upgraded = False
         self._skip = 0  # bytes of the body being read through the parser not fed to it yet
         self._held = b""  # a read's bytes after MAX_PIPELINED waiting requests (on_response_complete)
+        # between a request's first byte and its last (a body read through the parser, chunked
+        # ones among them, is fed on: bytes are held only where a request would begin)
+        self._in_message = False
         # Keep-alive: one timer per connection (as the read timer), not one per response
         self._idle_since: float | None = None  # when the connection last fell idle (None: busy)
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -379,7 +384,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 cut = start + min(stop - start, skip)
                 self._skip = skip - (cut - start)
             else:
-                if len(self.pipeline) >= MAX_PIPELINED:  # another head, with that many waiting:
+                if len(self.pipeline) >= MAX_PIPELINED and not self._in_message:  # another head, with that many waiting:
                     self._held = bytes(view[start:stop])  # parsed once a response makes room
                     self.flow.pause_reading()
                     self.flow.held = True  # and reading stays paused until then
@@ -437,6 +442,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._read_timed_out()
 
     def on_message_begin(self) -> None:
+        self._in_message = True
         self._body_parts = []
         self._body_size = 0
         self._skip = 0
@@ -498,6 +504,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         self._disarm()
         into = self._into
         if into is not None:  # read whole (by the parser or directly)

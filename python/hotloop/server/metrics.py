@@ -237,11 +237,15 @@ class _SeriesCollector:
         yield tokens
 
 
-# Distinct error codes given a series of their own: the server's own codes are a few dozen, but
-# a backend's code may be relayed (and the simulator's ``fail:CODE`` directive takes any): past
-# these, a new code is counted as OTHER, so that the series stay bounded.
+# Distinct error codes given a series of their own besides the server's own error classes'
+# (always theirs): a backend's code may be relayed (and the simulator's ``fail:CODE`` directive
+# takes any), and past these a new one counts as OTHER, so that the series stay bounded.
 MAX_ERROR_CODES = 128
 _codes: set[str] = set()
+_OWN_CODES = frozenset(
+    c.code for c in vars(errors).values()
+    if isinstance(c, type) and issubclass(c, errors.HotloopError) and isinstance(c.code, str)
+)
 
 
 def _bounded_code(code: str) -> str:
@@ -249,7 +253,7 @@ def _bounded_code(code: str) -> str:
     keep the label short, of a plain shape, and one of at most ``MAX_ERROR_CODES``."""
     if len(code) > 40 or not code.replace("_", "").replace("-", "").isalnum():
         return OTHER
-    if code not in _codes:
+    if code not in _codes and code not in _OWN_CODES:
         if len(_codes) >= MAX_ERROR_CODES:
             return OTHER
         _codes.add(code)

@@ -272,10 +272,10 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     def handle_handshake_exception(self) -> None:
         # websockets could not parse the handshake request: uvicorn answers 400 in text (unless
         # websockets queued its own 414/431 for a limit, kept), here in the OpenAI error shape
-        if not self.conn.writes:
+        if not any(self.conn.writes):  # (websockets leaves the end of its output, b"", in it)
             self.handshake_complete = True
             self.close_sent = True
-            self.transport.write(malformed_response())
+            self.transport.write(malformed_response(*_REFUSALS[400]))
             self.transport.close()
             return
         super().handle_handshake_exception()

@@ -88,6 +88,8 @@ DEFAULT_MAX_ITEMS = 1_000_000
 # Usage ledger rows the memory store keeps, one per (UTC day, model, key name): a model name is
 # a client's string, so distinct rows grew with requests; at the bound the oldest day's leave.
 MAX_LEDGER_ROWS = 100_000
+# The model a memory-store ledger row is counted under once the bound holds only today's rows
+OTHER_MODEL = "(other)"
 # Ancestors one load may walk: a context holds at most Context.MAX_ITEMS (100,000) items and a
 # stored turn normally adds at least one, so no real chain is deeper.
 MAX_CHAIN_DEPTH = 100_000
@@ -310,14 +312,18 @@ class MemoryStore(_Pruned):
                 else:
                     break
 
-    def _drop_oldest_day(self) -> None:
-        """The ledger at its bound (``max_ledger_rows``): its oldest day's rows leave."""
+    def _drop_oldest_day(self, today: str) -> bool:
+        """The ledger at its bound (``max_ledger_rows``): its oldest day's rows leave, unless
+        that is ``today`` (False: nothing left)."""
         oldest = min(day for day, _, _ in self._usage)
+        if oldest >= today:
+            return False
         gone = [k for k in self._usage if k[0] == oldest]
         for k in gone:
             del self._usage[k]
             self._findings.pop(k, None)
         log.warning("the memory store's usage ledger is at its %d rows: the rows of %s were dropped", self.max_ledger_rows, oldest)
+        return True
 
     def _unindex(self, rid: str, node: _Node) -> None:
         for it in node.rec.items:
@@ -409,7 +415,8 @@ class MemoryStore(_Pruned):
                 day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
                 k = (day, rec.model, rec.key)
                 if k not in self._usage and len(self._usage) >= self.max_ledger_rows:
-                    self._drop_oldest_day()
+                    if not self._drop_oldest_day(day):  # all of today's: counted under OTHER_MODEL
+                        k = (day, OTHER_MODEL, rec.key)
                 row = self._usage.setdefault(k, [0, 0, 0, 0, 0, 0])
                 row[5] += 1 if rec.findings else 0
                 row[0] += 1

@@ -145,8 +145,9 @@ def _safe(message: str) -> str:
 # What a server's internals look like in an error message: a traceback or one of its frames, a
 # source file or a path on the server, an exception's class, an attribute error's wording
 _INTERNALS = re.compile(
-    r"Traceback \(most recent call last\)|File \"[^\"]*\", line \d|\.py[\":,)]|site-packages|"
-    r"(?:^|[\s(\"'])/(?:usr|srv|var|home|opt|app|tmp|etc|root)/|\b[A-Z][A-Za-z]*(?:Error|Exception)\b(?:\:|\s*\()|"
+    r"Traceback \(most recent call last\)|File \"[^\"]*\", line \d|\.(?:py|java|go|rs|js|ts|rb|cc?|cpp)[\":,)]|"
+    r"site-packages|(?:^|[\s(\"'=])/(?:usr|srv|var|home|opt|app|tmp|etc|root|workspace|vllm-workspace|models|data|mnt)/|"
+    r"\b[a-z]:\\|goroutine \d|(?-i:\b[A-Z][A-Za-z]*(?:Error|Exception)\b(?:\:|\s*\())|"
     r"\b(?:sqlite3|psycopg2?|asyncpg|sqlalchemy)\.|object has no attribute|NoneType|<html",
     re.IGNORECASE,
 )
