@@ -114,6 +114,33 @@ def test_a_slow_body_gets_408_in_the_openai_shape(slow: Server) -> None:
     s.close()
 
 
+def test_a_stalled_pipelined_request_writes_no_408_into_the_response_before_it(slow: Server) -> None:
+    """The newest request's read timeout closed the connection with a 408 written into the
+    middle of the streaming response of the request before it."""
+    s = _connect(slow)
+    first = json.dumps({"model": "m", "input": "hi", "stream": True, "metadata": {"sim": "text,tokens:100,rate:40"}}).encode()
+    second = json.dumps({"model": "m", "input": "hello"}).encode()
+    head = b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    s.sendall(head % len(first) + first + head % len(second) + second[:5])  # the second stalls
+    out = b""
+    t0 = time.monotonic()
+    s.settimeout(0.2)
+    while time.monotonic() - t0 < WAIT:
+        try:
+            chunk = s.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200") and b"text/event-stream" in out.split(b"\r\n\r\n", 1)[0]
+    assert b"HTTP/1.1 408" not in out and b"request_timeout" not in out
+    assert time.monotonic() - t0 < WAIT  # closed (by the read timeout), not left open
+
+
 def test_idle_keep_alive_time_is_not_counted_and_fast_requests_pass(slow: Server) -> None:
     s = _connect(slow)
     for _ in range(3):

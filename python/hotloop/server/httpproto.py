@@ -557,7 +557,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.limits.timed_out += 1
         cycle = self.cycle
-        waiting = cycle is None or cycle.response_complete or not cycle.response_started
+        # a 408 only where no response is being written: a pipelined request (the newest) that
+        # stalls while the one before it streams must not put one inside that response's bytes
+        waiting = (cycle is None or cycle.response_complete or not cycle.response_started) and not self.pipeline
         log.info(
             "closing a connection from %s: its request did not arrive within %gs",
             _peer(self.client),
