@@ -247,15 +247,18 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20
 
 
-@pytest.mark.parametrize("only", [None, "http-json"])
-def test_agent_turns_every_transport_or_one_alone(only: str | None) -> None:
+@pytest.mark.parametrize(("only", "prefill"), [(None, 0), ("http-json", 0), ("http-prev", 2)])
+def test_agent_turns_every_transport_or_one_alone(only: str | None, prefill: int) -> None:
     """``hotloop bench agent-turns`` on the real mock: each turn's CPU and wall time against the
     direct loop, over the three transports or the one ``--turn-transport`` names. (Without the
-    naive proxy, which needs aiohttp from the ``bench`` extra.)"""
+    naive proxy, which needs aiohttp from the ``bench`` extra.) ``--store-prefill``: a storing
+    transport's server first serves that many turns of another conversation, which it stores."""
     env = {**os.environ, "CEREBRAS_API_KEY": "bench"}
     args = ["agent-turns", "--turns", "3", "--tool-tokens", "4", "--no-naive", "--json"]
     if only:
         args += ["--turn-transport", only]
+    if prefill:
+        args += ["--store-prefill", str(prefill)]
     proc = subprocess.run([sys.executable, "-m", "hotloop", "bench", *args], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -267,6 +270,17 @@ def test_agent_turns_every_transport_or_one_alone(only: str | None) -> None:
         assert h["turns"] == 3 and h["cpu_per_turn_p50_ms"] > 0 and "naive" not in r
         # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
         assert h["wall_per_turn_p50_ms"] > 20
+        stores = r["transport"] in ("http-prev", "http-json")
+        assert r.get("store_prefill") == (prefill if stores and prefill else None)
+        # every stored turn: the prefill's, the three of the warm-up and the three measured
+        assert r.get("stored_responses") == (prefill + 6 if stores else None)
+
+
+def test_store_prefill_is_not_negative() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotloop", "bench", "agent-turns", "--store-prefill", "-1"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and "--store-prefill: 0 or more" in proc.stderr
 
 
 def test_stream_cerebras_over_tls() -> None:

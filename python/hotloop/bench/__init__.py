@@ -664,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")
     p.add_argument("--no-naive", action="store_true", help="agent-turns: skip the naive proxy reference")
     p.add_argument(
+        "--store-prefill", type=int, default=0, metavar="N",
+        help="agent-turns: the storing transports (http-prev, http-json) first serve N turns of another conversation, "
+        "not measured, so the measured one writes into a store that is not empty (default 0)",
+    )
+    p.add_argument(
         "--no-pin", action="store_true",
         help="ws-loop, http-loop: let the server and this client share every CPU (by default, with two or more, "
         "the server runs on the last one and the client on the others)",
@@ -689,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeat: at least 1")
     if not 0 <= args.gap_ms <= 10_000:
         p.error("--gap-ms: 0 to 10000")
+    if args.store_prefill < 0:
+        p.error("--store-prefill: 0 or more")
     if args.scenario == "loop":
         p.error("loop takes its own options, after its name: hotloop bench loop [options] (hotloop bench loop -h)")
     results = []
@@ -712,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             bench_agent_turns(
                 args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive,
-                only=(args.turn_transport,) if args.turn_transport else AGENT_TRANSPORTS,
+                only=(args.turn_transport,) if args.turn_transport else AGENT_TRANSPORTS, store_prefill=args.store_prefill,
             )
         )
     if args.scenario in ("all", "idle-ws", "ws-fanout"):

@@ -384,9 +384,19 @@ AGENT_TRANSPORTS = ("ws-prev", "http-full", "http-prev")  # what agent-turns mea
 def bench_agent_turns(
     turns: int = 100, new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20,
     transport: str = "lean", seed: int = 0, naive: bool = True, only: tuple[str, ...] = AGENT_TRANSPORTS,
+    store_prefill: int = 0,
 ) -> dict[str, Any]:
     """Every transport of ``only`` (keys of ``_LOOPS``) through hotloop, and (``naive``) through
-    the naive proxy, in one run."""
+    the naive proxy, in one run.
+
+    ``store_prefill``: before the measured conversation, the server first serves one of that many
+    turns (another conversation, not measured) on the transports that store (``http-prev``,
+    ``http-json``), so the measured turns write into a store that is not empty. A store file that
+    starts empty makes its first writes cheap: its B-trees are one page each, so a commit of three
+    turns wrote 13 pages of WAL at the first turns and 42 at turn 100 (a replay of one
+    conversation's records into ``SQLiteStore``), and a store that already holds a conversation
+    writes about as many at its first turns as at its last. The growth from turns 6-15 to turns
+    91-100 (``last_over_early``) is then the conversation's own growth, not the file's."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     results: list[dict[str, Any]] = []
     with mock_process() as (url, mock_pid):
@@ -401,7 +411,13 @@ def bench_agent_turns(
             row: dict[str, Any] = {"transport": name}
             args = ("--backend", "cerebras", "--base-url", url, "--backend-transport", transport, *extra)
             with server(*args) as (base, pid):
+                if store_prefill and name in _STORING:
+                    loop(base, model, store_prefill, new_bytes, seed + 7, lambda sent: None)
+                    row["store_prefill"] = store_prefill
                 row["hotloop"] = _summary("hotloop", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+                if name in _STORING:  # responses the server stored or has queued: the prefill's too
+                    store = httpx.get(base + "/hotloop/stats", timeout=10).json()["store"]
+                    row["stored_responses"] = store["written"] + store["pending"]
             if naive:
                 with naive_process(url) as (base, pid):
                     row["naive"] = _summary("naive", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
@@ -423,6 +439,7 @@ def bench_agent_turns(
     }
 
 
+_STORING = ("http-prev", "http-json")  # the transports whose turns are stored (store_prefill)
 _LOOPS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
     "ws-prev": ((), _ws_prev),
     "http-full": ((), _http_full),
