@@ -125,6 +125,20 @@ def test_entry_nbytes_is_computed_once_and_counts_in_the_prefix_cache() -> None:
     assert p.size >= n  # the prefix cache counts the Response object too (it did not)
 
 
+def test_a_prefix_counts_the_whole_allocation_of_the_body_its_bytes_are_cut_from() -> None:
+    """Raw bytes are a view of their request body; a body read directly is allocated in whole
+    steps (``httpproto.new_body``), and the prefix cache's byte budget counts all of it."""
+    from hotloop.server.httpproto import BODY_STEP, new_body
+    from hotloop.state.prefix import Prefix
+
+    entry = _entry("resp_r", "r" * 500)
+    body = new_body(BODY_STEP + 10)
+    body[:] = b"[" + b" " * (len(body) - 1)
+    p = Prefix(entry, 1, b"f" * 16, entry.context.nbytes, memoryview(body)[:100], b"[")
+    bare = Prefix(entry, 1, b"f" * 16, entry.context.nbytes)
+    assert p.size - bare.size >= 2 * BODY_STEP  # not just the view's 100 bytes, nor the body's length
+
+
 # -- ResponseCache -----------------------------------------------------------------------------
 
 

@@ -186,14 +186,15 @@ def test_bodies_that_are_not_read_directly_still_arrive_whole(on_body_calls: lis
 def test_body_buffers_allocated_ahead_are_bounded_per_server(on_body_calls: list[int]) -> None:
     body = _body(100_000, 9)
     limits = Limits(10, 30.0)
-    limits.direct_bytes = httpproto.DIRECT_BODY_BYTES - len(body) + 1  # one byte short of room
+    cap = httpproto._body_capacity(len(body))  # what its buffer allocates (whole BODY_STEPs)
+    limits.direct_bytes = httpproto.DIRECT_BODY_BYTES - cap + 1  # one byte short of room
     app, buffers, out = asyncio.run(_drive([_request(body)], 1, limits))
     assert _digests(out) == [hashlib.sha256(body).hexdigest().encode()]
     assert sum(on_body_calls) == len(body)  # read through the parser instead
     limits.direct_bytes -= 1  # room now: read directly, and given back once read
     on_body_calls.clear()
     asyncio.run(_drive([_request(body)], 1, limits))
-    assert on_body_calls == [] and limits.direct_bytes == httpproto.DIRECT_BODY_BYTES - len(body)
+    assert on_body_calls == [] and limits.direct_bytes == httpproto.DIRECT_BODY_BYTES - cap
 
 
 def test_a_body_cut_short_gives_its_buffer_back() -> None:
@@ -212,7 +213,7 @@ def test_a_body_cut_short_gives_its_buffer_back() -> None:
         return limits, during
 
     limits, during = asyncio.run(main())
-    assert during == 100_000 and limits.direct_bytes == 0
+    assert during == 2 * httpproto.BODY_STEP and limits.direct_bytes == 0  # its allocation, given back
 
 
 @pytest.mark.parametrize(
@@ -287,3 +288,18 @@ def test_a_real_uvloop_server_reads_bodies_into_the_protocols_buffer(on_body_cal
     [[got]] = app.bodies
     assert type(got) is bytearray and got == body
     assert on_body_calls == []  # the transport read the body into the protocol's buffer
+
+
+@pytest.mark.parametrize("size", [READ_BUFFER, READ_BUFFER + 1, 100_000, 3 * httpproto.BODY_STEP, BODY_BUFFER])
+def test_a_body_buffer_is_its_length_in_whole_steps(size: int) -> None:
+    """A directly read body's buffer is the body's length, allocated in whole BODY_STEPs (what
+    ``direct_bytes`` and the prefix cache count), so that a later body of the same steps can
+    reuse the memory of one freed before it."""
+    steps = -(-size // httpproto.BODY_STEP)
+    assert httpproto._body_capacity(size) == steps * httpproto.BODY_STEP
+    buf = httpproto.new_body(size)
+    assert type(buf) is bytearray and len(buf) == size
+    # the allocation is whole: at least the steps, less than one step more (bytearray's header)
+    assert steps * httpproto.BODY_STEP <= buf.__sizeof__() < (steps + 1) * httpproto.BODY_STEP
+    buf[-1:] = b"x"  # writable to its end
+    assert buf[-1:] == b"x"

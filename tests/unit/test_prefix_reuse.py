@@ -501,7 +501,7 @@ def test_dropping_an_entrys_bytes_keeps_its_fingerprint_match_and_the_accounting
     assert both == old.size + newer.size and cache.with_bytes() == 2
     cache.drop_raw(old)
     assert cache.with_bytes() == 1 and old.raw is None and old.lead is None and old.head is None
-    assert cache.nbytes == both - len(raw) == old.size + newer.size  # the view held the whole array
+    assert cache.nbytes == both - raw.__sizeof__() == old.size + newer.size  # the view held the whole array
     # no longer matched by its bytes ("c" extends it, but "d" extends only the old one) ...
     assert reuse.split_raw(cache, "alice", _raw(texts + ["d"])) is None
     # ... but by its items

@@ -101,6 +101,15 @@ READ_BUFFER = 64 * 1024
 # read through the parser, into memory as its bytes arrive. A client that declares a body and
 # sends nothing cannot make the server hold more than this.
 DIRECT_BODY_BYTES = 64 * 1024 * 1024
+# A directly read body's buffer is allocated in whole steps of this many bytes (its length is the
+# body's). A client resending its growing history sends each body a little longer than the one
+# before, so a buffer of its exact size never fits the memory freed by an earlier one (the body
+# just before is still held by the prefix cache) and lands somewhere the process has not used
+# lately. Rounded up, it mostly fits the buffer of the body before last, freed by then: at 200 KB
+# of history, 20-45 us less server CPU per HTTP turn (`hotloop bench http-loop`, six paired
+# invocations). At most BODY_STEP - 1 bytes over a body's length, counted in DIRECT_BODY_BYTES
+# and in the prefix cache's byte budget (both count what is allocated).
+BODY_STEP = 64 * 1024
 _HEAD_END = b"\r\n\r\n"
 
 
@@ -281,9 +290,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         }
         scope["extensions"] = extensions  # type: ignore[typeddict-item]
         size = _body_length(self.headers)
-        if _reads_directly(size) and self.limits.direct_bytes + size <= DIRECT_BODY_BYTES:
-            self.limits.direct_bytes += size
-            self._into = body_buffer(size)  # not zeroed: nothing reads it before it is full
+        if _reads_directly(size) and self.limits.direct_bytes + _body_capacity(size) <= DIRECT_BODY_BYTES:
+            self.limits.direct_bytes += _body_capacity(size)
+            self._into = new_body(size)
             self._filled = 0
         elif size > 0:
             self._skip = size  # body bytes: no head to look for in them (_feed)
@@ -398,7 +407,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         into = self._into
         if into is not None:
             self._into = None
-            self.limits.direct_bytes -= len(into)
+            self.limits.direct_bytes -= _body_capacity(len(into))
 
     def _body_read(self) -> None:
         """The directly read body is complete: the request's message is."""
@@ -580,6 +589,21 @@ def _later(due: float, set_for: float, now: float) -> bool:
     so a timer may fire up to 1 ms early, and setting it again for a time already this close
     would fire at once, again and again, until the clock got there."""
     return due > max(set_for, now)
+
+
+def _body_capacity(size: int) -> int:
+    """The bytes allocated for a directly read body of ``size`` bytes: whole BODY_STEPs."""
+    return -(-size // BODY_STEP) * BODY_STEP
+
+
+def new_body(size: int) -> bytearray:
+    """The buffer a body of ``size`` bytes is read into: ``size`` bytes long, its contents not
+    set (nothing reads it before it is full), ``_body_capacity(size)`` bytes allocated. A
+    ``bytearray`` shortened by less than half keeps its memory (CPython's resize), so the
+    allocation stays whole and a later buffer of the same capacity can reuse it."""
+    into = body_buffer(_body_capacity(size))
+    del into[size:]
+    return into
 
 
 def _reads_directly(size: int) -> bool:

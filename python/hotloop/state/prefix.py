@@ -79,9 +79,10 @@ class Prefix:
 
     @property
     def size(self) -> int:
-        # a raw view holds the whole request body it was cut from
+        # a raw view holds the whole request body it was cut from, as allocated (a body read
+        # directly has room beyond its length: httpproto.BODY_STEP)
         raw = self.raw
-        held = 0 if raw is None else len(raw.obj) if type(raw) is memoryview else len(raw)  # type: ignore[arg-type]
+        held = 0 if raw is None else raw.obj.__sizeof__() if type(raw) is memoryview else len(raw)  # type: ignore[union-attr]
         # the entry as the caches of responses count it (its Response object too: its echoed
         # instructions and tools once held about 4 times what was counted here)
         return entry_nbytes(self.entry) + held + (len(self.lead) if self.lead is not None else 0)
