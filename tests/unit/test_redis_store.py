@@ -175,6 +175,22 @@ def test_usage_ledger_per_day_model_key(store: RedisStore) -> None:
     assert 3000 < store.r.ttl(marker) <= 3600
 
 
+def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store: RedisStore) -> None:
+    """As the other stores: past ``max_ledger_models`` names of one key in one day, further
+    names count under "(other)" (decided in the batch's script, atomically for every replica)."""
+    store.max_ledger_models = 2
+    now = time.time()
+    store.record_usage([UsageRecord(f"m{i}", 1, 1, 0, 0, now, "k") for i in range(4)] + [UsageRecord("m9", 1, 1, 0, 0, now, "k2")])
+    store.record_usage([UsageRecord("m0", 4, 1, 0, 0, now, "k"), UsageRecord("m5", 10, 1, 0, 0, now, "k", {"jwt": 2})])
+    rows = {(r["model"], r["key"]): r for r in store.usage()}
+    assert set(rows) == {("m0", "k"), ("m1", "k"), ("(other)", "k"), ("m9", "k2")}
+    other = rows["(other)", "k"]
+    assert other["responses"] == 3 and other["input_tokens"] == 1 + 1 + 10 and other["findings"] == {"jwt": 2}
+    assert rows["m0", "k"]["input_tokens"] == 1 + 4
+    [names] = store.r.keys(store.prefix + "u:names:*\tk")
+    assert store.r.scard(names) == 2 and 0 < store.r.ttl(names) <= 172800
+
+
 def test_outage_reads_503_writes_wait(tmp_path: Path) -> None:
     with redis_server(tmp_path) as r:
         s = RedisStore(r.url, 3600, write_retry_seconds=0.3)

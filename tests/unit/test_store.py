@@ -89,6 +89,32 @@ def test_usage_ledger_counts_flagged_responses_and_findings_per_kind(store) -> N
     assert mine["findings"] == {"github_token": 1, "jwt": 3}
 
 
+def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store) -> None:
+    """A model name is a client's string: past ``max_ledger_models`` names of one key in one
+    day, further names count under "(other)"; names already counted keep their rows, other keys
+    and other days count their own, and findings follow the row they are counted in."""
+    from hotloop.state.store import OTHER_MODEL
+
+    store.max_ledger_models = 3
+    day = 86_400.0
+    store.record_usage([UsageRecord(f"m{i}", 1, 1, 0, 0, 0.0, "k") for i in range(3)])
+    # one write: two new names past the bound, an old one, and one for another key
+    store.record_usage([
+        UsageRecord("m3", 2, 1, 0, 0, 0.0, "k", {"jwt": 1}), UsageRecord("m4", 3, 1, 0, 0, 0.0, "k"),
+        UsageRecord("m0", 5, 1, 0, 0, 0.0, "k"), UsageRecord("m4", 7, 1, 0, 0, 0.0, "k2"),
+    ])
+    store.record_usage([UsageRecord("m5", 10, 1, 0, 0, 0.0, "k"), UsageRecord("m6", 1, 1, 0, 0, day, "k")])
+    rows = {(r["day"], r["model"], r["key"]): r for r in store.usage()}
+    d0, d1 = "1970-01-01", "1970-01-02"
+    assert set(rows) == {
+        (d0, "m0", "k"), (d0, "m1", "k"), (d0, "m2", "k"), (d0, OTHER_MODEL, "k"), (d0, "m4", "k2"), (d1, "m6", "k"),
+    }
+    other = rows[d0, OTHER_MODEL, "k"]
+    assert other["responses"] == 3 and other["input_tokens"] == 2 + 3 + 10
+    assert other["flagged"] == 1 and other["findings"] == {"jwt": 1}
+    assert rows[d0, "m0", "k"]["input_tokens"] == 1 + 5
+
+
 def test_page_items() -> None:
     items = [{"id": f"i{k}"} for k in range(5)]
     assert page_items(items, None, 2, "asc") == ([{"id": "i0"}, {"id": "i1"}], True)

@@ -21,6 +21,9 @@ or ``anonymous``)::
     P u:rows                     SET     "{day}\\t{model}\\t{key}" of every usage ledger row
     P u:{day}\\t{model}\\t{key}    HASH    responses, input_tokens, output_tokens, cached_tokens,
                                          reasoning_tokens, flagged, f:{kind} (findings)
+    P u:names:{day}\\t{key}        SET     the model names with a row of that day and key (at most
+                                         MAX_LEDGER_MODELS; further names count under OTHER_MODEL),
+                                         expiring two days after its last name
     P u:batch:{uuid}             STRING  a usage batch already applied (kept for twice the write
                                          retry time, at least 1 h: a retried batch is not counted
                                          twice; with --store-sync full there is one per response)
@@ -78,7 +81,9 @@ import msgspec
 
 from hotloop import errors
 from hotloop.state import fpkey
-from hotloop.state.store import MAX_CHAIN_DEPTH, History, MissingParent, StoredResponse, UsageRecord, USAGE_FIELDS
+from hotloop.state.store import (
+    MAX_CHAIN_DEPTH, MAX_LEDGER_MODELS, OTHER_MODEL, USAGE_FIELDS, History, MissingParent, StoredResponse, UsageRecord,
+)
 
 log = logging.getLogger("hotloop.store")
 
@@ -341,13 +346,28 @@ return 1
 """
 
 # ARGV: P, batch id, then per row: row, responses, input, output, cached, reasoning, flagged, findings (JSON)
+# ARGV: prefix, batch id, the batch marker's ttl, MAX_LEDGER_MODELS, OTHER_MODEL, then 8 per row
 _USAGE = """
 local P = ARGV[1]
 if not redis.call('SET', P .. 'u:batch:' .. ARGV[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
-local i = 4
+local cap, other = tonumber(ARGV[4]), ARGV[5]
+local i = 6
 while i <= #ARGV do
   local row = ARGV[i]
   local k = P .. 'u:' .. row
+  if redis.call('EXISTS', k) == 0 then
+    local day, model, key = string.match(row, '^([^\t]*)\t([^\t]*)\t(.*)$')
+    if model ~= other then
+      local names = P .. 'u:names:' .. day .. '\t' .. key
+      if redis.call('SCARD', names) >= cap then
+        row = day .. '\t' .. other .. '\t' .. key
+        k = P .. 'u:' .. row
+      else
+        redis.call('SADD', names, model)
+        redis.call('EXPIRE', names, 172800)
+      end
+    end
+  end
   redis.call('SADD', P .. 'u:rows', row)
   redis.call('HINCRBY', k, 'responses', ARGV[i + 1])
   redis.call('HINCRBY', k, 'input_tokens', ARGV[i + 2])
@@ -392,6 +412,7 @@ class RedisStore:
         self.ttl_seconds = ttl_seconds
         self.prefix = prefix
         self.write_retry_seconds = write_retry_seconds
+        self.max_ledger_models = MAX_LEDGER_MODELS
         self.r = client if client is not None else sync_client(url)
         self.breaker = Breaker()
         self.available = True  # false while writes are being retried
@@ -569,7 +590,7 @@ class RedisStore:
             for kind, n in (r.findings or {}).items():
                 found[row][kind] = found[row].get(kind, 0) + n
         ttl = int(max(USAGE_BATCH_MIN_TTL, 2 * self.write_retry_seconds))  # retries stop before that
-        args: list[Any] = [self.prefix, uuid.uuid4().hex, ttl]
+        args: list[Any] = [self.prefix, uuid.uuid4().hex, ttl, self.max_ledger_models, OTHER_MODEL]
         for row, acc in rows.items():
             args += [row, *acc, json.dumps(found.get(row, {}))]
         self._write(lambda: self._usage(args=args))

@@ -88,7 +88,13 @@ DEFAULT_MAX_ITEMS = 1_000_000
 # Usage ledger rows the memory store keeps, one per (UTC day, model, key name): a model name is
 # a client's string, so distinct rows grew with requests; at the bound the oldest day's leave.
 MAX_LEDGER_ROWS = 100_000
-# The model a memory-store ledger row is counted under once the bound holds only today's rows
+# Model names one key's ledger counts apart in one UTC day, in every store (the SQLite file and
+# Redis hold their rows for good): a model name is a client's string, and a backend that accepts
+# any name (the simulator, some OpenAI-compatible servers) made a row per name. The usage of a
+# key's further names that day is counted under OTHER_MODEL.
+MAX_LEDGER_MODELS = 1_000
+# The model a ledger row is counted under past MAX_LEDGER_MODELS, and in the memory store once
+# its MAX_LEDGER_ROWS are all today's
 OTHER_MODEL = "(other)"
 # Ancestors one load may walk: a context holds at most Context.MAX_ITEMS (100,000) items and a
 # stored turn normally adds at least one, so no real chain is deeper.
@@ -266,7 +272,9 @@ class MemoryStore(_Pruned):
         self._seq = count()
         # (day, model, key name) -> counts: at most max_ledger_rows (then the oldest day's go)
         self.max_ledger_rows = MAX_LEDGER_ROWS
+        self.max_ledger_models = MAX_LEDGER_MODELS
         self._usage: dict[tuple[str, str, str], list[int]] = {}
+        self._models: Counter[tuple[str, str]] = Counter()  # (day, key name) -> its named rows
         self._findings: dict[tuple[str, str, str], Counter[str]] = {}
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         self._lock = threading.Lock()
@@ -322,6 +330,8 @@ class MemoryStore(_Pruned):
         for k in gone:
             del self._usage[k]
             self._findings.pop(k, None)
+        for dk in [dk for dk in self._models if dk[0] == oldest]:
+            del self._models[dk]
         log.warning("the memory store's usage ledger is at its %d rows: the rows of %s were dropped", self.max_ledger_rows, oldest)
         return True
 
@@ -414,9 +424,14 @@ class MemoryStore(_Pruned):
             for rec in recs:
                 day = time.strftime("%Y-%m-%d", time.gmtime(rec.at))
                 k = (day, rec.model, rec.key)
-                if k not in self._usage and len(self._usage) >= self.max_ledger_rows:
-                    if not self._drop_oldest_day(day):  # all of today's: counted under OTHER_MODEL
+                if k not in self._usage:
+                    if rec.model != OTHER_MODEL and self._models[day, rec.key] >= self.max_ledger_models:
                         k = (day, OTHER_MODEL, rec.key)
+                    if k not in self._usage and len(self._usage) >= self.max_ledger_rows:
+                        if not self._drop_oldest_day(day):  # all of today's: counted under OTHER_MODEL
+                            k = (day, OTHER_MODEL, rec.key)
+                    if k not in self._usage and k[1] != OTHER_MODEL:
+                        self._models[day, rec.key] += 1
                 row = self._usage.setdefault(k, [0, 0, 0, 0, 0, 0])
                 row[5] += 1 if rec.findings else 0
                 row[0] += 1
@@ -425,7 +440,7 @@ class MemoryStore(_Pruned):
                 row[3] += rec.cached_tokens
                 row[4] += rec.reasoning_tokens
                 if rec.findings:
-                    self._findings.setdefault((day, rec.model, rec.key), Counter()).update(rec.findings)
+                    self._findings.setdefault(k, Counter()).update(rec.findings)
 
     def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -522,6 +537,7 @@ _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
 CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
 CREATE INDEX IF NOT EXISTS responses_settings ON responses(settings_hash) WHERE settings_hash IS NOT NULL;
+CREATE INDEX IF NOT EXISTS key_usage_key ON key_usage(key, day);
 """
 _ITEM_COLUMNS = "response_id, pos, hash, fp, tokens, item_id, minted"
 # Files written before fingerprints were keyed held unkeyed 64-bit INTEGER fingerprints: the table
@@ -652,6 +668,7 @@ class SQLiteStore(_Pruned):
             self.fingerprint_key = fpkey.PROCESS_KEY
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
+        self.max_ledger_models = MAX_LEDGER_MODELS
         # One connection used from one thread at a time (the writer thread); the lock makes
         # occasional use from another thread (tests, the CLI) safe too.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -966,13 +983,41 @@ class SQLiteStore(_Pruned):
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         days = [time.strftime("%Y-%m-%d", time.gmtime(r.at)) for r in recs]
-        rows = [
-            (d, r.model, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens, 1 if r.findings else 0)
-            for d, r in zip(days, recs)
-        ]
-        found = [(d, r.model, r.key, k, n) for d, r in zip(days, recs) if r.findings for k, n in r.findings.items()]
         with self._lock, self._txn():  # one commit (one sync with --store-sync full)
+            models = self._ledger_models([(d, r.model, r.key) for d, r in zip(days, recs)])
+            rows = [
+                (d, m, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens, 1 if r.findings else 0)
+                for d, m, r in zip(days, models, recs)
+            ]
+            found = [(d, m, r.key, k, n) for d, m, r in zip(days, models, recs) if r.findings for k, n in r.findings.items()]
             self._add_usage(rows, found)
+
+    def _ledger_models(self, rows: list[tuple[str, str, str]]) -> list[str]:
+        """The model each ``(day, model, key)`` is counted under: its own name when its row
+        exists or the key has counted fewer than ``max_ledger_models`` names that day, else
+        OTHER_MODEL (inside the write's transaction; ``key_usage_key`` finds a key's day)."""
+        db = self._db
+        known: dict[tuple[str, str, str], str] = {}
+        named: dict[tuple[str, str], int] = {}  # (day, key) -> its named rows, this write's included
+        out = []
+        for row in rows:
+            model = known.get(row)
+            if model is None:
+                day, model, key = row
+                if model != OTHER_MODEL and not db.execute(
+                    "SELECT 1 FROM key_usage WHERE day = ? AND model = ? AND key = ?", row
+                ).fetchone():
+                    n = named.get((day, key))
+                    if n is None:
+                        (n,) = db.execute(
+                            "SELECT COUNT(*) FROM key_usage WHERE key = ? AND day = ? AND model != ?", (key, day, OTHER_MODEL)
+                        ).fetchone()
+                    if n >= self.max_ledger_models:
+                        model = OTHER_MODEL
+                    named[day, key] = n + (model != OTHER_MODEL)
+                known[row] = model
+            out.append(model)
+        return out
 
     def _add_usage(self, rows: list[tuple[Any, ...]], found: list[tuple[Any, ...]]) -> None:
         self._db.executemany(
