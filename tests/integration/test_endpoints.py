@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -351,6 +352,22 @@ def test_usage_ledger_counts_every_response(server) -> None:
     prev = before.get("ledger-model", {"responses": 0, "output_tokens": 0})
     assert row["responses"] - prev["responses"] == 3
     assert row["output_tokens"] - prev["output_tokens"] == sum(r.usage.output_tokens for r in made)
+
+
+def test_usage_ledger_from_a_day_on(server) -> None:
+    """``?since=YYYY-MM-DD`` lists the rows of that UTC day and later; anything else is a 400."""
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    client.responses.create(model="since-model", input="x", store=False)
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    url = server.base + "/hotloop/usage"
+    every = httpx.get(url, timeout=10).json()["data"]
+    assert any(r["model"] == "since-model" and r["day"] == today for r in every)
+    assert httpx.get(url, params={"since": today}, timeout=10).json()["data"] == [r for r in every if r["day"] >= today]
+    assert httpx.get(url, params={"since": "2999-01-01"}, timeout=10).json() == {"object": "list", "data": []}
+    for bad in ("2026-13-01", "yesterday", "2026-1-1", "", "2026-01-01T00:00"):
+        r = httpx.get(url, params={"since": bad}, timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "since" and err["type"] == "invalid_request_error", bad
 
 
 def test_item_reference_without_previous_response_id(client: OpenAI) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
@@ -141,7 +143,8 @@ class HttpTransport:
             return await respond(200, encode(self.app.stats()))
         if path == "/hotloop/usage":
             self._method(method, "GET")
-            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name)
+            since = _usage_since(scope)
+            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name, since)
             return await respond(200, encode({"object": "list", "data": rows}))
         if path == "/v1/responses":
             if method != "POST":
@@ -580,3 +583,23 @@ def _timing(run: Any, t0: float) -> list[str]:
 def _truncated(dropped: int) -> list[tuple[bytes, bytes]]:
     """``x-hotloop-truncated-items``: the input items ``truncation: "auto"`` dropped (when any)."""
     return [(b"x-hotloop-truncated-items", str(dropped).encode())] if dropped else []
+
+
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _usage_since(scope: Scope) -> str | None:
+    """``GET /hotloop/usage?since=YYYY-MM-DD``: the first UTC day of the rows listed (None: all)."""
+    values = parse_qs(scope.get("query_string", b"").decode(), keep_blank_values=True).get("since")
+    if not values:
+        return None
+    day = values[0]
+    try:
+        if _DAY.fullmatch(day) is None:
+            raise ValueError
+        datetime.date.fromisoformat(day)
+    except ValueError:
+        raise errors.InvalidValue(
+            f"Invalid 'since': '{errors.clip(day)}'. Expected a UTC day, YYYY-MM-DD.", param="since"
+        ) from None
+    return day
