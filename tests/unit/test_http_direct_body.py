@@ -303,3 +303,34 @@ def test_a_body_buffer_is_its_length_in_whole_steps(size: int) -> None:
     assert steps * httpproto.BODY_STEP <= buf.__sizeof__() < (steps + 1) * httpproto.BODY_STEP
     buf[-1:] = b"x"  # writable to its end
     assert buf[-1:] == b"x"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /x HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: h2c\r\ncontent-length: 100000\r\n\r\n",
+        b"CONNECT /x HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n",
+    ],
+)
+def test_a_request_without_a_body_for_the_parser_gets_no_buffer(head: bytes) -> None:
+    """An upgrade request (not to a WebSocket) or a CONNECT has no body for the parser whatever
+    its Content-Length: its message completes with its head. No buffer is allocated for it,
+    and none reaches the application unfilled (it held the memory of earlier requests: another
+    client's body)."""
+    secret = b'{"api_key":"sk-VICTIM-0123456789","prompt":"' + b"confidential " * 8000 + b'"}'
+
+    async def main() -> tuple[_App, list[Any], bytes, Limits]:
+        app, buffers, out = await _drive([_request(secret)], 1)
+        limits = Limits(10, 30.0)
+        app2, buffers2, out2 = await _drive([head], 0, limits)
+        for _ in range(100):  # the application, if it runs, answers
+            if out2 or app2.bodies:
+                break
+            await asyncio.sleep(0.01)
+        return app2, buffers2, out2, limits
+
+    app, buffers, out, limits = asyncio.run(main())
+    assert all(b"".join(bytes(p) for p in parts) == b"" for parts in app.bodies)
+    assert b"confidential" not in out and b"VICTIM" not in out
+    assert all(len(b) == READ_BUFFER for b in buffers)  # the scratch buffer only: none for a body
+    assert limits.direct_bytes == 0

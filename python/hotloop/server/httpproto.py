@@ -289,7 +289,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             RECEIVE: functools.partial(_receive, cycle),
         }
         scope["extensions"] = extensions  # type: ignore[typeddict-item]
-        size = _body_length(self.headers)
+        # A CONNECT or an upgrade request (an Upgrade header other than a WebSocket's, which
+        # returned above) has no body for the parser, whatever its Content-Length says: its
+        # message completes with its head, and a buffer allocated for the body would be handed
+        # over unfilled (the memory of earlier requests).
+        size = 0 if parser.should_upgrade() else _body_length(self.headers)
         if _reads_directly(size) and self.limits.direct_bytes + _body_capacity(size) <= DIRECT_BODY_BYTES:
             self.limits.direct_bytes += _body_capacity(size)
             self._into = new_body(size)
@@ -516,9 +520,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_message = False
         self._disarm()
         into = self._into
-        if into is not None:  # read whole (by the parser or directly)
+        if into is not None:  # read whole, directly (a buffer the parser never filled: no body)
+            filled = self._filled == len(into)
             self._drop_into()
-            self._body_parts = [into]
+            if filled:
+                self._body_parts = [into]
         if self.cycle is not None:
             self._hand_body(self.cycle)
         super().on_message_complete()
