@@ -621,12 +621,17 @@ _GENERIC_KEY = "(?:" + "|".join((
     *(_ci(w) + "[_-]?" + _ci("key") for w in ("api", "access", "auth", "private")),
 )) + ")"
 _PEM_LABEL = r"[ A-Z0-9]{0,40}PRIVATE KEY(?: BLOCK)?-----"
+_PEM_BODY = r"[A-Za-z0-9+/=\\\r\n\t :,.]"  # a PEM block's characters but the dash
 
 SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
     # A PEM private key block; without its END line (a truncated paste), the header and at
-    # least 64 characters of base64.
+    # least 64 characters of base64. The block's body holds no "--" (a dash is followed by
+    # another character of the body: "DEK-Info", "AES-128-CBC"), so the search for its END line
+    # stops at the next "-----" of the text: with "[...-]{16,}?" it ran on through every later
+    # BEGIN line to the text's end, once per BEGIN line (quadratic: 18 s for a 1.8 MB text of
+    # short BEGIN blocks, on the event loop).
     ("private_key",
-     r"-----BEGIN" + _PEM_LABEL + r"(?:[A-Za-z0-9+/=\\\r\n\t :,.-]{16,}?-----END" + _PEM_LABEL
+     r"-----BEGIN" + _PEM_LABEL + r"(?:(?:" + _PEM_BODY + r"|-" + _PEM_BODY + r"){16,}?-----END" + _PEM_LABEL
      + r"|[A-Za-z0-9+/=\\\r\n]{64,})", "", 0.0),
     ("aws_access_key_id", r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z2-7]{16}", _ALNUM, TOKEN_MIN_ENTROPY),
     # 40 characters of base64 only after an AWS secret keyword
