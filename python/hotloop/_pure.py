@@ -409,9 +409,9 @@ def _json_value(text: str) -> Any:
     f64 range and lone surrogates are errors), except that nesting deeper than 127 levels is an
     error, ``-0`` is a float, and a key that appears twice in its object has the value
     ``_REPEATED`` (refused where the rules read it, ignored elsewhere)."""
-    msgspec.json.decode(text)  # the errors msgspec finds
-    if _too_deep(text):
+    if _too_deep(text):  # first: msgspec's own reading of a deeper nesting is a RecursionError
         raise ValueError("nested too deeply")
+    msgspec.json.decode(text)  # the errors msgspec finds
     return json.loads(text, object_pairs_hook=_mark_repeated, parse_int=_negative_zero_float)
 
 
@@ -433,8 +433,9 @@ def _opt_str(obj: dict[str, Any], key: str) -> tuple[bool, str]:
 def plain_delta(data: str) -> tuple[int, int, str] | None:
     """One stream event's plain delta as ``(kind, index, text)``, or None when the general path
     must read it; see ``hotloop._native.plain_delta`` (the rules) and ``rust/core/src/plain.rs``."""
-    if type(data) is not str:
+    if not isinstance(data, str):  # a subclass of str is a str, as for the native call
         raise TypeError(f"plain_delta() argument 'data' must be str, not {type(data).__name__}")
+    data = str.__str__(data)  # its characters as a str (msgspec reads no subclass)
     data.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, as in the native call
     try:
         top = _json_value(data)

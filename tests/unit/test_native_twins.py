@@ -498,6 +498,9 @@ PLAIN_CASES = [
     '{"choices":[],"choices":[]}', '{"choices":[{"delta":{"tool_calls":[{"index":0,"index":0}]}}]}',
     '{"x":' + "[" * 126 + "]" * 126 + ',"choices":[]}', '{"x":' + "[" * 127 + "]" * 127 + ',"choices":[]}',
     '{"x":"[[[[' + "[" * 200 + '","choices":[]}',
+    # deeper than msgspec reads without a RecursionError: None from both
+    '{"choices":[],"x":' + "[" * 5000 + "]" * 5000 + "}",
+    '{"choices":[{"delta":{"content":"a"}}],"x":' + "{\"a\":" * 3000 + "1" + "}" * 3000 + "}",
 ]
 
 
@@ -505,6 +508,14 @@ PLAIN_CASES = [
 def test_plain_delta_twins_agree(data: str) -> None:
     native, pure = IMPLS["native"]["plain_delta"], IMPLS["pure"]["plain_delta"]
     assert outcome(native, data) == outcome(pure, data)
+
+
+def test_plain_delta_takes_a_subclass_of_str() -> None:
+    class S(str):
+        pass
+
+    data = S('{"choices":[{"delta":{"content":"a"}}]}')
+    assert IMPLS["native"]["plain_delta"](data) == IMPLS["pure"]["plain_delta"](data) == (1, 0, "a")
 
 
 def test_plain_delta_reads_the_usual_shapes() -> None:
