@@ -305,6 +305,55 @@ def test_large_input_is_scanned_in_the_tokenizer_thread(tmp_path: Path, monkeypa
     assert threads[0].startswith("hotloop-tokenize") and threads[1] == "MainThread"
 
 
+@pytest.mark.parametrize("policy", ["flag", "redact", "block"])
+def test_large_instructions_are_scanned_in_the_tokenizer_thread_once(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """Instructions of CLASSIFY_OFFLOAD_CHARS or more that the settings cache has not seen are
+    scanned off the event loop, under every policy; sent again, they are a cache hit, scanned on
+    the loop (no thread hop), with the same outcome."""
+    kind, secret = next(s for s in SECRETS if s[0] == "github_token")
+    from hotloop.server import engine as engine_mod
+
+    threads: list[str] = []
+    real = SecretsClassifier.classify_settings
+
+    def spy(self: SecretsClassifier, p: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(self, p)
+
+    monkeypatch.setattr(SecretsClassifier, "classify_settings", spy)
+    big = "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+
+    async def main() -> tuple[list[httpx.Response], list[dict[str, Any]]]:
+        app = make_app(Config(store="memory", sim_rate=0, secrets=policy))
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                body = {"model": "big-settings", "input": "hi", "instructions": big, "metadata": {"sim": "tokens:3"}}
+                answers = [await client.post("/v1/responses", json=body) for _ in range(2)]
+                await app.persistence.flush()
+                rows = (await client.get("/hotloop/usage")).json()["data"]
+            return answers, [r for r in rows if r["model"] == "big-settings"]
+        finally:
+            await app.shutdown()
+
+    answers, rows = uvloop.run(main())
+    assert threads[0].startswith("hotloop-tokenize") and threads[1:] == ["MainThread"]
+    if policy == "block":
+        for r in answers:
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "secret_detected" and r.json()["error"]["param"] == "instructions"
+        assert rows == []
+        return
+    assert [r.status_code for r in answers] == [200, 200]
+    shown = [r.json()["instructions"] for r in answers]
+    if policy == "redact":
+        assert shown[0] == shown[1] == big.replace(secret, f"[REDACTED:{kind}]")
+    else:
+        assert shown == [big, big]
+        [row] = rows
+        assert row["flagged"] == 2
+
+
 def test_no_classifiers_means_no_states(tmp_path: Path) -> None:
     async def main() -> Any:
         app = make_app(Config(store="memory", sim_rate=0, secrets="off"))

@@ -546,6 +546,29 @@ def test_classifier_satisfies_the_protocol() -> None:
     assert c.name == "secrets"
 
 
+def test_settings_chars_counts_what_the_settings_caches_do_not_hold() -> None:
+    from hotloop.pipeline.settings import decode_tools
+    from hotloop.protocol.request import CreateRequest, share_checked, validate
+
+    c = classify.SecretsClassifier("flag")
+    long = "y " * classify.SETTINGS_CACHE_MIN_CHARS
+    raw = msgspec.json.encode([{"type": "function", "name": "f", "description": "d " * 3000}])
+    shared = decode_tools(raw)
+    assert shared is not None
+    share_checked(shared)
+    p = validate(CreateRequest(model="m", input="hi", instructions=long, tools=shared.tools, user="u" * 10))
+    assert c.settings_chars(p, 10**9) == len(long) + len(shared.json) + 10
+    assert c.settings_chars(p, 100) == len(long)  # counted until the limit is reached
+    c.classify_settings(p)
+    assert c.settings_chars(p, 10**9) == 10  # both cached: the short texts are scanned every time
+    unshared = validate(CreateRequest(model="m", input="hi", tools=msgspec.json.decode(raw)))
+    assert c.settings_chars(unshared, 10**9) == len("f") + 6000  # its texts, walked
+    short = validate(CreateRequest(model="m", input="hi", instructions="short"))
+    c.classify_settings(short)
+    assert c.settings_chars(short, 10**9) == 5
+    assert classify.SecretsClassifier("off").settings_chars(p, 10**9) == 0
+
+
 def test_settings_scan_cache_is_bounded_and_follows_shared_tools(monkeypatch: pytest.MonkeyPatch) -> None:
     from hotloop.pipeline.settings import decode_tools
     from hotloop.protocol.request import CreateRequest, share_checked, validate

@@ -541,6 +541,34 @@ class SecretsClassifier:
             return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=findings[:1]), p
 
+    def settings_chars(self, p: Prepared, limit: int) -> int:
+        """Characters of the request's own texts that :meth:`classify_settings` would scan now
+        (those its caches do not hold), counted until ``limit`` is reached: enough to decide
+        whether the scan runs off the event loop. Cheap: cache look-ups and lengths."""
+        if self.policy == "off":
+            return 0
+        n = 0
+        text = p.req.instructions
+        if text:
+            if len(text) < SETTINGS_CACHE_MIN_CHARS or len(text) > SETTINGS_CACHE_CHARS // 4:
+                n += len(text)  # never cached: scanned every time
+            else:
+                with self._lock:
+                    if text not in self._texts:
+                        n += len(text)
+        if n < limit and p.tools:
+            shared = checked_tools(p.tools)
+            if shared is None:
+                n += sum(len(t) for _, t in tools_texts(p.tools))
+            else:
+                with self._lock:
+                    cached = shared in self._tools
+                if not cached:
+                    n += len(shared.json)  # its JSON: at least its texts
+        if n < limit:
+            n += sum(len(t) for _, t in other_settings_texts(p.req))
+        return n
+
     def _scan_text(self, text: str) -> list[tuple[str, int, int]]:
         if len(text) < SETTINGS_CACHE_MIN_CHARS:
             return self.scanner.scan(text)  # type: ignore[no-any-return]

@@ -326,7 +326,9 @@ def blob_split(obj: Any, cache: TokenCache | None = None) -> tuple[int, str | No
     fp = _fingerprint(data)
     n = cache.get(fp) if cache is not None else None
     if n is None:
-        if not isinstance(obj, str) and too_deep(obj):
+        if isinstance(obj, str):
+            return 0, obj, fp  # the text itself: no decode of its encoding
+        if too_deep(obj):
             raise _tool_too_deep()
         return 0, data.decode(), fp
     return n, None, fp

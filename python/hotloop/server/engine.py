@@ -37,7 +37,7 @@ from hotloop.pipeline import classifiers, guard
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
-from hotloop.pipeline.classify import ALLOW, Block, Flag, Redact, SecretsClassifier
+from hotloop.pipeline.classify import ALLOW, Block, Flag, Redact, SecretsClassifier, Verdict
 from hotloop.pipeline.post import Persistence, usage_record
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.pipeline.settings import ToolsCache
@@ -256,9 +256,22 @@ class Engine:
             marks.append(clock())
             try:
                 settings_flags = None
-                later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
-                if self._secrets is not None and not later:  # flag-only: after the backend request too
-                    p, settings_flags = self.classify_settings(self._secrets, p, tenant)
+                secrets = self._secrets
+                # large texts of the request's own the settings cache has not seen: scanned in
+                # the tokenizer thread, before the backend request whatever the policy
+                big = secrets is not None and secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS
+                later = (
+                    self._flag_only and not big
+                    and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
+                )
+                if secrets is not None and not later:  # flag-only: after the backend request too
+                    if big:
+                        verdict, p = await asyncio.get_running_loop().run_in_executor(
+                            self._tokenize_pool, secrets.classify_settings, p
+                        )
+                        p, settings_flags = self._settings_outcome(secrets, verdict, p, tenant)
+                    else:
+                        p, settings_flags = self.classify_settings(secrets, p, tenant)
                 outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
@@ -370,8 +383,16 @@ class Engine:
     def classify_settings(self, secrets: SecretsClassifier, p: Prepared, tenant: Tenant) -> tuple[Prepared, dict[str, int] | None]:
         """Scan the request's own texts besides its items for secrets under the secrets policy:
         ``p`` (redacted under ``redact``) and the findings per kind, for this turn's flags; raise
-        :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``."""
+        :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``. On the event loop:
+        large texts the scanner's caches have not seen go to the tokenizer thread instead
+        (:meth:`SecretsClassifier.settings_chars`, in :meth:`start`)."""
         verdict, p = secrets.classify_settings(p)
+        return self._settings_outcome(secrets, verdict, p, tenant)
+
+    def _settings_outcome(
+        self, secrets: SecretsClassifier, verdict: Verdict, p: Prepared, tenant: Tenant
+    ) -> tuple[Prepared, dict[str, int] | None]:
+        """What :meth:`classify_settings` makes of the scan's verdict."""
         if verdict is ALLOW:
             return p, None
         if isinstance(verdict, Block):
