@@ -7,6 +7,8 @@ import json
 import random
 from typing import Any
 
+import msgspec
+
 from hotloop.config import Config
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.post import from_record, to_record
@@ -110,6 +112,12 @@ def test_a_response_counts_its_decoded_form_and_its_tools_unless_the_tools_cache
     assert shared is not None
     held = {**response, "tools": shared.tools}
     assert RESPONSE_WEIGHT * whole * 0.9 <= response_nbytes(held) < TOOLS_WEIGHT * len(raw)
+    # long instructions are counted by length, not encoded: about their JSON all the same
+    for instructions in ("i" * 10_000, "line\n" * 2_000, "é" * 10_000):
+        for r in ({**response, "instructions": instructions}, {**held, "instructions": instructions}):
+            encoded = len(msgspec.json.encode({**r, "tools": tools})) * RESPONSE_WEIGHT
+            extra = TOOLS_WEIGHT * len(msgspec.json.encode(tools)) if r["tools"] is tools else 0
+            assert 0.8 * encoded <= response_nbytes(r) - extra <= 1.2 * encoded
 
 
 def test_entry_nbytes_is_computed_once_and_counts_in_the_prefix_cache() -> None:
