@@ -363,11 +363,36 @@ def test_usage_ledger_from_a_day_on(server) -> None:
     every = httpx.get(url, timeout=10).json()["data"]
     assert any(r["model"] == "since-model" and r["day"] == today for r in every)
     assert httpx.get(url, params={"since": today}, timeout=10).json()["data"] == [r for r in every if r["day"] >= today]
-    assert httpx.get(url, params={"since": "2999-01-01"}, timeout=10).json() == {"object": "list", "data": []}
+    assert httpx.get(url, params={"since": "2999-01-01"}, timeout=10).json() == {"object": "list", "data": [], "has_more": False, "next_after": None}
     for bad in ("2026-13-01", "yesterday", "2026-1-1", "", "2026-01-01T00:00"):
         r = httpx.get(url, params={"since": bad}, timeout=10)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "since" and err["type"] == "invalid_request_error", bad
+
+
+def test_usage_ledger_in_pages(server) -> None:
+    """``?limit=N`` lists N rows and ``has_more``; ``?after=`` the ``next_after`` of a page
+    continues it. A bad limit or cursor is a 400 naming it."""
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    for i in range(3):
+        client.responses.create(model=f"page-model-{i}", input="x", store=False)
+    url = server.base + "/hotloop/usage"
+    whole = httpx.get(url, timeout=10).json()
+    assert whole["has_more"] is False and whole["next_after"] is None and len(whole["data"]) >= 3
+    rows, after = [], None
+    while True:
+        page = httpx.get(url, params={"limit": 2, **({"after": after} if after else {})}, timeout=10).json()
+        assert len(page["data"]) <= 2
+        rows += page["data"]
+        if not page["has_more"]:
+            assert page["next_after"] is None
+            break
+        after = page["next_after"]
+    assert rows == whole["data"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 10_001}, "limit"), ({"limit": "x"}, "limit"),
+                          ({"after": "not a cursor"}, "after"), ({"after": "WzEsMiwzXQ"}, "after"), ({"after": "é"}, "after")):
+        r = httpx.get(url, params=params, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, params
 
 
 def test_item_reference_without_previous_response_id(client: OpenAI) -> None:

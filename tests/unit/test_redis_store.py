@@ -175,6 +175,17 @@ def test_usage_ledger_per_day_model_key(store: RedisStore) -> None:
     assert 3000 < store.r.ttl(marker) <= 3600
 
 
+def test_usage_ledger_pages_in_row_order(store: RedisStore) -> None:
+    now = time.time()
+    store.record_usage([UsageRecord(m, 1, 1, 0, 0, now, k, {"jwt": 1} if k == "k2" else None) for m in "abc" for k in ("k1", "k2")])
+    whole = store.usage()
+    assert [(r["model"], r["key"]) for r in whole] == [(m, k) for m in "abc" for k in ("k1", "k2")]
+    first = store.usage(None, None, None, 4)
+    rest = store.usage(None, None, (first[-1]["day"], first[-1]["model"], first[-1]["key"]), 4)
+    assert first + rest == whole and len(rest) == 2 and rest[1]["findings"] == {"jwt": 1}
+    assert store.usage("k1", None, (whole[0]["day"], "a", "k1"), 1) == [whole[2]]
+
+
 def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store: RedisStore) -> None:
     """As the other stores: past ``max_ledger_models`` names of one key in one day, further
     names count under "(other)" (decided in the batch's script, atomically for every replica)."""

@@ -89,6 +89,32 @@ def test_usage_ledger_counts_flagged_responses_and_findings_per_kind(store) -> N
     assert mine["findings"] == {"github_token": 1, "jwt": 3}
 
 
+def test_usage_ledger_pages_in_row_order(store) -> None:
+    """``after`` and ``limit`` page the ledger in (day, model, key) order; the pages together
+    are the whole listing, each row with its own findings, and ``key``/``since`` still apply."""
+    day = 86_400.0
+    store.record_usage([
+        UsageRecord(m, 1, 1, 0, 0, d * day, k, {"jwt": i + 1} if i % 3 == 0 else None)
+        for i, (d, m, k) in enumerate((d, m, k) for d in range(3) for m in ("a", "b") for k in ("k1", "k2"))
+    ])
+    whole = store.usage()
+    assert len(whole) == 12 and [(r["day"], r["model"], r["key"]) for r in whole] == sorted((r["day"], r["model"], r["key"]) for r in whole)
+    for limit in (1, 5, 12, 13):
+        pages, after = [], None
+        while True:
+            page = store.usage(None, None, after, limit)
+            assert len(page) <= limit
+            pages += page
+            if len(page) < limit:
+                break
+            after = (page[-1]["day"], page[-1]["model"], page[-1]["key"])
+        assert pages == whole, limit
+    assert store.usage("k2", "1970-01-02", ("1970-01-02", "a", "k2"), 2) == [
+        r for r in whole if r["key"] == "k2" and r["day"] >= "1970-01-02" and (r["day"], r["model"]) > ("1970-01-02", "a")
+    ][:2]
+    assert store.usage(None, None, ("1970-01-03", "b", "k2"), 5) == []
+
+
 def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store) -> None:
     """A model name is a client's string: past ``max_ledger_models`` names of one key in one
     day, further names count under "(other)"; names already counted keep their rows, other keys

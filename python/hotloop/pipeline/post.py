@@ -55,7 +55,7 @@ from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
-from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, UsageRecord, page_items
+from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, UsageRecord, UsageRow, page_items
 
 log = logging.getLogger("hotloop.post")
 
@@ -563,7 +563,10 @@ class Persistence:
         await self.flush()  # a write submitted earlier must not resurrect what is deleted now
         return bool(await self._call(self.store.delete, response_id, scope))
 
-    async def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
-        """Ledger rows of the key name ``key`` (``None``: every key's) from UTC day ``since`` on."""
+    async def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Ledger rows of the key name ``key`` (``None``: every key's) from UTC day ``since`` on,
+        after the row ``after``, at most ``limit`` (see :meth:`Store.usage`)."""
         await self.flush()
-        return await self._call(self.store.usage, key, since)  # type: ignore[no-any-return]
+        return await self._call(self.store.usage, key, since, after, limit)  # type: ignore[no-any-return]

@@ -52,7 +52,7 @@ from hotloop import errors
 from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS, Persistence
 from hotloop.protocol.request import Item
 from hotloop.state.context import CachedResponse
-from hotloop.state.store import PRUNED_KEPT
+from hotloop.state.store import PRUNED_KEPT, UsageRow
 
 log = logging.getLogger("hotloop.post")
 
@@ -165,9 +165,11 @@ class SharedPersistence(Persistence):
         if not getattr(self.store, "available", True):
             raise errors.StoreUnavailable()
 
-    async def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    async def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         self._reachable()
-        return await super().usage(key, since)
+        return await super().usage(key, since, after, limit)
 
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
         self._reachable()

@@ -11,6 +11,7 @@ goes away while its response is generated cancels the generation.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import logging
@@ -18,6 +19,8 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
+
+import msgspec
 
 from hotloop import __version__, errors
 from hotloop.pipeline import reuse
@@ -29,6 +32,7 @@ from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, req
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
+from hotloop.state.store import UsageRow
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -143,9 +147,12 @@ class HttpTransport:
             return await respond(200, encode(self.app.stats()))
         if path == "/hotloop/usage":
             self._method(method, "GET")
-            since = _usage_since(scope)
-            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name, since)
-            return await respond(200, encode({"object": "list", "data": rows}))
+            since, after, limit = _usage_query(scope)
+            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name, since, after, limit + 1)
+            more = len(rows) > limit
+            del rows[limit:]
+            last = _usage_cursor(rows[-1]) if more else None
+            return await respond(200, encode({"object": "list", "data": rows, "has_more": more, "next_after": last}))
         if path == "/v1/responses":
             if method != "POST":
                 raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
@@ -588,9 +595,50 @@ def _truncated(dropped: int) -> list[tuple[bytes, bytes]]:
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
-def _usage_since(scope: Scope) -> str | None:
-    """``GET /hotloop/usage?since=YYYY-MM-DD``: the first UTC day of the rows listed (None: all)."""
-    values = parse_qs(scope.get("query_string", b"").decode(), keep_blank_values=True).get("since")
+#: ``GET /hotloop/usage``: rows per page unless ``?limit=`` says otherwise, and the most it may ask.
+USAGE_PAGE = 1_000
+USAGE_PAGE_MAX = 10_000
+
+
+def _usage_query(scope: Scope) -> tuple[str | None, UsageRow | None, int]:
+    """``GET /hotloop/usage?since=YYYY-MM-DD&after=CURSOR&limit=N``: the first UTC day of the rows
+    listed (None: all), the row after which the page starts (``next_after`` of the page before),
+    and the page's size."""
+    q = parse_qs(scope.get("query_string", b"").decode(), keep_blank_values=True)
+    since = _usage_since(q.get("since"))
+    after = None
+    if values := q.get("after"):
+        after = _usage_after(values[0])
+    limit = USAGE_PAGE
+    if values := q.get("limit"):
+        try:
+            limit = int(values[0])
+        except ValueError:
+            raise errors.InvalidType("Invalid 'limit': expected an integer.", param="limit") from None
+        if not 1 <= limit <= USAGE_PAGE_MAX:
+            raise errors.InvalidValue(f"Invalid 'limit': it must be between 1 and {USAGE_PAGE_MAX}.", param="limit")
+    return since, after, limit
+
+
+def _usage_cursor(row: dict[str, Any]) -> str:
+    """The opaque ``after`` value that continues a listing after ``row``."""
+    raw = msgspec.json.encode([row["day"], row["model"], row["key"]])
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _usage_after(cursor: str) -> UsageRow:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        row = msgspec.json.decode(raw, type=tuple[str, str, str])
+    except (ValueError, msgspec.DecodeError):
+        raise errors.InvalidValue(
+            "Invalid 'after': pass the 'next_after' of the page before, unchanged.", param="after"
+        ) from None
+    return row
+
+
+def _usage_since(values: list[str] | None) -> str | None:
+    """``since``: the first UTC day of the rows listed (None: all)."""
     if not values:
         return None
     day = values[0]

@@ -82,7 +82,7 @@ import msgspec
 from hotloop import errors
 from hotloop.state import fpkey
 from hotloop.state.store import (
-    MAX_CHAIN_DEPTH, MAX_LEDGER_MODELS, OTHER_MODEL, USAGE_FIELDS, History, MissingParent, StoredResponse, UsageRecord,
+    MAX_CHAIN_DEPTH, MAX_LEDGER_MODELS, OTHER_MODEL, USAGE_FIELDS, History, MissingParent, StoredResponse, UsageRecord, UsageRow,
 )
 
 log = logging.getLogger("hotloop.store")
@@ -595,14 +595,17 @@ class RedisStore:
             args += [row, *acc, json.dumps(found.get(row, {}))]
         self._write(lambda: self._usage(args=args))
 
-    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         members = sorted(_str(m) for m in self._read(lambda: self.r.smembers(self.prefix + "u:rows")))
         wanted = []
         for name in members:
             day, model, key_ = name.split("\t")
-            if (key is None or key_ == key) and (since is None or day >= since):
+            if (key is None or key_ == key) and (since is None or day >= since) and (after is None or (day, model, key_) > after):
                 wanted.append((day, model, key_, name))
         wanted.sort()
+        del wanted[len(wanted) if limit is None else limit :]  # only the page's rows are read
 
         def fetch() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)

@@ -185,6 +185,8 @@ def visible(owner: str, scope: str | None) -> bool:
 
 
 USAGE_FIELDS = ("day", "model", "key", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+#: A ledger row's identity, its order in a listing: ``(day, model, key)``.
+UsageRow = tuple[str, str, str]
 # Besides USAGE_FIELDS, every ledger row has "flagged" (responses a classifier flagged or
 # redacted) and "findings" (an object: finding kind -> count).
 
@@ -204,9 +206,12 @@ class ResponseStore(Protocol):
     def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None: ...
     def delete(self, response_id: str, scope: str | None = None) -> bool: ...
     def record_usage(self, recs: list[UsageRecord]) -> None: ...
-    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         """Ledger rows (``USAGE_FIELDS``, ``flagged``, ``findings``), of one key name or all,
-        from UTC day ``since`` on."""
+        from UTC day ``since`` on, in ``(day, model, key)`` order: those after the row ``after``
+        names, at most ``limit`` of them (a page of ``GET /hotloop/usage``)."""
         ...
 
     def close(self) -> None: ...
@@ -442,16 +447,22 @@ class MemoryStore(_Pruned):
                 if rec.findings:
                     self._findings.setdefault(k, Counter()).update(rec.findings)
 
-    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         with self._lock:
+            wanted = sorted(
+                k for k in self._usage
+                if (key is None or k[2] == key) and (since is None or k[0] >= since) and (after is None or k > after)
+            )
             return [
                 {
                     **dict(zip(USAGE_FIELDS, (*k, *r[:5]))),
                     "flagged": r[5] if len(r) > 5 else 0,
                     "findings": dict(sorted(self._findings.get(k, {}).items())),
                 }
-                for k, r in sorted(self._usage.items())
-                if (key is None or k[2] == key) and (since is None or k[0] >= since)
+                for k in wanted[:limit]
+                for r in (self._usage[k],)
             ]
 
     def close(self) -> None:
@@ -1035,18 +1046,24 @@ class SQLiteStore(_Pruned):
                 found,
             )
 
-    def usage(self, key: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    def usage(
+        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        a_day, a_model, a_key = after if after is not None else (None, None, None)
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_USAGE_COLUMNS}, flagged FROM key_usage WHERE (?1 IS NULL OR key = ?1) AND (?2 IS NULL OR day >= ?2) "
-                "ORDER BY day, model, key",
-                (key, since),
+                "AND (?3 IS NULL OR (day, model, key) > (?3, ?4, ?5)) ORDER BY day, model, key LIMIT ?6",
+                (key, since, a_day, a_model, a_key, -1 if limit is None else limit),
             ).fetchall()
-            found = self._db.execute(
-                "SELECT day, model, key, kind, count FROM key_findings WHERE (?1 IS NULL OR key = ?1) "
-                "AND (?2 IS NULL OR day >= ?2) ORDER BY kind",
-                (key, since),
-            ).fetchall()
+            found = []
+            if rows:  # the findings of the rows listed: from the first to the last
+                first, last = tuple(rows[0][:3]), tuple(rows[-1][:3])
+                found = self._db.execute(
+                    "SELECT day, model, key, kind, count FROM key_findings WHERE (?1 IS NULL OR key = ?1) "
+                    "AND (day, model, key) >= (?2, ?3, ?4) AND (day, model, key) <= (?5, ?6, ?7) ORDER BY kind",
+                    (key, *first, *last),
+                ).fetchall()
         kinds: dict[tuple[str, str, str], dict[str, int]] = {}
         for day, model, key_, kind, n in found:
             kinds.setdefault((day, model, key_), {})[kind] = n
