@@ -174,6 +174,45 @@ def test_a_deferred_scan_that_fails_leaves_the_response_alone(caplog) -> None:  
     assert "the secrets scan failed" in caplog.text and "scanner exploded" in caplog.text
 
 
+def test_a_deferred_settings_scan_in_the_tokenizer_thread_that_fails_leaves_the_response_alone(caplog) -> None:  # noqa: ANN001
+    """The same for large instructions, scanned in the tokenizer thread after the backend
+    request: the failure is logged, the response completes unflagged; a scan that works flags it."""
+    import asyncio
+    import logging
+
+    from hotloop.config import Config
+    from hotloop.pipeline.classify import SecretsClassifier
+    from hotloop.server import engine as engine_mod
+    from hotloop.server.runner import make_app
+
+    real = SecretsClassifier.classify_settings
+    secret = "ghp_" + "a1B2c3D4e5" * 3 + "abcdef"
+    big = "x " * engine_mod.CLASSIFY_OFFLOAD_CHARS + secret
+
+    def broken(self, p):  # noqa: ANN001
+        raise RuntimeError("settings scan exploded")
+
+    async def main(scan: object) -> tuple[str, object]:
+        app = make_app(Config(store="memory", sim_rate=0))
+        await app.startup()
+        SecretsClassifier.classify_settings = scan  # type: ignore[method-assign]
+        try:
+            req = decode_body(json.dumps({"model": "hotloop-sim", "input": "hi", "store": False, "instructions": big,
+                                          "metadata": {"sim": "text,tokens:3"}}).encode())
+            run = await app.engine.start(req, transport="json")
+            resp = await run.drain()
+            return resp["status"], run.plan.flags
+        finally:
+            SecretsClassifier.classify_settings = real  # type: ignore[method-assign]
+            await app.shutdown()
+
+    with caplog.at_level(logging.ERROR, logger="hotloop"):
+        status, flags = asyncio.run(main(broken))
+    assert status == "completed" and flags is None
+    assert "the secrets scan failed" in caplog.text and "settings scan exploded" in caplog.text
+    assert asyncio.run(main(real)) == ("completed", {"github_token": 1})
+
+
 def test_an_unknown_call_id_is_echoed_clipped() -> None:
     import pytest
 

@@ -257,15 +257,11 @@ class Engine:
             try:
                 settings_flags = None
                 secrets = self._secrets
-                # large texts of the request's own the settings cache has not seen: scanned in
-                # the tokenizer thread, before the backend request whatever the policy
-                big = secrets is not None and secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS
-                later = (
-                    self._flag_only and not big
-                    and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
-                )
+                later = self._flag_only and classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) < CLASSIFY_OFFLOAD_CHARS
                 if secrets is not None and not later:  # flag-only: after the backend request too
-                    if big:
+                    # large texts of the request's own that the settings caches have not seen
+                    # are scanned in the tokenizer thread (so too after the backend request)
+                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
                         verdict, p = await asyncio.get_running_loop().run_in_executor(
                             self._tokenize_pool, secrets.classify_settings, p
                         )
@@ -314,6 +310,23 @@ class Engine:
                 if fut is not None:
                     fut.cancel()  # nobody will read these counts
             raise
+        turn, frames = self._opening(p, plan, transport)
+        run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
+        run.opening = frames
+        run.prefix = prefix
+        run.hit = hit
+        run.marks = marks
+        run.verdicts = verdicts
+        run.push_slot = slot
+        run.request_id = request_id
+        if req.previous_response_id is None and raw_input is not None:
+            run.raw_input = reuse.registration(raw_input, p.items)
+        return run
+
+    def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
+        """A new response's turn, and its opening events (``response.created``,
+        ``response.in_progress``)."""
+        req = p.req
         response = response_object(p, self.ids.new("resp"), int(self.clock()), model=req.model)
         turn = Turn(
             response,
@@ -325,16 +338,7 @@ class Engine:
             clock=self.clock,
             quiet=transport == "json",  # a non-streaming response: nobody reads its events
         )
-        run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
-        run.prefix = prefix
-        run.hit = hit
-        run.marks = marks
-        run.verdicts = verdicts
-        run.push_slot = slot
-        run.request_id = request_id
-        if req.previous_response_id is None and raw_input is not None:
-            run.raw_input = reuse.registration(raw_input, p.items)
-        return run
+        return turn, turn.start()
 
     def limits(self, model: str | None) -> ModelLimits:
         """The registry's limits for ``model`` (the backend's default when ``None``)."""
@@ -408,27 +412,60 @@ class Engine:
 
     def _classify_later(self, p: Prepared, parent: CachedResponse | None, tenant: Tenant, plan: Plan) -> "asyncio.Future[None]":
         """:meth:`classify` for classifiers that can only flag (``_flag_only``), on the event loop
-        in its next iteration, once the caller's task has written the backend request; the
-        future is done once ``plan`` holds the chain's new states and this turn's flags (awaited
-        before the terminal event, :meth:`Run._settle`). It never fails: a scan that raises is
-        logged, and the response goes on without its flags."""
+        in its next iteration, once the caller's task has written the backend request (the
+        request's own texts in the tokenizer thread when large and not cached, as in
+        :meth:`start`); the future is done once ``plan`` holds the chain's new states and this
+        turn's flags (awaited before the terminal event, :meth:`Run._settle`). It never fails: a
+        scan that raises is logged, and the response goes on without its flags."""
         states = parent.states if parent is not None else None
+        secrets = self._secrets
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finish() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def failed() -> None:
+            # a flag-only scan changes nothing the client sees: the response goes on, without
+            # this turn's flags (the chain keeps its parent's state); the log says why
+            log.exception("the secrets scan failed (key %s); the response goes on unflagged", tenant.name)
+            finish()
+
+        def settings_done(job: "asyncio.Future[tuple[Verdict, Prepared]]", tally: dict[str, int]) -> None:
+            if job.cancelled():  # the tokenizer thread is shutting down
+                return finish()
+            try:
+                verdict, _ = job.result()
+                assert secrets is not None
+                _, flags = self._settings_outcome(secrets, verdict, p, tenant)
+                plan.flags = _merged(tally, flags)
+            except Exception:  # noqa: BLE001
+                return failed()
+            finish()
 
         def run() -> None:
+            if done.done():  # cancelled by a failed start
+                return
             try:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
                 self._report(outcome, tenant)
                 plan.states = outcome.states
+                tally = outcome.tally()
                 flags = None
-                if self._secrets is not None:  # flag-only: neither changes p nor raises
-                    _, flags = self.classify_settings(self._secrets, p, tenant)
-                plan.flags = _merged(outcome.tally(), flags)
+                if secrets is not None:  # flag-only: neither changes p nor raises
+                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
+                        job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
+                        job.add_done_callback(lambda j: settings_done(j, tally))
+                        return
+                    _, flags = self.classify_settings(secrets, p, tenant)
+                plan.flags = _merged(tally, flags)
             except Exception:  # noqa: BLE001
-                # a flag-only scan changes nothing the client sees: the response goes on, without
-                # this turn's flags (the chain keeps its parent's state); the log says why
-                log.exception("the secrets scan failed (key %s); the response goes on unflagged", tenant.name)
+                return failed()
+            finish()
 
-        return _next_iteration(run)
+        loop.call_soon(run)
+        return done
 
     def _report(self, outcome: classifiers.Outcome, tenant: Tenant) -> None:
         """Log what the classifiers flagged or redacted."""
@@ -690,6 +727,7 @@ class Run:
         self.prepared = prepared
         self.turn = turn
         self._first = first
+        self.opening: list[Frame] = []  # response.created and response.in_progress (Engine._opening)
         self._stream = stream
         self.conn = conn
         self.started_cpu = time.thread_time()
@@ -879,7 +917,7 @@ class Run:
         try:
             if type(self._first) in _TERMINAL_CHUNKS:
                 await self._settle()
-            yield turn.start() + turn.feed(self._first)
+            yield self.opening + turn.feed(self._first)
             if not turn.done:
                 loop = asyncio.get_running_loop()
                 watchdog = _Watchdog(loop, engine.config.backend_idle_timeout)
