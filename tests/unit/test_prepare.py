@@ -213,6 +213,49 @@ def test_a_deferred_settings_scan_in_the_tokenizer_thread_that_fails_leaves_the_
     assert asyncio.run(main(real)) == ("completed", {"github_token": 1})
 
 
+def test_the_opening_events_are_made_while_the_backend_works() -> None:
+    """response.created and response.in_progress (and the Response object they carry) are made
+    after the backend request is out and before its first chunk comes, not after it; a response
+    whose backend answers at once (a warm-up, generate: false) makes them as well."""
+    import asyncio
+    import time
+
+    from hotloop.config import Config
+    from hotloop.protocol import events as ev
+    from hotloop.server.runner import make_app
+
+    async def main() -> tuple[list[str], float, float, list[str]]:
+        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=0.3))
+        await app.startup()
+        engine = app.engine
+        real = engine._opening
+        made: list[float] = []
+
+        def spy(*args):  # noqa: ANN002
+            made.append(time.perf_counter())
+            return real(*args)
+
+        engine._opening = spy  # type: ignore[method-assign]
+        try:
+            req = decode_body(json.dumps({"model": "hotloop-sim", "input": "hi", "store": False,
+                                          "metadata": {"sim": "text,tokens:3"}}).encode())
+            t0 = time.perf_counter()
+            run = await engine.start(req, transport="sse")
+            first_chunk = run.marks[-1]
+            names = [name for batch in [b async for b in run.frames()] for name, _ in batch]
+            warm = decode_body(json.dumps({"model": "hotloop-sim", "input": "hi", "store": False, "generate": False}).encode())
+            wrun = await engine.start(warm, transport="sse")
+            wnames = [name for batch in [b async for b in wrun.frames()] for name, _ in batch]
+            return names, made[0] - t0, first_chunk - made[0], wnames
+        finally:
+            await app.shutdown()
+
+    names, opened_after, chunk_after, warm = asyncio.run(main())
+    assert names[:2] == [ev.CREATED, ev.IN_PROGRESS] and names[-1] == ev.COMPLETED
+    assert warm == [ev.CREATED, ev.IN_PROGRESS, ev.COMPLETED]
+    assert opened_after < 0.2 and chunk_after > 0.1  # made during the 0.3 s the backend took
+
+
 def test_an_unknown_call_id_is_echoed_clipped() -> None:
     import pytest
 

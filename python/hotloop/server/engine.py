@@ -299,6 +299,11 @@ class Engine:
                 # run takes them into its turn, writing nothing)
                 breq.push = slot = PushSlot()
                 stream = self.backend.stream(breq)
+            # The Response object, its turn and the events that open its stream are made while
+            # the backend works on the request (after this task has written it and waits), not
+            # between the backend's first chunk and the client: they depend on nothing it says.
+            opening = _next_iteration(lambda: self._opening(p, plan, transport))
+            started.append(opening)
             first = await self._first(stream, request_id)
             marks.append(clock())
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
@@ -310,7 +315,11 @@ class Engine:
                 if fut is not None:
                     fut.cancel()  # nobody will read these counts
             raise
-        turn, frames = self._opening(p, plan, transport)
+        if opening.done() and not opening.cancelled() and opening.exception() is None:
+            turn, frames = opening.result()
+        else:  # the first chunk came at once (no wait: a warm-up)
+            opening.cancel()
+            turn, frames = self._opening(p, plan, transport)
         run = Run(self, plan, p, turn, first, stream, conn, counts, tenant, grant)
         run.opening = frames
         run.prefix = prefix
