@@ -259,6 +259,33 @@ def test_a_websocket_responses_end_cancels_the_hold_timer() -> None:
     asyncio.run(main())
 
 
+def test_a_websocket_responses_first_deltas_written_at_once_count_for_the_next_hold() -> None:
+    """A response's first pushed deltas are written at once (``now`` without ``within``); the
+    next read a millisecond later is held after them, as after any write, rather than making a
+    write of its own (one write a response more than SSE, whose first write counts too)."""
+
+    async def main() -> None:
+        done = asyncio.Event()
+        proto, transport = await _ws_protocol(done)
+        clock = _Clock(asyncio.get_running_loop())
+        proto.loop = clock  # type: ignore[assignment]
+        proto._held_since = -1.0
+        clock.advance(1.0)
+        transport.written.clear()
+        assert proto.send_texts([_delta(0)], True)  # the response's first deltas: never held
+        assert b'"n":0' in b"".join(transport.written)
+        clock.advance(1.0 + STEP)
+        assert proto.send_texts([_delta(1)], True, WITHIN)
+        assert b'"n":1' not in b"".join(transport.written) and clock.pending() == 1  # held
+        clock.advance(1.0 + WITHIN)
+        assert b'"n":1' in b"".join(transport.written) and clock.pending() == 0
+        done.set()
+        await asyncio.gather(*proto.tasks, return_exceptions=True)
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
 def test_an_sse_streams_unheld_write_cancels_the_hold_timer() -> None:
     """SSE: an item's start or end (``held(batch)``) and the streaming loop's own writes
     (``release``) take what is held and cancel the timed write, which would find nothing."""

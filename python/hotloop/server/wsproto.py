@@ -478,8 +478,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         more now. ``now``: write at once instead of at the end of this loop iteration (a caller
         that already sends everything it has in one call, such as a read callback).
 
-        ``within`` (seconds, with ``now``): when events sent this way were written less than
-        half of ``within`` ago, hold these (at most until ``within`` after that write), so that
+        ``within`` (seconds, with ``now``): when events sent with ``now`` were written less than
+        half of ``within`` ago (held or not: a response's first deltas, never held, count), hold these (at most until ``within`` after that write), so that
         the events of several reads go out in one write (``--flush-interval-ms``). Any other
         write sends what is held first, so the order never changes; at most one interval's
         events are held. One timer per connection at a time: a held write does not cancel it, and
@@ -516,6 +516,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                     elif self._held is None and not self._flush_scheduled:  # else a write is coming anyway
                         self._held = self.loop.call_at(self._held_since + within, self._write_held)
                 else:
+                    self._held_since = self.loop.time()
                     self._write_all()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
