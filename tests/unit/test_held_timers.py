@@ -145,6 +145,23 @@ async def _ws_protocol(done: asyncio.Event) -> tuple[CorkedWebSocketProtocol, _T
     return await opened(app)
 
 
+@contextlib.asynccontextmanager
+async def _clocked_ws() -> AsyncIterator[tuple[CorkedWebSocketProtocol, _Transport, _Clock]]:
+    """An open WebSocket connection's protocol on a :class:`_Clock`; its stream's first write
+    goes out at once."""
+    done = asyncio.Event()
+    proto, transport = await _ws_protocol(done)
+    clock = _Clock(asyncio.get_running_loop())
+    proto.loop = clock  # type: ignore[assignment]
+    proto._held_since = -1.0
+    try:
+        yield proto, transport, clock
+    finally:
+        done.set()
+        await asyncio.gather(*proto.tasks, return_exceptions=True)
+        proto.connection_lost(None)
+
+
 def _sse(clock: _Clock) -> tuple[_Held, list[bytes]]:
     """SSE push delivery with held deltas on ``clock``; what it sends is appended to the list."""
     sent: list[bytes] = []
@@ -160,25 +177,17 @@ def _sse(clock: _Clock) -> tuple[_Held, list[bytes]]:
 @pytest.mark.parametrize("n", [1, 3, 40, 200])
 def test_websocket_held_deltas_use_one_timer_per_interval(n: int) -> None:
     async def main() -> None:
-        done = asyncio.Event()
-        proto, transport = await _ws_protocol(done)
-        clock = _Clock(asyncio.get_running_loop())
-        proto.loop = clock  # type: ignore[assignment]
-        proto._held_since = -1.0  # the stream's first write goes out at once
+        async with _clocked_ws() as (proto, transport, clock):
+            def send(i: int) -> None:
+                assert proto.send_texts([_delta(i)], True, WITHIN)
 
-        def send(i: int) -> None:
-            assert proto.send_texts([_delta(i)], True, WITHIN)
+            def written() -> list[bytes]:
+                out = list(transport.written)
+                transport.written.clear()
+                return out
 
-        def written() -> list[bytes]:
-            out = list(transport.written)
-            transport.written.clear()
-            return out
-
-        seen = _stream(send, clock, n, written)
-        _check(seen, n, clock)
-        done.set()
-        await asyncio.gather(*proto.tasks, return_exceptions=True)
-        proto.connection_lost(None)
+            seen = _stream(send, clock, n, written)
+            _check(seen, n, clock)
 
     asyncio.run(main())
 
@@ -228,33 +237,26 @@ def test_a_websocket_responses_end_cancels_the_hold_timer() -> None:
     that get a timer of their own and still go out within the interval."""
 
     async def main() -> None:
-        done = asyncio.Event()
-        proto, transport = await _ws_protocol(done)
-        clock = _Clock(asyncio.get_running_loop())
-        proto.loop = clock  # type: ignore[assignment]
-        proto._held_since = -1.0
-        assert proto.send_texts([_delta(0)], True, WITHIN)  # written at once
-        clock.advance(STEP)
-        assert proto.send_texts([_delta(1)], True, WITHIN)  # held, with a timer
-        assert clock.pending() == 1
-        transport.written.clear()
-        clock.advance(2 * STEP)
-        assert proto.send_texts([_end(2)], True)  # the terminal event: never held
-        out = b"".join(transport.written)
-        assert out.index(b'"n":1') < out.index(b'"n":2')  # what was held goes first
-        assert clock.pending() == 0 and clock.cancels == 1
-        # the next response's deltas: the first at once, the next held on a new timer
-        transport.written.clear()
-        clock.advance(0.1)
-        assert proto.send_texts([_delta(3)], True, WITHIN)
-        clock.advance(0.1 + STEP)
-        assert proto.send_texts([_delta(4)], True, WITHIN)
-        assert clock.pending() == 1 and b'"n":4' not in b"".join(transport.written)
-        clock.advance(0.1 + WITHIN)
-        assert b'"n":4' in b"".join(transport.written) and clock.pending() == 0
-        done.set()
-        await asyncio.gather(*proto.tasks, return_exceptions=True)
-        proto.connection_lost(None)
+        async with _clocked_ws() as (proto, transport, clock):
+            assert proto.send_texts([_delta(0)], True, WITHIN)  # written at once
+            clock.advance(STEP)
+            assert proto.send_texts([_delta(1)], True, WITHIN)  # held, with a timer
+            assert clock.pending() == 1
+            transport.written.clear()
+            clock.advance(2 * STEP)
+            assert proto.send_texts([_end(2)], True)  # the terminal event: never held
+            out = b"".join(transport.written)
+            assert out.index(b'"n":1') < out.index(b'"n":2')  # what was held goes first
+            assert clock.pending() == 0 and clock.cancels == 1
+            # the next response's deltas: the first at once, the next held on a new timer
+            transport.written.clear()
+            clock.advance(0.1)
+            assert proto.send_texts([_delta(3)], True, WITHIN)
+            clock.advance(0.1 + STEP)
+            assert proto.send_texts([_delta(4)], True, WITHIN)
+            assert clock.pending() == 1 and b'"n":4' not in b"".join(transport.written)
+            clock.advance(0.1 + WITHIN)
+            assert b'"n":4' in b"".join(transport.written) and clock.pending() == 0
 
     asyncio.run(main())
 
@@ -265,23 +267,16 @@ def test_a_websocket_responses_first_deltas_written_at_once_count_for_the_next_h
     write of its own (one write a response more than SSE, whose first write counts too)."""
 
     async def main() -> None:
-        done = asyncio.Event()
-        proto, transport = await _ws_protocol(done)
-        clock = _Clock(asyncio.get_running_loop())
-        proto.loop = clock  # type: ignore[assignment]
-        proto._held_since = -1.0
-        clock.advance(1.0)
-        transport.written.clear()
-        assert proto.send_texts([_delta(0)], True)  # the response's first deltas: never held
-        assert b'"n":0' in b"".join(transport.written)
-        clock.advance(1.0 + STEP)
-        assert proto.send_texts([_delta(1)], True, WITHIN)
-        assert b'"n":1' not in b"".join(transport.written) and clock.pending() == 1  # held
-        clock.advance(1.0 + WITHIN)
-        assert b'"n":1' in b"".join(transport.written) and clock.pending() == 0
-        done.set()
-        await asyncio.gather(*proto.tasks, return_exceptions=True)
-        proto.connection_lost(None)
+        async with _clocked_ws() as (proto, transport, clock):
+            clock.advance(1.0)
+            transport.written.clear()
+            assert proto.send_texts([_delta(0)], True)  # the response's first deltas: never held
+            assert b'"n":0' in b"".join(transport.written)
+            clock.advance(1.0 + STEP)
+            assert proto.send_texts([_delta(1)], True, WITHIN)
+            assert b'"n":1' not in b"".join(transport.written) and clock.pending() == 1  # held
+            clock.advance(1.0 + WITHIN)
+            assert b'"n":1' in b"".join(transport.written) and clock.pending() == 0
 
     asyncio.run(main())
 
