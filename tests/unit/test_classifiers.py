@@ -354,6 +354,65 @@ def test_large_instructions_are_scanned_in_the_tokenizer_thread_once(monkeypatch
         assert row["flagged"] == 2
 
 
+@pytest.mark.parametrize("when", ["queued", "running"])
+def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """Under the flag policy, large instructions are scanned in the tokenizer thread after the
+    backend request is out. A start cancelled meanwhile (the client went away) drops a scan still
+    queued behind the thread's other work, and one already running logs nothing: there is no
+    response to flag."""
+    import asyncio
+    import json
+
+    from hotloop.protocol.request import decode_body
+    from hotloop.server import engine as engine_mod
+
+    _, secret = next(s for s in SECRETS if s[0] == "github_token")
+    scans: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+    real = SecretsClassifier.classify_settings
+
+    def spy(self: SecretsClassifier, p: Any) -> Any:
+        scans.append(threading.current_thread().name)
+        entered.set()
+        release.wait(10)
+        return real(self, p)
+
+    monkeypatch.setattr(SecretsClassifier, "classify_settings", spy)
+    big = "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+    body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": "tokens:3"}}
+
+    async def main() -> None:
+        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=5.0, secrets="flag"))
+        await app.startup()
+        try:
+            engine = app.engine
+            loop = asyncio.get_running_loop()
+            busy = loop.run_in_executor(engine._tokenize_pool, release.wait, 10) if when == "queued" else None
+            start = asyncio.ensure_future(engine.start(decode_body(json.dumps(body).encode()), transport="json"))
+            for _ in range(500):  # bounded: the scan is queued, or under way, while the backend works
+                if (busy is not None and engine._tokenize_pool._work_queue.qsize()) or entered.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert not start.done()
+            start.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await start
+            release.set()
+            await loop.run_in_executor(engine._tokenize_pool, lambda: None)  # the thread's work is done
+            for _ in range(3):
+                await asyncio.sleep(0)  # and its callbacks have run
+        finally:
+            release.set()
+            await app.shutdown()
+
+    with caplog.at_level(logging.INFO, "hotloop.engine"):
+        uvloop.run(main())
+    assert scans == ([] if when == "queued" else ["hotloop-tokenize_0"])
+    assert "flagged" not in caplog.text and "scan failed" not in caplog.text
+
+
 def test_no_classifiers_means_no_states(tmp_path: Path) -> None:
     async def main() -> Any:
         app = make_app(Config(store="memory", sim_rate=0, secrets="off"))

@@ -442,7 +442,10 @@ class Engine:
             finish()
 
         def settings_done(job: "asyncio.Future[tuple[Verdict, Prepared]]", tally: dict[str, int]) -> None:
-            if job.cancelled():  # the tokenizer thread is shutting down
+            if done.done():  # the start failed or was cancelled: no response to flag or log
+                return
+            if job.cancelled():  # the tokenizer thread is shutting down: this turn's other flags
+                plan.flags = tally
                 return finish()
             try:
                 verdict, _ = job.result()
@@ -466,6 +469,9 @@ class Engine:
                     if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
                         job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
                         job.add_done_callback(lambda j: settings_done(j, tally))
+                        # a start that fails meanwhile cancels ``done``: a scan still queued
+                        # behind the thread's other work is dropped, not run for nobody
+                        done.add_done_callback(lambda d: job.cancel() if d.cancelled() else None)
                         return
                     _, flags = self.classify_settings(secrets, p, tenant)
                 plan.flags = _merged(tally, flags)
