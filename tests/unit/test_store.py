@@ -115,6 +115,24 @@ def test_usage_ledger_pages_in_row_order(store) -> None:
     assert store.usage(None, None, ("1970-01-03", "b", "k2"), 5) == []
 
 
+def test_a_sqlite_ledger_page_seeks_its_cursor(tmp_path) -> None:
+    """A page after a cursor is read from the ledger's (day, model, key) key at the cursor, not
+    by scanning every row before it: the query SQLite plans for each page searches, never scans."""
+    store = SQLiteStore(str(tmp_path / "s.db"))
+    store.record_usage([UsageRecord(f"m{i}", 1, 1, 0, 0, 0.0, "k", None) for i in range(20)])
+    queries: list[str] = []
+    store._db.set_trace_callback(queries.append)
+    for key, since in ((None, None), ("k", None), (None, "1970-01-01"), ("k", "1970-01-01")):
+        assert [r["model"] for r in store.usage(key, since, ("1970-01-01", "m3", "k"), 2)] == ["m4", "m5"]
+    store._db.set_trace_callback(None)
+    pages = [q for q in queries if q.lstrip().startswith("SELECT") and "FROM key_usage" in q]
+    assert len(pages) == 4
+    for q in pages:
+        plan = " ".join(row[-1] for row in store._db.execute("EXPLAIN QUERY PLAN " + q))
+        assert "SEARCH key_usage" in plan and "SCAN key_usage" not in plan, (q, plan)
+    store.close()
+
+
 def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store) -> None:
     """A model name is a client's string: past ``max_ledger_models`` names of one key in one
     day, further names count under "(other)"; names already counted keep their rows, other keys
