@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal, Union
 
 import msgspec
@@ -497,6 +498,7 @@ class CheckedTools:
 # takes its functions instead of checking it again. Weak values: an array no cache keeps is
 # dropped here with it (an id is reused only after its object is gone).
 _CHECKED: weakref.WeakValueDictionary[int, CheckedTools] = weakref.WeakValueDictionary()
+_CHECKED_REFS: dict[int, Callable[[], CheckedTools | None]] = _CHECKED.data  # type: ignore[attr-defined]
 
 
 def share_checked(c: CheckedTools) -> None:
@@ -508,7 +510,8 @@ def checked_tools(tools: list[dict[str, Any]] | None) -> CheckedTools | None:
     """The shared, already checked array that ``tools`` is, if it is one."""
     if not tools:
         return None
-    c = _CHECKED.get(id(tools))
+    ref = _CHECKED_REFS.get(id(tools))  # the weak references themselves: C calls only (it is
+    c = ref() if ref is not None else None  # asked several times a turn; .get runs Python)
     return c if c is not None and c.tools is tools else None
 
 
