@@ -174,11 +174,19 @@ def test_an_agents_tools_are_decoded_once_and_echoed_exactly(servers: tuple[Serv
     assert ref_after == ref_before  # no prefix cache there: decoded every time, nothing kept
 
 
-def test_smaller_frames_take_their_tools_from_the_cache_too(servers: tuple[Server, Server]) -> None:
-    # Frames under FAST_DECODE_BYTES (eight tools of about 600 bytes): decoded with the tools
-    # from the cache, answered as by a server that decodes them every time.
+@pytest.mark.parametrize("kind", ["eight tools", "one small tool"])
+def test_smaller_frames_take_their_tools_from_the_cache_too(servers: tuple[Server, Server], kind: str) -> None:
+    # Frames under FAST_DECODE_BYTES (eight tools of about 600 bytes; or one tool of 221 bytes,
+    # in frames under 1 KB): decoded with the tools from the cache, answered as by a server that
+    # decodes them every time.
+    from hotloop.bench.turns import TOOL
+
     s, ref = servers
-    tools = [{**t, "name": f"small_{i}", "description": t["description"][:500]} for i, t in enumerate(_agent_tools()[:8])]
+    if kind == "eight tools":
+        tools = [{**t, "name": f"small_{i}", "description": t["description"][:500]} for i, t in enumerate(_agent_tools()[:8])]
+    else:
+        tools = [TOOL]
+        assert len(json.dumps({"type": "response.create", "input": "small step 0", "tools": tools, "previous_response_id": "resp_" + "0" * 32})) < 1024
     before, ref_before = _tools_stats(s), _tools_stats(ref)
     settings = {"tools": tools, "tool_choice": "auto", "store": False}
     with ws_connect(s.ws + "/responses", open_timeout=10) as ws, ws_connect(ref.ws + "/responses", open_timeout=10) as rws:

@@ -723,7 +723,7 @@ def test_render_cache_encodes_an_agents_tools_once() -> None:
     assert cache.tools(agent) is whole  # kept: the same bytes object
     assert cache.tools(list(agent)) is whole  # another list of the same tool objects
     assert cache.tools(tools("a")) is not whole  # equal tools, other objects: rendered again
-    small = tools("s", n=1, size=10)
+    small = [FunctionTool(name="s")]
     assert len(cache.tools(small)) < TOOLS_MIN_BYTES and cache.tools(small) is not cache.tools(small)
     for k in range(TOOLS_KEPT + 3):
         cache.tools(tools(str(k)))

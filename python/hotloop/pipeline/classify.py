@@ -558,8 +558,8 @@ class SecretsClassifier:
                         n += len(text)
         if n < limit and p.tools:
             shared = checked_tools(p.tools)
-            if shared is None:
-                n += sum(len(t) for _, t in tools_texts(p.tools))
+            if shared is None:  # their JSON, encoded in C: at least their texts
+                n += len(msgspec.json.encode(p.tools))
             else:
                 with self._lock:
                     cached = shared in self._tools

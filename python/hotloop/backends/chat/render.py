@@ -240,11 +240,11 @@ class _Rendered:
 
 
 # Rendered tool arrays a RenderCache keeps (RenderCache.tools): 16, of TOOLS_MIN_BYTES to
-# TOOLS_MAX_BYTES each (smaller ones cost less to render than to keep; larger ones are rendered
-# every time), so at most 16 MiB of JSON. Each holds its tool objects, which are normally the
+# TOOLS_MAX_BYTES each (smaller and larger ones are rendered every time), so at most 16 MiB of
+# JSON. Each holds its tool objects, which are normally the
 # ones the tools cache of the server keeps (pipeline.settings) and accounts.
 TOOLS_KEPT = 16
-TOOLS_MIN_BYTES = 1024
+TOOLS_MIN_BYTES = 128
 TOOLS_MAX_BYTES = 1024 * 1024
 
 
