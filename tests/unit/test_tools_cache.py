@@ -225,3 +225,71 @@ def test_a_small_frame_with_tools_is_decoded_as_the_session_would() -> None:
         assert reuse.decode_settings(json.dumps(obj), "alice", cache) is None
     assert reuse.decode_settings("{not json", "alice", cache) is None
     assert len(cache) == 1
+
+
+
+_TOOL = {"type": "function", "name": "run", "description": "Run a shell command.",
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
+_PAD = "p" * 300  # past OFFERED_BYTES, under FAST_DECODE_BYTES: offered to the tools cache's decoder
+
+
+def _create(**kw: Any) -> str:
+    return json.dumps({"type": "response.create", "model": "m", "input": "hi", "instructions": _PAD, **kw})
+
+
+@pytest.mark.parametrize(
+    ("frame", "shared"),
+    [
+        (_create(tools=[_TOOL]), True),
+        (_create(tools=None), False),
+        (_create(tools="x"), False),
+        (_create(tools=[1]), False),
+        (_create(tools=[_TOOL, _TOOL]), False),  # a duplicate name
+        (_create(tools=[{**_TOOL, "name": "bad name!"}]), False),
+        (_create(tools=[_TOOL], stream_id="bad id"), True),
+        (_create(tools=[_TOOL], stream_id="lane-1", previous_response_id="resp_1"), True),
+        (_create(tools=[_TOOL], previous_response_id=5), False),
+        (_create(tools=[_TOOL], input=5), False),
+        (_create(tools=[_TOOL], input=[{"type": "nope"}]), True),
+        (_create(tools=[_TOOL], model=7), False),
+        (_create(tools=[_TOOL], unknown_field=1), True),
+        (_create(tools=[_TOOL], tool_choice={"type": "function", "name": "zzz"}), True),
+        (_create(tools=[{"type": "web_search"}]), False),  # under 128 bytes: not kept
+        (json.dumps({"type": "response.steer", "input": "tools" + _PAD, "tools": [_TOOL]}), False),
+        (json.dumps({"type": "response.create", "input": _PAD, "tools": [_TOOL]}), True),  # no model
+        (_create(tools=[_TOOL])[:-1] + ', "temperature": 1e400}', False),
+        (_create(tools=[_TOOL])[:-1], False),  # truncated
+        ('{"type": "response.create", "model": "m", "input": "x", "tools": [' + "[" * 5000 + "]" * 5000 + "]}", False),
+    ],
+)
+def test_a_small_frame_with_tools_is_answered_as_the_ordinary_decode_answers_it(frame: str, shared: bool) -> None:
+    """WebSocket frames from OFFERED_BYTES on that carry tools are decoded with the tools cache
+    (the transport's decoder, as ``server.ws`` wires it); every outcome, a run's request or an
+    error's status, code, param and message, is the one the ordinary decode gives, and valid
+    tools of 128 bytes or more come from the cache."""
+    from hotloop.protocol.session import OFFERED_BYTES, RunCreate, SendError, Session
+
+    assert len(frame) >= OFFERED_BYTES
+    cache = ToolsCache()
+    got: list[Any] = []
+
+    def fast(f: str) -> Any:
+        req = reuse.decode_settings(f, "owner", cache)
+        got.append(req)
+        return (req, None) if req is not None else None
+
+    def outcome(decoder: Any) -> list[Any]:
+        sess = Session(opened_at=0.0, max_age=3600.0, decode_create=decoder)
+        out: list[Any] = []
+        for a in sess.receive(frame, 1.0):
+            if isinstance(a, RunCreate):
+                out.append(("run", a.lane, msgspec.json.encode(a.request), a.size))
+            elif isinstance(a, SendError):
+                out.append(("error", a.stream_id, a.error.status, a.error.code, a.error.param, str(a.error)))
+            else:
+                out.append(type(a).__name__)
+        return out
+
+    assert outcome(fast) == outcome(None)
+    assert len(got) == 1  # offered
+    assert (got[0] is not None and checked_tools(got[0].tools) is not None) == shared
