@@ -305,23 +305,31 @@ def test_large_input_is_scanned_in_the_tokenizer_thread(tmp_path: Path, monkeypa
     assert threads[0].startswith("hotloop-tokenize") and threads[1] == "MainThread"
 
 
-@pytest.mark.parametrize("policy", ["flag", "redact", "block"])
-def test_large_instructions_are_scanned_in_the_tokenizer_thread_once(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
-    """Instructions of CLASSIFY_OFFLOAD_CHARS or more that the settings cache has not seen are
-    scanned off the event loop, under every policy; sent again, they are a cache hit, scanned on
-    the loop (no thread hop), with the same outcome."""
-    kind, secret = next(s for s in SECRETS if s[0] == "github_token")
+def _spied_settings_scans(monkeypatch: pytest.MonkeyPatch, hook: Any = None) -> tuple[list[str], str, str, str]:
+    """Record the thread of every settings scan (``hook()`` runs in it first); and instructions
+    large enough for the tokenizer thread holding a GitHub token: (threads, kind, secret, text)."""
     from hotloop.server import engine as engine_mod
 
+    kind, secret = next(s for s in SECRETS if s[0] == "github_token")
     threads: list[str] = []
     real = SecretsClassifier.classify_settings
 
     def spy(self: SecretsClassifier, p: Any) -> Any:
         threads.append(threading.current_thread().name)
+        if hook is not None:
+            hook()
         return real(self, p)
 
     monkeypatch.setattr(SecretsClassifier, "classify_settings", spy)
-    big = "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+    return threads, kind, secret, "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+
+
+@pytest.mark.parametrize("policy", ["flag", "redact", "block"])
+def test_large_instructions_are_scanned_in_the_tokenizer_thread_once(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """Instructions of CLASSIFY_OFFLOAD_CHARS or more that the settings cache has not seen are
+    scanned off the event loop, under every policy; sent again, they are a cache hit, scanned on
+    the loop (no thread hop), with the same outcome."""
+    threads, kind, secret, big = _spied_settings_scans(monkeypatch)
 
     async def main() -> tuple[list[httpx.Response], list[dict[str, Any]]]:
         app = make_app(Config(store="memory", sim_rate=0, secrets=policy))
@@ -366,21 +374,14 @@ def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
     import json
 
     from hotloop.protocol.request import decode_body
-    from hotloop.server import engine as engine_mod
 
-    _, secret = next(s for s in SECRETS if s[0] == "github_token")
-    scans: list[str] = []
     entered, release = threading.Event(), threading.Event()
-    real = SecretsClassifier.classify_settings
 
-    def spy(self: SecretsClassifier, p: Any) -> Any:
-        scans.append(threading.current_thread().name)
+    def hold() -> None:
         entered.set()
         release.wait(10)
-        return real(self, p)
 
-    monkeypatch.setattr(SecretsClassifier, "classify_settings", spy)
-    big = "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret
+    scans, _, _, big = _spied_settings_scans(monkeypatch, hold)
     body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": "tokens:3"}}
 
     async def main() -> None:
@@ -411,6 +412,61 @@ def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
         uvloop.run(main())
     assert scans == ([] if when == "queued" else ["hotloop-tokenize_0"])
     assert "flagged" not in caplog.text and "scan failed" not in caplog.text
+
+
+def test_a_response_whose_client_leaves_before_its_deferred_settings_scan_ends_is_still_flagged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A response that started (its request went to the backend, ``response.created`` went out)
+    and whose client goes away while its terminal event waits for the settings scan in the
+    tokenizer thread: the scan still runs, and its flag is logged."""
+    import asyncio
+    import json
+
+    from hotloop.protocol.request import decode_body
+
+    release = threading.Event()
+    scans, _, _, big = _spied_settings_scans(monkeypatch)
+    body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": "tokens:3"}, "stream": True}
+
+    async def main() -> list[str]:
+        app = make_app(Config(store="memory", sim_rate=0, secrets="flag"))
+        await app.startup()
+        try:
+            engine = app.engine
+            loop = asyncio.get_running_loop()
+            busy = loop.run_in_executor(engine._tokenize_pool, release.wait, 10)  # the scan queues
+            run = await engine.start(decode_body(json.dumps(body).encode()), transport="sse")
+            names: list[str] = []
+
+            async def client() -> None:
+                async for batch in run.frames():
+                    names.extend(name for name, _ in batch)
+
+            reader = asyncio.ensure_future(client())
+            for _ in range(500):  # bounded: until the run waits for the scan before its terminal event
+                if "response.created" in names and run.verdicts is None:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert not reader.done()
+            reader.cancel()  # the client goes away
+            await asyncio.gather(reader, return_exceptions=True)
+            release.set()
+            await busy
+            await loop.run_in_executor(engine._tokenize_pool, lambda: None)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return names
+        finally:
+            release.set()
+            await app.shutdown()
+
+    with caplog.at_level(logging.INFO, "hotloop.engine"):
+        names = uvloop.run(main())
+    assert "response.created" in names and "response.completed" not in names
+    assert scans == ["hotloop-tokenize_0"]
+    assert "flagged the instructions" in caplog.text
 
 
 def test_no_classifiers_means_no_states(tmp_path: Path) -> None:

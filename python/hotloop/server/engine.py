@@ -469,8 +469,9 @@ class Engine:
                     if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
                         job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
                         job.add_done_callback(lambda j: settings_done(j, tally))
-                        # a start that fails meanwhile cancels ``done``: a scan still queued
-                        # behind the thread's other work is dropped, not run for nobody
+                        # a start that fails meanwhile cancels ``done`` (Engine.start; a run
+                        # never does, Run._settle shields it): a scan still queued behind the
+                        # thread's other work is dropped, as there is no response to flag
                         done.add_done_callback(lambda d: job.cancel() if d.cancelled() else None)
                         return
                     _, flags = self.classify_settings(secrets, p, tenant)
@@ -882,7 +883,8 @@ class Run:
         plan = self.plan
         if self.verdicts is not None:
             verdicts, self.verdicts = self.verdicts, None
-            await verdicts
+            if not verdicts.done():  # shielded: a run cancelled here (the client went away) has
+                await asyncio.shield(verdicts)  # still sent its request; its scan goes on and logs
         if not plan.settled:
             counts = await self._counts if self._counts is not None else None
             plan.settle(counts)
