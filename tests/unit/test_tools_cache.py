@@ -12,7 +12,7 @@ import pytest
 from hotloop import errors
 from hotloop.pipeline import reuse
 from hotloop.pipeline.prepare import tools_json
-from hotloop.pipeline.settings import EDGE, WEIGHT, ToolsCache
+from hotloop.pipeline.settings import EDGE, ToolsCache, entry_bytes
 from hotloop.protocol import events as ev
 from hotloop.protocol.request import checked_tools, decode_body, validate
 from hotloop.state.prefix import PrefixCache
@@ -109,10 +109,10 @@ def test_bounded_by_entries_and_bytes() -> None:
     raws = [msgspec.json.encode(_tools(tag=str(i))) for i in range(3)]
     for raw in raws:
         assert cache.get("o", raw) is not None
-    assert len(cache) == 2 and cache.nbytes == WEIGHT * (len(raws[1]) + len(raws[2]))
+    assert len(cache) == 2 and cache.nbytes == entry_bytes(len(raws[1])) + entry_bytes(len(raws[2]))
     cache.get("o", raws[0])  # evicted: decoded again
     assert cache.misses == 4 and cache.hits == 0
-    one = WEIGHT * len(raws[0])  # each of the same size
+    one = entry_bytes(len(raws[0]))  # each of the same size
     by_bytes = ToolsCache(max_bytes=4 * one + one // 2)
     for raw in [msgspec.json.encode(_tools(tag=str(i))) for i in range(6)]:
         by_bytes.get("o", raw)
@@ -140,7 +140,7 @@ def test_arrays_alike_at_both_ends_never_get_each_others_result() -> None:
         assert got is not None and got.tools == tools and got.json == raw
     # they take turns in one entry: a miss each time the other was last, a hit otherwise
     assert (cache.misses, cache.hits, len(cache)) == (4, 1, 1)
-    assert cache.nbytes == WEIGHT * len(ra)
+    assert cache.nbytes == entry_bytes(len(ra))
 
 
 def test_response_events_write_shared_tools_as_they_were_encoded() -> None:
@@ -196,10 +196,9 @@ def test_tools_after_a_reused_prefix_are_shared_and_fail_as_before() -> None:
         assert (type(got.value), got.value.message, got.value.param) == (type(want.value), want.value.message, want.value.param)
 
 
-def test_a_small_frame_with_tools_is_decoded_as_the_session_would() -> None:
-    # Frames under FAST_DECODE_BYTES that carry tools (reuse.decode_settings): the request the
-    # ordinary decode gives, the tools from the cache; anything else declined (then decoded
-    # the ordinary way by the session, with its own errors).
+def test_a_small_frame_with_tools_is_converted_as_the_session_would() -> None:
+    # Frames under FAST_DECODE_BYTES that carry tools (reuse.convert_create): the request the
+    # ordinary conversion gives, the tools from the cache; an invalid frame, the ordinary error.
     from hotloop.protocol.request import convert_body
 
     cache = ToolsCache()
@@ -210,86 +209,100 @@ def test_a_small_frame_with_tools_is_decoded_as_the_session_would() -> None:
     ]
     shared = None
     for obj in frames:
-        frame = json.dumps(obj)
-        req = reuse.decode_settings(frame, "alice", cache)
-        assert req is not None and req == convert_body(json.loads(frame))
+        req = reuse.convert_create(json.loads(json.dumps(obj)), "alice", cache)
+        assert req == convert_body(json.loads(json.dumps(obj)))
         shared = shared or req.tools
-        assert req.tools is shared
+        assert req.tools is shared and checked_tools(req.tools) is not None
     assert (cache.misses, cache.hits) == (1, 2)
     for obj in (
-        {"type": "response.steer", "model": "m", "tools": _tools(), "input": "x"},
         {"type": "response.create", "model": "m", "tools": _tools() + [_tools()[0]], "input": "x"},  # duplicate
         {"type": "response.create", "model": "m", "tools": _tools(), "input": 5},
         {"type": "response.create", "model": 5, "tools": _tools(), "input": "x"},
+        {"type": "response.create", "model": "m", "tools": {"a": 1}, "input": "x"},
     ):
-        assert reuse.decode_settings(json.dumps(obj), "alice", cache) is None
-    assert reuse.decode_settings("{not json", "alice", cache) is None
+        outcomes = []
+        for convert in (convert_body, lambda f: reuse.convert_create(f, "alice", cache)):
+            try:
+                req = convert(dict(obj))
+                outcomes.append((req, checked_tools(req.tools)))  # converted, not shared
+            except errors.HotloopError as exc:
+                outcomes.append((type(exc), str(exc), exc.param))
+        assert outcomes[0] == outcomes[1]
     assert len(cache) == 1
-
 
 
 _TOOL = {"type": "function", "name": "run", "description": "Run a shell command.",
          "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
-_PAD = "p" * 300  # past OFFERED_BYTES, under FAST_DECODE_BYTES: offered to the tools cache's decoder
+_PAD = "p" * 300
 
 
 def _create(**kw: Any) -> str:
     return json.dumps({"type": "response.create", "model": "m", "input": "hi", "instructions": _PAD, **kw})
 
 
-@pytest.mark.parametrize(
-    ("frame", "shared"),
-    [
-        (_create(tools=[_TOOL]), True),
-        (_create(tools=None), False),
-        (_create(tools="x"), False),
-        (_create(tools=[1]), False),
-        (_create(tools=[_TOOL, _TOOL]), False),  # a duplicate name
-        (_create(tools=[{**_TOOL, "name": "bad name!"}]), False),
-        (_create(tools=[_TOOL], stream_id="bad id"), True),
-        (_create(tools=[_TOOL], stream_id="lane-1", previous_response_id="resp_1"), True),
-        (_create(tools=[_TOOL], previous_response_id=5), False),
-        (_create(tools=[_TOOL], input=5), False),
-        (_create(tools=[_TOOL], input=[{"type": "nope"}]), True),
-        (_create(tools=[_TOOL], model=7), False),
-        (_create(tools=[_TOOL], unknown_field=1), True),
-        (_create(tools=[_TOOL], tool_choice={"type": "function", "name": "zzz"}), True),
-        (_create(tools=[{"type": "web_search"}]), False),  # under 128 bytes: not kept
-        (json.dumps({"type": "response.steer", "input": "tools" + _PAD, "tools": [_TOOL]}), False),
-        (json.dumps({"type": "response.create", "input": _PAD, "tools": [_TOOL]}), True),  # no model
-        (_create(tools=[_TOOL])[:-1] + ', "temperature": 1e400}', False),
-        (_create(tools=[_TOOL])[:-1], False),  # truncated
-        ('{"type": "response.create", "model": "m", "input": "x", "tools": [' + "[" * 5000 + "]" * 5000 + "]}", False),
-    ],
-)
-def test_a_small_frame_with_tools_is_answered_as_the_ordinary_decode_answers_it(frame: str, shared: bool) -> None:
-    """WebSocket frames from OFFERED_BYTES on that carry tools are decoded with the tools cache
-    (the transport's decoder, as ``server.ws`` wires it); every outcome, a run's request or an
-    error's status, code, param and message, is the one the ordinary decode gives, and valid
-    tools of 128 bytes or more come from the cache."""
+_TOOLS_JSON = json.dumps([_TOOL])
+_SMALL_FRAMES = [
+    (_create(tools=[_TOOL]), True),
+    (_create(tools=None), False),
+    (_create(tools="x"), False),
+    (_create(tools=[1]), False),
+    (_create(tools=[_TOOL, _TOOL]), False),  # a duplicate name
+    (_create(tools=[{**_TOOL, "name": "bad name!"}]), False),
+    (_create(tools=[_TOOL], stream_id="bad id"), True),
+    (_create(tools=[_TOOL], stream_id="lane-1", previous_response_id="resp_1"), True),
+    (_create(tools=[_TOOL], previous_response_id=5), True),
+    (_create(tools=[_TOOL], input=5), True),
+    (_create(tools=[_TOOL], input=[{"type": "nope"}]), True),
+    (_create(tools=[_TOOL], model=7), True),
+    (_create(tools=[_TOOL], unknown_field=1), True),
+    (_create(tools=[_TOOL], tool_choice={"type": "function", "name": "zzz"}), True),
+    (_create(tools=[{"type": "web_search"}]), False),  # under 128 bytes: not kept
+    (json.dumps({"type": "response.steer", "input": "tools" + _PAD, "tools": [_TOOL]}), False),
+    (json.dumps({"type": "response.create", "input": _PAD, "tools": [_TOOL]}), True),  # no model
+    # numbers out of range: in a field the request does not have, shadowed by a later key, in the tools
+    (_create(tools=[_TOOL])[:-1] + ', "x": 1e400}', False),
+    (_create(tools=[_TOOL])[:-1] + ', "x": 1.8e308}', False),
+    (_create(tools=[_TOOL])[:-1] + ', "input": 1e400, "input": "hi"}', False),
+    (_create(tools=[_TOOL])[:-1] + ', "temperature": 1e400}', False),
+    (_create(tools=[{**_TOOL, "x": 1}]).replace('"x": 1', '"x": ' + "9" * 400 + ".0"), False),
+    ('{"type": "response.create", "model": "m", "input": "a", "tools": ' + _TOOLS_JSON + ', "tools": null}', False),
+    (_create(tools=[_TOOL])[:-1], False),  # truncated
+    ('{"type": "response.create", "model": "m", "input": "x", "tools": [' + "[" * 5000 + "]" * 5000 + "]}", False),
+]
+
+
+def test_small_frames_with_tools_are_answered_as_the_ordinary_conversion_answers_them() -> None:
+    """WebSocket frames under OFFERED_BYTES are decoded the ordinary way and converted with
+    their tools taken from the tools cache (``reuse.convert_create``, as ``server.ws`` wires it):
+    every outcome, a run's request or an error's status, code, param and message, and the
+    session's queue, is the one ``convert_body`` gives, and valid tools of 128 bytes or more come
+    from the cache (one cache for all the frames: misses, then hits)."""
     from hotloop.protocol.session import OFFERED_BYTES, RunCreate, SendError, Session
 
-    assert len(frame) >= OFFERED_BYTES
     cache = ToolsCache()
-    got: list[Any] = []
 
-    def fast(f: str) -> Any:
-        req = reuse.decode_settings(f, "owner", cache)
-        got.append(req)
-        return (req, None) if req is not None else None
-
-    def outcome(decoder: Any) -> list[Any]:
-        sess = Session(opened_at=0.0, max_age=3600.0, decode_create=decoder)
+    def outcomes(convert: Any, frame: str) -> tuple[list[Any], list[bool]]:
+        assert len(frame) < OFFERED_BYTES
+        sess = Session(opened_at=0.0, max_age=3600.0, convert_create=convert)
         out: list[Any] = []
-        for a in sess.receive(frame, 1.0):
-            if isinstance(a, RunCreate):
-                out.append(("run", a.lane, msgspec.json.encode(a.request), a.size))
-            elif isinstance(a, SendError):
-                out.append(("error", a.stream_id, a.error.status, a.error.code, a.error.param, str(a.error)))
-            else:
-                out.append(type(a).__name__)
-        return out
+        shared: list[bool] = []
+        for _ in range(2):  # the second queues behind the first, or is refused as the first
+            for a in sess.receive(frame, 1.0):
+                if isinstance(a, RunCreate):
+                    out.append(("run", a.lane, msgspec.json.encode(a.request), a.size))
+                    shared.append(checked_tools(a.request.tools) is not None)
+                elif isinstance(a, SendError):
+                    out.append(("error", a.stream_id, a.error.status, a.error.code, a.error.param, str(a.error)))
+                else:
+                    out.append(type(a).__name__)
+            out.append((sess.queued, sess.queued_bytes))
+        return out, shared
 
-    assert outcome(fast) == outcome(None)
-    assert len(got) == 1  # offered
-    assert (got[0] is not None and checked_tools(got[0].tools) is not None) == shared
+    runs = 0
+    for frame, want_shared in _SMALL_FRAMES:
+        mine, shared = outcomes(lambda f: reuse.convert_create(f, "owner", cache), frame)
+        ordinary, _ = outcomes(None, frame)
+        assert mine == ordinary, frame[:200]
+        assert all(shared) if want_shared else not any(shared), frame[:200]
+        runs += len(shared) if want_shared else 0
+    assert runs >= 4 and cache.hits >= 5 and cache.misses >= 1

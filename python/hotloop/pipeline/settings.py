@@ -32,6 +32,14 @@ _encode = msgspec.json.encode  # as tools_json (pipeline.prepare)
 # tracemalloc: 3.5x for tools that are mostly descriptions, about 6x for a coding agent's, 12x
 # for tools of detailed schemas (many small properties); counted on the safe side.
 WEIGHT = 16
+# And per entry, whatever its size: its key, the CheckedTools, the list and its dicts (a one-tool
+# array of 130 bytes measured 17-21 times its JSON).
+ENTRY_OVERHEAD = 1024
+
+
+def entry_bytes(n: int) -> int:
+    """What an entry of ``n`` bytes of JSON is counted as."""
+    return WEIGHT * n + ENTRY_OVERHEAD
 
 
 def decode_tools(raw: bytes) -> CheckedTools | None:
@@ -51,7 +59,7 @@ EDGE = 64
 
 class ToolsCache:
     """``(owner, tools JSON bytes)`` -> :class:`CheckedTools`, LRU-bounded by entries and by
-    bytes (each entry counted as WEIGHT times its JSON). Scoped by owner like the token counts:
+    bytes (each entry counted as WEIGHT times its JSON, plus ENTRY_OVERHEAD). Scoped by owner like the token counts:
     a hit skips tens of microseconds, which one key could otherwise time to learn another's
     tools. Arrays under ``min_bytes`` (at least 2 * EDGE) are not kept. A small array is worth
     keeping too: a hit (0.8 us for one 221-byte tool) costs less than decoding and checking it
@@ -101,7 +109,7 @@ class ToolsCache:
         if c is None:
             return None
         share_checked(c)  # validating the request takes its functions (while it lives)
-        size = WEIGHT * n
+        size = entry_bytes(n)
         if size > self.max_bytes // 4:
             return c  # too large to keep
         if got is not None:  # alike at the edges, not in the middle: this one takes the entry
@@ -111,5 +119,5 @@ class ToolsCache:
         self._bytes += size
         while len(d) > self.max_entries or self._bytes > self.max_bytes:
             (_, old, _, _), _ = d.popitem(last=False)
-            self._bytes -= WEIGHT * old
+            self._bytes -= entry_bytes(old)
         return c

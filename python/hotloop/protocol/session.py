@@ -150,13 +150,12 @@ Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 # Frames from OFFERED_BYTES on are offered to Session.decode_create first (the transport's
-# decoder: from FAST_DECODE_BYTES on, one that matches a resent history by its bytes; below,
-# one that takes an agent's tools from its cache, declining frames without tools); smaller ones
-# cannot hold a tools array the cache keeps. Decoding a 2.4 KB frame with one small tool that
-# way costs 2.5 us more than the ordinary decode, and its shared tools then save more than that
-# on the same turn (checking them, scanning their texts for secrets twice, rendering them).
-OFFERED_BYTES = 256
+# decoder, which matches a resent history by its bytes); smaller ones are decoded the ordinary
+# way and converted by Session.convert_create (the transport's: an agent's tools taken from its
+# cache), which gives every error the ordinary decode gives (a number out of range anywhere in
+# the frame included, which a decoder that skips the fields it does not need would not see).
 FAST_DECODE_BYTES = 16 * 1024
+OFFERED_BYTES = FAST_DECODE_BYTES
 
 _UNSUPPORTED = {
     ev.CLIENT_INJECT: f"'{ev.CLIENT_INJECT}' is not supported by this server.",
@@ -198,14 +197,19 @@ class Session:
         max_known: int = 256,
         ids: IdGen | None = None,
         decode_create: Callable[[str], tuple[CreateRequest, Any] | None] | None = None,
+        convert_create: Callable[[dict[str, Any]], CreateRequest] | None = None,
     ) -> None:
         """``decode_create``: a faster decoder the transport may offer for frames of
         OFFERED_BYTES or more (a full-history input matched against cached prefixes by its
         bytes, an agent's tools taken from a cache): it returns the request of a well-formed
         ``response.create`` frame and something the transport wants back in the
         :class:`RunCreate` (``decoded``), or ``None``, and the frame is decoded the ordinary way
-        (so every error is the ordinary one)."""
+        (so every error is the ordinary one). ``convert_create``: what makes the request of a
+        ``response.create`` frame decoded the ordinary way, instead of
+        :func:`~hotloop.protocol.request.convert_body`, whose outcomes it must give (raising
+        only :class:`~hotloop.errors.HotloopError`)."""
         self.decode_create = decode_create
+        self.convert_create = convert_create if convert_create is not None else convert_body
         self.opened_at = opened_at
         self.max_lanes = max_lanes
         self.lanes: set[str] = set()  # named lanes seen (the default lane does not count)
@@ -331,7 +335,7 @@ class Session:
         if refused is not None:
             return refused + self._unpend(stream_id, prev)
         try:
-            req = convert_body(frame)
+            req = self.convert_create(frame)
         except errors.HotloopError as exc:
             return self._error(exc, stream_id, prev) + self._unpend(stream_id, prev)
         return self._accept(req, len(data), None)

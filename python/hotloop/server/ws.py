@@ -19,8 +19,8 @@ from hotloop import errors
 from hotloop.pipeline import reuse
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
+from hotloop.protocol.request import CreateRequest, convert_body
 from hotloop.protocol.session import (
-    FAST_DECODE_BYTES,
     Action,
     Close,
     Ended,
@@ -136,6 +136,7 @@ class Connection:
             max_pending_steers=cfg.ws_max_pending_steers,
             ids=self.app.engine.ids,
             decode_create=self._decode_create,
+            convert_create=self._convert_create,
         )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         return self.session
@@ -143,16 +144,18 @@ class Connection:
     def _decode_create(self, frame: str) -> Any:
         """A large ``response.create`` frame (FAST_DECODE_BYTES or more), which may resend a
         history: matched against the tenant's cached prefixes by its bytes (pipeline.reuse), as
-        an HTTP body is. A smaller one that carries tools: decoded with them taken from the
-        tenant's tools cache (pipeline.settings), matched by fingerprint as before. The tools
-        cache is on the prefix cache's decoding path, as over HTTP (off with it)."""
+        an HTTP body is."""
         engine = self.app.engine
-        if len(frame) >= FAST_DECODE_BYTES:
-            return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
-        if engine.prefixes.max_entries > 0 and _TOOLS_KEY in frame:
-            req = reuse.decode_settings(frame, self.tenant.id, engine.tools)
-            return (req, None) if req is not None else None
-        return None
+        return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
+
+    def _convert_create(self, frame: dict[str, Any]) -> CreateRequest:
+        """A smaller ``response.create`` frame, decoded the ordinary way: its tools taken from
+        the tenant's tools cache (pipeline.settings), its input matched by fingerprint as before.
+        The tools cache is on the prefix cache's decoding path, as over HTTP (off with it)."""
+        engine = self.app.engine
+        if engine.prefixes.max_entries > 0:
+            return reuse.convert_create(frame, self.tenant.id, engine.tools)
+        return convert_body(frame)
 
     async def send_frame(self, payload: bytes) -> None:
         await self._emit([(ev.ERROR, payload)])
@@ -521,7 +524,6 @@ class Deadlines:
             conn.expire()
 
 
-_TOOLS_KEY = '"tools"'  # a frame that may carry tools (one without them declines in a scan)
 _ALONE_YIELD = 63  # a lane running alone yields to the loop every 64 batches (see Connection._run)
 
 

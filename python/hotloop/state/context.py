@@ -58,7 +58,7 @@ def item_nbytes(item: Item) -> int:
 
 # A Response object decoded, against its JSON: measured 1.4x (output text) to 2.8x (tool
 # definitions mostly descriptions); and its tool definitions, when the tools cache does not
-# hold them (arrays under 1 KB, or too large to keep): counted as the tools cache counts them
+# hold them (arrays under 128 bytes, or too large to keep): counted as the tools cache counts them
 # (pipeline.settings.WEIGHT), 3.5-12x measured. A count of its JSON alone let a cache of
 # responses with 429 KB of tools each hold about 8 times its byte budget.
 RESPONSE_WEIGHT = 3
