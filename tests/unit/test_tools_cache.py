@@ -196,12 +196,21 @@ def test_tools_after_a_reused_prefix_are_shared_and_fail_as_before() -> None:
         assert (type(got.value), got.value.message, got.value.param) == (type(want.value), want.value.message, want.value.param)
 
 
-def test_a_small_frame_with_tools_is_converted_as_the_session_would() -> None:
-    # Frames under FAST_DECODE_BYTES that carry tools (reuse.convert_create): the request the
-    # ordinary conversion gives, the tools from the cache; an invalid frame, the ordinary error.
+@pytest.mark.parametrize("way", ["decode_settings", "convert_create"])
+def test_a_frame_with_tools_is_decoded_as_the_session_would(way: str) -> None:
+    # Frames under FAST_DECODE_BYTES that carry tools: the request the ordinary conversion gives,
+    # the tools from the cache. From OFFERED_BYTES (reuse.decode_settings) anything unusual is
+    # declined, then decoded the ordinary way by the session; below (reuse.convert_create, after
+    # the ordinary decode) it gets what the ordinary conversion gives.
     from hotloop.protocol.request import convert_body
 
     cache = ToolsCache()
+
+    def decode(frame: str) -> Any:
+        if way == "decode_settings":
+            return reuse.decode_settings(frame, "alice", cache)
+        return reuse.convert_create(json.loads(frame), "alice", cache)
+
     frames = [
         {"type": "response.create", "model": "m", "tools": _tools(), "input": "hi", "stream_id": "a"},
         {"type": "response.create", "model": "m", "tools": _tools(), "previous_response_id": "resp_1", "input": [{"role": "user", "content": "x"}]},
@@ -209,8 +218,9 @@ def test_a_small_frame_with_tools_is_converted_as_the_session_would() -> None:
     ]
     shared = None
     for obj in frames:
-        req = reuse.convert_create(json.loads(json.dumps(obj)), "alice", cache)
-        assert req == convert_body(json.loads(json.dumps(obj)))
+        frame = json.dumps(obj)
+        req = decode(frame)
+        assert req is not None and req == convert_body(json.loads(frame))
         shared = shared or req.tools
         assert req.tools is shared and checked_tools(req.tools) is not None
     assert (cache.misses, cache.hits) == (1, 2)
@@ -220,14 +230,18 @@ def test_a_small_frame_with_tools_is_converted_as_the_session_would() -> None:
         {"type": "response.create", "model": 5, "tools": _tools(), "input": "x"},
         {"type": "response.create", "model": "m", "tools": {"a": 1}, "input": "x"},
     ):
+        frame = json.dumps(obj)
         outcomes = []
-        for convert in (convert_body, lambda f: reuse.convert_create(f, "alice", cache)):
+        for convert in (convert_body, decode):
             try:
-                req = convert(dict(obj))
-                outcomes.append((req, checked_tools(req.tools)))  # converted, not shared
+                req = convert(json.loads(frame) if convert is convert_body else frame)
+                outcomes.append(None if req is None else (req, checked_tools(req.tools)))  # not shared
             except errors.HotloopError as exc:
                 outcomes.append((type(exc), str(exc), exc.param))
-        assert outcomes[0] == outcomes[1]
+        assert outcomes[1] is None if way == "decode_settings" else outcomes[0] == outcomes[1]
+    if way == "decode_settings":
+        assert decode(json.dumps({"type": "response.steer", "model": "m", "tools": _tools(), "input": "x"})) is None
+        assert decode("{not json") is None
     assert len(cache) == 1
 
 
@@ -267,7 +281,7 @@ _SMALL_FRAMES = [
     (_create(tools=[{**_TOOL, "x": 1}]).replace('"x": 1', '"x": ' + "9" * 400 + ".0"), False),
     ('{"type": "response.create", "model": "m", "input": "a", "tools": ' + _TOOLS_JSON + ', "tools": null}', False),
     (_create(tools=[_TOOL])[:-1], False),  # truncated
-    ('{"type": "response.create", "model": "m", "input": "x", "tools": [' + "[" * 5000 + "]" * 5000 + "]}", False),
+    ('{"type": "response.create", "model": "m", "input": "x", "tools": [' + "[" * 1900 + "]" * 1900 + "]}", False),
 ]
 
 

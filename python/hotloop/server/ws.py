@@ -21,6 +21,7 @@ from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.request import CreateRequest, convert_body
 from hotloop.protocol.session import (
+    FAST_DECODE_BYTES,
     Action,
     Close,
     Ended,
@@ -144,14 +145,23 @@ class Connection:
     def _decode_create(self, frame: str) -> Any:
         """A large ``response.create`` frame (FAST_DECODE_BYTES or more), which may resend a
         history: matched against the tenant's cached prefixes by its bytes (pipeline.reuse), as
-        an HTTP body is."""
+        an HTTP body is. A smaller one (OFFERED_BYTES or more) that carries tools: decoded with
+        them taken from the tenant's tools cache (pipeline.settings), matched by fingerprint as
+        before. The tools cache is on the prefix cache's decoding path, as over HTTP (off with
+        it)."""
         engine = self.app.engine
-        return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
+        if len(frame) >= FAST_DECODE_BYTES:
+            return reuse.decode_frame(frame, engine.prefixes, self.tenant.id, engine.tools)
+        if engine.prefixes.max_entries > 0 and _TOOLS_KEY in frame:
+            req = reuse.decode_settings(frame, self.tenant.id, engine.tools)
+            return (req, None) if req is not None else None
+        return None
 
     def _convert_create(self, frame: dict[str, Any]) -> CreateRequest:
-        """A smaller ``response.create`` frame, decoded the ordinary way: its tools taken from
-        the tenant's tools cache (pipeline.settings), its input matched by fingerprint as before.
-        The tools cache is on the prefix cache's decoding path, as over HTTP (off with it)."""
+        """A small ``response.create`` frame (under OFFERED_BYTES), decoded the ordinary way:
+        its tools taken from the tenant's tools cache (pipeline.settings), its input matched by
+        fingerprint as before. The tools cache is on the prefix cache's decoding path, as over
+        HTTP (off with it)."""
         engine = self.app.engine
         if engine.prefixes.max_entries > 0:
             return reuse.convert_create(frame, self.tenant.id, engine.tools)
@@ -471,6 +481,9 @@ class Connection:
                 if it.get("type") == "function_call"
             ]
         return Ended(rid, status, calls)
+
+
+_TOOLS_KEY = '"tools"'  # a frame that may carry tools (one without them declines in a scan)
 
 
 class Deadlines:
