@@ -15,6 +15,7 @@ import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hotloop import errors
 from hotloop.config import Config
 from hotloop.pipeline import classifiers
 from hotloop.pipeline.classify import Flag, SecretsClassifier, SecretsState
@@ -362,18 +363,20 @@ def test_large_instructions_are_scanned_in_the_tokenizer_thread_once(monkeypatch
         assert row["flagged"] == 2
 
 
-@pytest.mark.parametrize("when", ["queued", "running"])
-def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+@pytest.mark.parametrize("case", ["cancelled, scan queued", "cancelled, scan running", "refused by the backend", "failed before its request"])
+def test_a_start_that_fails_keeps_its_deferred_settings_scan_once_its_request_went_out(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
     """Under the flag policy, large instructions are scanned in the tokenizer thread after the
-    backend request is out. A start cancelled meanwhile (the client went away) drops a scan still
-    queued behind the thread's other work, and one already running logs nothing: there is no
-    response to flag."""
+    backend request is out. A start that fails after that (its client left while the backend
+    worked, with the scan queued behind the thread's other work or under way; or the backend
+    refused the request) still scans them and logs the secret it sent. One that fails before its
+    request goes out drops the scan: nothing was sent."""
     import asyncio
     import json
 
     from hotloop.protocol.request import decode_body
+    from hotloop.server.engine import Engine
 
     entered, release = threading.Event(), threading.Event()
 
@@ -381,8 +384,15 @@ def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
         entered.set()
         release.wait(10)
 
-    scans, _, _, big = _spied_settings_scans(monkeypatch, hold)
-    body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": "tokens:3"}}
+    scans, _, _, big = _spied_settings_scans(monkeypatch, hold if case == "cancelled, scan running" else None)
+    sim = "rate_limit" if case == "refused by the backend" else "tokens:3"
+    body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": sim}}
+    if case == "failed before its request":
+
+        def broken(self: Engine, plan: Any) -> Any:
+            raise errors.ServerError("The backend request could not be made.")
+
+        monkeypatch.setattr(Engine, "backend_request", broken)
 
     async def main() -> None:
         app = make_app(Config(store="memory", sim_rate=0, sim_ttft=5.0, secrets="flag"))
@@ -390,17 +400,20 @@ def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
         try:
             engine = app.engine
             loop = asyncio.get_running_loop()
-            busy = loop.run_in_executor(engine._tokenize_pool, release.wait, 10) if when == "queued" else None
+            busy = None if case == "cancelled, scan running" else loop.run_in_executor(engine._tokenize_pool, release.wait, 10)
             start = asyncio.ensure_future(engine.start(decode_body(json.dumps(body).encode()), transport="json"))
-            for _ in range(500):  # bounded: the scan is queued, or under way, while the backend works
-                if (busy is not None and engine._tokenize_pool._work_queue.qsize()) or entered.is_set():
-                    break
-                await asyncio.sleep(0.01)
-            assert not start.done()
-            start.cancel()
-            with pytest.raises(asyncio.CancelledError):
+            if case.startswith("cancelled"):
+                for _ in range(500):  # bounded: the scan is queued, or under way, while the backend works
+                    if (busy is not None and engine._tokenize_pool._work_queue.qsize()) or entered.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+                assert not start.done()
+                start.cancel()
+            with pytest.raises((asyncio.CancelledError, errors.HotloopError)):
                 await start
             release.set()
+            for _ in range(3):
+                await asyncio.sleep(0)  # a scan scheduled for the loop's next iteration is submitted
             await loop.run_in_executor(engine._tokenize_pool, lambda: None)  # the thread's work is done
             for _ in range(3):
                 await asyncio.sleep(0)  # and its callbacks have run
@@ -410,8 +423,12 @@ def test_a_cancelled_start_leaves_no_deferred_settings_scan_behind(
 
     with caplog.at_level(logging.INFO, "hotloop.engine"):
         uvloop.run(main())
-    assert scans == ([] if when == "queued" else ["hotloop-tokenize_0"])
-    assert "flagged" not in caplog.text and "scan failed" not in caplog.text
+    assert "scan failed" not in caplog.text
+    if case == "failed before its request":
+        assert scans == [] and "flagged" not in caplog.text
+    else:
+        assert scans == ["hotloop-tokenize_0"]
+        assert "classifier secrets flagged the instructions, tools or format of a request" in caplog.text
 
 
 def test_a_response_whose_client_leaves_before_its_deferred_settings_scan_ends_is_still_flagged(

@@ -304,6 +304,10 @@ class Engine:
             # between the backend's first chunk and the client: they depend on nothing it says.
             opening = _next_iteration(lambda: self._opening(p, plan, transport))
             started.append(opening)
+            if verdicts is not None:
+                # the request goes to the backend now: its deferred scan completes, and logs a
+                # secret it finds, whatever happens next (the client leaving, a backend refusal)
+                started.remove(verdicts)
             first = await self._first(stream, request_id)
             marks.append(clock())
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
@@ -413,7 +417,7 @@ class Engine:
             raise classifiers.blocked_error(verdict)
         assert isinstance(verdict, (Flag, Redact))
         log.info(
-            "classifier %s %s the instructions, tools or format of a response for key %s: %s",
+            "classifier %s %s the instructions, tools or format of a request for key %s: %s",
             secrets.name, "redacted" if isinstance(verdict, Redact) else "flagged", tenant.name,
             _kinds(verdict.findings, verdict.labels),
         )
@@ -442,7 +446,7 @@ class Engine:
             finish()
 
         def settings_done(job: "asyncio.Future[tuple[Verdict, Prepared]]", tally: dict[str, int]) -> None:
-            if done.done():  # the start failed or was cancelled: no response to flag or log
+            if done.done():  # the start failed before its request went out: nothing to flag
                 return
             if job.cancelled():  # the tokenizer thread is shutting down: this turn's other flags
                 plan.flags = tally
@@ -457,7 +461,7 @@ class Engine:
             finish()
 
         def run() -> None:
-            if done.done():  # cancelled by a failed start
+            if done.done():  # cancelled by a start that failed before its request went out
                 return
             try:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
@@ -469,9 +473,9 @@ class Engine:
                     if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
                         job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
                         job.add_done_callback(lambda j: settings_done(j, tally))
-                        # a start that fails meanwhile cancels ``done`` (Engine.start; a run
-                        # never does, Run._settle shields it): a scan still queued behind the
-                        # thread's other work is dropped, as there is no response to flag
+                        # a start that fails before its request goes to the backend cancels
+                        # ``done`` (Engine.start; nothing does later, Run._settle shields it): a
+                        # scan still queued behind the thread's other work is then dropped
                         done.add_done_callback(lambda d: job.cancel() if d.cancelled() else None)
                         return
                     _, flags = self.classify_settings(secrets, p, tenant)
@@ -487,7 +491,7 @@ class Engine:
         """Log what the classifiers flagged or redacted."""
         for name, verdict in outcome.verdicts:
             log.info(
-                "classifier %s %s the input of a response for key %s: %s",
+                "classifier %s %s the input of a request for key %s: %s",
                 name, "redacted" if isinstance(verdict, Redact) else "flagged", tenant.name,
                 _kinds(verdict.findings, verdict.labels),  # type: ignore[union-attr]
             )
