@@ -3,10 +3,12 @@ through the chain (caches and the store), incremental verdicts equal to whole-hi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -23,6 +25,8 @@ from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputText
 from hotloop.server.runner import make_app
 from tests import classifier_examples
 from tests.unit.test_secrets import POSITIVES
+
+_R = TypeVar("_R")
 
 SECRETS = [(kind, secret) for kind, _, secret, _ in POSITIVES]
 
@@ -306,6 +310,25 @@ def test_large_input_is_scanned_in_the_tokenizer_thread(tmp_path: Path, monkeypa
     assert threads[0].startswith("hotloop-tokenize") and threads[1] == "MainThread"
 
 
+@contextlib.asynccontextmanager
+async def _flag_app(release: threading.Event, **config: Any) -> AsyncIterator[Any]:
+    """A started app under the flag policy; ``release`` is set on the way out, so no test leaves
+    the tokenizer thread blocked."""
+    app = make_app(Config(store="memory", sim_rate=0, secrets="flag", **config))
+    await app.startup()
+    try:
+        yield app
+    finally:
+        release.set()
+        await app.shutdown()
+
+
+def _run_logged(caplog: pytest.LogCaptureFixture, main: Callable[[], Awaitable[_R]]) -> _R:
+    """``main()`` run on uvloop, with the engine's INFO lines captured."""
+    with caplog.at_level(logging.INFO, "hotloop.engine"):
+        return uvloop.run(main())
+
+
 def _spied_settings_scans(monkeypatch: pytest.MonkeyPatch, hook: Any = None) -> tuple[list[str], str, str, str]:
     """Record the thread of every settings scan (``hook()`` runs in it first); and instructions
     large enough for the tokenizer thread holding a GitHub token: (threads, kind, secret, text)."""
@@ -395,9 +418,7 @@ def test_a_start_that_fails_keeps_its_deferred_settings_scan_once_its_request_we
         monkeypatch.setattr(Engine, "backend_request", broken)
 
     async def main() -> None:
-        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=5.0, secrets="flag"))
-        await app.startup()
-        try:
+        async with _flag_app(release, sim_ttft=5.0) as app:
             engine = app.engine
             loop = asyncio.get_running_loop()
             busy = None if case == "cancelled, scan running" else loop.run_in_executor(engine._tokenize_pool, release.wait, 10)
@@ -417,18 +438,60 @@ def test_a_start_that_fails_keeps_its_deferred_settings_scan_once_its_request_we
             await loop.run_in_executor(engine._tokenize_pool, lambda: None)  # the thread's work is done
             for _ in range(3):
                 await asyncio.sleep(0)  # and its callbacks have run
-        finally:
-            release.set()
-            await app.shutdown()
 
-    with caplog.at_level(logging.INFO, "hotloop.engine"):
-        uvloop.run(main())
+    _run_logged(caplog, main)
     assert "scan failed" not in caplog.text
     if case == "failed before its request":
         assert scans == [] and "flagged" not in caplog.text
     else:
         assert scans == ["hotloop-tokenize_0"]
         assert "classifier secrets flagged the instructions, tools or format of a request" in caplog.text
+
+
+def test_deferred_settings_scans_are_bounded(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """At most MAX_DEFERRED_SCANS settings scans wait for the tokenizer thread at once: past it a
+    request's scan is skipped with a warning and its response goes on unflagged; once the queue
+    drains, scans are deferred again."""
+    import asyncio
+    import json
+
+    from hotloop.protocol.request import decode_body
+    from hotloop.server import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_DEFERRED_SCANS", 2)
+    scans, _, _, big = _spied_settings_scans(monkeypatch)
+    release = threading.Event()
+
+    async def main() -> list[dict[str, Any]]:
+        async with _flag_app(release) as app:
+            engine = app.engine
+            loop = asyncio.get_running_loop()
+            busy = loop.run_in_executor(engine._tokenize_pool, release.wait, 10)
+
+            async def one(i: int) -> dict[str, Any]:
+                body = {"model": "m", "input": "hi", "instructions": f"{big} {i}", "metadata": {"sim": "tokens:3"}}  # not cached
+                run = await engine.start(decode_body(json.dumps(body).encode()), transport="json")
+                return await run.drain()
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
+            for _ in range(500):  # bounded: until the third start's scan was decided
+                if "is skipped" in caplog.text:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine._deferred_scans == 2
+            release.set()
+            await busy
+            done = await asyncio.gather(*tasks)
+            assert engine._deferred_scans == 0
+            done.append(await one(3))  # room again: deferred and flagged
+            await app.persistence.flush()
+            return done
+
+    responses = _run_logged(caplog, main)
+    assert [r["status"] for r in responses] == ["completed"] * 4
+    assert scans == ["hotloop-tokenize_0"] * 3
+    assert caplog.text.count("is skipped: 2 scans wait for the tokenizer thread") == 1
+    assert caplog.text.count("flagged the instructions, tools or format of a request") == 3
 
 
 def test_a_response_whose_client_leaves_before_its_deferred_settings_scan_ends_is_still_flagged(
@@ -447,9 +510,7 @@ def test_a_response_whose_client_leaves_before_its_deferred_settings_scan_ends_i
     body = {"model": "m", "input": "hi", "store": False, "instructions": big, "metadata": {"sim": "tokens:3"}, "stream": True}
 
     async def main() -> list[str]:
-        app = make_app(Config(store="memory", sim_rate=0, secrets="flag"))
-        await app.startup()
-        try:
+        async with _flag_app(release) as app:
             engine = app.engine
             loop = asyncio.get_running_loop()
             busy = loop.run_in_executor(engine._tokenize_pool, release.wait, 10)  # the scan queues
@@ -475,12 +536,8 @@ def test_a_response_whose_client_leaves_before_its_deferred_settings_scan_ends_i
             for _ in range(3):
                 await asyncio.sleep(0)
             return names
-        finally:
-            release.set()
-            await app.shutdown()
 
-    with caplog.at_level(logging.INFO, "hotloop.engine"):
-        names = uvloop.run(main())
+    names = _run_logged(caplog, main)
     assert "response.created" in names and "response.completed" not in names
     assert scans == ["hotloop-tokenize_0"]
     assert "flagged the instructions" in caplog.text

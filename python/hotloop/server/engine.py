@@ -93,6 +93,7 @@ class Engine:
         self.sync = config.store_sync == "full"
         # One thread counts the tokens of large new inputs while the backend generates.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
+        self._deferred_scans = 0  # settings scans submitted by _classify_later and not done
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
         # a bad --classifier raises ClassifierLoadError here, before the server starts.
         self.classifiers = classifiers.build(config.secrets, config.classifier_specs)
@@ -446,6 +447,7 @@ class Engine:
             finish()
 
         def settings_done(job: "asyncio.Future[tuple[Verdict, Prepared]]", tally: dict[str, int]) -> None:
+            self._deferred_scans -= 1
             if done.done():  # the start failed before its request went out: nothing to flag
                 return
             if job.cancelled():  # the tokenizer thread is shutting down: this turn's other flags
@@ -471,7 +473,15 @@ class Engine:
                 flags = None
                 if secrets is not None:  # flag-only: neither changes p nor raises
                     if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
+                        if self._deferred_scans >= MAX_DEFERRED_SCANS:
+                            log.warning(
+                                "the secrets scan of the instructions, tools or format of a request for key %s "
+                                "is skipped: %d scans wait for the tokenizer thread", tenant.name, self._deferred_scans,
+                            )
+                            plan.flags = tally
+                            return finish()
                         job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
+                        self._deferred_scans += 1
                         job.add_done_callback(lambda j: settings_done(j, tally))
                         # a start that fails before its request goes to the backend cancels
                         # ``done`` (Engine.start; nothing does later, Run._settle shields it): a
@@ -643,6 +653,11 @@ def backend_kind(exc: BaseException) -> str:
 
 # New input with this much text (or more) is classified in the tokenizer thread; see Engine.classify.
 CLASSIFY_OFFLOAD_CHARS = 64 * 1024
+# Deferred settings scans (flag policy) that may wait for the tokenizer thread at once. Each holds
+# its request's texts, and outlives its client once the request went out (its secret is still
+# logged), so clients that send large instructions and leave could otherwise queue them faster
+# than one thread clears them (about 5 ms a MB). Past it a scan is skipped, with a warning.
+MAX_DEFERRED_SCANS = 64
 
 _T = TypeVar("_T")
 
