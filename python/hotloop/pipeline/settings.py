@@ -59,9 +59,9 @@ EDGE = 64
 
 class ToolsCache:
     """``(owner, tools JSON bytes)`` -> :class:`CheckedTools`, LRU-bounded by entries and by
-    bytes (each entry counted as WEIGHT times its JSON, plus ENTRY_OVERHEAD). Scoped by owner like the token counts:
-    a hit skips tens of microseconds, which one key could otherwise time to learn another's
-    tools. Arrays under ``min_bytes`` (at least 2 * EDGE) are not kept. A small array is worth
+    bytes (each entry counted as WEIGHT times its JSON, plus ENTRY_OVERHEAD). Scoped by owner
+    like the token counts: a hit skips tens of microseconds, which one key could otherwise time
+    to learn another's tools. Arrays under ``min_bytes`` (at least 2 * EDGE) are not kept. A small array is worth
     keeping too: a hit (0.8 us for one 221-byte tool) costs less than decoding and checking it
     (1.8 us), and the shared array then skips, every turn, the work keyed on it downstream (the
     secrets scan of its texts, its rendering for the backend, its encoding in events).

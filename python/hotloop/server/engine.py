@@ -448,8 +448,6 @@ class Engine:
 
         def settings_done(job: "asyncio.Future[tuple[Verdict, Prepared]]", tally: dict[str, int]) -> None:
             self._deferred_scans -= 1
-            if done.done():  # the start failed before its request went out: nothing to flag
-                return
             if job.cancelled():  # the tokenizer thread is shutting down: this turn's other flags
                 plan.flags = tally
                 return finish()
@@ -463,7 +461,11 @@ class Engine:
             finish()
 
         def run() -> None:
-            if done.done():  # cancelled by a start that failed before its request went out
+            # Cancelled by a start that failed before its request went out (Engine.start takes
+            # ``done`` off its list to cancel just before the request; nothing between schedules
+            # this and that suspends, and Run._settle shields it): no scan, nothing was sent.
+            # Once this ran, nothing cancels ``done``: a scan submitted completes and logs.
+            if done.done():
                 return
             try:
                 outcome = classifiers.classify_turn(self.classifiers, p.items, states)
@@ -483,10 +485,6 @@ class Engine:
                         job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
                         self._deferred_scans += 1
                         job.add_done_callback(lambda j: settings_done(j, tally))
-                        # a start that fails before its request goes to the backend cancels
-                        # ``done`` (Engine.start; nothing does later, Run._settle shields it): a
-                        # scan still queued behind the thread's other work is then dropped
-                        done.add_done_callback(lambda d: job.cancel() if d.cancelled() else None)
                         return
                     _, flags = self.classify_settings(secrets, p, tenant)
                 plan.flags = _merged(tally, flags)

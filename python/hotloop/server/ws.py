@@ -483,9 +483,6 @@ class Connection:
         return Ended(rid, status, calls)
 
 
-_TOOLS_KEY = '"tools"'  # a frame that may carry tools (one without them declines in a scan)
-
-
 class Deadlines:
     """WebSocket connection age limits on one timer for the whole app, not one per connection.
 
@@ -537,6 +534,7 @@ class Deadlines:
             conn.expire()
 
 
+_TOOLS_KEY = '"tools"'  # a frame that may carry tools (one without them declines in a scan)
 _ALONE_YIELD = 63  # a lane running alone yields to the loop every 64 batches (see Connection._run)
 
 

@@ -1052,7 +1052,7 @@ class SQLiteStore(_Pruned):
     ) -> list[dict[str, Any]]:
         # Only the conditions given are in the query: a row-value comparison behind "?3 IS NULL OR"
         # is not used to seek the (day, model, key) key, and a late page then scans every row
-        # before it (200,000 rows: 17.6 ms a page against 0.3 ms).
+        # before it (200,000 rows: a late 1,000-row page 16.9 ms against 2.0 ms).
         where, args = ["1"], []
         if key is not None:
             where.append("key = ?")

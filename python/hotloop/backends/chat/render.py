@@ -241,8 +241,8 @@ class _Rendered:
 
 # Rendered tool arrays a RenderCache keeps (RenderCache.tools): 16, of TOOLS_MIN_BYTES to
 # TOOLS_MAX_BYTES each (smaller and larger ones are rendered every time), so at most 16 MiB of
-# JSON. Each holds its tool objects, which are normally the
-# ones the tools cache of the server keeps (pipeline.settings) and accounts.
+# JSON. Each holds its tool objects, which are normally the ones the tools cache of the server
+# keeps (pipeline.settings) and accounts.
 TOOLS_KEPT = 16
 TOOLS_MIN_BYTES = 128
 TOOLS_MAX_BYTES = 1024 * 1024
