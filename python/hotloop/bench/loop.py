@@ -59,9 +59,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from hotloop.bench import _pct, _text, mock_process, server
+from hotloop.bench import _pct, _text, mock_process, process_cpu_ns, server
 from hotloop.bench.mockchat import SEEN, echo
-from hotloop.bench.turns import CHAT_TOOL, TOOL, process_cpu_ns
+from hotloop.bench.turns import CHAT_TOOL, TOOL
 from hotloop.protocol import events as ev
 
 TRANSPORTS = ("http-full", "http-prev", "ws-prev", "ws-full")

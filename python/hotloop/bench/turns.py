@@ -18,7 +18,8 @@ Cerebras backend. Measured side by side in one run:
 * ``http-prev``: ``POST`` with SSE, ``previous_response_id``, ``store: true`` on SQLite.
 
 Server CPU is the whole server process (every thread: event loop, tokenizer, store writer), read
-with nanosecond resolution from ``/proc/<pid>/task/*/schedstat`` after each turn. Reported per
+with nanosecond resolution from its CPU-time clock (:func:`hotloop.bench.process_cpu_ns`) after
+each turn. Reported per
 transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 (growth with history), and
 wall time per turn against direct (p50 of the per-turn differences).
 
@@ -47,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from hotloop.bench import _free_port, _pct, _text, mock_process, server
+from hotloop.bench import _free_port, _pct, _text, mock_process, process_cpu_ns, server
 from hotloop.protocol import events as ev
 
 TOOL = {
@@ -78,16 +79,6 @@ def agent_settings() -> dict[str, Any]:
     return {"instructions": instructions, "tools": tools}
 _COMPLETED = ('"' + ev.COMPLETED + '"').encode()  # matched near the start of an event's JSON
 _FAILED = [('"' + t + '"').encode() for t in (ev.ERROR, ev.FAILED)]
-
-
-def process_cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in nanoseconds (Linux schedstat)."""
-    total = 0
-    base = f"/proc/{pid}/task"
-    for tid in os.listdir(base):
-        with contextlib.suppress(OSError), open(f"{base}/{tid}/schedstat") as fh:
-            total += int(fh.read().split()[0])
-    return total
 
 
 @contextlib.contextmanager
