@@ -582,3 +582,325 @@ def test_the_chunks_of_one_read_reach_the_response_in_one_piece() -> None:
             await pool.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "later"])
+def test_an_interim_response_is_skipped_and_the_final_one_read(together: bool) -> None:
+    """A 1xx (103 Early Hints, 100 Continue, 102 Processing) is not the answer: its head is
+    skipped and the final response read on the same connection. Taken as the answer, the
+    connection went back to the pool with the real answer still coming, and the next request
+    sent over it read the previous one's answer."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        while True:
+            await read_request(reader)
+            n += 1
+            final = sse_reply(b"answer-for-request-%d" % n)
+            if n == 1:
+                interim = b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n"
+                if together:
+                    writer.write(interim + final)
+                else:
+                    writer.write(interim)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)  # the model's prefill
+                    writer.write(final)
+            else:
+                writer.write(final)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), max_connections=1)
+            r1 = await open_chat_stream(pool, "/chat/completions", b"{}", backend="t", model="m")
+            assert r1.status == 200 and "link" not in r1.headers
+            assert await collect(r1) == b"data: answer-for-request-1\n\n"
+            r2 = await open_chat_stream(pool, "/chat/completions", b"{}", backend="t", model="m")
+            assert await collect(r2) == b"data: answer-for-request-2\n\n"
+            assert srv.connections == 1 and pool.reused == 1
+            await pool.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\n" + b"link: </x>\r\n" * 200 + b"\r\n",  # then nothing
+    ],
+    ids=["101", "103-then-silence"],
+)
+def test_interim_answers_that_never_lead_to_a_final_one_fail(answer: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=0.5)
+            with pytest.raises(errors.HotloopError) as caught:
+                await pool.stream("POST", "/chat/completions", b"{}")
+            if answer.startswith(b"HTTP/1.1 101"):
+                assert caught.value.message == "The model backend sent a response that is not valid HTTP."
+            else:
+                assert isinstance(caught.value, errors.BackendTimeout)
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_endless_interim_responses_fail_as_an_oversized_head() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        for _ in range(200):
+            writer.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+            await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=5)
+            with pytest.raises(errors.BackendError, match="oversized response headers"):
+                await pool.stream("POST", "/chat/completions", b"{}")
+            await pool.aclose()
+
+    run(main())
+
+
+def test_one_endless_header_field_fails_as_an_oversized_head() -> None:
+    """The parser holds a field until it ends: the head's bound holds for an unfinished one too
+    (8 MiB of one value took 17 MB and waited for the first-byte timeout)."""
+    sent: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-junk: ")
+        piece = b"a" * 65536
+        for _ in range(128):
+            writer.write(piece)
+            await writer.drain()
+            sent.append(len(piece))
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=8)
+            t0 = time.monotonic()
+            with pytest.raises(errors.BackendError, match="oversized response headers"):
+                await pool.stream("POST", "/chat/completions", b"{}")
+            assert time.monotonic() - t0 < 4  # at the bound, not at the first-byte timeout
+            assert pool.open == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_pushed_read_the_assembler_refuses_fails_as_the_same_bytes_read_otherwise() -> None:
+    """A malformed tool call (arguments for a call already closed) in a read taken by push
+    delivery: the stream fails with the assembler's error, after the chunks before it, as when
+    the reader takes the read. It had escaped the transport's read callback: asyncio logged a
+    fatal error and the stream failed as a connection the backend closed (a transient error)."""
+    import json
+
+    from hotloop.backends.base import BackendRequest, PushSlot
+    from hotloop.backends.chat import ChatBackend
+    from hotloop.protocol.request import decode_items
+
+    events = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "x"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for e in events:
+                await asyncio.sleep(0.03)  # a read of its own each, while the reader waits
+                data = b"data: " + json.dumps(e).encode() + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+            writer.write(b"14\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+
+    class Backend(ChatBackend):
+        name = "t"
+
+        def __init__(self, pool: Pool) -> None:
+            super().__init__(model="m", retries=0)
+            self._pool = pool
+
+        async def _open(self, body: Any, model: str, request_id: str | None = None) -> Any:
+            return await open_chat_stream(self._pool, "/chat/completions", body, backend=self.name, model=model)
+
+    async def outcome(push: bool) -> tuple[str, str, int]:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            slot = PushSlot() if push else None
+            req = BackendRequest(model="m", instructions=None, items=decode_items("hi"), tools=[], tool_choice="auto",
+                                 parallel_tool_calls=True, push=slot)
+            got: list[Any] = []
+            stream = ChatBackend.stream(Backend(pool), req)
+            if slot is not None:
+                slot.fn = lambda chunks: (got.extend(chunks), len(chunks))[1]
+            with pytest.raises(errors.HotloopError) as caught:
+                async for c in stream:
+                    got.append(c)
+            await pool.aclose()
+            return type(caught.value).__name__, caught.value.message, len(got)
+
+    async def main() -> None:
+        pulled = await outcome(False)
+        assert pulled[:2] == ("BackendError", "The model backend sent a malformed tool call.")
+        assert await outcome(True) == pulled
+
+    run(main())
+
+
+def test_a_waiter_woken_then_cancelled_passes_the_wake_up_on() -> None:
+    """At the pool's bound, the waiter handed a freed connection is cancelled before it runs
+    (its client left): the next waiter gets the connection at once, not after its timeout."""
+    go = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        while True:
+            await read_request(reader)
+            n += 1
+            if n == 1:  # the first answer ends once two more requests wait for the connection
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                await writer.drain()
+                await go.wait()
+                writer.write(b"9\r\ndata: x\n\n\r\n0\r\n\r\n")
+            else:
+                writer.write(sse_reply(b"x"))
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=3)
+            loop = asyncio.get_running_loop()
+            first = await pool.stream("POST", "/c", b"{}")
+
+            async def user() -> float:
+                await collect(await pool.stream("POST", "/c", b"{}"))
+                return loop.time()
+
+            b = asyncio.create_task(user())
+            await asyncio.sleep(0.01)
+            c = asyncio.create_task(user())
+            await asyncio.sleep(0.05)
+            assert len(pool._waiters) == 2
+            go.set()
+            t0 = loop.time()
+            await collect(first)  # its end frees the connection and wakes b
+            b.cancel()  # b's client leaves in the same loop iteration
+            with pytest.raises(asyncio.CancelledError):
+                await b
+            assert await c - t0 < 1.0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_consumer_that_takes_its_time_is_not_backend_silence() -> None:
+    """More than MAX_PENDING_BYTES waiting pauses reading (back-pressure); while paused, the
+    backend is not silent: the idle timer waits on (it had failed a steady stream whose
+    consumer paused for longer than the idle timeout)."""
+    from hotloop.backends.chat.http1 import MAX_PENDING_BYTES
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"data: " + b"x" * 16000 + b"\n\n"
+        for _ in range(2 * MAX_PENDING_BYTES // len(piece) + 1):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        for _ in range(10):
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), idle_timeout=0.4)
+            resp = await pool.stream("POST", "/c", b"{}")
+            it = resp.__aiter__()
+            total = len(await anext(it))
+            await asyncio.sleep(1.2)  # the client is slow: three idle timeouts
+            async for data in it:
+                total += len(data)
+            assert total > 2 * MAX_PENDING_BYTES
+            await pool.aclose()
+
+    run(main())
+
+
+def test_an_idle_connection_the_server_closed_meanwhile_is_not_reused() -> None:
+    """The server closes an idle keep-alive connection while the loop is busy (it has not polled
+    since): the next request takes a new connection instead of writing into the closed one."""
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(sse_reply(b"x"))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # a short keep-alive timeout
+        writer.close()
+        closed.set()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            await collect(await pool.stream("POST", "/c", b"{}"))
+            await closed.wait()
+            # the close is in the kernel; the loop has not polled since (a busy loop)
+            await collect(await pool.stream("POST", "/c", b"{}"))
+            assert srv.connections == 2 and pool.reused == 0
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_user_and_password_in_the_url_are_sent_as_basic_credentials() -> None:
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            heads.append(head)
+            writer.write(sse_reply(b"x"))
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(f"http://us%40er:p%3Ass@127.0.0.1:{srv.port}/v1")
+            await collect(await pool.stream("POST", "/c", b"{}"))
+            await pool.aclose()
+
+    run(main())
+    lines = heads[0].split(b"\r\n")
+    assert b"authorization: Basic dXNAZXI6cDpzcw==" in lines  # base64 of "us@er:p:ss"
+    assert b"host: 127.0.0.1:%d" % int(lines[1].split(b":")[-1]) in lines and b"us%40er" not in heads[0]
+
+
+@pytest.mark.parametrize("name,value", [("Authorization", "Bearer sk-abc\n"), ("x-a\r\nx-b", "1"), ("x-c", "a\rb")])
+def test_a_header_that_would_break_the_request_head_is_refused_at_start(name: str, value: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        Pool("http://127.0.0.1:9/v1", headers={name: value})
+    assert "sk-abc" not in str(caught.value)
+
+
+def test_configured_fields_the_transport_owns_are_not_sent() -> None:
+    pool = Pool("http://127.0.0.1:9/v1", headers={"Expect": "100-continue", "Connection": "close", "X-Kept": "1"})
+    head = pool._head("POST", "/c", 2, "").decode()
+    assert "expect" not in head.lower() and "connection" not in head.lower() and "x-kept: 1\r\n" in head

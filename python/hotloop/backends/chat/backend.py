@@ -167,6 +167,8 @@ class ChatBackend:
                     # the assembler's open item (ChunkAssembler.lane), kept current while pushing
                     alane = None
                     failed: list[BaseException] = []
+                    # the assembler's refusal of a pushed chunk: raised after the chunks before it
+                    late: list[BaseException] = []
 
                     def push(raw: bytes) -> bool | None:
                         """Called from the transport's read callback while this generator is
@@ -200,12 +202,16 @@ class ChatBackend:
                             failed.append(errors.BackendError(_MALFORMED))
                             return False
                         made: list[Chunk] = []
-                        for i, (event, data) in enumerate(events):
-                            chunk = ordinary(event, data)
-                            if chunk is None:
-                                carry.extend(events[i:])
-                                break
-                            made += assembler.feed(chunk)
+                        refused: BaseException | None = None
+                        try:
+                            for i, (event, data) in enumerate(events):
+                                chunk = ordinary(event, data)
+                                if chunk is None:
+                                    carry.extend(events[i:])
+                                    break
+                                made += assembler.feed(chunk)
+                        except Exception as exc:  # the assembler's refusal (a malformed tool call):
+                            refused = exc  # raised by this loop after the chunks before it
                         alane = assembler.lane()
                         if made:
                             try:
@@ -217,6 +223,9 @@ class ChatBackend:
                                 yielded = True
                             if taken < len(made):
                                 outs.extend(made[taken:])
+                        if refused is not None:
+                            late.append(refused)
+                            return False
                         return not (outs or carry)
 
                     pushes = slot is not None and hasattr(resp, "push")
@@ -232,6 +241,8 @@ class ChatBackend:
                             for out in pending:
                                 yielded = True
                                 yield out
+                        if late:
+                            raise late[0]
                         if carry:
                             events, carry[:] = carry[:], []
                         else:

@@ -55,13 +55,16 @@ that is not HTTP -> ``BackendError``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
+import re
+import select
 import ssl
 import urllib.request
 from collections import deque
 from typing import Any, Callable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -72,6 +75,9 @@ log = logging.getLogger("hotloop.backends")
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 256
+# bytes read while the head is unfinished, at most (the fields' bound plus their framing: status
+# lines, line ends, interim responses' heads)
+MAX_HEAD_READ = MAX_HEAD_BYTES + 16 * 1024
 MAX_PENDING_BYTES = 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
 Payload = bytes | list[bytes]  # a request body: bytes, or pieces sent as one vectored write
@@ -83,9 +89,17 @@ _SILENT = "The model backend stopped sending output."
 _NO_ANSWER = "The model backend did not answer in time."
 _NOT_HTTP = "The model backend sent a response that is not valid HTTP."
 _TOO_LARGE = "The model backend sent oversized response headers."
+_FAILED_READ = "The model backend failed."
 
 # Response states
 _HEAD, _BODY, _DONE, _FAILED = 0, 1, 2, 3
+# request fields the transport writes itself, or that ask for what it does not do (100-continue,
+# an upgrade, transfer codings): configured values of these are not sent
+_OWN_FIELDS = frozenset({"host", "content-length", "transfer-encoding", "connection", "expect", "upgrade", "te", "trailer"})
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# what an interim (1xx) response's head counts towards MAX_HEAD_BYTES besides its fields, so
+# that a backend sending them without end fails as one sending an oversized head
+_INTERIM_HEAD_BYTES = 1024
 
 
 def ssl_context() -> ssl.SSLContext:
@@ -117,7 +131,7 @@ def proxy_for(url: str) -> str | None:
 class Origin:
     """Where requests go: scheme, host, port, the path prefix, and the TLS settings."""
 
-    __slots__ = ("scheme", "host", "port", "prefix", "ssl", "host_header")
+    __slots__ = ("scheme", "host", "port", "prefix", "ssl", "host_header", "basic")
 
     def __init__(self, url: str, ssl_ctx: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
@@ -131,6 +145,11 @@ class Origin:
         self.ssl = (ssl_ctx or ssl_context()) if parts.scheme == "https" else None
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if self.port == default else f"{host}:{self.port}"
+        # a user and password in the URL: Basic credentials (RFC 7617), as httpx sends them
+        self.basic: str | None = None
+        if parts.username is not None or parts.password is not None:
+            pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+            self.basic = "Basic " + base64.b64encode(pair).decode("ascii")
 
 
 class Response:
@@ -142,7 +161,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
-        "_head_bytes", "_released", "_loop", "push", "_kick",
+        "_head_bytes", "_head_read", "_released", "_loop", "push", "_kick",
     )
 
     def __init__(self, conn: "_Conn") -> None:
@@ -156,6 +175,7 @@ class Response:
         self._loop = conn.pool.loop
         self._error: BaseException | None = None
         self._head_bytes = 0
+        self._head_read = 0  # bytes of reads that ended inside the head (_Conn.data_received)
         self._released = False
         # Push delivery (hotloop.backends.base.PushSlot): called with each read's body bytes
         # while the reader is parked waiting for them; returns None if it did not take them
@@ -274,12 +294,16 @@ class _TooLarge(Exception):
     pass
 
 
+class _NotHttp(Exception):
+    pass
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection. Reads stay on while idle, so a close by the server is seen."""
 
     __slots__ = (
         "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "reads", "mark",
-        "body_seen", "keep_alive", "draining", "expiry", "counted_out", "nap", "batch",
+        "body_seen", "keep_alive", "draining", "expiry", "counted_out", "nap", "batch", "interim",
     )
 
     def __init__(self, pool: "Pool") -> None:
@@ -303,6 +327,7 @@ class _Conn(asyncio.Protocol):
         # (a streaming server sends one SSE event a chunk, several in one read when it falls
         # behind or a read pause held them), and the response gets them joined, once per read.
         self.batch: list[bytes] | None = None
+        self.interim = False  # an interim (1xx) response is being parsed; the final one follows
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -325,9 +350,19 @@ class _Conn(asyncio.Protocol):
             too_large = isinstance(exc.__context__, _TooLarge)
             resp.fail(errors.BackendError(_TOO_LARGE if too_large else _NOT_HTTP))
             self.drop()
+            return
         except httptools.HttpParserUpgrade:
             resp.fail(errors.BackendError(_NOT_HTTP))
             self.drop()
+            return
+        if resp._state == _HEAD:
+            # The parser holds a field until it ends, so the head's bound (checked per field)
+            # is checked here too, on the bytes of reads that all went to an unfinished head
+            # (interim responses' included): one endless field fails as an oversized head.
+            resp._head_read += len(data)
+            if resp._head_read > MAX_HEAD_READ:
+                resp.fail(errors.BackendError(_TOO_LARGE))
+                self.drop()
 
     def eof_received(self) -> bool:
         resp = self.resp
@@ -358,16 +393,30 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        self.keep_alive = parser.should_keep_alive()
         resp = self.resp
         assert resp is not None
+        status = parser.get_status_code()
+        if status < 200:
+            # An interim response (100 Continue, 102 Processing, 103 Early Hints): its head is
+            # skipped and the final response read after it on the same connection (RFC 9110,
+            # 15.2). Its bytes count towards the head's bound, so that endless interim heads
+            # fail as an oversized one. 101 would switch protocols: not HTTP any more.
+            if status == 101:
+                raise _NotHttp()
+            self.interim = True
+            resp.headers = {}
+            resp._head_bytes += _INTERIM_HEAD_BYTES
+            if resp._head_bytes > MAX_HEAD_BYTES:
+                raise _TooLarge()
+            return
+        self.keep_alive = parser.should_keep_alive()
         ka = resp.headers.get("keep-alive")
         if ka:
             self.expiry = min(self.pool.keepalive_expiry, _keepalive_timeout(ka, self.pool.keepalive_expiry))
         # the first-byte timer runs on until the body's first byte: a streaming server sends its
         # head at once and its first token after prefill and queueing, which first_byte_timeout
         # (--backend-timeout) bounds, not idle_timeout
-        resp.on_headers_complete(parser.get_status_code())
+        resp.on_headers_complete(status)
 
     def on_body(self, body: bytes) -> None:
         if not self.body_seen:
@@ -394,7 +443,13 @@ class _Conn(asyncio.Protocol):
         push = resp.push
         if push is not None and waiting and not resp._chunks:
             # the reader is parked and has handled everything before: these bytes may go on now
-            taken = push(body)
+            try:
+                taken = push(body)
+            except Exception:  # push reports its failures to the reader; this is a defect of ours
+                log.exception("%s: a pushed read failed", self.pool.origin.host_header)
+                resp.fail(errors.BackendError(_FAILED_READ))
+                self.drop()
+                return
             if taken:
                 pool = self.pool
                 if pool.read_pause and self.nap is None and pool._open - len(pool._idle) >= pool.pause_streams:
@@ -412,6 +467,9 @@ class _Conn(asyncio.Protocol):
             self.pause()
 
     def on_message_complete(self) -> None:
+        if self.interim:  # an interim response's end (no body): the final one follows
+            self.interim = False
+            return
         self._deliver()  # the body's last bytes before its end
         resp = self.resp
         self.resp = None
@@ -434,11 +492,23 @@ class _Conn(asyncio.Protocol):
 
     def usable(self, now: float) -> bool:
         t = self.transport
-        return not self.closed and t is not None and not t.is_closing() and now - self.idle_since < self.expiry
+        if self.closed or t is None or t.is_closing() or now - self.idle_since >= self.expiry:
+            return False
+        # An idle connection reads on, so a close by the server is seen, but only once the loop
+        # polls: one the server closed since then (or sent stray bytes on) is readable now.
+        sock = t.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            readable, _, _ = select.select((sock.fileno(),), (), (), 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def send(self, head: bytes, body: Payload | None, resp: Response) -> None:
         self.resp = resp
         self.parser = httptools.HttpResponseParser(self)
+        self.interim = False
         self.keep_alive = True
         self.draining = False
         self.body_seen = False
@@ -474,8 +544,10 @@ class _Conn(asyncio.Protocol):
         if self.draining:
             self.drop()
             return
-        if resp._state != _HEAD and self.body_seen and self.reads != self.mark:
-            self._arm(self.pool.idle_timeout)  # data arrived meanwhile: wait another period
+        if resp._state != _HEAD and self.body_seen and (self.reads != self.mark or self.paused):
+            # data arrived meanwhile, or reading is paused because the consumer has not taken
+            # what came (back-pressure: the backend is not silent): wait another period
+            self._arm(self.pool.idle_timeout)
             return
         early = not self.body_seen  # no head, or no byte of the body, within first_byte_timeout
         log.warning("%s: %s", self.pool.origin.host_header, "no response in time" if early else "silent stream")
@@ -501,6 +573,8 @@ class _Conn(asyncio.Protocol):
         if self.paused and self.transport is not None and not self.closed:
             self.paused = False
             self.transport.resume_reading()
+            if self.resp is not None and self.body_seen and not self.draining:
+                self._arm(self.pool.idle_timeout)  # the backend's silence counts from now
 
     def _nap(self) -> None:
         """Stop reading for ``Pool.read_pause`` seconds (see the module's docstring)."""
@@ -592,8 +666,15 @@ class Pool:
         self._loop: asyncio.AbstractEventLoop | None = None
         fixed = {"host": self.origin.host_header}
         for k, v in headers.items():
-            if k.lower() not in ("host", "content-length", "transfer-encoding", "connection"):
+            if k.lower() not in _OWN_FIELDS:
                 fixed[k.lower()] = v
+        if self.origin.basic is not None:
+            fixed["authorization"] = self.origin.basic  # as httpx does with a URL's user and password
+        for k, v in fixed.items():
+            if not _FIELD_NAME.fullmatch(k) or any(c in v for c in "\r\n\0"):
+                # one line break would end the request's head early: refused at start-up (the
+                # value is never repeated, it may be a key)
+                raise ValueError(f"the backend request header {k!r} is not a valid HTTP field (a line break in its value?)")
         self._head_fields = "".join(f"{k}: {v}\r\n" for k, v in fixed.items())
         self.opened = 0  # connections opened since start (tests and stats)
         self.reused = 0  # requests sent over a kept-alive connection
@@ -668,8 +749,14 @@ class Pool:
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     await fut
-            except TimeoutError:
-                raise errors.BackendUnavailable("Too many connections to the model backend are busy.") from None
+            except BaseException as exc:
+                if fut.done() and not fut.cancelled():
+                    # woken for a freed connection, then cancelled or timed out before taking
+                    # it: the next waiter gets the wake-up instead of waiting for another one
+                    self._wake_waiter()
+                if isinstance(exc, TimeoutError):
+                    raise errors.BackendUnavailable("Too many connections to the model backend are busy.") from None
+                raise
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
