@@ -467,3 +467,19 @@ def test_a_response_the_store_pruned_is_gone_from_the_process_too(tmp_path, stor
         assert ei.value.code == "item_not_found"
         last = made[-1]  # within the bound: kept everywhere
         assert client.responses.retrieve(last.id).id == last.id
+
+
+@pytest.mark.parametrize(
+    "method,path,allow",
+    [
+        ("PUT", "/v1/responses", "GET, POST"),
+        ("PATCH", "/v1/responses/resp_x", "GET, DELETE"),
+        ("POST", "/v1/models", "GET"),
+        ("GET", "/v1/responses/input_tokens", "POST"),
+    ],
+)
+def test_a_method_not_allowed_says_which_are(server, method: str, path: str, allow: str) -> None:
+    """RFC 9110 (15.5.6): a 405 carries the methods the resource takes in ``Allow``."""
+    r = httpx.request(method, server.base + path, headers={"Authorization": "Bearer sk-test"}, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    assert r.json()["error"]["code"] == "method_not_allowed"

@@ -122,19 +122,168 @@ def test_a_slow_body_gets_408_in_the_openai_shape(slow: Server) -> None:
     s.close()
 
 
-def test_a_stalled_pipelined_request_writes_no_408_into_the_response_before_it(slow: Server) -> None:
+POST_HEAD = b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+
+def _slow_request(stream: bool, tokens: int = 60) -> bytes:
+    """A request whose response takes about ``tokens / 40`` seconds (longer than the read timeout)."""
+    body = json.dumps({"model": "m", "input": "hi", "stream": stream, "metadata": {"sim": f"text,tokens:{tokens},rate:40"}})
+    return POST_HEAD % len(body) + body.encode()
+
+
+def _first_response_end(out: bytes, stream: bool) -> int:
+    """Where the first response on a connection ends in ``out`` (-1: it did not)."""
+    if stream:
+        end = out.find(b"\r\n0\r\n\r\n")
+        return -1 if end < 0 or b"response.completed" not in out[:end] else end + 7
+    head_end = out.find(b"\r\n\r\n")
+    if head_end < 0:
+        return -1
+    length = int(out[:head_end].lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    end = head_end + 4 + length
+    return end if len(out) >= end and b'"status":"completed"' in out[:end] else -1
+
+
+def test_a_stalled_pipelined_request_gets_its_408_after_the_response_before_it(slow: Server) -> None:
     """The newest request's read timeout closed the connection with a 408 written into the
-    middle of the streaming response of the request before it."""
+    middle of the streaming response of the request before it. Now that response is written
+    whole, then the stalled request's 408, then the connection closes."""
     s = _connect(slow)
-    first = json.dumps({"model": "m", "input": "hi", "stream": True, "metadata": {"sim": "text,tokens:100,rate:40"}}).encode()
     second = json.dumps({"model": "m", "input": "hello"}).encode()
-    head = b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-    s.sendall(head % len(first) + first + head % len(second) + second[:5])  # the second stalls
+    s.sendall(_slow_request(True, 100) + POST_HEAD % len(second) + second[:5])  # the second stalls
     out, closed = _drain(s, WAIT)
     s.close()
     assert out.startswith(b"HTTP/1.1 200") and b"text/event-stream" in out.split(b"\r\n\r\n", 1)[0]
-    assert b"HTTP/1.1 408" not in out and b"request_timeout" not in out
-    assert closed is not None  # closed (by the read timeout), not left open
+    end = _first_response_end(out, True)
+    assert end > 0 and out[end:].startswith(b"HTTP/1.1 408") and out.count(b"HTTP/1.1 408") == 1
+    assert closed is not None  # closed (after the read timeout), not left open
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_a_next_head_that_stalls_is_answered_after_the_running_response(slow: Server, stream: bool) -> None:
+    """The next request's head stalls while a response longer than the read timeout is being
+    made: a 408 written at once was the first answer on the connection (a client pairs it
+    with its valid request, and the SDKs resend a POST on a 408)."""
+    s = _connect(slow)
+    s.sendall(_slow_request(stream))
+    time.sleep(0.1)
+    s.sendall(b"GET /heal")
+    out, closed = _drain(s, WAIT)
+    s.close()
+    end = _first_response_end(out, stream)
+    assert out.startswith(b"HTTP/1.1 200") and end > 0, out[:300]
+    assert out[end:].startswith(b"HTTP/1.1 408") and closed is not None
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_a_malformed_pipelined_request_is_answered_after_the_one_before_it(slow: Server, stream: bool) -> None:
+    s = _connect(slow)
+    s.sendall(_slow_request(stream))
+    time.sleep(0.2)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+    out, closed = _drain(s, WAIT)
+    s.close()
+    end = _first_response_end(out, stream)
+    assert out.startswith(b"HTTP/1.1 200") and end > 0, out[:300]
+    assert out[end:].startswith(b"HTTP/1.1 400") and b"invalid_http_request" in out[end:] and closed is not None
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_a_pipelined_websocket_handshake_is_refused_after_the_response_before_it(slow: Server, stream: bool) -> None:
+    """Switched at once, its 101 went inside (or ahead of) the running response, whose bytes
+    then went onto the WebSocket."""
+    s = _connect(slow)
+    s.sendall(_slow_request(stream))
+    time.sleep(0.2)
+    s.sendall(WS_UPGRADE)
+    out, closed = _drain(s, WAIT)
+    s.close()
+    end = _first_response_end(out, stream)
+    assert out.startswith(b"HTTP/1.1 200") and end > 0 and b"HTTP/1.1 101" not in out, out[:300]
+    assert out[end:].startswith(b"HTTP/1.1 400") and closed is not None
+
+
+def test_a_request_the_server_holds_back_is_not_timed_out(slow: Server) -> None:
+    """A pipelined request waits, unread, for the response before it (the server pauses
+    reading): its read timeout does not run meanwhile (it had cut that streaming response)."""
+    second = json.dumps({"model": "m", "input": "x" * 200_000}).encode()  # read into its own buffer
+    s = _connect(slow)
+    s.sendall(_slow_request(True, 100))
+    time.sleep(0.2)
+    s.sendall(POST_HEAD % len(second) + second)  # whole, at once: the client is not slow
+    out = b""
+    deadline = time.monotonic() + WAIT * 2
+    while out.count(b"HTTP/1.1 200") < 2 or not out.endswith(b"}"):
+        if time.monotonic() > deadline:
+            break
+        out += _drain(s, 0.5)[0]
+    s.close()
+    assert _first_response_end(out, True) > 0 and out.count(b"HTTP/1.1 200") == 2, out[-300:]
+
+
+def test_an_empty_line_after_a_response_does_not_keep_the_connection(slow: Server) -> None:
+    """Bytes that begin no request (an empty line, which RFC 9112 lets a server ignore before a
+    request line) had stopped the keep-alive timer (uvicorn's default, 5 s) for good, and the
+    read timer never ran: such connections stayed open, and took every place in the server."""
+    s = _connect(slow)
+    s.sendall(HEALTH)
+    assert _read_response(s)[0] == 200
+    s.sendall(b"\r\n")
+    t0 = time.monotonic()
+    out, closed = _drain(s, 5 + WAIT)
+    s.close()
+    assert closed is not None and 4 < time.monotonic() - t0 and out == b""  # idle: no 408 either
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + (b"X-Pad: " + b"a" * 8000 + b"\r\n") * 12,  # fields
+        b"GET /" + b"a" * 100_000,  # an endless URL
+    ],
+    ids=["fields", "url"],
+)
+def test_an_oversized_request_head_gets_431_and_a_close(slow: Server, head: bytes) -> None:
+    """The parser keeps a field, and the URL, until it ends: one unfinished head of 300 MB of
+    fields took 300 MB, and a 64 MB URL 12 s of CPU. Now a head is at most 64 KiB."""
+    s = _connect(slow)
+    try:
+        s.sendall(head)
+    except ConnectionError:
+        pass
+    status, headers, raw = _read_response(s)
+    assert status == 431 and headers["connection"] == "close"
+    assert json.loads(raw)["error"]["code"] == "request_header_fields_too_large"
+    assert _closed_within(s, WAIT) is not None
+    s.close()
+    assert "Traceback" not in slow.logs()
+
+
+def test_the_body_of_a_request_with_an_unknown_upgrade_is_read_as_its_body(slow: Server) -> None:
+    """curl --http2 offers h2c on every request. The parser took any upgrade request as bodiless
+    and parsed its body as further requests: through a front proxy that reads it as a body,
+    another client's connection would carry them (request smuggling)."""
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    s = _connect(slow)
+    s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+              b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
+    status, _, raw = _read_response(s)
+    assert status == 400 and json.loads(raw)["error"]["code"] == "invalid_json"  # the body, taken as one
+    body = json.dumps({"model": "m", "input": "hi"}).encode()
+    s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    status, _, raw = _read_response(s)
+    assert status == 200 and json.loads(raw)["status"] == "completed"  # the connection is still in step
+    out, _ = _drain(s, 0.5)
+    assert b"smuggled" not in out
+    # a body it cannot read as one (chunked): refused, and the connection closed
+    s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(smuggled), smuggled))
+    status, _, raw = _read_response(s)
+    assert status == 400 and json.loads(raw)["error"]["code"] == "unsupported_upgrade"
+    out, closed = _drain(s, WAIT)
+    assert closed is not None and b"smuggled" not in out
+    s.close()
 
 
 def test_idle_keep_alive_time_is_not_counted_and_fast_requests_pass(slow: Server) -> None:

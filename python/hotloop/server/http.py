@@ -155,7 +155,9 @@ class HttpTransport:
             return await respond(200, encode({"object": "list", "data": rows, "has_more": more, "next_after": last}))
         if path == "/v1/responses":
             if method != "POST":
-                raise errors.MethodNotAllowed("Use POST /v1/responses, or GET with a WebSocket upgrade.")
+                raise errors.MethodNotAllowed(
+                    "Use POST /v1/responses, or GET with a WebSocket upgrade.", headers={"allow": "GET, POST"}
+                )
             return await self._create(scope, receive, send, respond, rid, tenant, timing)
         if path == "/v1/models":
             self._method(method, "GET")
@@ -187,7 +189,7 @@ class HttpTransport:
                     return await self._retrieve(rid_, respond, scope_)
                 if method == "DELETE":
                     return await self._delete(rid_, respond, scope_)
-                raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.")
+                raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.", headers={"allow": "GET, DELETE"})
             if len(rest) == 2 and rest[1] == "input_items":
                 self._method(method, "GET")
                 return await self._input_items(rid_, scope, respond, scope_)
@@ -199,7 +201,9 @@ class HttpTransport:
     @staticmethod
     def _method(method: str, allowed: str) -> None:
         if method != allowed:
-            raise errors.MethodNotAllowed(f"Method {errors.clip(method)} is not allowed here; use {allowed}.")
+            raise errors.MethodNotAllowed(
+                f"Method {errors.clip(method)} is not allowed here; use {allowed}.", headers={"allow": allowed}
+            )
 
     async def _body(self, receive: Receive) -> bytes | bytearray:
         """The request body; hotloop's HTTP protocol hands a body it read directly into its own

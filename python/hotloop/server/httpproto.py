@@ -110,6 +110,10 @@ DIRECT_BODY_BYTES = 64 * 1024 * 1024
 # invocations). At most BODY_STEP - 1 bytes over a body's length, counted in DIRECT_BODY_BYTES
 # and in the prefix cache's byte budget (both count what is allocated).
 BODY_STEP = 64 * 1024
+# A request head (request line and fields) is at most this many bytes: beyond it the request is
+# answered 431 and the connection closed. The parser keeps a field, and the URL, until it ends
+# (one unfinished head of 300 MB fields took 300 MB; a 64 MB URL, 12 s of CPU to join).
+MAX_REQUEST_HEAD = 64 * 1024
 _HEAD_END = b"\r\n\r\n"
 
 
@@ -140,7 +144,8 @@ class Limits:
 
 def _error_response(exc: errors.HotloopError, extra: list[tuple[bytes, bytes]]) -> bytes:
     body = ev.http_error_body(exc)
-    reason = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}.get(exc.status, b"Error")
+    reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+              503: b"Service Unavailable"}.get(exc.status, b"Error")
     head = [
         b"HTTP/1.1 %d %s" % (exc.status, reason),
         b"content-type: application/json",
@@ -165,6 +170,16 @@ def overloaded_response() -> bytes:
     """The 503 a connection beyond the limit gets (HTTP request or WebSocket upgrade alike)."""
     exc = errors.ServerOverloaded("The server is at its connection limit. Please retry shortly.")
     return _error_response(exc, [(b"retry-after", b"1"), (b"x-should-retry", b"true")])
+
+
+def head_too_large_response() -> bytes:
+    """The 431 a request whose head passes MAX_REQUEST_HEAD gets."""
+    exc = errors.InvalidRequest(
+        f"The request's head (its line and header fields) is larger than {MAX_REQUEST_HEAD} bytes.",
+        code="request_header_fields_too_large",
+    )
+    exc.status = 431
+    return _error_response(exc, [])
 
 
 def timeout_response(seconds: float) -> bytes:
@@ -213,6 +228,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since: float | None = None  # when the connection last fell idle (None: busy)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_due = 0.0
+        self._head_open = False  # a request's head has begun and not ended (MAX_REQUEST_HEAD)
+        self._head_read = 0  # its bytes so far
+        # the body of a request with an Upgrade this server does not speak, read here (see
+        # on_headers_complete): the parser's completion of its message at its head is not one
+        self._late_body = False
+        # An answer that refuses the connection's next request (a malformed or oversized one, a
+        # stalled one, a pipelined handshake), waiting for the responses before it to be written:
+        # then it is written and the connection closed. Nothing more is read meanwhile.
+        self._refusal: bytes | None = None
+        self._stopped = False  # refused: nothing more of the connection's bytes is parsed
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -243,10 +268,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         scope = self.scope
         http_version = parser.get_http_version()
         scope["method"] = parser.get_method().decode("ascii")
+        self._head_open = False
         if http_version != "1.1":
             scope["http_version"] = http_version
-        if parser.should_upgrade() and self._should_upgrade():
+        upgrade = parser.should_upgrade()
+        if upgrade and self._should_upgrade():
             return
+        late = 0
+        if upgrade and scope["method"] != "CONNECT":
+            # An Upgrade this server does not speak (h2c, which curl --http2 offers on every
+            # request): ignored, as RFC 9110 (7.8) lets a server, and the request served as
+            # HTTP/1.1. The parser (httptools) takes any upgrade request as bodiless whatever
+            # its head says, and would parse its body as the next requests (a front proxy that
+            # reads it as a body would then carry another client's request to it). So a
+            # Content-Length body is read here, straight into its buffer; a body that cannot be
+            # (chunked, with Expect, too large) is refused, 400, and the connection closed.
+            late = _upgrade_body_length(self.headers)
+            if late < 0 or late > BODY_BUFFER or self.limits.direct_bytes + _body_capacity(late) > DIRECT_BODY_BYTES:
+                self._refuse(malformed_response(
+                    "A request with an Upgrade other than websocket may carry only a Content-Length body of at most "
+                    f"{BODY_BUFFER} bytes.", code="unsupported_upgrade"
+                ))
+                return
         url = self.url
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
             raw_path, query = url, b""
@@ -293,8 +336,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # returned above) has no body for the parser, whatever its Content-Length says: its
         # message completes with its head, and a buffer allocated for the body would be handed
         # over unfilled (the memory of earlier requests).
-        size = 0 if parser.should_upgrade() else _body_length(self.headers)
-        if _reads_directly(size) and self.limits.direct_bytes + _body_capacity(size) <= DIRECT_BODY_BYTES:
+        size = late if upgrade else _body_length(self.headers)
+        if late or _reads_directly(size) and self.limits.direct_bytes + _body_capacity(size) <= DIRECT_BODY_BYTES:
+            self._late_body = bool(late)
             self.limits.direct_bytes += _body_capacity(size)
             self._into = new_body(size)
             self._filled = 0
@@ -307,9 +351,30 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.pipeline.appendleft((cycle, app))
 
     def send_400_response(self, msg: str) -> None:
-        # uvicorn's answer to what its parser refuses (its log line says what): text/plain
-        self.transport.write(malformed_response())
-        self.transport.close()
+        # uvicorn's answer to what its parser refuses (its log line says what) was text/plain,
+        # written at once, inside a response still being written or ahead of one still to come
+        self._refuse(malformed_response())
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer the connection's newest request with ``answer`` (an error that closes the
+        connection) after the responses to the requests before it, never inside or ahead of
+        one of them; parse nothing more. The first refusal stands (a read timeout does not
+        replace the 400 of the request it would time out)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._disarm()
+        self._held = b""
+        self.flow.held = True
+        self.flow.pause_reading()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and not self.pipeline:
+            self.transport.write(answer)
+            self.transport.close()
+        else:
+            self._refusal = answer  # on_response_complete writes it once they are written
 
     def _on_disconnect(self, cycle: Any, callback: Callable[[], None] | None) -> None:
         # uvicorn runs one request of a connection at a time (pipelined ones wait), so one slot.
@@ -373,6 +438,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Hand ``data[start:stop]`` (one read) to the parser, a request head at a time, and
         what follows a head whose body is read directly to that body."""
         view = memoryview(data)
+        if self._stopped:
+            return
         if self._held:  # bytes wait for room in the pipeline (reading stays paused meanwhile,
             # _Flow; should a read come anyway, it goes after them, unparsed until they are)
             self._held += bytes(view[start:stop])
@@ -390,8 +457,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 if self._filled == len(into):
                     self._body_read()
                 continue
-            if self._upgraded or self.parser is None or self.transport.is_closing():
-                return  # upgraded, or answered 400 and closing: the rest is not this protocol's
+            if self._upgraded or self._stopped or self.parser is None or self.transport.is_closing():
+                return  # upgraded, or refused or closing: the rest is not this protocol's
             skip = self._skip
             if skip:  # the body of a request read through the parser: no head in it
                 cut = start + min(stop - start, skip)
@@ -405,6 +472,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 end = data.find(_HEAD_END, start, stop)
                 cut = stop if end < 0 else end + len(_HEAD_END)
             super().data_received(view[start:cut])  # type: ignore[arg-type]
+            if self._head_open:  # all of it went to a head that has not ended
+                self._head_read += cut - start
+                if self._head_read > MAX_REQUEST_HEAD:
+                    self._refuse(head_too_large_response())
+                    return
             start = cut
 
     def _drop_into(self) -> None:
@@ -447,6 +519,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         since = self._reading_since
         if since is None:
             return
+        if self.pipeline or self._held:
+            # reading is paused for the requests waiting their turn (not the client's doing):
+            # the request being read is due a read timeout from now, again
+            self._reading_since = since = self.loop.time()
         due = since + self.limits.read_timeout
         # set for an earlier request: wait for this one's own deadline
         if _later(due, self._read_due, self.loop.time()):
@@ -456,6 +532,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._idle_since = None  # busy (a request began; bytes before one, such as CRLFs, do not)
+        self._head_open = True
+        self._head_read = 0
         self._body_parts = []
         self._body_size = 0
         self._skip = 0
@@ -473,11 +552,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self._unset_keepalive_if_required()
         started = bool(self.pipeline)
         if started:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
+        if self._refusal is not None:
+            if not started:  # every response before the refused request is written
+                self.transport.write(self._refusal)
+                self._refusal = None
+                self.transport.close()
+            return
         held = self._held
         if held:  # request bytes that waited for room in the pipeline (_feed)
             self._held = b""
@@ -493,7 +577,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._set_idle_timer(now + self.timeout_keep_alive)
 
     def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # busy (the timer, if set, finds it so)
+        # uvicorn calls this on every read: bytes that begin no request (an empty line, which a
+        # server may ignore before a request line) had made an idle connection busy for good,
+        # its keep-alive timer stopped and its read timer never armed. A request's first byte
+        # makes it busy (on_message_begin).
+        pass
 
     def _set_idle_timer(self, due: float) -> None:
         self._idle_due = due
@@ -517,9 +605,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_message_complete(self) -> None:
+        if self._stopped:
+            return
+        into = self._into
+        if self._late_body:
+            if into is not None and self._filled < len(into):
+                return  # the parser's end of an upgrade request at its head: its body comes
+            self._late_body = False
         self._in_message = False
         self._disarm()
-        into = self._into
         if into is not None:  # read whole, directly (a buffer the parser never filled: no body)
             filled = self._filled == len(into)
             self._drop_into()
@@ -559,6 +653,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._body_size = 0
 
     def handle_websocket_upgrade(self) -> None:
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.pipeline:
+            # a handshake pipelined behind requests still answering: switching protocols now
+            # would put the 101 and the WebSocket's frames inside (or ahead of) their responses
+            self._refuse(malformed_response(
+                "A WebSocket handshake must not be pipelined behind other requests.", code="invalid_http_request"
+            ))
+            return
         self._disarm(cancel=True)  # the handshake's request arrived in time
         self._stop_idle()  # the connection is the WebSocket protocol's from here
         self._upgraded = True
@@ -572,15 +674,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.limits.timed_out += 1
         cycle = self.cycle
-        # a 408 only where no response is being written: a pipelined request (the newest) that
-        # stalls while the one before it streams must not put one inside that response's bytes
-        waiting = (cycle is None or cycle.response_complete or not cycle.response_started) and not self.pipeline
         log.info(
             "closing a connection from %s: its request did not arrive within %gs",
             _peer(self.client),
             self.limits.read_timeout,
         )
-        if waiting and self._admitted:
+        if not self._admitted:
+            transport.close()
+            return
+        if (cycle is not None and not cycle.response_complete and not cycle.more_body) or self.pipeline:
+            # the stalled request is a later one (its head), behind responses still to be
+            # written: they are written first, then its 408, and the connection closed
+            self._refuse(timeout_response(self.limits.read_timeout))
+            return
+        # the stalled request is the newest one's own (its head, or the body its application
+        # waits for): its 408, unless its response has started (then it is cut)
+        if cycle is None or cycle.response_complete or not cycle.response_started:
             transport.write(timeout_response(self.limits.read_timeout))
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
@@ -610,6 +719,23 @@ def new_body(size: int) -> bytearray:
     into = body_buffer(_body_capacity(size))
     del into[size:]
     return into
+
+
+def _upgrade_body_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The body of an upgrade request this server does not speak, as its head declares it: a
+    single Content-Length (0 without one), or -1 for one that cannot be read directly (chunked,
+    another transfer coding, Expect, a malformed or repeated Content-Length)."""
+    size = 0
+    seen = False
+    for name, value in headers:
+        if name == b"content-length":
+            if seen or not value.isdigit():
+                return -1
+            seen = True
+            size = int(value)
+        elif name == b"transfer-encoding" or name == b"expect":
+            return -1
+    return size
 
 
 def _reads_directly(size: int) -> bool:
