@@ -163,6 +163,35 @@ def test_planted_ids_never_resolve_as_minted_ones(tenants: Tenants) -> None:
     assert listed[0].content[0].text == real.output_text
 
 
+def test_planted_ids_stay_planted_in_a_response_that_reuses_their_prefix(tenants: Tenants) -> None:
+    """A full-history turn reusing a cached prefix makes the reused items the new response's
+    own: the ids a client chose among them stayed chosen only in the first response. They
+    became minted ones in the second, so the planter's item_reference resolved them, and the
+    admin key (newest holder first) resolved alice's real id to bob's text."""
+    alice, bob, admin = tenants.client("alice"), tenants.client("bob"), tenants.client("admin")
+    real = alice.responses.create(model="hotloop-sim", input="the real thing " + secrets.token_hex(8))
+    real_id = real.output[0].id
+    planted = {"type": "message", "id": real_id, "role": "user", "content": [{"type": "input_text", "text": "PLANTED"}]}
+    first = bob.responses.create(model="hotloop-sim", input=[planted])
+    sent_back = first.output[0].model_dump(exclude_none=True)
+
+    def hits() -> int:
+        with tenants.http("admin") as h:
+            return int(h.get("/hotloop/stats").json()["prefix_cache"]["hits"])
+
+    before = hits()
+    second = bob.responses.create(model="hotloop-sim", input=[planted, sent_back, {"role": "user", "content": "next"}])
+    assert second.status == "completed"
+    assert hits() == before + 1
+    with pytest.raises(openai.BadRequestError) as ei:
+        bob.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": real_id}])
+    assert ei.value.code == "item_not_found"
+    # the output the server minted (and bob sent back) resolves: that id is the server's
+    assert bob.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": sent_back["id"]}]).status == "completed"
+    used = admin.responses.create(model="hotloop-sim", input=[{"type": "item_reference", "id": real_id}])
+    assert admin.responses.input_items.list(used.id).data[0].content[0].text == real.output_text
+
+
 def test_usage_is_per_key(tenants: Tenants) -> None:
     tenants.client("alice").responses.create(model="hotloop-sim", input="count me")
     tenants.client("bob").responses.create(model="hotloop-sim", input="count me")

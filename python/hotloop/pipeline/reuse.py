@@ -200,11 +200,16 @@ def unshift(exc: errors.HotloopError, n: int) -> None:
         shift(exc, -n)
 
 
-def adopt(entry: CachedResponse) -> None:
+def adopt(entry: CachedResponse, stand_in: CachedResponse | None) -> None:
     """A finished response that reused a prefix: the reused items are its own, not a parent's
-    (it names no parent, and is stored with its whole input)."""
+    (it names no parent, and is stored with its whole input). Ids a client chose among them
+    (``stand_in``, :func:`parent_of`: the prefix's) stay chosen: they never resolve as ids the
+    server minted (an ``item_reference``, an admin's look-up across keys), whichever response
+    holds them now."""
     entry.parent_id = None
     entry.base_len = 0
+    if stand_in is not None and stand_in.supplied:
+        entry.supplied = entry.supplied | stand_in.supplied
 
 
 class RawInput:

@@ -594,7 +594,7 @@ class Engine:
             input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
             entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
             if run.prefix is not None:
-                reuse.adopt(entry)
+                reuse.adopt(entry, run.plan.parent)
             self._register(run, entry, input_bytes, input_calls)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
