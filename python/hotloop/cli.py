@@ -111,6 +111,19 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds for a request's head and body to arrive, then 408 and close (env HOTLOOP_REQUEST_READ_TIMEOUT, default 30)",
     )
     s.add_argument(
+        "--ws-ping-interval",
+        dest="ws_ping_interval",
+        type=float,
+        help="seconds between the WebSocket pings the server sends (env HOTLOOP_WS_PING_INTERVAL, default 20)",
+    )
+    s.add_argument(
+        "--ws-ping-timeout",
+        dest="ws_ping_timeout",
+        type=float,
+        help="seconds a WebSocket client has to answer a ping before it is disconnected, its responses cancelled "
+        "(env HOTLOOP_WS_PING_TIMEOUT, default 20)",
+    )
+    s.add_argument(
         "--flush-interval-ms",
         dest="flush_interval_ms",
         type=float,

@@ -88,6 +88,11 @@ class Config:
     # never held.
     flush_interval_ms: float = 10.0
     ws_connection_max_age: float = 3600.0  # OpenAI's 60-minute WebSocket limit
+    # WebSocket keepalive: a ping every ws_ping_interval seconds; a client that has not answered
+    # within ws_ping_timeout is disconnected (aborted when it has not read what was written: its
+    # responses and their backend connections are let go). Both positive.
+    ws_ping_interval: float = 20.0
+    ws_ping_timeout: float = 20.0
     ws_max_queued: int = 64  # response.create frames waiting on one connection
     ws_max_in_flight: int = 16  # responses running at once on one connection, across lanes (more are queued)
     ws_max_pending_steers: int = 8  # accepted response.steer submissions waiting on one response
@@ -162,7 +167,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "secrets": ("off", "flag", "redact", "block"),
 }
 _AT_LEAST_ONE = ("workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight")
-_POSITIVE_SECONDS = ("request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age")
+_POSITIVE_SECONDS = (
+    "request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age", "ws_ping_interval",
+    "ws_ping_timeout",
+)
 
 
 def _flag(name: str) -> str:

@@ -241,3 +241,59 @@ def test_a_client_that_pings_and_never_reads_gets_one_pong_held_not_all(server) 
     with ws_connect(server.ws + "/responses") as ws:
         ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi", "store": False}))
         assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
+
+
+def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path) -> None:
+    """A client sends response.create and reads nothing. Its unanswered pings closed the
+    connection gracefully, which waits for the write buffer to drain: never, so its response
+    (and the backend connection under it) stayed until the server restarted. Now the
+    connection is aborted and the response cancelled."""
+    import base64
+    import os
+    import socket
+
+    args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "200000", "--ws-ping-interval", "0.5",
+            "--ws-ping-timeout", "0.5")
+    with run_server(tmp_path, *args) as server:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
+        s.settimeout(10)
+        s.connect(("127.0.0.1", server.port))
+        try:
+            key = base64.b64encode(os.urandom(16))
+            s.sendall(
+                b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 101")
+            create = json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi " * 50, "store": False}).encode()
+            mask = os.urandom(4)
+            s.sendall(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
+                      + bytes(b ^ mask[i % 4] for i, b in enumerate(create)))
+
+            def active() -> int:
+                return int(httpx.get(server.base + "/hotloop/stats", timeout=5).json()["active_responses"])
+
+            deadline = time.monotonic() + 5
+            while active() == 0 and time.monotonic() < deadline:  # it starts, and fills the buffers
+                time.sleep(0.05)
+            assert active() == 1
+            deadline = time.monotonic() + 15
+            while active() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert active() == 0
+            closed = False
+            s.settimeout(2)
+            try:
+                while s.recv(1 << 20):
+                    pass
+                closed = True
+            except ConnectionResetError:
+                closed = True
+            assert closed  # aborted: the client reads what its buffers held, then the end
+        finally:
+            s.close()
+        assert "Traceback" not in server.logs()

@@ -101,6 +101,8 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         http=http,
         ws=ws,
         ws_per_message_deflate=False,
+        ws_ping_interval=config.ws_ping_interval,
+        ws_ping_timeout=config.ws_ping_timeout,
         ws_max_size=config.max_body_bytes,
         lifespan="on",
         log_level=config.log_level,

@@ -297,6 +297,16 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if output:
             self.transport.write(b"".join(output))
 
+    def keepalive_timeout(self) -> None:
+        # uvicorn writes a close frame and closes the transport, which first waits for its write
+        # buffer to drain: a client that reads nothing never drains it, so the connection, its
+        # responses (waiting to write) and their backend connections stayed for good. What it has
+        # not read is not waited for: the connection is aborted (its responses are cancelled).
+        super().keepalive_timeout()
+        t = self.transport
+        if t is not None and t.is_closing() and t.get_write_buffer_size():
+            t.abort()
+
     def resume_writing(self) -> None:
         pong, self._pong = self._pong, b""
         if pong and not self.transport.is_closing():
