@@ -317,6 +317,21 @@ def test_a_blocked_string_continuation_after_steering_names_input(tmp_path: Path
     assert params == ["input", "input[0].content[0].text"]
 
 
+def test_a_steer_larger_than_a_turn_may_add_leaves_the_response_running(tmp_path: Path) -> None:
+    """Over --max-turn-input-bytes, a steer was accepted, cut the running response, and its
+    successor failed to start: now it fails at once, and the response runs on."""
+    with run_server(tmp_path, "--sim-rate", str(RATE), "--store", "memory", "--max-turn-input-bytes", "2000") as srv:
+        with ws_connect(srv.ws + "/responses") as ws:
+            ws.send(create(input="write", metadata={"sim": "text,tokens:30"}))
+            rid = recv(ws)["response"]["id"]
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "x" * 5000}))
+            events = collect(ws, 1)
+    kinds = [e["type"] for e in events]
+    [failed] = [e for e in events if e["type"] == "response.steer.failed"]
+    assert failed["error"]["code"] == "input_too_large" and "response.steer.accepted" not in kinds
+    assert kinds[-1] == "response.completed" and events[-1]["response"]["id"] == rid
+
+
 def test_steer_failures(paced: Server) -> None:
     with ws_connect(paced.ws + "/responses") as ws:
         ws.send(create(metadata={"sim": "text,tokens:3"}, stream_id="q"))

@@ -446,6 +446,31 @@ def test_steer_invalid_input(frame: dict) -> None:
     assert isinstance(sess.receive(create("s"), 3)[0], RunCreate)
 
 
+def test_a_steer_the_successor_could_not_take_is_refused_before_it_cuts_the_response() -> None:
+    """A steer over the turn bounds (--max-turn-input-bytes / -items) was accepted: it cut the
+    running response, and its successor then failed to start (the answer lost for nothing)."""
+    from hotloop.pipeline import guard
+
+    sess = s(check_steer=lambda items: guard.check(items, 3, 2000))
+    run = running(sess)
+    [f] = sess.receive(steer("resp_1", "x" * 5000), 2)
+    assert isinstance(f, SteerEvent) and f.kind == "response.steer.failed" and f.code == "input_too_large"
+    assert "2000 bytes" in (f.message or "")
+    acc, stop = sess.receive(steer("resp_1", "x" * 900), 2)
+    assert acc.kind == "response.steer.accepted" and isinstance(stop, StopResponse)
+    # the pending submissions count too: the successor takes them all
+    [f] = sess.receive(steer("resp_1", "y" * 1200), 2)
+    assert f.kind == "response.steer.failed" and f.code == "input_too_large"
+    assert sess.receive(steer("resp_1", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), 2)[0].kind == (
+        "response.steer.accepted"
+    )
+    [f] = sess.receive(steer("resp_1", "z"), 2)  # a fourth item
+    assert f.kind == "response.steer.failed" and f.code == "input_too_large"
+    sess.ending("s", "incomplete")
+    [succ] = sess.lane_done("s", Ended("resp_1", "incomplete"), run)
+    assert isinstance(succ, RunCreate) and len(succ.request.input) == 3  # type: ignore[arg-type]
+
+
 def test_steer_accepts_images_and_files() -> None:
     sess = s()
     running(sess)

@@ -25,6 +25,7 @@ can be sent again, smaller, on the same ``previous_response_id``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -42,7 +43,7 @@ class InputTooLarge(errors.InvalidRequest):
     code: str | None = "input_too_large"
 
 
-def input_bytes(items: Sequence[Item], limit: int | None = None) -> int:
+def input_bytes(items: Sequence[Item] | Sequence[dict[str, Any]], limit: int | None = None) -> int:
     """Bytes of the JSON of ``items`` (each encoded compactly, no separators counted); with
     ``limit``, counted only until the total passes it (the result is then some value above it)."""
     n = 0
@@ -56,7 +57,7 @@ def input_bytes(items: Sequence[Item], limit: int | None = None) -> int:
     return n
 
 
-def check(items: Sequence[Item], max_items: int, max_bytes: int) -> None:
+def check(items: Sequence[Item] | Sequence[dict[str, Any]], max_items: int, max_bytes: int) -> None:
     """Raise :class:`InputTooLarge` if ``items`` (a turn's new input items) are more than
     ``max_items`` or their JSON more than ``max_bytes``."""
     if len(items) > max_items:

@@ -202,6 +202,7 @@ class Session:
         ids: IdGen | None = None,
         decode_create: Callable[[str], tuple[CreateRequest, Any] | None] | None = None,
         convert_create: Callable[[dict[str, Any]], CreateRequest] | None = None,
+        check_steer: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         """``decode_create``: a faster decoder the transport may offer for frames of
         OFFERED_BYTES or more (a full-history input matched against cached prefixes by its
@@ -211,7 +212,11 @@ class Session:
         (so every error is the ordinary one). ``convert_create``: what makes the request of a
         ``response.create`` frame decoded the ordinary way, instead of
         :func:`~hotloop.protocol.request.convert_body`, whose outcomes it must give (raising
-        only :class:`~hotloop.errors.HotloopError`)."""
+        only :class:`~hotloop.errors.HotloopError`). ``check_steer``: the turn bounds the
+        steered response's successor will be held to, checked on its steering items (those
+        pending and a new submission's, as message items) before the submission is accepted
+        and cuts the running response; raises :class:`~hotloop.errors.HotloopError`."""
+        self.check_steer = check_steer
         self.decode_create = decode_create
         self.convert_create = convert_create if convert_create is not None else convert_body
         self.opened_at = opened_at
@@ -588,6 +593,13 @@ class Session:
         if len(st.steers) >= self.max_pending_steers:
             return fail("too_many_pending_steers", f"Response '{prev}' already has {len(st.steers)} pending "
                         f"steering submissions (limit {self.max_pending_steers}).")
+        if self.check_steer is not None:
+            # what the successor would add, refused now: accepted, it would cut the running
+            # response and its successor would fail to start
+            try:
+                self.check_steer([*(it for p in st.steers for it in p.items), *items])
+            except errors.HotloopError as exc:
+                return fail(exc.code or "invalid_input", exc.message)
         s = Steer(self.ids.new("steer"), prev, raw_input, items)
         st.steers.append(s)
         out: list[Action] = [SteerEvent(ev.STEER_ACCEPTED, prev, target, prev, s.id)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from uvicorn.protocols.utils import ClientDisconnected
 
 from hotloop import errors
-from hotloop.pipeline import reuse
+from hotloop.pipeline import guard, reuse
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
 from hotloop.protocol.request import CreateRequest, convert_body
@@ -138,6 +138,7 @@ class Connection:
             ids=self.app.engine.ids,
             decode_create=self._decode_create,
             convert_create=self._convert_create,
+            check_steer=lambda items: guard.check(items, cfg.max_turn_input_items, cfg.max_turn_input_bytes),
         )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         return self.session
