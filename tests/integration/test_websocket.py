@@ -297,3 +297,37 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
         finally:
             s.close()
         assert "Traceback" not in server.logs()
+
+
+def test_a_text_message_that_is_not_utf8_closes_with_1007_and_one_log_line(server) -> None:
+    """uvicorn logged each such message as an ERROR with a traceback: any client could flood
+    the log. Now one line; the close is 1007 as before."""
+    import base64
+    import os
+    import socket
+
+    before = server.logs().count("is not UTF-8")
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            key = base64.b64encode(os.urandom(16))
+            s.sendall(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += s.recv(4096)
+            buf = buf.split(b"\r\n\r\n", 1)[1]
+            s.sendall(_ws_frame(0x1, b'{"type":"\xff"}'))
+            while len(buf) < 4:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+            assert buf[0] == 0x88 and int.from_bytes(buf[2:4], "big") == 1007  # a close frame, 1007
+        finally:
+            s.close()
+    deadline = time.monotonic() + 5
+    while server.logs().count("is not UTF-8") < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.logs().count("is not UTF-8") == before + 3
+    assert "Traceback" not in server.logs() and "Invalid UTF-8" not in server.logs()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -60,7 +61,9 @@ from websockets.streams import StreamReader
 
 from hotloop import errors
 from hotloop.protocol import events as ev
-from hotloop.server.httpproto import malformed_response
+from hotloop.server.httpproto import _peer, malformed_response
+
+log = logging.getLogger("hotloop.server")
 
 SEND_TEXTS = "hotloop.websocket.send_texts"
 """Scope extension: ``send_texts(events: list[tuple[str, bytes]]) -> bool``; see
@@ -334,13 +337,36 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         # application that keeps up never pauses it; the inbox then holds at most two messages
         # (and those of one read).
         if self.read_paused or not self.queue.empty():
-            super().send_receive_event_to_app()
+            self._deliver()
             return
-        self.read_paused = True  # uvicorn's method then leaves reading on
+        self.read_paused = True  # _deliver then leaves reading on
         try:
-            super().send_receive_event_to_app()
+            self._deliver()
         finally:
             self.read_paused = False
+
+    def _deliver(self) -> None:
+        """uvicorn's ``send_receive_event_to_app``, but a text message that is not UTF-8 is
+        one log line, not an ERROR with a traceback (any client could flood the log with them);
+        the connection is closed with 1007 as before."""
+        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+        self.frames = []
+        if self.close_sent:  # past websocket.close: dropped, reads stay on for the peer's close
+            return
+        if self.curr_msg_data_type == "text":
+            try:
+                message: dict[str, Any] = {"type": "websocket.receive", "text": data.decode()}
+            except UnicodeDecodeError:
+                log.info("closing a WebSocket connection from %s: a text message is not UTF-8", _peer(self.client))
+                self.conn.send_close(1007)
+                self.handle_parser_exception()
+                return
+        else:
+            message = {"type": "websocket.receive", "bytes": data}
+        self.queue.put_nowait(message)  # type: ignore[arg-type]
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
 
     def _text_frame(self, data: bytes) -> bytes | None:
         """The unmasked payload if ``data`` is exactly one complete, final, masked text frame
