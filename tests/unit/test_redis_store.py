@@ -333,3 +333,18 @@ def test_the_delete_subscriber_forgets_the_cache_after_missing_deletes(tmp_path:
         finally:
             store.close()
     assert evicted[0] == "resp_a" and forgotten == 1
+
+
+def test_a_tombstone_keeps_its_items_and_nothing_else(store: RedisStore) -> None:
+    """A deleted response its children still need kept its Response object (instructions,
+    metadata) and classifier states in Redis for as long as the conversation lived."""
+    r = rec("ta", [item("ta1")])
+    store.put(r._replace(response={**r.response, "instructions": "DELETED-INSTRUCTIONS", "metadata": {"n": "DELETED"}},
+                         states={"secrets": {"n": 1}}))
+    store.put(rec("tb", [item("tb1")], parent="ta", base=1))
+    assert store.delete("ta", "alice")
+    fields = store.r.hgetall(store.prefix + "t:alice:r:ta")
+    assert fields[b"resp"] == b"" and fields[b"states"] == b"" and fields[b"live"] == b"0"
+    assert b"DELETED" not in b"".join(fields.values())
+    h = store.get("tb", "alice")
+    assert h is not None and [it["id"] for it in h.items] == ["ta1", "tb1"]

@@ -358,3 +358,30 @@ def test_the_deletions_log_records_many_in_one_call(tmp_path) -> None:
     log.record("resp_b", "resp_c")
     assert [r for _, r in log.since(0)] == ["resp_a", "resp_b", "resp_c"] and log.last() == 3
     log.close()
+
+
+def test_a_tombstone_keeps_its_items_and_nothing_else(store) -> None:
+    """A deleted response its children still need kept its whole Response object (instructions,
+    metadata, user), its settings blob and its classifier states: a copy of what the user deleted,
+    for as long as the conversation lived."""
+    secret = "DELETED-INSTRUCTIONS-" + "q" * 1100  # large enough for the settings blob
+    items = [_item("a", 0, "hello")]
+    store.put(StoredResponse({"id": "a", "object": "response", "instructions": secret, "metadata": {"note": "DELETED-META"}},
+                             items, [b"\1" * 16], [3], 1, minted=[True], states={"secrets": {"n": 1}}))
+    child = [_item("b", 0, "again")]
+    store.put(StoredResponse({"id": "b", "object": "response", "instructions": "its own"}, child, [b"\2" * 16], [4], 2, "a", 1,
+                             minted=[True]))
+    assert store.delete("a")
+    h = store.get("b")
+    assert h is not None and [it["id"] for it in h.items] == ["msg_a_0", "msg_b_0"] and h.toks == [3, 4]
+    if isinstance(store, SQLiteStore):
+        db = store._db
+        assert db.execute("SELECT body, classifier_state, settings_hash FROM responses WHERE id = 'a'").fetchone() == (b"{}", None, None)
+        everything = b"".join(bytes(r[0]) for r in db.execute("SELECT body FROM blobs")) + b"".join(
+            bytes(r[0]) for r in db.execute("SELECT body FROM responses"))
+        assert b"DELETED" not in everything
+        assert db.execute("PRAGMA secure_delete").fetchone() == (1,)
+    else:
+        kept = store._nodes["a"].rec
+        assert kept.response == {"id": "a"} and kept.states is None and kept.items == items
+    assert store.delete("b") and store.get("b") is None

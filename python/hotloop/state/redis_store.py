@@ -325,7 +325,9 @@ if not owner or (scope ~= '' and owner ~= scope) then return 0 end
 local ck = P .. 't:' .. owner .. ':r:' .. rid
 local h = redis.call('HMGET', ck, 'live', 'iids')
 if h[1] ~= '1' then return 0 end
-redis.call('HSET', ck, 'live', 0)
+-- a tombstone keeps what its descendants load (its own items); not the Response object (its
+-- instructions, metadata) nor its classifier states, which nothing reads once it is deleted
+redis.call('HSET', ck, 'live', 0, 'resp', '', 'states', '')
 for _, iid in ipairs(cjson.decode(h[2] or '[]')) do
   redis.call('ZREM', P .. 'i:' .. iid, owner .. ' ' .. rid)
 end

@@ -351,10 +351,13 @@ class MemoryStore(_Pruned):
                     del self._item_index[iid]  # type: ignore[arg-type]
 
     def _kill(self, rid: str, node: _Node) -> None:
-        """A live response leaves: a tombstone if it has children, else removed (cascading)."""
+        """A live response leaves: a tombstone if it has children, else removed (cascading).
+        A tombstone keeps its items (its descendants' history), not its Response object nor its
+        classifier states."""
         node.live = False
         del self._live[rid]
         self._unindex(rid, node)
+        node.rec = node.rec._replace(response={"id": rid}, states=None)
         while not node.live and node.children == 0:
             del self._nodes[rid]
             self.items -= len(node.rec.items)
@@ -587,6 +590,8 @@ _LOAD_ITEMS = _CHAIN + (
     " JOIN blobs b ON b.hash = ri.hash"
 )
 _POS = itemgetter(3)
+# What a deleted response that descendants still need keeps as its body (_kill_locked).
+_TOMBSTONE_BODY = b"{}"
 # A blob that no item row and no response's settings name any more (?1: its hash).
 _DROP_BLOB = (
     "DELETE FROM blobs WHERE hash = ?1 AND NOT EXISTS (SELECT 1 FROM response_items WHERE hash = ?1)"
@@ -693,6 +698,9 @@ class SQLiteStore(_Pruned):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")
+            # a deleted response's bytes are overwritten in the file, not left in its free pages
+            # (many builds have this on already; not all)
+            self._db.execute("PRAGMA secure_delete=ON")
             self._db.execute(f"PRAGMA cache_size={-CACHE_KIB}")
             self._db.executescript(_SCHEMA)
             for table, column, decl in _ADDED_COLUMNS:
@@ -890,7 +898,16 @@ class SQLiteStore(_Pruned):
         """A live response leaves: a tombstone if it has children, else removed with its items,
         and then its tombstoned ancestors that are left without children (inside a transaction)."""
         db = self._db
-        db.execute("UPDATE responses SET live = 0 WHERE id = ?", (rid,))
+        # A tombstone keeps what its descendants load (its own items, its place in the chain);
+        # not its Response object (instructions, metadata), its settings blob nor its classifier
+        # states, which nothing reads once it is deleted.
+        old = db.execute("SELECT settings_hash FROM responses WHERE id = ?", (rid,)).fetchone()
+        db.execute(
+            "UPDATE responses SET live = 0, body = ?2, classifier_state = NULL, settings_hash = NULL WHERE id = ?1",
+            (rid, _TOMBSTONE_BODY),
+        )
+        if old is not None and old[0] is not None:
+            db.execute(_DROP_BLOB, (old[0],))
         cur: str | None = rid
         while cur is not None:
             row = db.execute(
