@@ -276,6 +276,70 @@ def test_a_response_too_large_for_the_caches_is_continued_from_the_store() -> No
     asyncio.run(_continue_after_eviction())
 
 
+def test_response_cache_knows_what_was_evicted_since_a_load_began() -> None:
+    from hotloop.state.context import GONE_ENTRIES
+
+    cache = ResponseCache()
+    g = cache.generation
+    assert not cache.evicted_since("a", g)
+    cache.put(_entry("b"))  # puts and capacity evictions are not "gone"
+    assert not cache.evicted_since("a", g)
+    cache.evict("a")
+    assert cache.evicted_since("a", g) and not cache.evicted_since("b", g)
+    g2 = cache.generation
+    assert not cache.evicted_since("a", g2)
+    for i in range(GONE_ENTRIES + 1):  # more evictions than remembered: not known, so True
+        cache.evict(f"x{i}")
+    assert cache.evicted_since("b", g2) and not cache.evicted_since("b", cache.generation)
+    g3 = cache.generation
+    cache.clear()
+    assert cache.evicted_since("b", g3)
+
+
+async def _delete_while_loading() -> None:
+    """DELETE of a stored response while a continuation loads it (shared stores read and
+    delete in threads of their own): the load finished after the delete's eviction and put the
+    response back in the process cache, which then served it (GET, previous_response_id) after
+    its DELETE had answered 200."""
+    app = make_app(Config(store="memory", sim_rate=0))
+    await app.startup()
+    try:
+        eng = app.engine
+        run = await eng.start(decode_body(json.dumps({"model": "m", "input": "hi", "metadata": {"sim": "text,tokens:2"}})),
+                              transport="http")
+        first = await run.drain()
+        await app.persistence.flush()
+        eng.responses.evict(first["id"])  # only in the store now
+        loaded = asyncio.Event()
+        go_on = asyncio.Event()
+        real_load = app.persistence.load
+
+        async def slow_load(rid: str, scope: Any = None) -> Any:
+            hit = await real_load(rid, scope)
+            loaded.set()
+            await go_on.wait()  # the delete lands meanwhile
+            return hit
+
+        app.persistence.load = slow_load  # type: ignore[method-assign]
+        nxt = {"model": "m", "input": "more", "previous_response_id": first["id"], "metadata": {"sim": "text,tokens:2"}}
+        cont = asyncio.ensure_future(eng.start(decode_body(json.dumps(nxt)), transport="http"))
+        await loaded.wait()
+        app.persistence.load = real_load  # type: ignore[method-assign]
+        assert await app.persistence.delete(first["id"], None)
+        eng.responses.evict(first["id"])  # as DELETE /v1/responses/{id} does
+        go_on.set()
+        second = await (await cont).drain()  # it began before the delete: it goes on
+        assert second["status"] == "completed"
+        assert eng.responses.get(first["id"]) is None  # ... but the deleted response is not kept
+        assert await eng.persistence.load(first["id"], None) is None
+    finally:
+        await app.shutdown()
+
+
+def test_a_response_deleted_while_a_continuation_loads_it_is_not_cached_again() -> None:
+    asyncio.run(_delete_while_loading())
+
+
 # -- WebSocket frames waiting on a connection --------------------------------------------------
 
 

@@ -163,6 +163,7 @@ class Engine:
             self.conn_misses += 1
         hit = self.responses.get(response_id, scope)
         if hit is None:
+            generation = self.responses.generation
             hit = await self.persistence.load(response_id, scope)
             if hit is not None and hit.response.get("status") == "failed":
                 # A failed response is stored to be read, not continued (its output may end in
@@ -172,8 +173,8 @@ class Engine:
                 raise errors.PreviousResponseNotFound(
                     response_id, f"Previous response with id '{errors.clip(response_id)}' failed and cannot be continued."
                 )
-            if hit is not None:
-                self.responses.put(hit)
+            if hit is not None and not self.responses.evicted_since(response_id, generation):
+                self.responses.put(hit)  # (deleted while it loaded: used by this request, not kept)
         if hit is None:
             raise errors.PreviousResponseNotFound(response_id)
         return hit

@@ -62,6 +62,9 @@ def item_nbytes(item: Item) -> int:
 # (pipeline.settings.WEIGHT), 3.5-12x measured. A count of its JSON alone let a cache of
 # responses with 429 KB of tools each hold about 8 times its byte budget.
 RESPONSE_WEIGHT = 3
+# Evicted response ids a ResponseCache remembers (ResponseCache.evicted_since), about 100 bytes
+# each: loads that overlap more evictions than this are simply not cached.
+GONE_ENTRIES = 4096
 TOOLS_WEIGHT = 16
 
 
@@ -349,6 +352,12 @@ class ResponseCache:
         self._sizes: dict[str, int] = {}
         self._items = 0
         self._bytes = 0
+        # Evictions from outside (a delete, a prune, another worker's delete, an expiry), numbered,
+        # so that a load that began before one does not put back what it evicted (evicted_since):
+        # the latest GONE_ENTRIES ids, and when the cache was last cleared.
+        self.generation = 0
+        self._gone: OrderedDict[str, int] = OrderedDict()
+        self._cleared = 0
 
     def __len__(self) -> int:
         return len(self._d)
@@ -374,7 +383,7 @@ class ResponseCache:
 
     def put(self, entry: CachedResponse, nbytes: int | None = None) -> None:
         """Cache ``entry`` as the most recently used (``nbytes``: its size if known)."""
-        self.evict(entry.id)
+        self._drop(entry.id)
         n = entry_nbytes(entry) if nbytes is None else nbytes
         if len(entry.context) > self.max_items or n > self.max_bytes // 4:
             return
@@ -383,9 +392,34 @@ class ResponseCache:
         self._items += len(entry.context)
         self._bytes += n
         while len(self._d) > self.max_entries or self._items > self.max_items or self._bytes > self.max_bytes:
-            self.evict(next(iter(self._d)))
+            self._drop(next(iter(self._d)))
 
     def evict(self, response_id: str) -> None:
+        """Forget a response that is gone (deleted, pruned, expired, failed as a parent)."""
+        self.generation += 1
+        gone = self._gone
+        gone[response_id] = self.generation
+        gone.move_to_end(response_id)
+        if len(gone) > GONE_ENTRIES:
+            gone.popitem(last=False)
+        self._drop(response_id)
+
+    def evicted_since(self, response_id: str, generation: int) -> bool:
+        """Whether ``response_id`` was evicted after ``generation`` (a value of
+        :attr:`generation` read earlier) was read; True when that is no longer known. A response
+        loaded from the store while it was being deleted is not cached then: the delete's
+        eviction came first, and the load would put it back, served on after its delete."""
+        if generation == self.generation:
+            return False
+        if self._cleared > generation:
+            return True
+        g = self._gone.get(response_id)
+        if g is not None:
+            return g > generation
+        oldest = next(iter(self._gone.values()), None)  # evictions are kept in order
+        return oldest is None or oldest > generation + 1  # some since then were not kept
+
+    def _drop(self, response_id: str) -> None:
         e = self._d.pop(response_id, None)
         if e is not None:
             self._items -= len(e.context)
@@ -396,6 +430,9 @@ class ResponseCache:
         self._sizes.clear()
         self._items = 0
         self._bytes = 0
+        self.generation += 1
+        self._gone.clear()
+        self._cleared = self.generation
 
     def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
         """A server-minted item among the own items of the cached responses ``scope`` may see,
