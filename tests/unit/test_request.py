@@ -83,6 +83,9 @@ FN = {"type": "function", "name": "f"}
         ({"model": "m"}, "input", "missing_required_parameter"),
         ({"model": 1, "input": "x"}, "model", "invalid_type"),
         ({"model": "m" * 257, "input": "x"}, "model", "invalid_value"),
+        # a control character: in no model id; a tab had merged two ledger rows in Redis
+        ({"model": "m\tx", "input": "x"}, "model", "invalid_value"),
+        ({"model": "m\n", "input": "x"}, "model", "invalid_value"),
         ({"model": "m", "input": 5}, "input", "invalid_type"),
         ({"model": "m", "input": ["bare string"]}, "input[0]", "invalid_type"),
         ({"model": "m", "input": [{"content": "no role"}]}, "input[0].type", "missing_required_parameter"),

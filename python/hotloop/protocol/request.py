@@ -631,6 +631,9 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
         raise errors.InvalidValue(
             f"Invalid 'model': the model name must be at most {MAX_MODEL_CHARS} characters.", param="model"
         )
+    if not req.model.isprintable():
+        # a tab, a line break, an escape: in no model id, and the ledger's and logs' keys
+        raise errors.InvalidValue("Invalid 'model': the model name must not contain control characters.", param="model")
     if req.input is None and req.previous_response_id is None and req.prompt is None:
         raise errors.MissingParameter("Missing required parameter: 'input'.", param="input")
     if req.background:
