@@ -331,3 +331,35 @@ def test_a_text_message_that_is_not_utf8_closes_with_1007_and_one_log_line(serve
         time.sleep(0.05)
     assert server.logs().count("is not UTF-8") == before + 3
     assert "Traceback" not in server.logs() and "Invalid UTF-8" not in server.logs()
+
+
+def test_pings_are_answered_while_frames_wait_for_room(tmp_path) -> None:
+    """80 response.create frames sent at once: past the backlog bound the reader waits for a
+    response to finish, and reading had paused with a message waiting, so a ping sent then was
+    answered only seconds later (a client with websockets' 20 s ping timeout would drop the
+    connection and its queued responses). Small frames are read ahead now: the pong is at once."""
+    import base64
+    import os
+    import socket
+
+    with run_server(tmp_path, "--store", "memory", "--sim-rate", "50", "--sim-output-tokens", "100") as server:
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            key = base64.b64encode(os.urandom(16))
+            s.sendall(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += s.recv(4096)
+            frames = [json.dumps({"type": "response.create", "model": "m", "input": f"t{i}", "store": False}).encode()
+                      for i in range(80)]
+            s.sendall(b"".join(_ws_frame(0x1, f) for f in frames))
+            time.sleep(0.5)
+            s.sendall(_ws_frame(0x9, b"are-you-there"))
+            t0 = time.monotonic()
+            buf = buf.split(b"\r\n\r\n", 1)[1]
+            while b"\x8a\x0dare-you-there" not in buf and time.monotonic() - t0 < 10:
+                buf += s.recv(1 << 16)
+            assert b"\x8a\x0dare-you-there" in buf and time.monotonic() - t0 < 1.0
+        finally:
+            s.close()

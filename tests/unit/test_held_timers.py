@@ -468,7 +468,7 @@ def test_a_busy_connection_is_not_closed_by_the_keep_alive_timer(tmp_path: Any) 
             keep = proto.timeout_keep_alive
             proto.on_response_complete()
             clock.advance(keep / 2)
-            proto._unset_keepalive_if_required()  # the next request is being read and answered
+            proto.on_message_begin()  # the next request is being read and answered
             clock.advance(keep * 3)
             assert not transport.closed and clock.pending() <= 1  # the read timer, at most
             proto.connection_lost(None)

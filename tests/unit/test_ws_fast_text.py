@@ -197,8 +197,10 @@ def test_the_messages_are_the_texts_sent() -> None:
 
 def test_reading_pauses_only_while_messages_wait() -> None:
     """An application that takes each message before the next arrives never has reading paused
-    (two system calls a message); one that falls behind has it paused once a second message
-    waits, and resumed once it has taken them all."""
+    (two system calls a message); one that falls behind has it paused once a message arrives
+    while INBOX_READ_AHEAD bytes of earlier ones wait (small ones read ahead meanwhile, so that
+    pings are answered), and resumed once it has taken them all."""
+    from hotloop.server.wsproto import INBOX_READ_AHEAD
 
     async def main() -> None:
         taken: list[str] = []
@@ -232,14 +234,19 @@ def test_reading_pauses_only_while_messages_wait() -> None:
         go.clear()  # now it falls behind
         for _ in range(5):
             await asyncio.sleep(0)
-        proto.data_received(_text("b0"))
-        assert transport.reading  # one message waits: reading goes on
-        proto.data_received(_text("b1"))
-        assert not transport.reading and transport.pauses == 1  # a second one: paused
+        for i in range(50):
+            proto.data_received(_text(f"b{i}"))
+        assert transport.reading and transport.pauses == 0  # small messages wait: reading goes on
+        big = "c" * INBOX_READ_AHEAD
+        proto.data_received(_text(big))
+        assert transport.reading  # it arrived with less than INBOX_READ_AHEAD waiting
+        proto.data_received(_text("d"))
+        assert not transport.reading and transport.pauses == 1  # one more after it: paused
         go.set()
-        for _ in range(10):
+        for _ in range(100):
             await asyncio.sleep(0)
-        assert taken[-2:] == ["b0", "b1"] and transport.reading  # taken: reading again
+        assert taken[-3:] == ["b49", big, "d"] and transport.reading  # taken: reading again
+        assert proto.queue.nbytes == 0  # type: ignore[attr-defined]
         proto.connection_lost(None)
         await asyncio.gather(*proto.tasks, return_exceptions=True)
 

@@ -163,25 +163,28 @@ class _Flag(_Waiters):
 
 
 class _Inbox(_Waiters):
-    """uvicorn's receive queue for one connection: ``put_nowait``, ``get``, ``empty``.
+    """uvicorn's receive queue for one connection: ``put_nowait``, ``get``, ``empty``, and
+    ``nbytes``, the size of the messages it holds.
 
     Unbounded like the ``asyncio.Queue`` it replaces, and bounded by the protocol: it pauses
-    reading when a message arrives while an earlier one still waits, until the application has
-    taken them, so the inbox holds at most two data messages (and the others of that read) and
-    a disconnect.
+    reading when a message arrives while INBOX_READ_AHEAD bytes of earlier ones still wait,
+    until the application has taken them all, so the inbox holds at most that many bytes and
+    one message (and the others of that read) and a disconnect.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "nbytes")
 
     def __init__(self) -> None:
         super().__init__()
         self._items: list[Any] | None = None
+        self.nbytes = 0
 
     def put_nowait(self, item: Any) -> None:
         if self._items is None:
             self._items = [item]
         else:
             self._items.append(item)
+        self.nbytes += _message_size(item)
         self._wake()
 
     def empty(self) -> bool:
@@ -197,7 +200,18 @@ class _Inbox(_Waiters):
                 await fut
             finally:
                 self._unpark(fut)
-        return self._items.pop(0)
+        item = self._items.pop(0)
+        self.nbytes -= _message_size(item)
+        return item
+
+
+def _message_size(item: Any) -> int:
+    if type(item) is not dict:
+        return 0
+    data = item.get("text")
+    if data is None:
+        data = item.get("bytes")
+    return len(data) if data is not None else 0
 
 
 def _size_limit(conn: Any) -> int | None:
@@ -221,6 +235,8 @@ def _in_message(conn: Any) -> bool:
 # after a close) incoming bytes go to websockets.
 _BETWEEN_FRAMES = getattr(getattr(StreamReader, "at_eof", None), "__code__", None)
 _PONG = b"\x8a"  # the first byte of a server's pong frame (FIN, opcode 0xA)
+# Bytes of messages waiting in a connection's inbox before reading pauses (send_receive_event_to_app)
+INBOX_READ_AHEAD = 64 * 1024
 
 
 # What a refused handshake says (websockets' text names its own exceptions, a base64 decoder's
@@ -333,10 +349,12 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     def send_receive_event_to_app(self) -> None:
         # uvicorn pauses reading after every message until the application has taken it: two
         # more system calls a message (the socket out of the event loop's poll set and back in).
-        # Here reading pauses when a message arrives while an earlier one still waits, so an
-        # application that keeps up never pauses it; the inbox then holds at most two messages
-        # (and those of one read).
-        if self.read_paused or not self.queue.empty():
+        # Here reading pauses when a message arrives while INBOX_READ_AHEAD bytes of earlier ones
+        # still wait, so an application that keeps up never pauses it, and a client that sends
+        # many small messages ahead (response.create frames that wait for room) still has its
+        # pings answered and its close seen meanwhile; the inbox then holds at most that many
+        # bytes and one message (and those of one read).
+        if self.read_paused or self.queue.nbytes >= INBOX_READ_AHEAD:  # type: ignore[attr-defined]
             self._deliver()
             return
         self.read_paused = True  # _deliver then leaves reading on
