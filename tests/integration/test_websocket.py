@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -190,29 +191,35 @@ def _ws_frame(opcode: int, payload: bytes) -> bytes:
     return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
+def _raw_websocket(port: int, rcvbuf: int | None = None) -> tuple[socket.socket, bytes]:
+    """A raw client socket after the WebSocket handshake, and what it read after the 101's head
+    (``rcvbuf``: a receive buffer of that size, without the kernel's autotuning)."""
+    import base64
+    import os
+
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16))
+    s.sendall(
+        b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 101")
+    return s, head.split(b"\r\n\r\n", 1)[1]
+
+
 def test_a_client_that_pings_and_never_reads_gets_one_pong_held_not_all(server) -> None:
     """uvicorn wrote a pong for every ping, whether or not the client read them (about 25 MB a
     second held by the server for one such client). While the client does not read, only the
     latest ping's pong is kept: it arrives once the client reads, after those written before."""
-    import base64
-    import os
-    import socket
-
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # no autotuning (up to 32 MB here)
-    s.settimeout(30)
-    s.connect(("127.0.0.1", server.port))
+    s, rest = _raw_websocket(server.port, rcvbuf=65536)  # no autotuning (up to 32 MB here)
     try:
-        key = base64.b64encode(os.urandom(16))
-        s.sendall(
-            b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += s.recv(4096)
-        assert head.startswith(b"HTTP/1.1 101")
-        rest = head.split(b"\r\n\r\n", 1)[1]
         pings = 200_000  # 26 MB of pongs: more than the kernel's buffers on both sides hold
         batch = b"".join(_ws_frame(0x9, b"%06d" % i + b"p" * 119) for i in range(1000))
         s.settimeout(60)
@@ -248,27 +255,13 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
     connection gracefully, which waits for the write buffer to drain: never, so its response
     (and the backend connection under it) stayed until the server restarted. Now the
     connection is aborted and the response cancelled."""
-    import base64
     import os
-    import socket
 
     args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "200000", "--ws-ping-interval", "0.5",
             "--ws-ping-timeout", "0.5")
     with run_server(tmp_path, *args) as server:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
-        s.settimeout(10)
-        s.connect(("127.0.0.1", server.port))
+        s, _ = _raw_websocket(server.port, rcvbuf=4096)  # no autotuning
         try:
-            key = base64.b64encode(os.urandom(16))
-            s.sendall(
-                b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
-            )
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += s.recv(4096)
-            assert head.startswith(b"HTTP/1.1 101")
             create = json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi " * 50, "store": False}).encode()
             mask = os.urandom(4)
             s.sendall(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
@@ -302,21 +295,10 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
 def test_a_text_message_that_is_not_utf8_closes_with_1007_and_one_log_line(server) -> None:
     """uvicorn logged each such message as an ERROR with a traceback: any client could flood
     the log. Now one line; the close is 1007 as before."""
-    import base64
-    import os
-    import socket
-
     before = server.logs().count("is not UTF-8")
     for _ in range(3):
-        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s, buf = _raw_websocket(server.port)
         try:
-            key = base64.b64encode(os.urandom(16))
-            s.sendall(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
-            buf = b""
-            while b"\r\n\r\n" not in buf:
-                buf += s.recv(4096)
-            buf = buf.split(b"\r\n\r\n", 1)[1]
             s.sendall(_ws_frame(0x1, b'{"type":"\xff"}'))
             while len(buf) < 4:
                 chunk = s.recv(4096)
@@ -338,26 +320,15 @@ def test_pings_are_answered_while_frames_wait_for_room(tmp_path) -> None:
     response to finish, and reading had paused with a message waiting, so a ping sent then was
     answered only seconds later (a client with websockets' 20 s ping timeout would drop the
     connection and its queued responses). Small frames are read ahead now: the pong is at once."""
-    import base64
-    import os
-    import socket
-
     with run_server(tmp_path, "--store", "memory", "--sim-rate", "50", "--sim-output-tokens", "100") as server:
-        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s, buf = _raw_websocket(server.port)
         try:
-            key = base64.b64encode(os.urandom(16))
-            s.sendall(b"GET /v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
-            buf = b""
-            while b"\r\n\r\n" not in buf:
-                buf += s.recv(4096)
             frames = [json.dumps({"type": "response.create", "model": "m", "input": f"t{i}", "store": False}).encode()
                       for i in range(80)]
             s.sendall(b"".join(_ws_frame(0x1, f) for f in frames))
             time.sleep(0.5)
             s.sendall(_ws_frame(0x9, b"are-you-there"))
             t0 = time.monotonic()
-            buf = buf.split(b"\r\n\r\n", 1)[1]
             while b"\x8a\x0dare-you-there" not in buf and time.monotonic() - t0 < 10:
                 buf += s.recv(1 << 16)
             assert b"\x8a\x0dare-you-there" in buf and time.monotonic() - t0 < 1.0
