@@ -904,3 +904,51 @@ def test_configured_fields_the_transport_owns_are_not_sent() -> None:
     pool = Pool("http://127.0.0.1:9/v1", headers={"Expect": "100-continue", "Connection": "close", "X-Kept": "1"})
     head = pool._head("POST", "/c", 2, "").decode()
     assert "expect" not in head.lower() and "connection" not in head.lower() and "x-kept: 1\r\n" in head
+
+
+def test_a_non_2xx_whose_body_stalls_is_still_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 429 whose body never came waited for the first-byte timeout (300 s) and was then a
+    504: now the body has ERROR_BODY_TIMEOUT seconds, and the status decides."""
+    from hotloop.backends.chat import http1
+
+    monkeypatch.setattr(http1, "ERROR_BODY_TIMEOUT", 0.3)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"err")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), first_byte_timeout=8, idle_timeout=8)
+            t0 = time.monotonic()
+            with pytest.raises(errors.RateLimited):
+                await open_chat_stream(pool, "/chat/completions", b"{}", backend="t", model="m")
+            assert time.monotonic() - t0 < 3
+            await pool.aclose()
+
+    run(main())
+
+
+def test_requests_waiting_for_a_connection_fail_when_the_pool_closes() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=8)
+            first = await pool.stream("POST", "/c", b"{}")
+            waiting = asyncio.ensure_future(pool.stream("POST", "/c", b"{}"))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            await pool.aclose()
+            with pytest.raises(errors.BackendUnavailable):
+                await waiting
+            assert time.monotonic() - t0 < 1
+            await first.aclose()
+
+    run(main())

@@ -80,6 +80,7 @@ MAX_HEADERS = 256
 MAX_HEAD_READ = MAX_HEAD_BYTES + 16 * 1024
 MAX_PENDING_BYTES = 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
+ERROR_BODY_TIMEOUT = 10.0  # seconds for a non-2xx answer's body (Pool.error_body)
 Payload = bytes | list[bytes]  # a request body: bytes, or pieces sent as one vectored write
 DRAIN_TIMEOUT = 1.0  # after the caller's release, how long the rest of a body may take to arrive
 
@@ -721,10 +722,13 @@ class Pool:
         return resp
 
     async def error_body(self, resp: Response) -> object:
-        """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON."""
+        """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON; one
+        that does not arrive within ``ERROR_BODY_TIMEOUT`` is taken as empty (its status still
+        says what went wrong: a 429 is not a 504 because its body stalled)."""
         try:
-            raw = await resp.read(MAX_ERROR_BODY_BYTES)
-        except errors.HotloopError:
+            async with asyncio.timeout(ERROR_BODY_TIMEOUT):
+                raw = await resp.read(MAX_ERROR_BODY_BYTES)
+        except (errors.HotloopError, TimeoutError):
             raw = b""
         finally:
             await resp.aclose()
@@ -760,6 +764,8 @@ class Pool:
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
+            if self.closed:
+                raise errors.BackendUnavailable("The model backend is not started.")
             if idle:
                 return await self._acquire()
         return await self._connect()
@@ -823,6 +829,10 @@ class Pool:
         for conn in list(self._idle):
             conn.drop()
         self._idle.clear()
+        while self._waiters:  # requests waiting for a connection fail now, not at their timeout
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
 
 
