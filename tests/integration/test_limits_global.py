@@ -188,6 +188,19 @@ def test_a_malformed_pipelined_request_is_answered_after_the_one_before_it(slow:
     assert out[end:].startswith(b"HTTP/1.1 400") and b"invalid_http_request" in out[end:] and closed is not None
 
 
+def test_a_pipelined_request_with_a_malformed_body_is_answered_after_the_one_before_it(slow: Server) -> None:
+    """Its 400 waits for the response before it; the request itself never runs."""
+    s = _connect(slow)
+    s.sendall(_slow_request(True))
+    time.sleep(0.2)
+    s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    out, closed = _drain(s, WAIT)
+    s.close()
+    end = _first_response_end(out, True)
+    assert out.startswith(b"HTTP/1.1 200") and end > 0, out[:300]
+    assert out[end:].startswith(b"HTTP/1.1 400") and out.count(b"HTTP/1.1 200") == 1 and closed is not None
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 def test_a_pipelined_websocket_handshake_is_refused_after_the_response_before_it(slow: Server, stream: bool) -> None:
     """Switched at once, its 101 went inside (or ahead of) the running response, whose bytes

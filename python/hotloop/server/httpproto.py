@@ -370,7 +370,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        if (cycle is None or cycle.response_complete) and not self.pipeline:
+        if cycle is not None and not cycle.response_complete and cycle.more_body:
+            # the refused bytes are the newest request's own body (a malformed chunk)
+            if self.pipeline and self.pipeline[0][0] is cycle:
+                self.pipeline.popleft()  # it waited for its turn: it never runs
+                self._refusal = answer
+                return
+            # it runs, its application waiting for the body: answered now (cut if it started)
+            if not cycle.response_started:
+                self.transport.write(answer)
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.close()
+        elif (cycle is None or cycle.response_complete) and not self.pipeline:
             self.transport.write(answer)
             self.transport.close()
         else:
