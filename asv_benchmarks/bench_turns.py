@@ -114,7 +114,7 @@ class PrefixTurn:
             calls = frozenset(plan.context.call_ids)
             entry = finished(plan, resp, self.tokens, "o")
             if hit is not None:
-                reuse.adopt(entry)
+                reuse.adopt(entry, plan.parent)
             n = entry.input_len
             reg = reuse.registration(raw, plan.prepared.items)
             head = reuse.head_of(reg.raw) if reg is not None else None
