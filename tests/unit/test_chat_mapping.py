@@ -179,6 +179,33 @@ def test_images() -> None:
 
 
 @pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+def test_text_after_calls_joins_the_message_that_holds_them(dialect) -> None:
+    """hotloop's own output can be [function_call, message] (text that came while a call was
+    open), or text between calls: rendered as an assistant message after the one with the
+    calls, the calls' results no longer followed them, which strict chat servers refuse."""
+    req = request(
+        [
+            user("find"),
+            assistant("Let me look."),
+            fcall("call_a"),
+            assistant("Looking it up."),
+            fcall("call_b"),
+            {"type": "custom_tool_call", "call_id": "k", "name": "patch", "input": "x"},
+            fout("call_a", "A"),
+            fout("call_b", "B"),
+            fcall("call_c"),
+            assistant("And this."),
+            fout("call_c", "C"),
+        ]
+    )
+    msgs = render(req, dialect)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "assistant", "tool"]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["call_a", "call_b"]
+    assert msgs[1]["content"].startswith("Let me look.\n\nLooking it up.\n\n{") and "custom_tool_call" in msgs[1]["content"]
+    assert msgs[4]["content"] == "And this." and [c["id"] for c in msgs[4]["tool_calls"]] == ["call_c"]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
 def test_function_calls_merge_and_outputs_match(dialect) -> None:
     req = request(
         [
@@ -506,6 +533,14 @@ def test_status_errors() -> None:
     ctx = err(400, {"message": "Please reduce the length of the messages or completion.", "type": "invalid_request_error", "code": "context_length_exceeded"})
     assert isinstance(ctx, errors.ContextLengthExceeded) and ctx.code == "context_length_exceeded" and ctx.status == 400
     assert isinstance(err(400, {"error": {"message": "This model's maximum context length is 8192 tokens."}}), errors.ContextLengthExceeded)
+    # llama.cpp's server: an integer code, its kind as the type
+    llama = err(400, {"error": {"code": 400, "message": "request (4476 tokens) exceeds the available context size (4096 tokens)",
+                                "type": "exceed_context_size_error", "n_prompt_tokens": 4476, "n_ctx": 4096}})
+    assert isinstance(llama, errors.ContextLengthExceeded) and llama.param == "input"
+    assert isinstance(err(400, {"error": {"code": 400, "message": "too big", "type": "exceed_context_size_error"}}), errors.ContextLengthExceeded)
+    # a long delay reads as Codex parses it ("try again in Ns"), not as 3.6e+03s
+    assert "Please try again in 3600s." in err(429, {}, {"retry-after": "3600"}).message
+    assert "Please try again in 1.5s." in err(429, {}, {"retry-after": "1.5"}).message
     bad = err(400, {"error": {"message": "tools[0]: bad\x00 schema", "type": "invalid_request_error"}})
     assert type(bad) is errors.InvalidRequest and bad.message == "The model backend rejected the request: tools[0]: bad  schema"
     long = err(422, {"message": "x" * 5000})

@@ -157,10 +157,31 @@ def _render_items(
         messages.append(msg)
         encoded.append(enc(msg))
 
+    def after_calls(text: str) -> bool:
+        """Assistant text right after the assistant's calls (the model wrote on after a call, or
+        the assembler closed the call before the text): merged into the message that holds the
+        calls, or the calls' results would no longer follow them at once, which strict chat
+        servers refuse (OpenAI: "An assistant message with 'tool_calls' must be followed by
+        tool messages"). Chat messages cannot interleave text and calls: the texts are joined."""
+        nonlocal reasoning
+        last = messages[-1] if messages else None
+        if last is None or last["role"] != "assistant" or "tool_calls" not in last:
+            return False
+        prev = last.get("content")
+        merged = {**last, "content": f"{prev}\n\n{text}" if prev and text else prev or text}
+        if reasoning and "reasoning" not in merged:
+            merged["reasoning"] = reasoning
+        reasoning = ""
+        messages[-1] = merged
+        encoded[-1] = enc(merged)
+        return True
+
     for item in items:
         if isinstance(item, Message):
             if item.role == "assistant":
                 text = _text_only(item.content, dialect, "assistant messages")
+                if after_calls(text):
+                    continue
                 msg: dict[str, Any] = {"role": "assistant", "content": text}
                 if reasoning:
                     msg["reasoning"] = reasoning
@@ -208,7 +229,9 @@ def _render_items(
             # user turns, everything else as the assistant's own. The JSON keeps the client's key
             # order, so the rendering is as stable as the item.
             role = "user" if item.type.endswith("_output") else "assistant"
-            add({"role": role, "content": enc(model_view(item.data)).decode("utf-8")})
+            text = enc(model_view(item.data)).decode("utf-8")
+            if role == "user" or not after_calls(text):
+                add({"role": role, "content": text})
             reasoning = ""
         elif isinstance(item, ItemReference):
             # The server resolves references before calling a backend; one left here is a bug.

@@ -34,6 +34,8 @@ _CONTEXT_PATTERNS = (
     "too many tokens",
     "prompt is too long",
     "reduce the length",
+    "context size",  # llama.cpp: "request (N tokens) exceeds the available context size (M tokens)"
+    "exceed_context_size",  # llama.cpp's error type
 )
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _DURATION_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -97,6 +99,11 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     return min(resets) if resets else None
 
 
+def _plain_seconds(delay: float) -> str:
+    """A delay as Codex reads "try again in Ns": a plain number (3600, 1.5, 0.25), never "3.6e+03"."""
+    return f"{delay:.0f}" if delay >= 100 else f"{delay:.3f}".rstrip("0").rstrip(".")
+
+
 def _error_fields(body: object) -> tuple[str, str]:
     """(message, code) of an OpenAI-style ``{"error": {...}}`` or Cerebras' flat error body."""
     if isinstance(body, dict):
@@ -107,6 +114,8 @@ def _error_fields(body: object) -> tuple[str, str]:
             return inner, ""
         msg = body.get("message")
         code = body.get("code")
+        if not isinstance(code, str):  # llama.cpp: the HTTP status as "code", its kind as "type"
+            code = body.get("type")
         return (msg if isinstance(msg, str) else ""), (code if isinstance(code, str) else "")
     if isinstance(body, str):
         return body, ""
@@ -189,11 +198,11 @@ def status_error(
         # The backend's x-ratelimit-* headers describe hotloop's own account with it: they decide
         # the delay and are never passed on.
         delay = retry_after(headers)
-        hint = f" Please try again in {delay:.3g}s." if delay is not None else ""
+        hint = f" Please try again in {_plain_seconds(delay)}s." if delay is not None else ""
         return errors.RateLimited(f"Rate limit reached for model '{errors.clip(model)}' on the model backend.{hint}", retry_after=delay)
     lowered = message.lower()
     if status in (400, 413, 422):
-        if code == "context_length_exceeded" or any(p in lowered for p in _CONTEXT_PATTERNS):
+        if code == "context_length_exceeded" or any(p in lowered or p in code for p in _CONTEXT_PATTERNS):
             return errors.ContextLengthExceeded(
                 "The input exceeds the context window of this model. Please shorten the input.", param="input"
             )
