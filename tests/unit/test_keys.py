@@ -149,3 +149,78 @@ def test_response_cache_is_scoped_and_resolves_only_own_minted_items() -> None:
     assert c.find_item("msg_x", "key_a").content == "key_a"
     assert c.find_item("msg_x", None).content == "key_a"  # the newest is b's, but b's copy was supplied
     assert LEGACY_OWNER == ANONYMOUS.id
+
+
+def _bearer(secret: str) -> dict:
+    return {"headers": [(b"authorization", b"Bearer " + secret.encode())]}
+
+
+def test_a_key_created_while_a_look_is_in_flight_works_on_its_first_request(tmp_path) -> None:
+    """Its first request joined the look in flight, which had read the table before the key was
+    created: 401, where a new key works at once."""
+    import time as _time
+
+    class Slow(SQLiteKeyStore):
+        delay = 0.0
+
+        def version(self):  # type: ignore[no-untyped-def]
+            v = super().version()
+            _time.sleep(self.delay)  # read, then a busy database
+            return v
+
+    path = tmp_path / "k.sqlite3"
+    server_side, cli_side = Slow(path), SQLiteKeyStore(path)
+    cli_side.create("first")
+
+    async def main() -> str:
+        t = Tenancy(server_side, None)
+        server_side.delay = 0.3
+        look = asyncio.ensure_future(t.refresh())  # the watcher's
+        await asyncio.sleep(0.05)
+        _, secret = cli_side.create("second")
+        name = (await t.authenticate(_bearer(secret))).name
+        await look
+        t._pool.shutdown()
+        return name
+
+    assert asyncio.run(main()) == "second"
+
+
+def test_a_request_that_joins_a_failing_look_gets_503_not_401() -> None:
+    """The key store unreachable: a request for a key not known yet is a 503 (retried by the
+    SDKs); one that joined the watcher's look in flight got a 401 (never retried)."""
+    import time as _time
+
+    class Down(MemoryKeyStore):
+        down = False
+
+        def version(self):  # type: ignore[no-untyped-def]
+            if self.down:
+                _time.sleep(0.2)
+                raise errors.StoreUnavailable()
+            return super().version()
+
+    keys = Down()
+    keys.create("a")
+
+    async def main() -> list[str]:
+        t = Tenancy(keys, None)
+        keys.down = True
+        out = []
+        for join in (False, True):
+            look = asyncio.ensure_future(t.refresh()) if join else None
+            await asyncio.sleep(0.01)
+            try:
+                await t.authenticate(_bearer("hl-" + "n" * 43))
+                out.append("ok")
+            except errors.StoreUnavailable:
+                out.append("503")
+            except errors.AuthenticationFailed:
+                out.append("401")
+            if look is not None:
+                with pytest.raises(errors.StoreUnavailable):
+                    await look
+        t._pool.shutdown()
+        return out
+
+    assert asyncio.run(main()) == ["503", "503"]

@@ -106,3 +106,20 @@ def test_tracked_keys_are_bounded() -> None:
     lim.take_request("a", limits)  # "a" was dropped first: it starts again full
     with pytest.raises(RequestsLimited):
         lim.take_request("d", limits)
+
+
+def test_a_key_with_responses_in_flight_is_not_dropped_from_the_tracked_ones() -> None:
+    """Dropped (least recently used), a key forgot its responses in flight, and was admitted
+    again past its max_concurrent."""
+    from hotloop.tenants.limits import LimitExceeded
+
+    lim = MemoryLimiter(max_keys=2, clock=lambda: 0.0)
+    one = Limits(max_concurrent=1)
+    running = lim.admit("A", one, 0)
+    lim.admit("B", one, 0).finish(0)  # type: ignore[union-attr]
+    lim.admit("C", one, 0).finish(0)  # type: ignore[union-attr]  # B goes, not A
+    with pytest.raises(LimitExceeded):
+        lim.admit("A", one, 0)
+    assert len(lim) == 2
+    running.finish(0)  # type: ignore[union-attr]
+    lim.admit("A", one, 0)

@@ -222,3 +222,76 @@ def test_leases_are_renewed_by_their_holder_and_lapse_without_it(redis: Redis, m
         await close(a, b)
 
     asyncio.run(run())
+
+
+def test_a_bucket_in_debt_outlives_its_debt(redis: Redis) -> None:
+    """A response that used far more tokens than it reserved leaves the bucket below zero; it
+    expired after 120 s whatever its level, and came back full (the in-process limiter waits)."""
+    import redis as redis_py
+
+    async def run() -> None:
+        lim = RedisLimiter(redis.url, prefix="debt:")
+        g = await lim.admit("k", Limits(tpm=600), 100)
+        g.finish(3100)  # 3,000 over: at 600 a minute, about 300 s to fill again
+        await asyncio.gather(*lim._tasks)
+        ttl = redis_py.Redis.from_url(redis.url).pttl(lim._key("k", "tpm"))
+        assert ttl > 280_000, ttl
+        with pytest.raises(TokensLimited):
+            await lim.admit("k", Limits(tpm=600), 100)
+        await close(lim)
+
+    asyncio.run(run())
+
+
+def test_redis_refusing_writes_is_a_503(redis: Redis) -> None:
+    """Out of memory (maxmemory), or a read-only replica: the limiter's scripts failed with a
+    500 and a traceback, where Redis being down is a 503."""
+    import redis as redis_py
+
+    admin = redis_py.Redis.from_url(redis.url)
+
+    async def run() -> None:
+        lim = RedisLimiter(redis.url, prefix="oom:")
+        await lim.take_request("k", Limits(rpm=10))
+        admin.config_set("maxmemory", "1")
+        try:
+            with pytest.raises(errors.StoreUnavailable):
+                await lim.take_request("k", Limits(rpm=10))
+        finally:
+            admin.config_set("maxmemory", "0")
+        await close(lim)
+
+    asyncio.run(run())
+
+
+def test_a_key_table_emptied_and_refilled_is_read_again(redis: Redis) -> None:
+    """Redis restarted without its data (or a FLUSHDB) and as many keys created again: the
+    counters were the same as before, so the table was never read again: the lost key worked on,
+    the new one was refused."""
+    import redis as redis_py
+
+    from hotloop.tenants import Tenancy
+
+    keys = RedisKeyStore(redis.url, prefix="aba:")
+    _, old = keys.create("ci")
+
+    async def run() -> tuple[str, str]:
+        t = Tenancy(keys, None)
+        assert (await t.authenticate({"headers": [(b"authorization", b"Bearer " + old.encode())]})).name == "ci"
+        r = redis_py.Redis.from_url(redis.url)
+        r.delete(*r.keys("aba:*"))
+        _, new = keys.create("ci")
+        await t.refresh()
+        out = []
+        for secret in (old, new):
+            try:
+                out.append((await t.authenticate({"headers": [(b"authorization", b"Bearer " + secret.encode())]})).name)
+            except errors.AuthenticationFailed:
+                out.append("401")
+        t._pool.shutdown()
+        return out[0], out[1]
+
+    try:
+        assert asyncio.run(run()) == ("401", "ci")
+    finally:
+        keys.close()

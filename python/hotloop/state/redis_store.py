@@ -143,10 +143,14 @@ T = TypeVar("T")
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "Redis cannot be reached" (not a bug in a script)."""
+    """The exceptions that mean "Redis cannot be reached" (not a bug in a script), or cannot
+    take writes now: out of memory (``maxmemory``), a read-only replica, a primary that lost its
+    link (a 503, as when it is down; a 500 with a traceback before)."""
     import redis
+    from redis.exceptions import MasterDownError, OutOfMemoryError, ReadOnlyError
 
-    return (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError)
+    return (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError, OutOfMemoryError,
+            ReadOnlyError, MasterDownError)
 
 
 class RedisVersionError(errors.StoreUnavailable):

@@ -70,6 +70,11 @@ ADMIN = Tenant("admin", "admin", admin=True)
 ANONYMOUS = Tenant(LEGACY_OWNER, "anonymous")
 
 
+def _retrieved(fut: "asyncio.Future[None]") -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
@@ -184,16 +189,25 @@ class Tenancy:
     async def refresh(self) -> None:
         """Re-read the key table if it changed (one query; concurrent callers share it)."""
         if self._refreshing is not None:
-            return await asyncio.shield(self._refreshing)
+            # a look in flight, which may have read the table before the caller's key was
+            # created: joined, then one more of the caller's own (a new key works at once)
+            await asyncio.shield(self._refreshing)
+            if self._refreshing is not None:
+                return await asyncio.shield(self._refreshing)
         loop = asyncio.get_running_loop()
         fut = self._refreshing = loop.create_future()
+        fut.add_done_callback(_retrieved)  # a failure nobody joined is not "never retrieved"
         try:
             version, records = await loop.run_in_executor(self._pool, self._read, self._version)
             if records is not None:
                 self._reload(version, records)
+        except BaseException as exc:
+            fut.set_exception(exc)  # those who joined fail as this caller does (503, not a 401)
+            raise
+        else:
+            fut.set_result(None)
         finally:
             self._refreshing = None
-            fut.set_result(None)
 
     async def _flush_used(self, force: bool = False) -> None:
         now = time.time()

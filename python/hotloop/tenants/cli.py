@@ -28,8 +28,8 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
 
 def _positive(text: str) -> int:
     n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError("must be a positive integer")
+    if n <= 0 or n > 2**63 - 1:  # what the key stores hold (SQLite's INTEGER)
+        raise argparse.ArgumentTypeError("must be a positive integer below 2**63")
     return n
 
 

@@ -178,8 +178,14 @@ class MemoryLimiter:
         st = self._states.get(key_id)
         if st is None or st.limits != limits:
             st = self._states[key_id] = KeyState(limits, now)
-            while len(self._states) > self.max_keys:
-                self._states.popitem(last=False)
+            states = self._states
+            while len(states) > self.max_keys:
+                # the least recently used key without a response in flight: one with responses
+                # running keeps its count, or it would be admitted again past max_concurrent
+                victim = next((k for k, s in states.items() if s.inflight == 0 and k != key_id), None)
+                if victim is None:
+                    break
+                del states[victim]
         else:
             self._states.move_to_end(key_id)
         return st

@@ -6,7 +6,8 @@ Key layout (``P`` is ``hotloop:``)::
                                (empty: unlimited), created_at, last_used, revoked_at (empty: active)
     P k:ids            ZSET    every key id, scored by creation time (listing order)
     P k:name:{name}    STRING  the id of the active key of this name (uniqueness among active keys)
-    P k:version        HASH    created, revoked (counters): what :meth:`version` returns
+    P k:version        HASH    created, revoked (counters) and epoch (random, set by the table's
+                               first create): what :meth:`version` returns
 
 Create and revoke are Lua scripts (atomic: a name is never given to two active keys). Like the
 SQLite key store this is synchronous; :class:`~hotloop.tenants.auth.Tenancy` calls it from its
@@ -18,6 +19,7 @@ not yet known to this process; keys already loaded keep working).
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Callable, TypeVar
 
@@ -33,6 +35,7 @@ redis.call('HSET', P .. 'k:' .. id, 'name', name, 'hash', ARGV[4], 'rpm', ARGV[5
   'max_concurrent', ARGV[7], 'created_at', ARGV[8], 'last_used', '', 'revoked_at', '')
 redis.call('ZADD', P .. 'k:ids', ARGV[8], id)
 redis.call('HINCRBY', P .. 'k:version', 'created', 1)
+redis.call('HSETNX', P .. 'k:version', 'epoch', ARGV[9])
 return 1
 """
 
@@ -78,7 +81,7 @@ class RedisKeyStore:
         rec = KeyRecord(_new_id(), name, hash_secret(secret), limits, time.time())
         args = [
             self.prefix, rec.id, name, rec.hash, _num(limits.rpm), _num(limits.tpm), _num(limits.max_concurrent),
-            repr(rec.created_at),
+            repr(rec.created_at), str(secrets.randbits(62) + 1),
         ]
         if not self._call(lambda: self._create(args=args)):
             raise KeyExists(f"a key named {name!r} exists")
@@ -109,9 +112,12 @@ class RedisKeyStore:
         return out
 
     def version(self) -> tuple[int, int, int]:
-        h = self._call(lambda: self.r.hmget(self.prefix + "k:version", "created", "revoked"))
-        created, revoked = int(h[0] or 0), int(h[1] or 0)
-        return created, revoked, created
+        """(keys created, keys revoked, the table's epoch). The counters alone cannot tell a table
+        emptied (Redis restarted without its data, a FLUSHDB) and refilled with as many keys from
+        the one before: a deleted key would go on working, a new one be refused. The epoch,
+        drawn by the first create of a table, can."""
+        h = self._call(lambda: self.r.hmget(self.prefix + "k:version", "created", "revoked", "epoch"))
+        return int(h[0] or 0), int(h[1] or 0), int(h[2] or 0)
 
     def touch(self, used: dict[str, float]) -> None:
         def write() -> None:

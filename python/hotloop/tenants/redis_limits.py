@@ -77,7 +77,12 @@ local function refill(k, cap, now)
 end
 local function save(k, level, now, cap)
   redis.call('HSET', k, 'level', tostring(level), 'at', tostring(now), 'cap', cap)
-  redis.call('PEXPIRE', k, %d)
+  -- kept until it is full again: a bucket in debt (a response used more tokens than it
+  -- reserved) that expired sooner would come back full
+  local ttl = %d
+  local need = math.ceil((cap - level) * 60000 / cap) + 1000
+  if need > ttl then ttl = need end
+  redis.call('PEXPIRE', k, ttl)
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
