@@ -224,3 +224,14 @@ def test_a_request_that_joins_a_failing_look_gets_503_not_401() -> None:
         return out
 
     assert asyncio.run(main()) == ["503", "503"]
+
+
+def test_key_limits_beyond_what_the_stores_hold_are_refused_by_the_cli() -> None:
+    import argparse
+
+    from hotloop.tenants.cli import _positive
+
+    assert _positive(str(2**63 - 1)) == 2**63 - 1
+    for bad in ("0", "-3", str(2**63), "99999999999999999999"):  # the last crashed SQLite with a traceback
+        with pytest.raises(argparse.ArgumentTypeError):
+            _positive(bad)
