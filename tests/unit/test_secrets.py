@@ -27,6 +27,8 @@ from hotloop.protocol.request import (
     Message,
     OtherItem,
     OutputText,
+    decode_body,
+    validate,
 )
 
 PATTERNS = _accel.SECRET_PATTERNS
@@ -404,7 +406,7 @@ PW = rnd(ALNUM, 20)
 
 def test_item_texts_paths() -> None:
     items = _items(KEY, PW)
-    assert [p for it in items for p, _ in classify.item_texts(it)] == [
+    assert [p for it in items for p, _ in classify.item_texts(it) if p[-1] != classify.KEY] == [
         ("content",), ("content", 0, "text"), ("content", 1, "image_url"), ("name",), ("call_id",),
         ("arguments",), ("call_id",), ("output", 0, "text"), ("output", 1, "text"), ("type",), ("output",),
     ]
@@ -431,7 +433,7 @@ def _nested_items(key: str) -> list[Any]:
 
 def test_nested_texts_of_unmodelled_items_are_scanned_and_redacted() -> None:
     items = _nested_items(KEY)
-    assert [p for it in items for p, _ in classify.item_texts(it)] == [
+    assert [p for it in items for p, _ in classify.item_texts(it) if p[-1] != classify.KEY] == [
         ("type",), ("call_id",), ("status",), ("action", "type"), ("action", "command", 0),
         ("action", "command", 1), ("action", "command", 2), ("action", "env", "AWS_ACCESS_KEY_ID"),
         ("type",), ("call_id",), ("output", 0, "stdout"), ("output", 0, "stderr"),
@@ -467,7 +469,34 @@ def test_string_leaves_stop_at_the_depth_limit() -> None:
         deep = [deep]
     assert classify.string_leaves(deep, ()) == []
     assert classify.string_leaves({"a": [1, None, "x", {"b": "y"}]}, ("p",)) == [
-        (("p", "a", 2), "x"), (("p", "a", 3, "b"), "y")]
+        (("p", "a", classify.KEY), "a"), (("p", "a", 2), "x"), (("p", "a", 3, "b", classify.KEY), "b"),
+        (("p", "a", 3, "b"), "y")]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_secret_in_an_object_key_is_found_and_never_redacted(impl: str) -> None:
+    """Only values were scanned: a credential used as a key (a schema's property name, a
+    metadata key, a key inside an unmodelled item) passed block and redact, and reached the
+    backend and the store. A key cannot be redacted (it names what the JSON refers to): under
+    redact it is refused, and the error's param names the object, not the key."""
+    scanner = SCANNERS[impl]
+    item = OtherItem(type="local_shell_call", data={"type": "local_shell_call", "call_id": "c1",
+                                                    "action": {"type": "exec", "env": {KEY: "1"}}})
+    for policy, want in (("flag", classify.Flag), ("redact", classify.Block), ("block", classify.Block)):
+        c = classify.SecretsClassifier(policy, scanner)
+        verdict, _ = c.classify([item], c.initial_state())
+        assert isinstance(verdict, want), (policy, verdict)
+        assert verdict.findings[0].path == ("action", "env", KEY, classify.KEY)
+        if isinstance(verdict, classify.Block):
+            assert classifiers.blocked_error(verdict).param == "input[0].action.env"
+            assert KEY not in verdict.reason
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {KEY: {"type": "string"}}}}
+    p = validate(decode_body(msgspec.json.encode({"model": "m", "input": "x", "tools": [tool], "metadata": {KEY: "v"}})))
+    verdict, same = classify.SecretsClassifier("redact", scanner).classify_settings(p)
+    assert isinstance(verdict, classify.Block) and same is p
+    assert classifiers.blocked_error(verdict).param == "tools[0].parameters.properties"
+    verdict, _ = classify.SecretsClassifier("flag", scanner).classify_settings(p)
+    assert ("metadata", KEY, classify.KEY) in [f.path for f in verdict.findings]
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -684,3 +713,59 @@ def test_a_secret_in_a_name_is_refused_under_redact() -> None:
     assert isinstance(verdict, classify.Block) and q is p
     assert classifiers.blocked_error(verdict).param == "tools[0].name"
     assert "cannot be redacted" in verdict.reason and gh not in verdict.reason
+
+
+def _item_with(field: str, secret: str) -> dict[str, Any]:
+    if field == "file_data":
+        return {"role": "user", "content": [{"type": "input_file", "file_data": "see " + secret, "filename": "a.txt"}]}
+    if field == "filename":
+        return {"role": "user", "content": [{"type": "input_file", "file_id": "file_1", "filename": secret + ".txt"}]}
+    if field == "annotations":
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "see",
+                "annotations": [{"type": "url_citation", "url": "https://x.test/?k=" + secret, "title": "t",
+                                 "start_index": 0, "end_index": 3}]}]}
+    if field == "encrypted_content":
+        return {"type": "reasoning", "summary": [], "encrypted_content": secret}
+    assert field == "phase"
+    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}], "phase": secret}
+
+
+@pytest.mark.parametrize("field", ["file_data", "filename", "annotations", "encrypted_content", "phase"])
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_every_stored_string_of_an_item_is_scanned_and_redacted(impl: str, field: str) -> None:
+    """These were never scanned: under block the request completed, under redact the secret
+    was stored (and a file's text sent to a backend that takes files)."""
+    from hotloop.protocol.request import decode_items
+
+    items = decode_items([_item_with(field, KEY)])
+    block = classify.SecretsClassifier("block", SCANNERS[impl])
+    assert isinstance(block.classify(items, block.initial_state())[0], classify.Block)
+    redact = classify.SecretsClassifier("redact", SCANNERS[impl])
+    verdict, _ = redact.classify(items, redact.initial_state())
+    assert isinstance(verdict, classify.Redact)
+    out = msgspec.json.encode(verdict.items).decode()
+    assert KEY not in out and "[REDACTED:aws_access_key_id]" in out
+    assert KEY in msgspec.json.encode(items).decode()  # the originals are untouched
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"text": {"format": {"type": "json_schema", "name": "n", "schema": "DEEP"}}}, "text.format.schema"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": "DEEP"}},
+         "tool_choice"),
+    ],
+    ids=["schema", "tool_choice"],
+)
+def test_an_output_schema_or_a_tool_choice_nested_past_the_bound_is_refused(extra: dict[str, Any], param: str) -> None:
+    """Scanned only 256 levels deep, and never bounded: a secret deeper passed block and redact,
+    and went to the backend and the store."""
+    from hotloop import errors as errs
+
+    deep: Any = KEY
+    for _ in range(300):
+        deep = {"a": deep}
+    body = msgspec.json.encode({"model": "m", "input": "x", **extra}).replace(b'"DEEP"', msgspec.json.encode(deep))
+    with pytest.raises(errs.InvalidValue) as ei:
+        validate(decode_body(body))
+    assert ei.value.param == param

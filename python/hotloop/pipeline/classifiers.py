@@ -30,6 +30,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop.pipeline.classify import (
+    KEY,
     SETTINGS,
     Block,
     Classifier,
@@ -261,6 +262,8 @@ def text_chars(items: Sequence[Item], limit: int) -> int:
 
 
 def _param(path: TextPath, item_index: int, string_input: bool) -> str:
+    if path and path[-1] == KEY:  # an object's key: the object (the key may be the secret)
+        path = path[:-2]
     if item_index == SETTINGS:  # instructions, tools[i]..., text.format...
         out = str(path[0])
         path = path[1:]

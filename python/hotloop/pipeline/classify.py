@@ -173,14 +173,26 @@ def _is_data(key: Any, value: str) -> bool:
 MAX_LEAF_DEPTH = MAX_DEPTH
 
 
+#: The last element of the path of an object's *key* (not its value): ``(*path, key, KEY)``. A
+#: list index is never negative. A key cannot be redacted (it names what the JSON refers to).
+KEY = -1
+
+
 def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset()) -> list[tuple[TextPath, str]]:
-    """The strings in a JSON value (dicts, lists, strings), with their paths below ``prefix``,
-    in document order, but inline data (``DATA_FIELDS``); ``skip``: keys of the top-level dict not followed."""
+    """The strings in a JSON value (dicts, lists, strings), object keys among them (their paths
+    end in :data:`KEY`), with their paths below ``prefix``, but inline data (``DATA_FIELDS``);
+    ``skip``: keys of the top-level dict not followed."""
     out: list[tuple[TextPath, str]] = []
     limit = len(prefix) + MAX_LEAF_DEPTH  # containers this deep are not followed
     stack: list[tuple[TextPath, Any]]
     if type(value) is dict:
-        stack = [((*prefix, k), x) for k, x in reversed(value.items()) if k not in skip and type(x) in _NESTED]
+        stack = []
+        for k, x in reversed(value.items()):
+            if k in skip:
+                continue
+            if type(x) in _NESTED:
+                stack.append(((*prefix, k), x))
+            stack.append(((*prefix, k, KEY), k))
     else:
         stack = [(prefix, value)]
     pop, push = stack.pop, stack.append
@@ -188,7 +200,7 @@ def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset
         path, v = pop()
         t = type(v)
         if t is str:
-            if not (path and _is_data(path[-1], v)):
+            if not (path and _is_data(path[-1], v)):  # (a key's path ends in KEY: never data)
                 out.append((path, v))
         elif len(path) >= limit:
             continue
@@ -196,6 +208,7 @@ def string_leaves(value: Any, prefix: TextPath, skip: frozenset[str] = frozenset
             for k, x in reversed(v.items()):
                 if type(x) in _NESTED:
                     push(((*path, k), x))
+                push(((*path, k, KEY), k))
         elif t is list:
             for i in range(len(v) - 1, -1, -1):
                 x = v[i]
@@ -242,12 +255,15 @@ def _part_texts(parts: Sequence[Any], prefix: TextPath) -> list[tuple[TextPath, 
             text = getattr(part, field, None)
             if isinstance(text, str) and not _is_data(field, text):
                 out.append(((*prefix, i, field), text))
+        notes = getattr(part, "annotations", None)
+        if notes:  # citations: their urls and titles are stored and echoed
+            out += string_leaves(notes, (*prefix, i, "annotations"))
     return out
 
 
 #: Content part fields a model reads as text: the text, and the URLs it is given (an image's or a
 #: file's, unless inline data).
-_PART_FIELDS = ("text", "image_url", "file_url")
+_PART_FIELDS = ("text", "image_url", "file_url", "file_data", "filename")
 
 
 def item_texts(item: Item) -> list[tuple[TextPath, str]]:
@@ -257,9 +273,12 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     but its ``OTHER_SKIP_KEYS``. Inline images and files (``data:`` URLs) and audio are not text
     and are not returned."""
     if isinstance(item, Message):
-        if isinstance(item.content, str):
-            return [(("content",), item.content)]
-        return _part_texts(item.content, ("content",))
+        texts: list[tuple[TextPath, str]] = (
+            [(("content",), item.content)] if isinstance(item.content, str) else _part_texts(item.content, ("content",))
+        )
+        if item.phase:  # (Codex's) stored and echoed
+            texts.append((("phase",), item.phase))
+        return texts
     if isinstance(item, FunctionCall):
         return [(("name",), item.name), (("call_id",), item.call_id), (("arguments",), item.arguments)]
     if isinstance(item, FunctionCallOutput):
@@ -271,6 +290,8 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
         out = _part_texts(item.summary, ("summary",))
         if item.content:
             out += _part_texts(item.content, ("content",))
+        if item.encrypted_content:  # opaque to the model, but stored and echoed
+            out.append((("encrypted_content",), item.encrypted_content))
         return out
     if isinstance(item, OtherItem):
         return string_leaves(item.data, (), OTHER_SKIP_KEYS)
@@ -283,6 +304,7 @@ def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
     if isinstance(item, OtherItem):
         return msgspec.structs.replace(item, data=set_leaves(item.data, edits))
     changes: dict[str, Any] = {}
+    nested: dict[tuple[str, int, str], list[tuple[TextPath, str]]] = {}  # a part's JSON field (annotations)
     for path, text in edits:
         field = path[0]
         assert isinstance(field, str)
@@ -294,7 +316,13 @@ def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
             parts = changes[field] = list(getattr(item, field))
         index, attr = path[1], path[2]
         assert isinstance(index, int) and isinstance(attr, str)
+        if len(path) > 3:
+            nested.setdefault((field, index, attr), []).append((path[3:], text))
+            continue
         parts[index] = msgspec.structs.replace(parts[index], **{attr: text})
+    for (field, index, attr), below in nested.items():
+        parts = changes[field]
+        parts[index] = msgspec.structs.replace(parts[index], **{attr: set_leaves(getattr(parts[index], attr), below)})
     return msgspec.structs.replace(item, **changes)
 
 
@@ -339,7 +367,7 @@ def other_settings_texts(req: Any) -> list[tuple[TextPath, str]]:
 def _is_name(path: TextPath) -> bool:
     """Whether a settings path is a name the request's parts refer to each other by: a tool's,
     the output format's, or one in a ``tool_choice`` object."""
-    return path[-1] == "name" and (len(path) == 3 and path[0] in ("tools", "text") or path[0] == "tool_choice")
+    return path[-1] == KEY or path[-1] == "name" and (len(path) == 3 and path[0] in ("tools", "text") or path[0] == "tool_choice")
 
 
 def tools_texts(tools: Sequence[dict[str, Any]]) -> list[tuple[TextPath, str]]:
@@ -465,6 +493,7 @@ class SecretsClassifier:
         findings: list[Finding] = []
         new_items: list[Item] = list(items)
         capped = False
+        key: Finding | None = None  # a finding in an object's key, which cannot be redacted
         for index, item in enumerate(items):
             edits: list[tuple[TextPath, str]] = []
             for path, text in item_texts(item):
@@ -476,7 +505,9 @@ class SecretsClassifier:
                     continue
                 capped = capped or len(spans) >= cap
                 findings.extend(Finding(index, path, kind, s, e) for kind, s, e in spans)
-                if redacting:
+                if path[-1] == KEY:
+                    key = key or findings[-1]
+                elif redacting:
                     edits.append((path, result[0]))
             if edits:
                 new_items[index] = with_texts(item, edits)
@@ -490,6 +521,9 @@ class SecretsClassifier:
         )
         if self.policy == "flag":
             return Flag(labels=labels, findings=tuple(findings)), state
+        if self.policy == "redact" and key is not None:
+            reason = self._reason(kinds, False, " in a field name, which cannot be redacted")
+            return Block(reason=reason, labels=labels, code="secret_detected", findings=(key,)), state
         if self.policy == "redact" and not capped:
             return Redact(labels=labels, findings=tuple(findings), items=tuple(new_items)), state
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=tuple(findings[:1])), state

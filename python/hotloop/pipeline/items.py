@@ -27,6 +27,8 @@ import msgspec
 
 from hotloop import _accel, errors, tokenizer
 from hotloop.protocol.request import (
+    MAX_NESTING,
+    nests_deeper,
     FunctionCall,
     FunctionCallOutput,
     InputFile,
@@ -54,8 +56,7 @@ from hotloop.state.store import LEGACY_OWNER
 _canonical = msgspec.json.Encoder(order="sorted").encode
 _fingerprint = _accel.Fingerprinter(fpkey.PROCESS_KEY)
 
-MAX_DEPTH = 256  # most nested containers (arrays, objects) in an item's view or a tool definition
-_CONTAINERS = (list, tuple, dict)
+MAX_DEPTH = MAX_NESTING  # most nested containers (arrays, objects) in an item's view or a tool definition
 
 
 def use_key(key: bytes) -> None:
@@ -66,14 +67,7 @@ def use_key(key: bytes) -> None:
 
 def too_deep(obj: Any) -> bool:
     """Whether ``obj`` nests more than ``MAX_DEPTH`` containers."""
-    level = [obj] if isinstance(obj, _CONTAINERS) else []
-    depth = 0
-    while level:
-        depth += 1
-        if depth > MAX_DEPTH:
-            return True
-        level = [v for o in level for v in (o.values() if type(o) is dict else o) if isinstance(v, _CONTAINERS)]
-    return False
+    return nests_deeper(obj, MAX_DEPTH)
 
 
 def _part_view(part: Any) -> list[Any]:

@@ -230,6 +230,21 @@ MAX_INPUT_ITEMS = 10_000
 # A model name is a key of the model registry's cache, the usage ledger and the metrics: a name
 # as long as the body (32 MiB) was kept whole in each. Model ids are tens of characters.
 MAX_MODEL_CHARS = 256
+# Most nested containers (arrays, objects) in an item's view, a tool definition, an output format's
+# schema or a tool_choice object (hotloop.pipeline.items.MAX_DEPTH is this)
+MAX_NESTING = 256
+
+
+def nests_deeper(obj: Any, limit: int) -> bool:
+    """Whether the JSON value ``obj`` nests more than ``limit`` containers (iterative: any depth)."""
+    level = [obj] if isinstance(obj, (list, tuple, dict)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [v for o in level for v in (o.values() if type(o) is dict else o) if isinstance(v, (list, tuple, dict))]
+    return False
 MAX_TOOLS = 512
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")  # \Z: "$" would accept a final newline
 STREAM_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,256}\Z")
@@ -685,6 +700,14 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
             raise errors.MissingParameter(
                 "Missing required parameter: 'text.format.schema'.", param="text.format.schema"
             )
+    # as deep as an item or a tool may nest: what the classifiers read (and what is echoed,
+    # stored and sent) is bounded, and nothing deeper goes unread
+    if fmt is not None and nests_deeper(fmt.schema, MAX_NESTING):
+        raise errors.InvalidValue(
+            f"Invalid 'text.format.schema': it nests more than {MAX_NESTING} levels.", param="text.format.schema"
+        )
+    if type(req.tool_choice) is dict and nests_deeper(req.tool_choice, MAX_NESTING):
+        raise errors.InvalidValue(f"Invalid 'tool_choice': it nests more than {MAX_NESTING} levels.", param="tool_choice")
     tools = req.tools or []
     fns = check_tools(tools)
     choice = _check_tool_choice(req.tool_choice, tools, fns)
