@@ -91,3 +91,104 @@ def test_the_idle_watchdog_counts_lane_reads_from_their_time() -> None:
     loop2.now = 11.0
     w2._check()
     assert scope2.expired == [11.0]
+
+
+# -- what a response that fails or is cut short is charged -----------------------------------
+
+_SECRET = "gh" + "p_" + "u8jzPde0IgxLd6GncfBAepfJBd0Kh8oOOL8d"  # the shape of a GitHub token (made up)
+
+
+async def _app(**kw: Any) -> Any:
+    app = make_app(Config(store="memory", sim_rate=0, **kw))
+    await app.startup()
+    return app
+
+
+def _body(text: str, sim: str) -> Any:
+    import json
+
+    return decode_body(json.dumps({"model": "hotloop-sim", "input": text, "metadata": {"sim": sim}}))
+
+
+def test_a_flagged_response_that_fails_is_counted_as_flagged() -> None:
+    """Charged in the ledger when it failed, it was never counted as flagged there."""
+
+    async def main() -> list[Any]:
+        out = []
+        for policy in ("flag", "redact"):
+            for sim in ("tokens:6,fail:server_error", "tokens:6,error"):
+                app = await _app(secrets=policy)
+                try:
+                    run = await app.engine.start(_body("key " + _SECRET, sim), transport="http")
+                    await run.drain()
+                    await app.persistence.flush()
+                    [row] = await app.persistence.usage()
+                    out.append((run.turn.response["status"], row["responses"], row["flagged"]))
+                finally:
+                    await app.shutdown()
+        return out
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [("failed", 1, 1)] * 4
+
+
+def test_a_response_whose_store_write_fails_is_charged_once() -> None:
+    """--store-sync full, the write fails: the response becomes failed after complete() had put
+    it in the ledger, and the failure path charged it again."""
+
+    async def main() -> tuple[str, Any, Any]:
+        app = await _app(store_sync="full")
+        store = app.persistence.store
+        real_put = store.put
+
+        def failing_put(rec: Any) -> None:
+            raise OSError("disk full")
+
+        store.put = failing_put
+        try:
+            run = await app.engine.start(_body("hi", "tokens:4"), transport="http")
+            await run.drain()
+            store.put = real_put
+            await app.persistence.flush()
+            return run.turn.response["status"], run.turn.response["usage"], await app.persistence.usage()
+        finally:
+            store.put = real_put
+            await app.shutdown()
+
+    status, usage, rows = asyncio.run(asyncio.wait_for(main(), 30))
+    assert status == "failed" and rows[0]["responses"] == 1 and rows[0]["input_tokens"] == usage["input_tokens"]
+
+
+def test_a_client_that_leaves_does_not_have_its_input_counted_on_the_event_loop(monkeypatch: Any) -> None:
+    """Its input (1.3 MB here) had been counted in the tokenizer thread, and was counted again,
+    on the event loop, when the client left (270 ms for 8 MiB, a client could repeat it)."""
+    import threading
+
+    from hotloop.pipeline import items as itemlib
+
+    threads: list[str] = []
+    real = itemlib.count_pending
+
+    def spy(*a: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*a)
+
+    monkeypatch.setattr(itemlib, "count_pending", spy)
+    text = " ".join(f"w{i} lorem ipsum dolor" for i in range(60_000))
+
+    async def main() -> tuple[bool, str]:
+        app = make_app(Config(store="memory", sim_rate=20))
+        await app.startup()
+        try:
+            run = await app.engine.start(_body(text, "tokens:100"), transport="sse")
+            frames = run.frames()
+            await frames.__anext__()
+            await asyncio.sleep(0.5)
+            counted = run._counts is not None and run._counts.done()
+            await frames.aclose()  # the client left
+            return counted, run.turn.response["status"]
+        finally:
+            await app.shutdown()
+
+    counted, status = asyncio.run(asyncio.wait_for(main(), 60))
+    assert counted and status != "completed"
+    assert threads and "MainThread" not in threads, threads

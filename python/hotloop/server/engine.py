@@ -602,6 +602,7 @@ class Engine:
                 run.conn.put(entry, run.prepared.req.stream_id, nbytes)
             if entry.store:
                 self.responses.put(entry, nbytes)
+            run.ledgered = True  # (a store write that then fails makes it failed: not charged again)
             await self.persistence.submit(entry, run.tenant.name, run.plan.flags)
             self.completed += 1
         else:
@@ -768,6 +769,7 @@ class Run:
         self._steered = False  # steering asked this response to stop at a safe boundary
         self._abort: errors.HotloopError | None = None  # ... or to fail now (abort)
         self._sealed = False  # cached and stored before its terminal event (--store-sync full)
+        self.ledgered = False  # its usage went to the ledger with the response (Engine.complete)
         self._cut = False  # ... and cut the backend wait short for either
         self._cut_done = False
         self._watch: _Watchdog | None = None
@@ -1035,16 +1037,21 @@ class Run:
                     self._watch = None
         finally:
             engine.runs.discard(self)
-            if not turn.done and not self.plan.settled:
-                # cut short (its client left): its input counted now, for what it is charged
-                self.plan.settle()
-                turn.input_tokens, turn.cached_tokens = self.plan.input_tokens, self.plan.cached_tokens
+            counts = self._counts
+            if not turn.done and not self.plan.settled and counts is not None and counts.done():
+                # cut short (its client left): its input counted, for what it is charged, if the
+                # counts came; never counted here, on the event loop (its estimate is charged)
+                if not counts.cancelled() and counts.exception() is None:
+                    self.plan.settle(counts.result())
+                    turn.input_tokens, turn.cached_tokens = self.plan.input_tokens, self.plan.cached_tokens
             self._release()
-            if turn.response["status"] not in ("completed", "incomplete"):
+            if turn.response["status"] not in ("completed", "incomplete") and not self.ledgered:
                 # The backend worked for it (a Run exists once its first chunk came): a response
                 # cut short or failed is charged what it used, in the ledger as in its key's TPM
-                # budget (complete() records the others, with the response)
-                engine.persistence.charge(usage_record({**turn.response, "usage": self.spent()}, self.tenant.name))
+                # budget, with what its classifiers flagged (complete() records the others, with
+                # the response)
+                record = usage_record({**turn.response, "usage": self.spent()}, self.tenant.name, self.plan.flags)
+                engine.persistence.charge(record)
             if not turn.done:
                 engine.observe(self)  # the transports observe the others, after their last write
             # Once the terminal event exists the response is real: its caching and storage come
