@@ -1,9 +1,11 @@
 """A run stopped on purpose (an abort at the end of the shutdown grace) is not a backend failure,
-even when the backend turns the cancellation into an error of its own."""
+even when the backend turns the cancellation into an error of its own; what a response that
+fails, or whose client leaves, is charged (ledger and flags)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, AsyncIterator
 
 from hotloop import errors
@@ -192,3 +194,25 @@ def test_a_client_that_leaves_does_not_have_its_input_counted_on_the_event_loop(
     counted, status = asyncio.run(asyncio.wait_for(main(), 60))
     assert counted and status != "completed"
     assert threads and "MainThread" not in threads, threads
+
+
+def test_a_client_that_leaves_before_the_first_token_is_charged_its_input() -> None:
+    """The backend had the request (prefill, queueing) when the client left: nothing was charged,
+    in the ledger or the key's TPM budget, so large inputs could be sent for free."""
+
+    async def main() -> list[Any]:
+        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=3.0))
+        await app.startup()
+        try:
+            start = asyncio.ensure_future(app.engine.start(_body("word " * 2000, "tokens:4"), transport="sse"))
+            await asyncio.sleep(0.5)  # the backend works on it
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+            await app.persistence.flush()
+            return await app.persistence.usage()
+        finally:
+            await app.shutdown()
+
+    [row] = asyncio.run(asyncio.wait_for(main(), 30))
+    assert row["responses"] == 1 and 1500 < row["input_tokens"] < 4000 and row["output_tokens"] == 0

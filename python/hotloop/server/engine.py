@@ -227,6 +227,7 @@ class Engine:
             raise errors.ServerShuttingDown("The server is shutting down; send the request again on a new connection.")
         started: list[Any] = []
         grant: Grant | None = None
+        requested = False  # the backend has the request (it works for it from then on)
         slot: PushSlot | None = None
         clock = time.perf_counter
         marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
@@ -310,11 +311,22 @@ class Engine:
                 # the request goes to the backend now: its deferred scan completes, and logs a
                 # secret it finds, whatever happens next (the client leaving, a backend refusal)
                 started.remove(verdicts)
+            requested = req.generate is not False
             first = await self._first(stream, request_id)
             marks.append(clock())
         except BaseException as exc:  # any failure of a continuation evicts its parent (not only 4xx)
+            charged = None
+            if requested and isinstance(exc, asyncio.CancelledError):
+                # its client left while the backend worked on the request (prefill, queueing):
+                # charged its input, in its key's TPM budget and in the ledger, as a response
+                # cut short later is (a backend's refusal or error is not charged)
+                charged = plan.input_estimate()
+                model = req.model or self.backend.default_model
+                usage = {"input_tokens": charged, "output_tokens": 0, "total_tokens": charged,
+                         "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                self.persistence.charge(usage_record({"model": model, "usage": usage}, tenant.name, plan.flags))
             if grant is not None:
-                grant.finish(None)
+                grant.finish(charged)
             if not isinstance(exc, _KEEPS_PARENT):  # a retry must find the parent
                 self._evict(req, conn)
             for fut in started:
