@@ -348,3 +348,16 @@ def test_a_tombstone_keeps_its_items_and_nothing_else(store: RedisStore) -> None
     assert b"DELETED" not in b"".join(fields.values())
     h = store.get("tb", "alice")
     assert h is not None and [it["id"] for it in h.items] == ["ta1", "tb1"]
+
+
+def test_a_response_past_its_time_to_live_is_not_found_by_delete_either(redis: Redis) -> None:
+    s = RedisStore(redis.url, 3600, prefix="ttldel:")
+    try:
+        s.put(rec("old", [item("o1")]))
+        s.ttl_seconds = 0.05
+        time.sleep(0.1)
+        assert s.get("old", "alice") is None and s.delete("old", "alice") is False
+        s.ttl_seconds = 3600
+        assert s.get("old", "alice") is None  # removed, not only hidden
+    finally:
+        s.close()

@@ -58,6 +58,23 @@ def test_ttl(tmp_path) -> None:
     assert m.get("resp_old") is None
 
 
+def test_a_response_past_its_time_to_live_is_not_found_by_delete_either(tmp_path) -> None:
+    """GET answered 404 for it, DELETE 200 (until the pruner came): now both say not found, and
+    the delete still removes it."""
+    for s in (SQLiteStore(tmp_path / "t.sqlite3", ttl_seconds=0.05), MemoryStore(ttl_seconds=0.05)):
+        s.put(rec("resp_old"))
+        s.put(rec("resp_new"))
+        time.sleep(0.1)
+        s.ttl_seconds = 60.0  # resp_new is young again; resp_old stays past a 50 ms limit below
+        s.put(rec("resp_young"))
+        s.ttl_seconds = 0.05
+        assert s.get("resp_old") is None and s.delete("resp_old") is False
+        assert s.delete("resp_young") is True
+        s.ttl_seconds = 60.0
+        assert s.get("resp_old") is None  # removed for good, not only hidden
+        s.close()
+
+
 def test_survives_reopen(tmp_path) -> None:
     path = tmp_path / "h.sqlite3"
     s = SQLiteStore(path)

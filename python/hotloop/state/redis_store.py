@@ -323,12 +323,15 @@ return h[3]
 # A live response leaves: a tombstone if it has children, else removed, and then its tombstoned
 # ancestors left without children.
 _DELETE = """
-local P, rid, scope = ARGV[1], ARGV[2], ARGV[3]
+local P, rid, scope, min_at = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local owner = redis.call('GET', P .. 'o:' .. rid)
 if not owner or (scope ~= '' and owner ~= scope) then return 0 end
 local ck = P .. 't:' .. owner .. ':r:' .. rid
-local h = redis.call('HMGET', ck, 'live', 'iids')
+local h = redis.call('HMGET', ck, 'live', 'iids', 'at')
 if h[1] ~= '1' then return 0 end
+-- past its time to live it reads as not found (GET answers 404): removed, and not found
+local found = 1
+if tonumber(h[3]) < min_at then found = 0 end
 -- a tombstone keeps what its descendants load (its own items); not the Response object (its
 -- instructions, metadata) nor its classifier states, which nothing reads once it is deleted
 redis.call('HSET', ck, 'live', 0, 'resp', '', 'states', '')
@@ -348,7 +351,7 @@ while true do
   if redis.call('EXISTS', ck) == 0 then break end  -- evicted: never recreate it without a TTL
   redis.call('HINCRBY', ck, 'kids', -1)
 end
-return 1
+return found
 """
 
 # ARGV: P, batch id, then per row: row, responses, input, output, cached, reasoning, flagged, findings (JSON)
@@ -576,7 +579,8 @@ class RedisStore:
         return _dec.decode(out) if out else None  # type: ignore[no-any-return]
 
     def delete(self, response_id: str, scope: str | None = None) -> bool:
-        return bool(self._read(lambda: self._delete(args=[self.prefix, response_id, self._scope(scope)])))
+        args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds]
+        return bool(self._read(lambda: self._delete(args=args)))
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         if not recs:

@@ -426,7 +426,7 @@ class MemoryStore(_Pruned):
             if node is None or not node.live or not visible(node.rec.owner, scope):
                 return False
             self._kill(response_id, node)
-            return True
+            return time.time() - node.at <= self.ttl_seconds  # past it: removed, and not found (as GET)
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         with self._lock:
@@ -1004,11 +1004,12 @@ class SQLiteStore(_Pruned):
     def delete(self, response_id: str, scope: str | None = None) -> bool:
         with self._lock, self._txn() as db:
             found = db.execute(
-                "SELECT 1 FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
+                "SELECT created_at FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
             ).fetchone()
             if found is not None:
                 self._kill_locked(response_id)
-        return found is not None
+        # past its time to live it reads as not found (GET answers 404): removed, and not found
+        return found is not None and found[0] >= time.time() - self.ttl_seconds
 
     def record_usage(self, recs: list[UsageRecord]) -> None:
         days = [time.strftime("%Y-%m-%d", time.gmtime(r.at)) for r in recs]
