@@ -448,6 +448,23 @@ def test_name_in_a_later_chunk() -> None:
     assert calls_of(resp) == [("call_1", "search", '{"q":"z"}')]
 
 
+def test_the_buffered_bound_counts_what_is_held_now_not_all_ever_held() -> None:
+    """Arguments that come before their call's name are held until it comes; the 16 MiB bound
+    counted every byte ever held in the response, so 20 calls of 1 MiB, each held a moment,
+    failed a sound stream."""
+    from hotloop.backends.chat.assemble import MAX_BUFFERED_BYTES
+
+    a = ChunkAssembler()
+    n = 20
+    big = '{"a":"' + "x" * (1 << 20) + '"}'
+    assert n * len(big) > MAX_BUFFERED_BYTES
+    for i in range(n):
+        a.feed(chunk(tc(i, args=big)))  # held: no name yet
+        a.feed(chunk(tc(i, id=f"c{i}", name="f")))  # opened: what it held goes out
+    out = a.feed(chunk({}, "tool_calls")) + a.end()
+    assert sum(1 for c in out if isinstance(c, Finish)) == 1
+
+
 def test_interleaved_indices_are_buffered_in_order() -> None:
     chunks = [
         chunk({"content": "Checking."}),

@@ -266,6 +266,8 @@ class ChunkAssembler:
         return max(len(self._calls) - 1, 0)
 
     def _open_call(self, call: _Call, out: list[Chunk]) -> None:
+        if call.state != _LIVE:
+            self._buffered -= sum(map(len, call.args))  # what it held goes out now
         call.state = _LIVE
         call.index = self._next_index
         self._next_index += 1
