@@ -338,11 +338,11 @@ def _spied_settings_scans(monkeypatch: pytest.MonkeyPatch, hook: Any = None) -> 
     threads: list[str] = []
     real = SecretsClassifier.classify_settings
 
-    def spy(self: SecretsClassifier, p: Any) -> Any:
+    def spy(self: SecretsClassifier, p: Any, owner: str = "") -> Any:
         threads.append(threading.current_thread().name)
         if hook is not None:
             hook()
-        return real(self, p)
+        return real(self, p, owner)
 
     monkeypatch.setattr(SecretsClassifier, "classify_settings", spy)
     return threads, kind, secret, "x " * (engine_mod.CLASSIFY_OFFLOAD_CHARS // 2) + secret

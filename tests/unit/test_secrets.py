@@ -608,14 +608,20 @@ def test_settings_scan_cache_is_bounded_and_follows_shared_tools(monkeypatch: py
     for i in range(6):  # distinct long instructions: the cache keeps the 3 newest
         p = validate(CreateRequest(model="m", input="hi", instructions=f"{i} {long}"))
         assert c.classify_settings(p) == (classify.ALLOW, p)
-    assert len(c._texts) == 3 and c._text_chars == sum(map(len, c._texts))
+    assert len(c._texts) == 3 and c._text_chars == sum(len(t) for _, t in c._texts)
     # the same long instructions again, with a key: found from the cache, redacted
     text = f"{long} {KEY}"
     for _ in range(2):
         p = validate(CreateRequest(model="m", input="hi", instructions=text))
         verdict, q = c.classify_settings(p)
         assert isinstance(verdict, classify.Redact) and KEY not in (q.req.instructions or "")
-    assert text in c._texts
+    assert ("", text) in c._texts
+    # kept per owner: another key's same instructions are scanned for it (no timing tells it
+    # what the first key sent), and then found too
+    for _ in range(2):
+        verdict, q = c.classify_settings(p, "other-key")
+        assert isinstance(verdict, classify.Redact)
+    assert ("other-key", text) in c._texts and c.settings_chars(p, 10**9, "third-key") >= len(text)
     # a shared tools array is scanned once; its redacted copy is checked again, the original kept
     raw = msgspec.json.encode([{"type": "function", "name": "f", "description": "key " + KEY}])
     shared = decode_tools(raw)

@@ -472,7 +472,7 @@ class SecretsClassifier:
         # SETTINGS_CACHE_CHARS characters), shared tools arrays (CheckedTools, which the tools
         # cache keeps) by identity, for as long as they live. Scans may run in the tokenizer
         # thread, hence the lock.
-        self._texts: OrderedDict[str, list[tuple[str, int, int]]] = OrderedDict()
+        self._texts: OrderedDict[tuple[str, str], list[tuple[str, int, int]]] = OrderedDict()
         self._text_chars = 0
         self._tools: weakref.WeakKeyDictionary[CheckedTools, list[tuple[TextPath, list[tuple[str, int, int]]]]] = (
             weakref.WeakKeyDictionary()
@@ -535,7 +535,7 @@ class SecretsClassifier:
 
     # -- the request's own texts ---------------------------------------------------------------
 
-    def classify_settings(self, p: Prepared) -> tuple[Verdict, Prepared]:
+    def classify_settings(self, p: Prepared, owner: str = "") -> tuple[Verdict, Prepared]:
         """The verdict on the request's own texts (instructions, :func:`tools_texts`,
         :func:`other_settings_texts`), which come with every request rather than once per chain,
         so they count in this turn's flags but not in the chain's state. ``redact`` returns a
@@ -547,7 +547,7 @@ class SecretsClassifier:
         found: list[tuple[TextPath, str, list[tuple[str, int, int]]]] = []
         req = p.req
         if req.instructions:
-            spans = self._scan_text(req.instructions)
+            spans = self._scan_text(req.instructions, owner)
             if spans:
                 found.append((("instructions",), req.instructions, spans))
         if p.tools:
@@ -575,7 +575,7 @@ class SecretsClassifier:
             return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=findings[:1]), p
 
-    def settings_chars(self, p: Prepared, limit: int) -> int:
+    def settings_chars(self, p: Prepared, limit: int, owner: str = "") -> int:
         """Characters of the request's own texts that :meth:`classify_settings` would scan now
         (those its caches do not hold), counted until ``limit`` is reached: enough to decide
         whether the scan runs off the event loop. Cheap: cache look-ups and lengths."""
@@ -588,7 +588,7 @@ class SecretsClassifier:
                 n += len(text)  # never cached: scanned every time
             else:
                 with self._lock:
-                    if text not in self._texts:
+                    if (owner, text) not in self._texts:
                         n += len(text)
         if n < limit and p.tools:
             shared = checked_tools(p.tools)
@@ -603,22 +603,25 @@ class SecretsClassifier:
             n += sum(len(t) for _, t in other_settings_texts(p.req))
         return n
 
-    def _scan_text(self, text: str) -> list[tuple[str, int, int]]:
+    def _scan_text(self, text: str, owner: str = "") -> list[tuple[str, int, int]]:
+        # Kept per owner (the caller's key), as token counts are: a key must not learn, from how
+        # fast its request is, whether another key sent the same instructions.
         if len(text) < SETTINGS_CACHE_MIN_CHARS:
             return self.scanner.scan(text)  # type: ignore[no-any-return]
+        key = (owner, text)
         with self._lock:
-            spans = self._texts.get(text)
+            spans = self._texts.get(key)
             if spans is not None:
-                self._texts.move_to_end(text)
+                self._texts.move_to_end(key)
                 return spans
         spans = self.scanner.scan(text)
         if len(text) <= SETTINGS_CACHE_CHARS // 4:
             with self._lock:
-                if text not in self._texts:
-                    self._texts[text] = spans
+                if key not in self._texts:
+                    self._texts[key] = spans
                     self._text_chars += len(text)
                     while len(self._texts) > SETTINGS_CACHE_ENTRIES or self._text_chars > SETTINGS_CACHE_CHARS:
-                        old, _ = self._texts.popitem(last=False)
+                        (_, old), _ = self._texts.popitem(last=False)
                         self._text_chars -= len(old)
         return spans
 

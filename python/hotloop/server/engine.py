@@ -264,9 +264,9 @@ class Engine:
                 if secrets is not None and not later:  # flag-only: after the backend request too
                     # large texts of the request's own that the settings caches have not seen
                     # are scanned in the tokenizer thread (so too after the backend request)
-                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
+                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS, tenant.id) >= CLASSIFY_OFFLOAD_CHARS:
                         verdict, p = await asyncio.get_running_loop().run_in_executor(
-                            self._tokenize_pool, secrets.classify_settings, p
+                            self._tokenize_pool, secrets.classify_settings, p, tenant.id
                         )
                         p, settings_flags = self._settings_outcome(secrets, verdict, p, tenant)
                     else:
@@ -417,7 +417,7 @@ class Engine:
         :class:`~hotloop.pipeline.classifiers.InputBlocked` under ``block``. On the event loop:
         large texts the scanner's caches have not seen go to the tokenizer thread instead
         (:meth:`SecretsClassifier.settings_chars`, in :meth:`start`)."""
-        verdict, p = secrets.classify_settings(p)
+        verdict, p = secrets.classify_settings(p, tenant.id)
         return self._settings_outcome(secrets, verdict, p, tenant)
 
     def _settings_outcome(
@@ -487,7 +487,7 @@ class Engine:
                 tally = outcome.tally()
                 flags = None
                 if secrets is not None:  # flag-only: neither changes p nor raises
-                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
+                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS, tenant.id) >= CLASSIFY_OFFLOAD_CHARS:
                         if self._deferred_scans >= MAX_DEFERRED_SCANS:
                             log.warning(
                                 "the secrets scan of the instructions, tools or format of a request for key %s "
@@ -495,7 +495,7 @@ class Engine:
                             )
                             plan.flags = tally
                             return finish()
-                        job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p)
+                        job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p, tenant.id)
                         self._deferred_scans += 1
                         job.add_done_callback(lambda j: settings_done(j, tally))
                         return
