@@ -189,7 +189,7 @@ def test_a_deferred_settings_scan_in_the_tokenizer_thread_that_fails_leaves_the_
     secret = "ghp_" + "a1B2c3D4e5" * 3 + "abcdef"
     big = "x " * engine_mod.CLASSIFY_OFFLOAD_CHARS + secret
 
-    def broken(self, p):  # noqa: ANN001
+    def broken(self, p, owner=""):  # noqa: ANN001
         raise RuntimeError("settings scan exploded")
 
     async def main(scan: object) -> tuple[str, object]:
