@@ -952,3 +952,32 @@ def test_requests_waiting_for_a_connection_fail_when_the_pool_closes() -> None:
             await first.aclose()
 
     run(main())
+
+
+def test_connections_are_reused_when_socket_numbers_pass_1023() -> None:
+    """The check that an idle connection was not closed by the server used select(), which
+    refuses descriptors from 1024 on: on a busy server every request then opened a new
+    connection (a TLS handshake each, over https)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1200, hard), hard))
+    pad = []
+    try:
+        while not pad or pad[-1] < 1030:
+            pad.append(os.open(os.devnull, os.O_RDONLY))
+
+        async def main() -> None:
+            async with Served(keepalive_handler) as srv:
+                pool = Pool(srv.url())
+                for _ in range(5):
+                    await collect(await pool.stream("POST", "/chat/completions", b"{}"))
+                assert (pool.opened, pool.reused) == (1, 4)
+                await pool.aclose()
+
+        run(main())
+    finally:
+        for fd in pad:
+            os.close(fd)

@@ -371,3 +371,34 @@ def test_connection_limit_gives_503_and_recovers(tmp_path: Path) -> None:
         for s in held:
             s.close()
         assert "Traceback" not in server.logs()
+
+
+def test_an_unknown_upgrade_whose_head_ends_across_reads_is_refused_not_left_hanging(slow: Server) -> None:
+    """The head's blank line split across reads: the parser stops at an upgrade's head and takes
+    nothing after it, so the body's first bytes, fed with the head's end, were lost, and the
+    request waited for them until the read timeout."""
+    body = b'{"model": "m", "input": "hi"}'
+    head = (b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    s = _connect(slow)
+    s.sendall(head[:-1])
+    time.sleep(0.2)
+    s.sendall(head[-1:] + body)
+    t0 = time.monotonic()
+    status, _, raw = _read_response(s)
+    assert status == 400 and json.loads(raw)["error"]["code"] == "unsupported_upgrade" and time.monotonic() - t0 < READ_TIMEOUT
+    assert _closed_within(s, WAIT) is not None
+    s.close()
+
+
+def test_an_error_after_a_response_held_by_its_cork_comes_after_it(tmp_path: Path) -> None:
+    """With the access log on, a JSON response is written corked: the 400 of the bytes after
+    its request was written and the connection closed before the cork let the response go."""
+    with run_server(tmp_path, "--store", "memory", "--sim-rate", "0", "--access-log") as server:
+        body = json.dumps({"model": "m", "input": "hi"}).encode()
+        s = _connect(server)
+        s.sendall(POST_HEAD % len(body) + body + b"BAD REQUEST LINE\r\n\r\n")
+        out, closed = _drain(s, WAIT)
+        s.close()
+        assert out.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400" in out and out.index(b"HTTP/1.1 400") > 0
+        assert closed is not None

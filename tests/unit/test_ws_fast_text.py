@@ -253,6 +253,38 @@ def test_reading_pauses_only_while_messages_wait() -> None:
     asyncio.run(main())
 
 
+def test_empty_messages_read_ahead_are_bounded_too() -> None:
+    """Read-ahead counted the messages' bytes only: empty messages counted nothing, and a client
+    could queue them without end while the application did not take them."""
+    from hotloop.server.wsproto import INBOX_READ_AHEAD, MESSAGE_OVERHEAD
+
+    async def main() -> None:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "websocket.accept"})
+            await asyncio.sleep(30)  # takes nothing
+
+        cfg = UvicornConfig(app=app, ws=CorkedWebSocketProtocol, ws_max_size=MAX_SIZE, ws_per_message_deflate=False, lifespan="off")
+        cfg.load()
+        proto = CorkedWebSocketProtocol(config=cfg, server_state=ServerState(), app_state={})
+        transport = _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        proto.data_received(HANDSHAKE)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        n = 0
+        while transport.reading and n < 10 * INBOX_READ_AHEAD:
+            proto.data_received(_text(""))
+            n += 1
+        assert not transport.reading and n <= INBOX_READ_AHEAD // MESSAGE_OVERHEAD + 1
+        proto.connection_lost(None)
+        for t in proto.tasks:
+            t.cancel()
+        await asyncio.gather(*proto.tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_with_debug_logging_websockets_parses_every_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     """websockets logs each frame it parses when its logger is at DEBUG: the fast path stands
     aside then (uvicorn's own logging set-up is skipped, or it would reset the level)."""

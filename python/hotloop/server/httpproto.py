@@ -238,6 +238,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # then it is written and the connection closed. Nothing more is read meanwhile.
         self._refusal: bytes | None = None
         self._stopped = False  # refused: nothing more of the connection's bytes is parsed
+        self._at_head_end = False  # the piece being parsed ends where a request head ends
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -284,6 +285,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             # Content-Length body is read here, straight into its buffer; a body that cannot be
             # (chunked, with Expect, too large) is refused, 400, and the connection closed.
             late = _upgrade_body_length(self.headers)
+            # (the head's end must be where this read's piece ends: the parser stops there and
+            # takes nothing after it, so a head whose blank line was split across reads, fed
+            # with the start of its body, would lose those bytes)
+            if late and not self._at_head_end:
+                late = -1
             if late < 0 or late > BODY_BUFFER or self.limits.direct_bytes + _body_capacity(late) > DIRECT_BODY_BYTES:
                 self._refuse(malformed_response(
                     "A request with an Upgrade other than websocket may carry only a Content-Length body of at most "
@@ -483,6 +489,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     return
                 end = data.find(_HEAD_END, start, stop)
                 cut = stop if end < 0 else end + len(_HEAD_END)
+                self._at_head_end = end >= 0
             super().data_received(view[start:cut])  # type: ignore[arg-type]
             if self._head_open:  # all of it went to a head that has not ended
                 self._head_read += cut - start
@@ -569,10 +576,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
         if self._refusal is not None:
-            if not started:  # every response before the refused request is written
-                self.transport.write(self._refusal)
-                self._refusal = None
-                self.transport.close()
+            if not started:  # every response before the refused request is written, or held
+                # by its cork until its sender takes the cork out, later in this step: after it
+                self.loop.call_soon(self._write_refusal)
             return
         held = self._held
         if held:  # request bytes that waited for room in the pipeline (_feed)
@@ -587,6 +593,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since = now = self.loop.time()
         if self._idle_timer is None:
             self._set_idle_timer(now + self.timeout_keep_alive)
+
+    def _write_refusal(self) -> None:
+        refusal, self._refusal = self._refusal, None
+        if refusal is not None and not self.transport.is_closing():
+            self.transport.write(refusal)
+            self.transport.close()
 
     def _unset_keepalive_if_required(self) -> None:
         # uvicorn calls this on every read: bytes that begin no request (an empty line, which a

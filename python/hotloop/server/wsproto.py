@@ -206,12 +206,14 @@ class _Inbox(_Waiters):
 
 
 def _message_size(item: Any) -> int:
+    """What a waiting message counts towards INBOX_READ_AHEAD: its length and what holding it
+    costs (empty messages read ahead count too)."""
     if type(item) is not dict:
         return 0
     data = item.get("text")
     if data is None:
         data = item.get("bytes")
-    return len(data) if data is not None else 0
+    return MESSAGE_OVERHEAD + (len(data) if data is not None else 0)
 
 
 def _size_limit(conn: Any) -> int | None:
@@ -237,6 +239,7 @@ _BETWEEN_FRAMES = getattr(getattr(StreamReader, "at_eof", None), "__code__", Non
 _PONG = b"\x8a"  # the first byte of a server's pong frame (FIN, opcode 0xA)
 # Bytes of messages waiting in a connection's inbox before reading pauses (send_receive_event_to_app)
 INBOX_READ_AHEAD = 64 * 1024
+MESSAGE_OVERHEAD = 256  # bytes a waiting message counts besides its own (its event dict)
 
 
 # What a refused handshake says (websockets' text names its own exceptions, a base64 decoder's

@@ -501,10 +501,11 @@ class _Conn(asyncio.Protocol):
         if sock is None:
             return True
         try:
-            readable, _, _ = select.select((sock.fileno(),), (), (), 0)
+            poller = select.poll()  # (select() refuses descriptors from 1024 on: a busy server's)
+            poller.register(sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
         except (OSError, ValueError):
             return False
-        return not readable
 
     def send(self, head: bytes, body: Payload | None, resp: Response) -> None:
         self.resp = resp
