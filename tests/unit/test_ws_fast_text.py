@@ -264,14 +264,7 @@ def test_empty_messages_read_ahead_are_bounded_too() -> None:
             await send({"type": "websocket.accept"})
             await asyncio.sleep(30)  # takes nothing
 
-        cfg = UvicornConfig(app=app, ws=CorkedWebSocketProtocol, ws_max_size=MAX_SIZE, ws_per_message_deflate=False, lifespan="off")
-        cfg.load()
-        proto = CorkedWebSocketProtocol(config=cfg, server_state=ServerState(), app_state={})
-        transport = _Transport()
-        proto.connection_made(transport)  # type: ignore[arg-type]
-        proto.data_received(HANDSHAKE)
-        for _ in range(20):
-            await asyncio.sleep(0)
+        proto, transport = await opened(app)
         n = 0
         while transport.reading and n < 10 * INBOX_READ_AHEAD:
             proto.data_received(_text(""))
