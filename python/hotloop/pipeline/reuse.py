@@ -8,6 +8,10 @@ Two ways to a hit, both exact:
 * by fingerprint (:func:`match`): the decoded items are fingerprinted from the probe point down,
   and the whole prefix is compared with the cached chain's fingerprints, so an item that the
   client spells differently (ids, statuses, content as a string or as parts) still matches.
+  Items a classifier redacted are matched as cached or as the client sent them (its original
+  text, which a client keeping its own history sends again): :func:`sent_of` and
+  :func:`sent_input` tell the cache what was sent (:attr:`Prefix.sent`). Either way the hit
+  reuses the cached, redacted items, their classifier states and token counts.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hotloop.protocol.request import (
     validate,
 )
 from hotloop.state.context import CachedResponse, item_id_of, item_nbytes
-from hotloop.state.prefix import Prefix, PrefixCache
+from hotloop.state.prefix import Prefix, PrefixCache, Sent
 
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
 _WS = b" \t\r\n"
@@ -97,19 +101,43 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
     for n in cache.lengths(owner):
         if n > total:
             continue
-        group = cache.variants(owner, n, fp(n - 1))
-        if not group:
+        last = fp(n - 1)
+        # as cached, then as sent (a last item that a classifier redacted, sent again as it was)
+        group = cache.variants(owner, n, last)
+        resent = cache.sent_variants(owner, n, last)
+        if not group and not resent:
             continue
         if any(type(it) is ItemReference for it in items[:n]):
             return None
         while computed < n:
             fp(computed)
             computed += 1
-        for p in group:
-            own = p.entry.context
-            if own.chain.common_prefix(fps[:n]) >= n and _same_ids(items, own.items, n):  # type: ignore[arg-type]
+        for p in (*group, *resent):
+            if p.covers(fps, n) and _same_ids(items, p.entry.context.items, n):  # type: ignore[arg-type]
                 return p
     return None
+
+
+def sent_of(sent: list[Item], used: list[Item]) -> Sent | None:
+    """The new items a classifier changed (``sent``: as the client sent them; ``used``: as
+    redacted), as ``(index, fingerprint as sent)`` pairs (``None``: none, or one that cannot be
+    fingerprinted, which then matches only as cached)."""
+    out: list[tuple[int, bytes]] = []
+    for j, (a, b) in enumerate(zip(sent, used)):
+        if a is not b and a != b:
+            try:
+                out.append((j, itemlib.fingerprint(a, f"input[{j}]")))
+            except errors.HotloopError:
+                return None
+    return tuple(out) or None
+
+
+def sent_input(prefix: Prefix | None, new: Sent | None, base: int) -> Sent | None:
+    """:attr:`Prefix.sent` of a finished input whose new items start at ``base`` (after the
+    reused ``prefix``, if any): the prefix's, then the new items' (:func:`sent_of`)."""
+    held = prefix.sent if prefix is not None and prefix.sent else ()
+    added = tuple((base + j, fp) for j, fp in new) if new else ()
+    return held + added or None
 
 
 def _same_ids(items: list[Item], own: list[Item], n: int) -> bool:
@@ -160,7 +188,7 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
     calls = None
     if p.calls is not None:
         calls = p.calls | {it.call_id for it in added if type(it) is FunctionCall}  # type: ignore[union-attr]
-    return Prefix(p.entry, n, fps[k - 1], nbytes, calls=calls), k
+    return Prefix(p.entry, n, fps[k - 1], nbytes, calls=calls, sent=p.sent), k
 
 
 def parent_of(p: Prefix) -> CachedResponse:

@@ -47,7 +47,7 @@ from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
-from hotloop.state.prefix import Prefix, PrefixCache
+from hotloop.state.prefix import Prefix, PrefixCache, Sent
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
@@ -237,6 +237,7 @@ class Engine:
             # a registered input whose bytes this request's start with (decode_create); one
             # found by fingerprint below is not (continued() extends a copy of either)
             hit = prefix
+            sent: Sent | None = None
             done = raw_input.prepared if raw_input is not None else None
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             marks.append(clock())
@@ -273,6 +274,7 @@ class Engine:
                         p, settings_flags = self.classify_settings(secrets, p, tenant)
                 outcome = await self.classify(p, parent, tenant) if self.classifiers and not later else None
                 if outcome is not None and outcome.items is not p.items:
+                    sent = reuse.sent_of(p.items, outcome.items)  # matched as sent next turn (PrefixCache)
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
                 marks.append(clock())
                 plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=await self.stored_items(p, parent, scope))
@@ -342,6 +344,7 @@ class Engine:
         run.opening = frames
         run.prefix = prefix
         run.hit = hit
+        run.sent = sent
         run.marks = marks
         run.verdicts = verdicts
         run.push_slot = slot
@@ -586,9 +589,10 @@ class Engine:
         last = run.plan.last_fp or itemlib.fingerprint(entry.context.items[n - 1])
         raw = run.raw_input
         head = reuse.head_of(raw.raw) if raw is not None else None
+        sent = reuse.sent_input(run.prefix, run.sent, n - len(run.prepared.items))
         if raw is None or head is None:
-            self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls))
-        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead)) and run.hit is not None:
+            self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls, sent=sent))
+        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent)) and run.hit is not None:
             # This input's bytes start with those of the input it reused (matched by bytes,
             # never one found by fingerprint, which may be another client's): keeping both would
             # hold every earlier body of the conversation (one per turn, up to the cache's
@@ -789,6 +793,7 @@ class Run:
         self.prefix: Prefix | None = None  # the reused prefix of a full-history input
         self.hit: Prefix | None = None  # ... the registered input its bytes extend (PrefixCache)
         self.raw_input: reuse.RawInput | None = None  # its raw input array to register (pipeline.reuse)
+        self.sent: Sent | None = None  # its new items a classifier redacted, as sent (reuse.sent_of)
         # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
         self.marks: list[float] = []
         self.ended = 0.0  # perf_counter once cached and handed to the store

@@ -18,6 +18,15 @@ bytes start with the same items is matched without decoding or fingerprinting th
 Owner scoping: every key includes the owner, so one API key can never hit another key's
 prefixes (another owner's entries behave as if they did not exist).
 
+Items as sent (redaction): a classifier that redacts (``--secrets redact``) makes the cached items
+differ from what the client sent, and a client that keeps its own history sends the original
+again next turn. An entry keeps :attr:`Prefix.sent`, the fingerprints of the items the client
+sent that differ from the cached ones (position, fingerprint), and is matched *either* by the
+cached items' fingerprints *or* by the items as sent, each over the whole prefix
+(:meth:`Prefix.covers`); an entry whose last item was redacted is also indexed by that item's
+fingerprint as sent (``_sent``, keyed by owner as every index). A hit reuses the cached, redacted
+items: only the client's own earlier input matches them, and they are what it became.
+
 A registration's raw bytes are a view of its request body. When a newer registration extends the
 input a request reused, the older entry gives its bytes up (:meth:`PrefixCache.drop_raw`) and is
 matched by fingerprint from then on: a conversation holds one body, not one per turn.
@@ -25,7 +34,9 @@ matched by fingerprint from then on: a conversation holds one body, not one per 
 Bounds (DESIGN principle 8): LRU by entries (default 512) and by bytes (default 128 MiB; an entry
 larger than a quarter of it is not cached). An entry's size is its context's
 :attr:`~hotloop.state.context.Context.nbytes` plus its raw bytes: entries of one conversation
-share their item objects, so the total over-counts what is held (the safe direction).
+share their item objects, so the total over-counts what is held (the safe direction). Fingerprints
+as sent count SENT_BYTES each; the ``_sent`` index holds only registered entries (at most
+``VARIANTS`` per key), so it stays within the same entry and byte bounds.
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from hotloop.state.context import CachedResponse, Context, entry_nbytes, item_id
 # everything they share.
 TAIL = 64
 
+# What one fingerprint as sent (Prefix.sent) holds: a (position, 16-byte fingerprint) tuple (56
+# bytes), its bytes object (49), its int (28) and the pointer to it (8), rounded up
+SENT_BYTES = 160
+
+#: Fingerprints of the items a client sent that differ from the cached ones: (position, fingerprint)
+#: pairs, by position.
+Sent = tuple[tuple[int, bytes], ...]
+
 
 class Prefix:
     """One registered input: the first ``n`` items of ``entry.context`` (its input).
@@ -47,10 +66,12 @@ class Prefix:
     ``last_fp`` is the fingerprint of item ``n - 1``; ``nbytes`` the size of those ``n`` items
     (:attr:`Context.nbytes` of the input); ``raw`` the JSON array the client sent without its
     closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``);
-    ``lead`` the body's bytes before that array (``{"model":..,"input":``), or ``None``.
+    ``lead`` the body's bytes before that array (``{"model":..,"input":``), or ``None``;
+    ``sent`` the fingerprints of the items as the client sent them where they differ from the
+    cached ones (a classifier redacted them; positions below ``n``), or ``None``.
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail")
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent")
 
     def __init__(
         self,
@@ -62,6 +83,7 @@ class Prefix:
         head: bytes | None = None,
         calls: frozenset[str] | None = None,
         lead: bytes | None = None,
+        sent: Sent | None = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -76,6 +98,28 @@ class Prefix:
         self.calls = calls  # call ids of the n items (None: found by walking them)
         # the HTTP body's bytes before the input array (with ``raw``: the body up to the last item)
         self.lead = lead if raw is not None else None
+        self.sent = tuple(x for x in sent if x[0] < n) or None if sent else None
+
+    @property
+    def sent_last(self) -> bytes | None:
+        """The fingerprint of item ``n - 1`` as the client sent it, when a classifier changed it."""
+        sent = self.sent
+        return sent[-1][1] if sent and sent[-1][0] == self.n - 1 else None
+
+    def covers(self, fps: list[bytes], n: int) -> bool:
+        """Whether ``fps`` (at least ``n``) are the fingerprints of the first ``n`` items, either
+        all as cached or all as the client sent them (never a mix of the two)."""
+        chain = self.entry.context.chain
+        if chain.common_prefix(fps[:n]) >= n:
+            return True
+        i = 0
+        for j, fp in self.sent or ():
+            if j >= n:
+                break
+            if fps[j] != fp or (j > i and chain.common_prefix(fps[i:j], i) < j - i):
+                return False
+            i = j + 1
+        return i > 0 and (i >= n or chain.common_prefix(fps[i:n], i) >= n - i)
 
     @property
     def size(self) -> int:
@@ -85,7 +129,8 @@ class Prefix:
         held = 0 if raw is None else raw.obj.__sizeof__() if type(raw) is memoryview else len(raw)  # type: ignore[union-attr]
         # the entry as the caches of responses count it (its Response object too: its echoed
         # instructions and tools once held about 4 times what was counted here)
-        return entry_nbytes(self.entry) + held + (len(self.lead) if self.lead is not None else 0)
+        lead = len(self.lead) if self.lead is not None else 0
+        return entry_nbytes(self.entry) + held + lead + (len(self.sent) * SENT_BYTES if self.sent else 0)
 
     def context(self) -> Context:
         """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
@@ -159,6 +204,9 @@ class PrefixCache:
         self._d: OrderedDict[tuple[str, int, bytes], list[Prefix]] = OrderedDict()
         self._heads: dict[tuple[str, bytes], list[Prefix]] = {}
         self._bodies: dict[tuple[str, bytes], list[Prefix]] = {}  # by the body's leading bytes
+        # (owner, length, fingerprint of the last item as sent) -> the registered entries whose
+        # last item a classifier changed (Prefix.sent_last), newest first, at most VARIANTS
+        self._sent: dict[tuple[str, int, bytes], list[Prefix]] = {}
         self._lengths: dict[str, dict[int, int]] = {}  # owner -> length -> entries of that length
         self._count = 0
         self._bytes = 0
@@ -194,8 +242,15 @@ class PrefixCache:
                     # a small WebSocket frame's): the entry that has them serves both ways of
                     # matching. Replacing it would send every later request of the conversation
                     # matched by its bytes to a full decode and fingerprint match.
+                    if prefix.sent is not None and prefix.sent != old.sent:
+                        self._resend(old, prefix.sent)  # the items as last sent
                     self._d.move_to_end(key)
                     return False
+                if prefix.sent is None and old.sent is not None:
+                    # the same items (sent as cached this time): how they were sent before
+                    # still names them
+                    prefix.sent = old.sent
+                    size = prefix.size
                 self._remove(key, old)
                 break
         group = self._d.get(key)
@@ -215,12 +270,39 @@ class PrefixCache:
             lst = self._bodies.setdefault(_body_key(prefix), [])
             lst.insert(0, prefix)
             del lst[self.MAX_HEADS :]
+        self._index_sent(prefix)
         while len(group) > self.VARIANTS:
             self._remove(key, group[-1])
         while self._count > self.max_entries or self._bytes > self.max_bytes:
             oldest = next(iter(self._d))
             self._remove(oldest, self._d[oldest][-1])
         return any(q is prefix for q in self._d.get(key, ()))  # not evicted by its own bounds
+
+    def _index_sent(self, p: Prefix) -> None:
+        last = p.sent_last
+        if last is not None:
+            lst = self._sent.setdefault((p.owner, p.n, last), [])
+            lst.insert(0, p)
+            del lst[self.VARIANTS :]  # (an entry left out is still found by its cached items)
+
+    def _resend(self, p: Prefix, sent: Sent) -> None:
+        """Give the registered ``p`` the fingerprints ``sent`` (those of a newer registration of
+        the same items), re-indexed and accounted."""
+        self._unindex_sent(p)
+        size = p.size
+        p.sent = tuple(x for x in sent if x[0] < p.n) or None
+        self._bytes += p.size - size
+        self._index_sent(p)
+
+    def _unindex_sent(self, p: Prefix) -> None:
+        last = p.sent_last
+        if last is not None:
+            key = (p.owner, p.n, last)
+            lst = self._sent.get(key)
+            if lst is not None:
+                lst[:] = [q for q in lst if q is not p]
+                if not lst:
+                    del self._sent[key]
 
     def drop_raw(self, p: Prefix) -> None:
         """Forget the raw bytes of ``p`` (a registered input that a newer registration of the
@@ -253,6 +335,7 @@ class PrefixCache:
             if not lengths:
                 del self._lengths[p.owner]
         self._unindex(p)
+        self._unindex_sent(p)
 
     def _unindex(self, p: Prefix) -> None:
         """Take ``p`` out of the indexes by its bytes (``_heads``, ``_bodies``)."""
@@ -265,6 +348,7 @@ class PrefixCache:
         self._d.clear()
         self._heads.clear()
         self._bodies.clear()
+        self._sent.clear()
         self._lengths.clear()
         self._count = 0
         self._bytes = 0
@@ -279,8 +363,10 @@ class PrefixCache:
         return lengths is not None and n in lengths
 
     def has(self, owner: str, n: int, last_fp: bytes) -> bool:
-        """Whether an input of ``n`` items ending with ``last_fp`` is registered (no LRU touch)."""
-        return (owner, n, last_fp) in self._d
+        """Whether an input of ``n`` items ending with ``last_fp`` (as cached or as sent) is
+        registered (no LRU touch)."""
+        key = (owner, n, last_fp)
+        return key in self._d or key in self._sent
 
     def variants(self, owner: str, n: int, last_fp: bytes) -> list[Prefix]:
         """The registered inputs of ``n`` items ending with ``last_fp``, newest first (the caller
@@ -291,6 +377,17 @@ class PrefixCache:
             return []
         self._d.move_to_end(key)
         return group
+
+    def sent_variants(self, owner: str, n: int, last_fp: bytes) -> list[Prefix]:
+        """The registered inputs of ``n`` items whose last item, as the client sent it, had the
+        fingerprint ``last_fp`` before a classifier changed it; newest first (the caller verifies
+        which, if any, holds its items: :meth:`Prefix.covers`)."""
+        group = self._sent.get((owner, n, last_fp))
+        if not group:
+            return []
+        for key in {(owner, n, p.last_fp) for p in group}:
+            self._d.move_to_end(key)  # (registered: _remove takes an entry out of _sent too)
+        return list(group)
 
     def by_body(self, owner: str, body: bytes | bytearray) -> tuple[Prefix, int] | None:
         """The longest registered request of ``owner`` whose body bytes up to its last input item
