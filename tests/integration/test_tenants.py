@@ -212,6 +212,41 @@ def test_usage_is_per_key(tenants: Tenants) -> None:
     assert lines[0].split()[:3] == ["DAY", "KEY", "MODEL"] and all(" bob " in ln for ln in lines[1:]) and len(lines) > 1
 
 
+def test_a_key_given_a_revoked_keys_name_does_not_see_or_add_to_its_usage(tenants: Tenants) -> None:
+    """The ledger is kept per key id: a key created under the name of a revoked key starts
+    usage of its own (its listing holds only its responses, the revoked key's row keeps its
+    count); the admin sees both under the one name with their ids, and so does the CLI."""
+    model = "rotation-model"
+
+    def rows(secret: str) -> list[dict]:
+        with httpx.Client(base_url=tenants.server.base, headers={"Authorization": f"Bearer {secret}"}, timeout=30) as h:
+            r = h.get("/hotloop/usage")
+            assert r.status_code == 200, r.text
+            return [row for row in r.json()["data"] if row["model"] == model]
+
+    def use(secret: str, n: int) -> None:
+        client = OpenAI(api_key=secret, base_url=tenants.server.v1, max_retries=0, timeout=30)
+        for _ in range(n):
+            assert client.responses.create(model=model, input="rotate me", store=False).status == "completed"
+
+    first = create_key(tenants.data_dir, "rotated")
+    use(first, 2)
+    [old] = rows(first)
+    assert old["key"] == "rotated" and old["responses"] == 2
+    assert hotloop(tenants.data_dir, "keys", "revoke", "rotated").returncode == 0
+    second = create_key(tenants.data_dir, "rotated")
+    use(second, 1)
+    [new] = rows(second)
+    assert new["key"] == "rotated" and new["responses"] == 1 and new["key_id"] != old["key_id"]
+    everyone = {row["key_id"]: row for row in rows(ADMIN_KEY) if row["key"] == "rotated"}
+    assert {k: r["responses"] for k, r in everyone.items()} == {old["key_id"]: 2, new["key_id"]: 1}
+    p = hotloop(tenants.data_dir, "usage", "--key", "rotated")
+    assert p.returncode == 0, p.stderr
+    [header, *lines] = p.stdout.splitlines()
+    assert header.split()[-1] == "KEY_ID"
+    assert sorted(ln.split()[-1] for ln in lines if f" {model} " in ln) == sorted(everyone)
+
+
 def test_token_counts_are_cached_per_key(tenants: Tenants) -> None:
     """A count found in the token cache skips tokenizing: one key's texts must not make another
     key's requests faster (a timing side channel), so each key finds only its own counts."""

@@ -198,8 +198,81 @@ def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store: RedisStore) -
     other = rows["(other)", "k"]
     assert other["responses"] == 3 and other["input_tokens"] == 1 + 1 + 10 and other["findings"] == {"jwt": 2}
     assert rows["m0", "k"]["input_tokens"] == 1 + 4
-    [names] = store.r.keys(store.prefix + "u:names:*\tk")
+    [names] = store.r.keys(store.prefix + "ku:names:*\tk")
     assert store.r.scard(names) == 2 and 0 < store.r.ttl(names) <= 172800
+
+
+def test_a_key_given_a_revoked_keys_name_has_ledger_rows_of_its_own(store: RedisStore) -> None:
+    """As the other stores: rows are per key id, the name shown beside it; a key given a revoked
+    key's name neither sees nor adds to the revoked key's rows, nor shares its model names."""
+    store.max_ledger_models = 1
+    now = time.time()
+    day = time.strftime("%Y-%m-%d", time.gmtime(now))
+    store.record_usage([UsageRecord("m", 10, 5, 0, 0, now, "key_old", {"jwt": 1}, "ci"), UsageRecord("m2", 1, 1, 0, 0, now, "key_old", None, "ci")])
+    store.record_usage([UsageRecord("m", 1, 2, 0, 0, now, "key_new", None, "ci")])
+    store.record_usage([UsageRecord("m3", 3, 4, 0, 0, now, "key_new", None, "ci")])
+    ids = [(r["model"], r["key"], r["key_id"], r["responses"], r["input_tokens"]) for r in store.usage()]
+    assert ids == [("(other)", "ci", "key_new", 1, 3), ("(other)", "ci", "key_old", 1, 1), ("m", "ci", "key_new", 1, 1), ("m", "ci", "key_old", 1, 10)]
+    [other, mine] = store.usage("key_new")
+    assert mine == {"day": day, "model": "m", "key": "ci", "key_id": "key_new", "responses": 1, "input_tokens": 1, "output_tokens": 2,
+                    "cached_tokens": 0, "reasoning_tokens": 0, "flagged": 0, "findings": {}}
+    assert store.usage("key_old")[1]["findings"] == {"jwt": 1}
+    assert store.usage("key_new", None, (day, "(other)", "key_new"), 5) == [mine]
+    assert store.usage("ci") == []
+
+
+def _row_by_name(store: RedisStore, day: str, model: str, name: str, **fields: int) -> None:
+    """A ledger row as versions before key ids wrote it (keyed by the key's name)."""
+    row = f"{day}\t{model}\t{name}"
+    store.r.sadd(store.prefix + "u:rows", row)
+    store.r.hset(store.prefix + "u:" + row, mapping=fields)
+    store.r.sadd(store.prefix + f"u:names:{day}\t{name}", model)
+
+
+def test_ledger_rows_kept_by_key_name_move_to_legacy_key_ids(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows an earlier version kept per key name (left in Redis, or written by an older replica
+    during a rolling upgrade) are moved, when a replica starts and before a listing, under the
+    legacy id of their name (open mode's and the admin's under their own id, merged with what
+    they wrote since), each once, their name and findings kept, their old keys gone."""
+    from hotloop.state import redis_store
+
+    monkeypatch.setattr(redis_store, "MIGRATE_BATCH", 2)  # several script calls
+    store = RedisStore(redis.url, 3600, prefix="byname:")
+    try:
+        now = time.time()
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        store.record_usage([UsageRecord("m", 1, 1, 0, 0, now)])  # anonymous, already by id
+        _row_by_name(store, day, "m", "anonymous", responses=2, input_tokens=5, output_tokens=5, flagged=1, **{"f:jwt": 3})
+        _row_by_name(store, day, "m", "ci", responses=4, input_tokens=8, output_tokens=2, reasoning_tokens=1)
+        _row_by_name(store, day, "m", "admin", responses=1, input_tokens=1, output_tokens=1)
+        _row_by_name(store, "1970-01-01", "m", "ci", responses=1, input_tokens=2, output_tokens=3)
+        _row_by_name(store, day, "m9", "ops", responses=1, input_tokens=2, output_tokens=3)
+        store.record_usage([UsageRecord("m", 1, 1, 0, 0, now, "key_new", None, "ci")])
+        rows = {(r["day"], r["model"], r["key_id"]): r for r in store.usage()}  # a listing moves them first
+        assert {k: (r["key"], r["responses"], r["input_tokens"], r["flagged"], r["findings"]) for k, r in rows.items()} == {
+            (day, "m", "anonymous"): ("anonymous", 3, 6, 1, {"jwt": 3}),
+            (day, "m", "admin"): ("admin", 1, 1, 0, {}),
+            (day, "m", "legacy:ci"): ("ci", 4, 8, 0, {}),
+            ("1970-01-01", "m", "legacy:ci"): ("ci", 1, 2, 0, {}),
+            (day, "m9", "legacy:ops"): ("ops", 1, 2, 0, {}),
+            (day, "m", "key_new"): ("ci", 1, 1, 0, {}),
+        }
+        assert rows[day, "m", "legacy:ci"]["reasoning_tokens"] == 1
+        assert store.usage("key_new") == [rows[day, "m", "key_new"]]
+        assert store.usage("ci") == []
+        left = {k[len(store.prefix) :].split(b":")[1] for k in store.r.keys(store.prefix + "u:*")}
+        assert left == {b"names", b"batch"}  # the old rows went; their names sets expire on their own
+        # the model names a key had counted that day still count: anonymous has "m"
+        store.max_ledger_models = 1
+        store.record_usage([UsageRecord("m2", 1, 1, 0, 0, now)])
+        assert [r["model"] for r in store.usage("anonymous")] == ["(other)", "m"]
+        # an older replica's row written meanwhile: moved by the next replica to start, once
+        _row_by_name(store, day, "m", "ci", responses=1, input_tokens=1, output_tokens=1)
+        RedisStore(redis.url, 3600, prefix="byname:").close()
+        assert [r["responses"] for r in store.usage("legacy:ci") if r["day"] == day] == [5]
+        assert [r["responses"] for r in store.usage("legacy:ci") if r["day"] == day] == [5]
+    finally:
+        store.close()
 
 
 def test_outage_reads_503_writes_wait(tmp_path: Path) -> None:

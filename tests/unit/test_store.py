@@ -90,7 +90,7 @@ def test_usage_ledger(store) -> None:
     store.record_usage([UsageRecord("m", 10, 5, 2, 1, 0.0)])
     store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0), UsageRecord("m", 0, 0, 0, 0, 0.0)])
     [row] = store.usage()
-    assert row == {"day": "1970-01-01", "model": "m", "key": "anonymous", "responses": 3, "input_tokens": 11,
+    assert row == {"day": "1970-01-01", "model": "m", "key": "anonymous", "key_id": "anonymous", "responses": 3, "input_tokens": 11,
                    "output_tokens": 6, "cached_tokens": 2, "reasoning_tokens": 1, "flagged": 0, "findings": {}}
 
 
@@ -174,6 +174,142 @@ def test_a_keys_ledger_counts_at_most_its_model_names_a_day(store) -> None:
     assert other["responses"] == 3 and other["input_tokens"] == 2 + 3 + 10
     assert other["flagged"] == 1 and other["findings"] == {"jwt": 1}
     assert rows[d0, "m0", "k"]["input_tokens"] == 1 + 5
+
+
+# -- the ledger is kept per key id ------------------------------------------------------------------
+
+
+def _row(model: str, key: str, key_id: str, responses: int, input_tokens: int, output_tokens: int,
+         flagged: int = 0, findings: dict[str, int] | None = None, day: str = "1970-01-01") -> dict:
+    return {"day": day, "model": model, "key": key, "key_id": key_id, "responses": responses, "input_tokens": input_tokens,
+            "output_tokens": output_tokens, "cached_tokens": 0, "reasoning_tokens": 0, "flagged": flagged,
+            "findings": findings or {}}
+
+
+def test_a_key_given_a_revoked_keys_name_has_ledger_rows_of_its_own(store) -> None:
+    """Rows are per key id, with the key's name shown beside it: a key given a revoked key's
+    name neither sees nor adds to the revoked key's rows (its listing, its pages, its count of
+    model names a day), and the name is no filter."""
+    from hotloop.state.store import OTHER_MODEL
+
+    store.max_ledger_models = 1
+    store.record_usage([
+        UsageRecord("m", 10, 5, 0, 0, 0.0, "key_old", {"jwt": 1}, "ci"),
+        UsageRecord("m2", 1, 1, 0, 0, 0.0, "key_old", None, "ci"),  # its second name: (other)
+    ])
+    store.record_usage([UsageRecord("m", 1, 2, 0, 0, 0.0, "key_new", None, "ci")])  # its own first name
+    store.record_usage([UsageRecord("m3", 3, 4, 0, 0, 0.0, "key_new", None, "ci")])
+    new = [_row(OTHER_MODEL, "ci", "key_new", 1, 3, 4), _row("m", "ci", "key_new", 1, 1, 2)]
+    old = [_row(OTHER_MODEL, "ci", "key_old", 1, 1, 1), _row("m", "ci", "key_old", 1, 10, 5, 1, {"jwt": 1})]
+    assert store.usage("key_new") == new
+    assert store.usage("key_old") == old
+    whole = store.usage()
+    assert whole == [new[0], old[0], new[1], old[1]]  # in (day, model, key id) order
+    pages, after = [], None
+    while page := store.usage(None, None, after, 1):
+        pages += page
+        after = (page[-1]["day"], page[-1]["model"], page[-1]["key_id"])
+    assert pages == whole
+    assert store.usage("key_new", None, ("1970-01-01", OTHER_MODEL, "key_new"), 5) == new[1:]
+    assert store.usage("ci") == []
+
+
+# The ledger tables as they were before they recorded key ids (keyed by key name), and the
+# ledger before that (no key at all).
+_LEDGER_BY_NAME = """
+CREATE TABLE key_usage (day TEXT NOT NULL, model TEXT NOT NULL, key TEXT NOT NULL, responses INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL, flagged INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, model, key));
+CREATE TABLE key_findings (day TEXT NOT NULL, model TEXT NOT NULL, key TEXT NOT NULL, kind TEXT NOT NULL,
+    count INTEGER NOT NULL, PRIMARY KEY (day, model, key, kind)) WITHOUT ROWID;
+CREATE INDEX key_usage_key ON key_usage(key, day);
+CREATE TABLE usage (day TEXT NOT NULL, model TEXT NOT NULL, responses INTEGER NOT NULL, input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, reasoning_tokens INTEGER NOT NULL,
+    PRIMARY KEY (day, model));
+INSERT INTO key_usage VALUES ('1970-01-01', 'm', 'ci', 2, 20, 10, 0, 0, 1), ('1970-01-01', 'm', 'anonymous', 1, 5, 5, 0, 0, 0),
+    ('1970-01-01', 'm', 'admin', 1, 3, 3, 0, 0, 0), ('1970-01-02', 'm', 'ci', 1, 7, 7, 0, 0, 0);
+INSERT INTO key_findings VALUES ('1970-01-01', 'm', 'ci', 'jwt', 2), ('1970-01-01', 'm', 'ci', 'aws_key', 1);
+INSERT INTO usage VALUES ('1969-12-31', 'm', 4, 40, 40, 0, 0);
+"""
+
+
+def _ledger_by_name(path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.executescript(_LEDGER_BY_NAME)
+    db.commit()
+    db.close()
+
+
+def test_a_ledger_kept_by_key_name_is_migrated_to_key_ids(tmp_path) -> None:
+    """A file whose ledger was kept per key name opens: its rows cannot say which key of a name
+    made them, so each is kept under the legacy id of its name (seen by the admin, by no key),
+    except open mode's and the admin's, whose id is their name; findings follow their rows, a
+    key given the name later counts apart, and opening again changes nothing."""
+    import sqlite3
+
+    from hotloop.state.store import SELF_NAMED_TENANTS
+    from hotloop.tenants import ADMIN, ANONYMOUS
+    from hotloop.tenants.keys import RESERVED_NAMES
+
+    # the names kept under their own id are exactly the tenants whose id is their name
+    assert {(t.id, t.name) for t in (ADMIN, ANONYMOUS)} == {(n, n) for n in SELF_NAMED_TENANTS} and set(SELF_NAMED_TENANTS) == RESERVED_NAMES
+    path = tmp_path / "h.sqlite3"
+    _ledger_by_name(path)
+    store = SQLiteStore(path)
+    legacy = [
+        _row("m", "anonymous", "anonymous", 4, 40, 40, day="1969-12-31"),  # the ledger before key names
+        _row("m", "admin", "admin", 1, 3, 3),
+        _row("m", "anonymous", "anonymous", 1, 5, 5),
+        _row("m", "ci", "legacy:ci", 2, 20, 10, 1, {"aws_key": 1, "jwt": 2}),
+        _row("m", "ci", "legacy:ci", 1, 7, 7, day="1970-01-02"),
+    ]
+    assert store.usage() == legacy
+    assert store.usage("legacy:ci") == legacy[3:] and store.usage("ci") == []
+    store.record_usage([UsageRecord("m", 1, 1, 0, 0, 0.0, "key_new", None, "ci"), UsageRecord("m", 1, 1, 0, 0, 0.0)])
+    assert store.usage("key_new") == [_row("m", "ci", "key_new", 1, 1, 1)]
+    assert store.usage("anonymous", "1970-01-01") == [_row("m", "anonymous", "anonymous", 2, 6, 6)]
+    assert store.usage("legacy:ci") == legacy[3:]
+    whole = store.usage()
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert {r[1] for r in db.execute("PRAGMA table_info(key_findings)")} >= {"key_id"}
+        indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'key_usage'")}
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "key_usage_key_id" in indexes and "key_usage_key" not in indexes
+    assert not tables & {"usage", "key_usage_new", "key_findings_new"}
+    again = SQLiteStore(path)
+    assert again.usage() == whole
+    again.close()
+
+
+def test_two_processes_opening_a_ledger_kept_by_key_name_migrate_it_once(tmp_path) -> None:
+    import threading
+
+    path = tmp_path / "h.sqlite3"
+    _ledger_by_name(path)
+    stores: list[SQLiteStore] = []
+    errors: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            stores.append(SQLiteStore(path))
+        except BaseException as exc:  # pragma: no cover - the failure is asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [(r["key_id"], r["responses"]) for r in stores[0].usage()] == [
+        ("anonymous", 4), ("admin", 1), ("anonymous", 1), ("legacy:ci", 2), ("legacy:ci", 1),
+    ]
+    for s in stores:
+        s.close()
 
 
 def test_page_items() -> None:

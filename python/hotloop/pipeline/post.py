@@ -179,8 +179,9 @@ def from_record(rec: History | StoredResponse) -> CachedResponse:
 
 
 def usage_record(
-    response: dict[str, Any], key: str = LEGACY_OWNER, findings: dict[str, int] | None = None
+    response: dict[str, Any], key: str = LEGACY_OWNER, findings: dict[str, int] | None = None, name: str | None = None
 ) -> UsageRecord | None:
+    """The ledger record of a response, under the key id ``key`` (shown with its ``name``)."""
     u = response.get("usage")
     if not u:
         return None
@@ -193,6 +194,7 @@ def usage_record(
         at=time.time(),
         key=key,
         findings=findings or None,
+        key_name=name,
     )
 
 
@@ -471,14 +473,14 @@ class Persistence:
 
     async def submit(
         self, entry: CachedResponse, key: str = LEGACY_OWNER, findings: dict[str, int] | None = None,
-        *, ledger: bool = True,
+        *, ledger: bool = True, name: str | None = None,
     ) -> None:
-        """Queue a finished response: the usage ledger (under the key name ``key``, with the
+        """Queue a finished response: the usage ledger (under the key id ``key``, shown as ``name``, with the
         classifiers' ``findings`` per kind when it was flagged) unless ``ledger`` is false, the
         response if it is stored."""
         if self._task is None:
             self.start()
-        rec = usage_record(entry.response, key, findings) if ledger else None
+        rec = usage_record(entry.response, key, findings, name) if ledger else None
         if rec is not None:
             self._usage.append(rec)
             n = len(self._usage)
@@ -566,7 +568,7 @@ class Persistence:
     async def usage(
         self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
-        """Ledger rows of the key name ``key`` (``None``: every key's) from UTC day ``since`` on,
+        """Ledger rows of the key id ``key`` (``None``: every key's) from UTC day ``since`` on,
         after the row ``after``, at most ``limit`` (see :meth:`Store.usage`)."""
         await self.flush()
         return await self._call(self.store.usage, key, since, after, limit)  # type: ignore[no-any-return]

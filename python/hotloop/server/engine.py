@@ -326,7 +326,7 @@ class Engine:
                 model = req.model or self.backend.default_model
                 usage = {"input_tokens": charged, "output_tokens": 0, "total_tokens": charged,
                          "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-                self.persistence.charge(usage_record({"model": model, "usage": usage}, tenant.name, plan.flags))
+                self.persistence.charge(usage_record({"model": model, "usage": usage}, tenant.id, plan.flags, tenant.name))
             if grant is not None:
                 grant.finish(charged)
             if not isinstance(exc, _KEEPS_PARENT):  # a retry must find the parent
@@ -619,7 +619,7 @@ class Engine:
             if entry.store:
                 self.responses.put(entry, nbytes)
             run.ledgered = True  # (a store write that then fails makes it failed: not charged again)
-            await self.persistence.submit(entry, run.tenant.name, run.plan.flags)
+            await self.persistence.submit(entry, run.tenant.id, run.plan.flags, name=run.tenant.name)
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)
@@ -629,7 +629,7 @@ class Engine:
                 # ledger keeps to responses that completed.
                 run.plan.settle()
                 entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
-                await self.persistence.submit(entry, run.tenant.name, ledger=False)
+                await self.persistence.submit(entry, run.tenant.id, ledger=False)
 
 
 async def _aclose(stream: AsyncIterator[Chunk]) -> None:
@@ -1067,7 +1067,7 @@ class Run:
                 # cut short or failed is charged what it used, in the ledger as in its key's TPM
                 # budget, with what its classifiers flagged (complete() records the others, with
                 # the response)
-                record = usage_record({**turn.response, "usage": self.spent()}, self.tenant.name, self.plan.flags)
+                record = usage_record({**turn.response, "usage": self.spent()}, self.tenant.id, self.plan.flags, self.tenant.name)
                 engine.persistence.charge(record)
             if not turn.done:
                 engine.observe(self)  # the transports observe the others, after their last write

@@ -148,7 +148,7 @@ class HttpTransport:
         if path == "/hotloop/usage":
             self._method(method, "GET")
             since, after, limit = _usage_query(scope)
-            rows = await self.app.persistence.usage(None if tenant.admin else tenant.name, since, after, limit + 1)
+            rows = await self.app.persistence.usage(None if tenant.admin else tenant.id, since, after, limit + 1)
             more = len(rows) > limit
             del rows[limit:]
             last = _usage_cursor(rows[-1]) if more else None
@@ -626,7 +626,7 @@ def _usage_query(scope: Scope) -> tuple[str | None, UsageRow | None, int]:
 
 def _usage_cursor(row: dict[str, Any]) -> str:
     """The opaque ``after`` value that continues a listing after ``row``."""
-    raw = msgspec.json.encode([row["day"], row["model"], row["key"]])
+    raw = msgspec.json.encode([row["day"], row["model"], row["key_id"]])
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 

@@ -18,10 +18,12 @@ or ``anonymous``)::
                                          iids (JSON list of its server-minted item ids)
     P i:{item_id}                ZSET    "{owner} {response_id}" of live responses holding this
                                          minted item as their own, scored by creation time
-    P u:rows                     SET     "{day}\\t{model}\\t{key}" of every usage ledger row
-    P u:{day}\\t{model}\\t{key}    HASH    responses, input_tokens, output_tokens, cached_tokens,
-                                         reasoning_tokens, flagged, f:{kind} (findings)
-    P u:names:{day}\\t{key}        SET     the model names with a row of that day and key (at most
+    P ku:rows                    SET     "{day}\\t{model}\\t{key_id}" of every usage ledger row
+    P ku:{day}\\t{model}\\t{key_id}
+                                 HASH    responses, input_tokens, output_tokens, cached_tokens,
+                                         reasoning_tokens, flagged, f:{kind} (findings), name (the
+                                         key's name, shown beside its id)
+    P ku:names:{day}\\t{key_id}    SET     the model names with a row of that day and key (at most
                                          MAX_LEDGER_MODELS; further names count under OTHER_MODEL),
                                          expiring two days after its last name
     P u:batch:{uuid}             STRING  a usage batch already applied (kept for twice the write
@@ -29,6 +31,16 @@ or ``anonymous``)::
                                          twice; with --store-sync full there is one per response)
     P fpkey                      STRING  the deployment's fingerprint key (32 random bytes,
                                          made by the first replica to start)
+
+The usage ledger is keyed by key id (see :mod:`hotloop.state.store`). Before it was, its rows
+were ``P u:rows`` / ``P u:{day}\\t{model}\\t{key name}`` (the counts and findings above, no
+name) with ``P u:names:{day}\\t{key name}``; such rows (left by an earlier version, or written
+by one during a rolling upgrade) are moved into the ``ku:`` rows under
+:func:`~hotloop.state.store.legacy_key_id` of their name (the same rule as SQLite's migration),
+their name kept as ``name``, by :meth:`RedisStore.migrate_ledger`: when a replica starts and
+before every ledger listing, ``MIGRATE_BATCH`` rows per atomic script call (each row moved whole,
+merged into a row of the same id that exists), so replicas migrating at once never count a row
+twice.
 
 The fingerprint key is read once, when a replica starts. If ``P fpkey`` is deleted or replaced
 while replicas run (a ``FLUSHDB``, an edit by hand), replicas started afterwards make a new key
@@ -82,7 +94,8 @@ import msgspec
 from hotloop import errors
 from hotloop.state import fpkey
 from hotloop.state.store import (
-    MAX_CHAIN_DEPTH, MAX_LEDGER_MODELS, OTHER_MODEL, USAGE_FIELDS, History, MissingParent, StoredResponse, UsageRecord, UsageRow,
+    LEGACY_KEY_PREFIX, MAX_CHAIN_DEPTH, MAX_LEDGER_MODELS, OTHER_MODEL, SELF_NAMED_TENANTS, USAGE_FIELDS, History, MissingParent,
+    StoredResponse, UsageRecord, UsageRow,
 )
 
 log = logging.getLogger("hotloop.store")
@@ -354,8 +367,9 @@ end
 return found
 """
 
-# ARGV: P, batch id, then per row: row, responses, input, output, cached, reasoning, flagged, findings (JSON)
-# ARGV: prefix, batch id, the batch marker's ttl, MAX_LEDGER_MODELS, OTHER_MODEL, then 8 per row
+# ARGV: prefix, batch id, the batch marker's ttl, MAX_LEDGER_MODELS, OTHER_MODEL, then 9 per row:
+# row ("{day}\t{model}\t{key_id}"), responses, input, output, cached, reasoning, flagged,
+# findings (JSON), the key's name
 _USAGE = """
 local P = ARGV[1]
 if not redis.call('SET', P .. 'u:batch:' .. ARGV[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
@@ -363,21 +377,22 @@ local cap, other = tonumber(ARGV[4]), ARGV[5]
 local i = 6
 while i <= #ARGV do
   local row = ARGV[i]
-  local k = P .. 'u:' .. row
+  local k = P .. 'ku:' .. row
   if redis.call('EXISTS', k) == 0 then
     local day, model, key = string.match(row, '^([^\t]*)\t([^\t]*)\t(.*)$')
     if model ~= other then
-      local names = P .. 'u:names:' .. day .. '\t' .. key
+      local names = P .. 'ku:names:' .. day .. '\t' .. key
       if redis.call('SCARD', names) >= cap then
         row = day .. '\t' .. other .. '\t' .. key
-        k = P .. 'u:' .. row
+        k = P .. 'ku:' .. row
       else
         redis.call('SADD', names, model)
         redis.call('EXPIRE', names, 172800)
       end
     end
   end
-  redis.call('SADD', P .. 'u:rows', row)
+  redis.call('SADD', P .. 'ku:rows', row)
+  redis.call('HSETNX', k, 'name', ARGV[i + 8])
   redis.call('HINCRBY', k, 'responses', ARGV[i + 1])
   redis.call('HINCRBY', k, 'input_tokens', ARGV[i + 2])
   redis.call('HINCRBY', k, 'output_tokens', ARGV[i + 3])
@@ -387,12 +402,47 @@ while i <= #ARGV do
   for kind, n in pairs(cjson.decode(ARGV[i + 7])) do
     redis.call('HINCRBY', k, 'f:' .. kind, n)
   end
-  i = i + 8
+  i = i + 9
 end
 return 1
 """
 
-_COUNTS = USAGE_FIELDS[3:]  # responses, input_tokens, ... reasoning_tokens
+# Ledger rows keyed by key name (before key ids were recorded) moved into the ``ku:`` rows, at
+# most ARGV[2] of them, each under its legacy key id: its name for the self-named tenants
+# (ARGV[4] on), ARGV[3] .. name for any other. Each row's fields are added to the row of that id
+# (one exists when a self-named tenant wrote since) and its name kept; a model name the key had
+# counted that day (u:names, two days at most) is counted in the new names set. Returns the
+# number of rows moved (0: none left).
+# ARGV: prefix, rows per call, LEGACY_KEY_PREFIX, then the self-named tenants
+_MIGRATE_USAGE = """
+local P, legacy = ARGV[1], ARGV[3]
+local own = {}
+for j = 4, #ARGV do own[ARGV[j]] = true end
+local rows = redis.call('SPOP', P .. 'u:rows', tonumber(ARGV[2]))
+for _, row in ipairs(rows) do
+  local src = P .. 'u:' .. row
+  local day, model, name = string.match(row, '^([^\t]*)\t([^\t]*)\t(.*)$')
+  local h = redis.call('HGETALL', src)
+  if day and #h > 0 then
+    local kid = own[name] and name or (legacy .. name)
+    local new = day .. '\t' .. model .. '\t' .. kid
+    local dst = P .. 'ku:' .. new
+    for j = 1, #h, 2 do redis.call('HINCRBY', dst, h[j], h[j + 1]) end
+    redis.call('HSETNX', dst, 'name', name)
+    redis.call('SADD', P .. 'ku:rows', new)
+    if redis.call('SISMEMBER', P .. 'u:names:' .. day .. '\t' .. name, model) == 1 then
+      local names = P .. 'ku:names:' .. day .. '\t' .. kid
+      redis.call('SADD', names, model)
+      redis.call('EXPIRE', names, 172800)
+    end
+  end
+  redis.call('DEL', src)
+end
+return #rows
+"""
+MIGRATE_BATCH = 1_000  # legacy ledger rows one migration call moves (each call is atomic)
+
+_COUNTS = USAGE_FIELDS[4:]  # responses, input_tokens, ... reasoning_tokens
 
 
 def _row_name(text: str) -> str:
@@ -431,8 +481,10 @@ class RedisStore:
         self._head = self.r.register_script(_HEAD)
         self._delete = self.r.register_script(_DELETE)
         self._usage = self.r.register_script(_USAGE)
+        self._migrate_usage = self.r.register_script(_MIGRATE_USAGE)
         check_version(self._read(lambda: self.r.info("server")))
         self.fingerprint_key = self._shared_key()
+        self.migrate_ledger()
 
     def _shared_key(self) -> bytes:
         """The deployment's fingerprint key (:mod:`hotloop.state.fpkey`), one for every replica so
@@ -582,14 +634,27 @@ class RedisStore:
         args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds]
         return bool(self._read(lambda: self._delete(args=args)))
 
+    def migrate_ledger(self) -> int:
+        """Move ledger rows keyed by key name (see the module docstring) into the rows keyed by
+        key id; the number moved. :raises StoreUnavailable: Redis cannot be reached."""
+        args = [self.prefix, MIGRATE_BATCH, LEGACY_KEY_PREFIX, *SELF_NAMED_TENANTS]
+        moved = 0
+        while n := int(self._read(lambda: self._migrate_usage(args=args))):
+            moved += n
+        if moved:
+            log.info("moved %d usage ledger rows keyed by key name to legacy key ids", moved)
+        return moved
+
     def record_usage(self, recs: list[UsageRecord]) -> None:
         if not recs:
             return
         rows: dict[str, list[int]] = {}
+        names: dict[str, str] = {}
         found: dict[str, dict[str, int]] = defaultdict(dict)
         for r in recs:
             day = time.strftime("%Y-%m-%d", time.gmtime(r.at))
             row = f"{day}\t{_row_name(r.model)}\t{_row_name(r.key)}"
+            names.setdefault(row, r.name)
             acc = rows.setdefault(row, [0, 0, 0, 0, 0, 0])
             acc[0] += 1
             acc[1] += r.input_tokens
@@ -602,31 +667,33 @@ class RedisStore:
         ttl = int(max(USAGE_BATCH_MIN_TTL, 2 * self.write_retry_seconds))  # retries stop before that
         args: list[Any] = [self.prefix, uuid.uuid4().hex, ttl, self.max_ledger_models, OTHER_MODEL]
         for row, acc in rows.items():
-            args += [row, *acc, json.dumps(found.get(row, {}))]
+            args += [row, *acc, json.dumps(found.get(row, {})), names[row]]
         self._write(lambda: self._usage(args=args))
 
     def usage(
-        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+        self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
-        members = sorted(_str(m) for m in self._read(lambda: self.r.smembers(self.prefix + "u:rows")))
+        self.migrate_ledger()  # rows an earlier version's replica wrote meanwhile (a rolling upgrade)
+        members = sorted(_str(m) for m in self._read(lambda: self.r.smembers(self.prefix + "ku:rows")))
         wanted = []
         for name in members:
-            day, model, key_ = name.split("\t")
-            if (key is None or key_ == key) and (since is None or day >= since) and (after is None or (day, model, key_) > after):
-                wanted.append((day, model, key_, name))
+            day, model, kid = name.split("\t")
+            if (key_id is None or kid == key_id) and (since is None or day >= since) and (after is None or (day, model, kid) > after):
+                wanted.append((day, model, kid, name))
         wanted.sort()
         del wanted[len(wanted) if limit is None else limit :]  # only the page's rows are read
 
         def fetch() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)
             for *_, name in wanted:
-                pipe.hgetall(self.prefix + "u:" + name)
+                pipe.hgetall(self.prefix + "ku:" + name)
             return pipe.execute()  # type: ignore[no-any-return]
 
         out = []
-        for (day, model, key_, _), h in zip(wanted, self._read(fetch)):
+        for (day, model, kid, _), h in zip(wanted, self._read(fetch)):
+            shown = h.pop(b"name", None)
             fields = {_str(k): int(v) for k, v in h.items()}
-            row: dict[str, Any] = {"day": day, "model": model, "key": key_}
+            row: dict[str, Any] = {"day": day, "model": model, "key": kid if shown is None else _str(shown), "key_id": kid}
             row.update({f: fields.get(f, 0) for f in _COUNTS})
             row["flagged"] = fields.get("flagged", 0)
             row["findings"] = dict(sorted((k[2:], n) for k, n in fields.items() if k.startswith("f:")))

@@ -33,8 +33,16 @@ responses (``max_responses``, default 10,000): the oldest live responses are pru
 rule above). A blob leaves with the last row that lists it, in the same transaction (a delete, a
 prune, a tombstone collected). The ids pruned are kept for the process's cache of responses to
 drop (``take_pruned``). The memory store also bounds the items it holds
-(``max_items``, tombstones included; a response without items of its own counts as one). A usage ledger aggregates tokens per UTC day, model and
-key name.
+(``max_items``, tombstones included; a response without items of its own counts as one).
+
+The usage ledger aggregates tokens per UTC day, model and key *id* (the stable id of the key
+that made the request, its tenant id: ``key_...``, ``admin`` or ``anonymous``; never reused), and
+shows each row with that key's name beside it (``key``: a display field). A key given a revoked
+key's name starts rows of its own: it neither sees nor adds to the revoked key's. A ledger row's
+identity, its order in a listing and the filter of a key's own rows are all by id. Rows written
+before the ledger recorded key ids held only the key's name; they are kept under
+:func:`legacy_key_id` of that name (see there: only the admin sees them, unless the name is that
+of open mode's or the admin's tenant, whose id is their name).
 
 Ownership. Every stored response has an ``owner`` (the id of the tenant that created it; rows
 written before owners were recorded belong to ``LEGACY_OWNER``). Every read and delete takes a
@@ -85,7 +93,7 @@ _SETTINGS_FIELDS = ("instructions", "tools")
 PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
-# Usage ledger rows the memory store keeps, one per (UTC day, model, key name): a model name is
+# Usage ledger rows the memory store keeps, one per (UTC day, model, key id): a model name is
 # a client's string, so distinct rows grew with requests; at the bound the oldest day's leave.
 MAX_LEDGER_ROWS = 100_000
 # Model names one key's ledger counts apart in one UTC day, in every store (the SQLite file and
@@ -102,6 +110,26 @@ MAX_CHAIN_DEPTH = 100_000
 
 
 LEGACY_OWNER = "anonymous"  # the owner of rows stored before owners were recorded (open mode's tenant)
+# Tenants whose id is their name, a name no key may take (hotloop.tenants.keys.RESERVED_NAMES):
+# open mode's (LEGACY_OWNER) and the admin key's (hotloop.tenants.auth.ADMIN).
+SELF_NAMED_TENANTS = (LEGACY_OWNER, "admin")
+# The prefix of the key id a ledger row written before key ids were recorded is kept under
+# (legacy_key_id): a key name has no ':' (hotloop.tenants.keys.NAME_RE), so such an id is never
+# a real key's id (``key_`` and hex digits) nor a self-named tenant's.
+LEGACY_KEY_PREFIX = "legacy:"
+
+
+def legacy_key_id(name: str) -> str:
+    """The key id a ledger row that recorded only its key's ``name`` is kept under.
+
+    Rows written before the ledger recorded key ids cannot tell which key of that name made
+    them (a revoked key's name may have been given to a new key since), so they are not given
+    to any key: they are kept under ``legacy:{name}``, shown with their name, and only the
+    admin key (which lists every row) sees them; no key's own listing includes them, and no
+    key's usage is added to them. The exceptions are the names of open mode's and the admin's
+    tenants (``SELF_NAMED_TENANTS``): no key may take those names, so their rows were theirs,
+    and they stay under those tenants' ids (open mode keeps seeing its usage)."""
+    return name if name in SELF_NAMED_TENANTS else LEGACY_KEY_PREFIX + name
 
 
 class StoredResponse(NamedTuple):
@@ -145,8 +173,14 @@ class UsageRecord(NamedTuple):
     cached_tokens: int
     reasoning_tokens: int
     at: float
-    key: str = LEGACY_OWNER  # the name of the key that made the request
+    key: str = LEGACY_OWNER  # the id of the key that made the request (its tenant's id): the ledger's key
     findings: dict[str, int] | None = None  # classifier findings per kind (a flagged response)
+    key_name: str | None = None  # that key's name, shown beside its id (None: the id)
+
+    @property
+    def name(self) -> str:
+        """The name the ledger shows for the key (its id when the record has none)."""
+        return self.key if self.key_name is None else self.key_name
 
 
 def page_items(
@@ -184,8 +218,11 @@ def visible(owner: str, scope: str | None) -> bool:
     return scope is None or owner == scope
 
 
-USAGE_FIELDS = ("day", "model", "key", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
-#: A ledger row's identity, its order in a listing: ``(day, model, key)``.
+# "key" is the key's name (shown), "key_id" its id (the row's identity).
+USAGE_FIELDS = (
+    "day", "model", "key", "key_id", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens"
+)
+#: A ledger row's identity, its order in a listing: ``(day, model, key_id)``.
 UsageRow = tuple[str, str, str]
 # Besides USAGE_FIELDS, every ledger row has "flagged" (responses a classifier flagged or
 # redacted) and "findings" (an object: finding kind -> count).
@@ -207,12 +244,12 @@ class ResponseStore(Protocol):
     def delete(self, response_id: str, scope: str | None = None) -> bool: ...
     def record_usage(self, recs: list[UsageRecord]) -> None: ...
     def usage(
-        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+        self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
-        """Ledger rows (``USAGE_FIELDS``, ``flagged``, ``findings``), of one key name or all,
-        from UTC day ``since`` on, in ``(day, model, key)`` order: those after the row ``after``
-        names, at most ``limit`` of them (None: all; callers pass no negative ``limit``, the
-        HTTP layer refuses one), a page of ``GET /hotloop/usage``."""
+        """Ledger rows (``USAGE_FIELDS``, ``flagged``, ``findings``), of one key id or all,
+        from UTC day ``since`` on, in ``(day, model, key_id)`` order: those after the row
+        ``after`` names, at most ``limit`` of them (None: all; callers pass no negative
+        ``limit``, the HTTP layer refuses one), a page of ``GET /hotloop/usage``."""
         ...
 
     def close(self) -> None: ...
@@ -276,12 +313,13 @@ class MemoryStore(_Pruned):
         self._live: OrderedDict[str, None] = OrderedDict()  # live ids, oldest first
         self._item_index: dict[str, set[str]] = {}  # item id -> live responses holding it as their own
         self._seq = count()
-        # (day, model, key name) -> counts: at most max_ledger_rows (then the oldest day's go)
+        # (day, model, key id) -> counts: at most max_ledger_rows (then the oldest day's go)
         self.max_ledger_rows = MAX_LEDGER_ROWS
         self.max_ledger_models = MAX_LEDGER_MODELS
-        self._usage: dict[tuple[str, str, str], list[int]] = {}
-        self._models: Counter[tuple[str, str]] = Counter()  # (day, key name) -> its named rows
-        self._findings: dict[tuple[str, str, str], Counter[str]] = {}
+        self._usage: dict[UsageRow, list[int]] = {}
+        self._key_names: dict[UsageRow, str] = {}  # the name each row shows (leaves with its row)
+        self._models: Counter[tuple[str, str]] = Counter()  # (day, key id) -> its named rows
+        self._findings: dict[UsageRow, Counter[str]] = {}
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         self._lock = threading.Lock()
 
@@ -335,6 +373,7 @@ class MemoryStore(_Pruned):
         gone = [k for k in self._usage if k[0] == oldest]
         for k in gone:
             del self._usage[k]
+            self._key_names.pop(k, None)
             self._findings.pop(k, None)
         for dk in [dk for dk in self._models if dk[0] == oldest]:
             del self._models[dk]
@@ -441,7 +480,10 @@ class MemoryStore(_Pruned):
                             k = (day, OTHER_MODEL, rec.key)
                     if k not in self._usage and k[1] != OTHER_MODEL:
                         self._models[day, rec.key] += 1
-                row = self._usage.setdefault(k, [0, 0, 0, 0, 0, 0])
+                row = self._usage.get(k)
+                if row is None:
+                    row = self._usage[k] = [0, 0, 0, 0, 0, 0]
+                    self._key_names[k] = rec.name
                 row[5] += 1 if rec.findings else 0
                 row[0] += 1
                 row[1] += rec.input_tokens
@@ -452,16 +494,16 @@ class MemoryStore(_Pruned):
                     self._findings.setdefault(k, Counter()).update(rec.findings)
 
     def usage(
-        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+        self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
         with self._lock:
             wanted = sorted(
                 k for k in self._usage
-                if (key is None or k[2] == key) and (since is None or k[0] >= since) and (after is None or k > after)
+                if (key_id is None or k[2] == key_id) and (since is None or k[0] >= since) and (after is None or k > after)
             )
             return [
                 {
-                    **dict(zip(USAGE_FIELDS, (*k, *r[:5]))),
+                    **dict(zip(USAGE_FIELDS, (k[0], k[1], self._key_names.get(k, k[2]), k[2], *r[:5]))),
                     "flagged": r[5] if len(r) > 5 else 0,
                     "findings": dict(sorted(self._findings.get(k, {}).items())),
                 }
@@ -486,6 +528,31 @@ CREATE TABLE IF NOT EXISTS {name} (
     PRIMARY KEY (response_id, pos)
 ) WITHOUT ROWID;
 """
+# The usage ledger: a row per (UTC day, model, key id), with the key's name (``key``) shown beside
+# it; findings per kind of each row.
+_LEDGER_USAGE = """
+CREATE TABLE IF NOT EXISTS {name} (
+    day TEXT NOT NULL,
+    model TEXT NOT NULL,
+    key TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    responses INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL,
+    flagged INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (day, model, key_id)
+)"""
+_LEDGER_FINDINGS = """
+CREATE TABLE IF NOT EXISTS {name} (
+    day TEXT NOT NULL,
+    model TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (day, model, key_id, kind)
+) WITHOUT ROWID"""
 _SCHEMA = _ITEMS_TABLE.format(name="response_items") + """
 CREATE INDEX IF NOT EXISTS response_items_hash ON response_items(hash);
 CREATE TABLE IF NOT EXISTS responses (
@@ -506,34 +573,40 @@ CREATE TABLE IF NOT EXISTS meta (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS key_usage (
-    day TEXT NOT NULL,
-    model TEXT NOT NULL,
-    key TEXT NOT NULL,
-    responses INTEGER NOT NULL,
-    input_tokens INTEGER NOT NULL,
-    output_tokens INTEGER NOT NULL,
-    cached_tokens INTEGER NOT NULL,
-    reasoning_tokens INTEGER NOT NULL,
-    PRIMARY KEY (day, model, key)
-);
-CREATE TABLE IF NOT EXISTS key_findings (
-    day TEXT NOT NULL,
-    model TEXT NOT NULL,
-    key TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    count INTEGER NOT NULL,
-    PRIMARY KEY (day, model, key, kind)
-) WITHOUT ROWID;
-"""
+""" + _LEDGER_USAGE.format(name="key_usage") + ";" + _LEDGER_FINDINGS.format(name="key_findings") + ";"
 _USAGE_COLUMNS = ", ".join(USAGE_FIELDS)
 # The ledger before it recorded key names (one row per day and model): moved into key_usage
-# under LEGACY_OWNER's name, once.
+# under LEGACY_OWNER (open mode's tenant, whose id is its name), once.
 _MIGRATE_USAGE = f"""
 INSERT OR IGNORE INTO key_usage({_USAGE_COLUMNS})
-    SELECT day, model, '{LEGACY_OWNER}', responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens FROM usage;
+    SELECT day, model, '{LEGACY_OWNER}', '{LEGACY_OWNER}', responses, input_tokens, output_tokens, cached_tokens,
+        reasoning_tokens FROM usage;
 DROP TABLE usage;
 """
+# The ledger before it recorded key ids: key_usage and key_findings keyed by (day, model, key
+# name), without a key_id column. Each is rebuilt keyed by key id (SQLiteStore._migrate_ledger),
+# every old row under legacy_key_id(its name) (the CASE below: the same rule as that function),
+# its name kept as its ``key``; the old table (and its index) goes. Distinct names give distinct
+# ids, so no two old rows meet.
+_LEGACY_ID_SQL = (
+    "CASE WHEN key IN (" + ", ".join(f"'{n}'" for n in SELF_NAMED_TENANTS) + f") THEN key ELSE '{LEGACY_KEY_PREFIX}' || key END"
+)
+_COUNT_COLUMNS = "responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens, flagged"
+_REBUILD_LEDGER = {
+    "key_usage": (
+        _LEDGER_USAGE.format(name="key_usage_new"),
+        f"INSERT INTO key_usage_new(day, model, key, key_id, {_COUNT_COLUMNS})"
+        f" SELECT day, model, key, {_LEGACY_ID_SQL}, {_COUNT_COLUMNS} FROM key_usage",
+        "DROP TABLE key_usage",
+        "ALTER TABLE key_usage_new RENAME TO key_usage",
+    ),
+    "key_findings": (
+        _LEDGER_FINDINGS.format(name="key_findings_new"),
+        f"INSERT INTO key_findings_new(day, model, key_id, kind, count) SELECT day, model, {_LEGACY_ID_SQL}, kind, count FROM key_findings",
+        "DROP TABLE key_findings",
+        "ALTER TABLE key_findings_new RENAME TO key_findings",
+    ),
+}
 
 # Columns added since the first schema: (table, column, definition). Older files get them with
 # ALTER TABLE; their rows (whole histories, no parent) keep loading unchanged.
@@ -552,7 +625,7 @@ _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
 CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
 CREATE INDEX IF NOT EXISTS responses_settings ON responses(settings_hash) WHERE settings_hash IS NOT NULL;
-CREATE INDEX IF NOT EXISTS key_usage_key ON key_usage(key, day);
+CREATE INDEX IF NOT EXISTS key_usage_key_id ON key_usage(key_id, day);
 """
 _ITEM_COLUMNS = "response_id, pos, hash, fp, tokens, item_id, minted"
 # Files written before fingerprints were keyed held unkeyed 64-bit INTEGER fingerprints: the table
@@ -642,6 +715,11 @@ class _SettingsBlobs:
         return _enc.encode({**response, **dict.fromkeys(values)}), settings, settings_hash
 
 
+def _row_id(r: Any) -> UsageRow:
+    """The identity ``(day, model, key_id)`` of a key_usage row read as ``USAGE_FIELDS``."""
+    return (r[0], r[1], r[3])
+
+
 def _blob_hash(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
@@ -711,6 +789,7 @@ class SQLiteStore(_Pruned):
                     except sqlite3.OperationalError:  # another process added it first, or holds the file
                         if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                             raise
+            self._migrate_ledger()
             self._migrate_fingerprints()
             self._db.executescript(_INDEXES)
             self._collect_orphans()
@@ -742,6 +821,28 @@ class SQLiteStore(_Pruned):
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+    def _migrate_ledger(self) -> None:
+        """Rebuild a ledger keyed by key name (a file written before the ledger recorded key ids)
+        keyed by key id (_REBUILD_LEDGER): idempotent, in one transaction, safe against a
+        concurrent opener."""
+        db = self._db
+
+        def by_name() -> list[str]:
+            return [t for t in _REBUILD_LEDGER if "key_id" not in {r[1] for r in db.execute(f"PRAGMA table_info({t})")}]
+
+        if not by_name():
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for table in by_name():  # another process may have migrated it meanwhile
+                for stmt in _REBUILD_LEDGER[table]:
+                    db.execute(stmt)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        log.info("the usage ledger of %s is now kept per key id; its earlier rows are kept under legacy ids", self.path)
 
     def _migrate_fingerprints(self) -> None:
         """Drop fingerprints made under another key or scheme (and rebuild an INTEGER ``fp``
@@ -1016,16 +1117,16 @@ class SQLiteStore(_Pruned):
         with self._lock, self._txn():  # one commit (one sync with --store-sync full)
             models = self._ledger_models([(d, r.model, r.key) for d, r in zip(days, recs)])
             rows = [
-                (d, m, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens, 1 if r.findings else 0)
+                (d, m, r.name, r.key, r.input_tokens, r.output_tokens, r.cached_tokens, r.reasoning_tokens, 1 if r.findings else 0)
                 for d, m, r in zip(days, models, recs)
             ]
             found = [(d, m, r.key, k, n) for d, m, r in zip(days, models, recs) if r.findings for k, n in r.findings.items()]
             self._add_usage(rows, found)
 
     def _ledger_models(self, rows: list[tuple[str, str, str]]) -> list[str]:
-        """The model each ``(day, model, key)`` is counted under: its own name when its row
+        """The model each ``(day, model, key id)`` is counted under: its own name when its row
         exists or the key has counted fewer than ``max_ledger_models`` names that day, else
-        OTHER_MODEL (inside the write's transaction; ``key_usage_key`` finds a key's day)."""
+        OTHER_MODEL (inside the write's transaction; ``key_usage_key_id`` finds a key's day)."""
         db = self._db
         known: dict[tuple[str, str, str], str] = {}
         named: dict[tuple[str, str], int] = {}  # (day, key) -> its named rows, this write's included
@@ -1035,12 +1136,12 @@ class SQLiteStore(_Pruned):
             if model is None:
                 day, model, key = row
                 if model != OTHER_MODEL and not db.execute(
-                    "SELECT 1 FROM key_usage WHERE day = ? AND model = ? AND key = ?", row
+                    "SELECT 1 FROM key_usage WHERE day = ? AND model = ? AND key_id = ?", row
                 ).fetchone():
                     n = named.get((day, key))
                     if n is None:
                         (n,) = db.execute(
-                            "SELECT COUNT(*) FROM key_usage WHERE key = ? AND day = ? AND model != ?", (key, day, OTHER_MODEL)
+                            "SELECT COUNT(*) FROM key_usage WHERE key_id = ? AND day = ? AND model != ?", (key, day, OTHER_MODEL)
                         ).fetchone()
                     if n >= self.max_ledger_models:
                         model = OTHER_MODEL
@@ -1052,7 +1153,7 @@ class SQLiteStore(_Pruned):
     def _add_usage(self, rows: list[tuple[Any, ...]], found: list[tuple[Any, ...]]) -> None:
         self._db.executemany(
             f"INSERT INTO key_usage({_USAGE_COLUMNS}, flagged) "
-            "VALUES (?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key) DO UPDATE SET responses=responses+1, "
+            "VALUES (?,?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key_id) DO UPDATE SET responses=responses+1, "
             "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
             "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens, "
             "flagged=flagged+excluded.flagged",
@@ -1060,47 +1161,47 @@ class SQLiteStore(_Pruned):
         )
         if found:
             self._db.executemany(
-                "INSERT INTO key_findings(day, model, key, kind, count) VALUES (?,?,?,?,?) "
-                "ON CONFLICT(day, model, key, kind) DO UPDATE SET count=count+excluded.count",
+                "INSERT INTO key_findings(day, model, key_id, kind, count) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(day, model, key_id, kind) DO UPDATE SET count=count+excluded.count",
                 found,
             )
 
     def usage(
-        self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+        self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
         # Only the conditions given are in the query: a row-value comparison behind "?3 IS NULL OR"
-        # is not used to seek the (day, model, key) key, and a late page then scans every row
+        # is not used to seek the (day, model, key_id) key, and a late page then scans every row
         # before it (200,000 rows: a late 1,000-row page 16.9 ms against 2.0 ms).
         where, args = ["1"], []
-        if key is not None:
-            where.append("key = ?")
-            args.append(key)
+        if key_id is not None:
+            where.append("key_id = ?")
+            args.append(key_id)
         if since is not None:
             where.append("day >= ?")
             args.append(since)
         if after is not None:
-            where.append("(day, model, key) > (?, ?, ?)")
+            where.append("(day, model, key_id) > (?, ?, ?)")
             args.extend(after)
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_USAGE_COLUMNS}, flagged FROM key_usage WHERE {' AND '.join(where)} "
-                "ORDER BY day, model, key LIMIT ?",
+                "ORDER BY day, model, key_id LIMIT ?",
                 (*args, -1 if limit is None else limit),
             ).fetchall()
             found = []
             if rows:  # the findings of the rows listed: from the first to the last
-                first, last = tuple(rows[0][:3]), tuple(rows[-1][:3])
+                first, last = _row_id(rows[0]), _row_id(rows[-1])
                 found = self._db.execute(
-                    "SELECT day, model, key, kind, count FROM key_findings WHERE (?1 IS NULL OR key = ?1) "
-                    "AND (day, model, key) >= (?2, ?3, ?4) AND (day, model, key) <= (?5, ?6, ?7) ORDER BY kind",
-                    (key, *first, *last),
+                    "SELECT day, model, key_id, kind, count FROM key_findings WHERE (?1 IS NULL OR key_id = ?1) "
+                    "AND (day, model, key_id) >= (?2, ?3, ?4) AND (day, model, key_id) <= (?5, ?6, ?7) ORDER BY kind",
+                    (key_id, *first, *last),
                 ).fetchall()
-        kinds: dict[tuple[str, str, str], dict[str, int]] = {}
-        for day, model, key_, kind, n in found:
-            kinds.setdefault((day, model, key_), {})[kind] = n
+        kinds: dict[UsageRow, dict[str, int]] = {}
+        for day, model, kid, kind, n in found:
+            kinds.setdefault((day, model, kid), {})[kind] = n
         n_fields = len(USAGE_FIELDS)
         return [
-            {**dict(zip(USAGE_FIELDS, r)), "flagged": r[n_fields], "findings": kinds.get(tuple(r[:3]), {})}  # type: ignore[call-overload]
+            {**dict(zip(USAGE_FIELDS, r)), "flagged": r[n_fields], "findings": kinds.get(_row_id(r), {})}
             for r in rows
         ]
 

@@ -49,7 +49,9 @@ def add_commands(sub: Any) -> None:
     r.add_argument("name")
     _store_flags(r)
     u = sub.add_parser("usage", help="the usage ledger: responses and tokens per day, model and key")
-    u.add_argument("--key", help="only this key name")
+    u.add_argument(
+        "--key", help="only the keys of this name (every key that had it: a revoked key's name may be given to a new key) or this key id"
+    )
     u.add_argument("--since", type=date.fromisoformat, help="from this UTC day on (YYYY-MM-DD)")
     _store_flags(u)
 
@@ -102,20 +104,37 @@ def _keys(args: argparse.Namespace, keys: KeyStore) -> int:
     return 2
 
 
+def _key_ids(key: str, config: Config) -> list[str]:
+    """The key ids ``hotloop usage --key KEY`` lists: ``KEY`` as an id, the id of every key
+    (revoked ones included) named ``KEY``, and the legacy id of rows written under that name
+    before the ledger recorded key ids (:func:`~hotloop.state.store.legacy_key_id`)."""
+    from hotloop.state.store import legacy_key_id
+
+    keys = open_key_store(config.store, config.db_path, config.redis_url)
+    try:
+        named = [k.id for k in keys.list() if k.name == key]
+    finally:
+        keys.close()
+    return list(dict.fromkeys([key, *named, legacy_key_id(key)]))
+
+
 def _usage(args: argparse.Namespace, config: Config) -> int:
     from hotloop.server.runner import make_store
     from hotloop.state.fpkey import KeyFileError
 
+    ids: list[str | None] = [None] if args.key is None else [*_key_ids(args.key, config)]
     try:
         store = make_store(config)
     except KeyFileError as exc:
         print(f"hotloop usage: {exc}", file=sys.stderr)
         return 1
+    since = args.since.isoformat() if args.since else None
     try:
-        rows = store.usage(args.key, args.since.isoformat() if args.since else None)
+        rows = [r for kid in ids for r in store.usage(kid, since)]
     finally:
         store.close()
-    cols = ("day", "key", "model", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+    rows.sort(key=lambda r: (r["day"], r["model"], r["key_id"]))  # the ledger's order, over the ids asked
+    cols = ("day", "key", "model", "responses", "input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens", "key_id")
     print(table([c.upper() for c in cols], [[r[c] for c in cols] for r in rows]))
     return 0
 
