@@ -14,6 +14,7 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hotloop import errors
 from hotloop.config import Config
 from hotloop.pipeline import classifiers, reuse
 from hotloop.pipeline import items as itemlib
@@ -113,6 +114,69 @@ def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
     # another owner never hits, by body or by bytes
     req, hit, _ = reuse.decode_create(_body(texts + ["third"]), cache, "bob")
     assert hit is None and len(req.input) == 3  # type: ignore[arg-type]
+
+
+def _register_whole(cache: PrefixCache, body: bytes, texts: list[str]) -> None:
+    """As the engine registers a finished input: with the body's bytes after the input array and
+    the request decoded from it (the template of a later body with the same bytes around it)."""
+    req, hit, raw = reuse.decode_create(body, cache, "alice")
+    reg = reuse.registration(raw, [])
+    assert reg is not None and reg.after is not None and reg.request is not None and reg.request.input is None
+    e = _entry(texts)
+    last = itemlib.fingerprint(e.context.items[-1])
+    cache.put(Prefix(e, len(texts), last, e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead, None, reg.after, reg.request))
+
+
+_AROUND = '"metadata":{"a":"b"},"stream":false'
+
+
+def test_a_body_with_the_same_bytes_around_its_input_is_decoded_from_its_new_items_alone() -> None:
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    _register_whole(cache, _body(texts, after=_AROUND), texts)
+    # one more turn, and one after it registered from the first hit: each is the ordinary decode
+    # of its body with only the new items as input (a quoted "input" among them too: the bytes
+    # after the items are the registered request's, which hold no "input" key)
+    for more in (["third", 'say "input"'], ["third", 'say "input"', "fourth"]):
+        body = _body(texts + more, after=_AROUND)
+        req, hit, raw = reuse.decode_create(body, cache, "alice")
+        full = reuse.decode_body(body)
+        assert hit is not None and hit.n == len(texts) and cache.body_hits == len(more) - 1
+        assert req == msgspec.structs.replace(full, input=full.input[len(texts) :])  # type: ignore[index]
+        assert raw is not None and json.loads(bytes(raw.raw)) == full.input and raw.after == b"," + _AROUND.encode() + b"}"
+        reg = reuse.registration(raw, [])
+        assert reg is not None and reg.request == msgspec.structs.replace(full, input=None)
+        e = _entry(texts + more)
+        cache.put(Prefix(e, e.input_len, itemlib.fingerprint(e.context.items[-1]), e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead, None, reg.after, reg.request))
+        texts = texts + more
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b.replace(b'"stream":false', b'"stream":true'),  # other bytes after the input
+        lambda b: b.replace(b'"third"}]', b'"third"}, ]'),  # a trailing comma: no JSON
+        lambda b: b.replace(b',{"role": "user", "content": "third"}]', b', ]'),  # nothing after one
+        lambda b: b.replace(b'"third"}]', b'"third"}],"input":[{"role":"user","content":"other"}]'),  # a second input
+        lambda b: b.replace(b'"third"}]', b'"third"}] ]'),  # a bracket too many
+    ],
+)
+@pytest.mark.parametrize("register", [_register, _register_whole])
+def test_a_body_that_only_nearly_repeats_the_bytes_around_its_input_is_decoded_the_ordinary_way(change: Any, register: Any) -> None:
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    register(cache, _body(texts, after=_AROUND), texts)
+    body = change(_body(texts + ["third"], after=_AROUND))
+    try:
+        full = reuse.decode_body(body)
+    except errors.HotloopError as exc:
+        with pytest.raises(type(exc)) as got:
+            reuse.decode_create(body, cache, "alice")
+        assert got.value.code == exc.code and got.value.message == exc.message
+        return
+    req, hit, _ = reuse.decode_create(body, cache, "alice")
+    whole = req.input if hit is None else [*[{"role": "user", "content": t} for t in texts], *req.input]  # type: ignore[misc]
+    assert msgspec.structs.replace(req, input=whole) == full
 
 
 def test_conversations_that_start_alike_are_each_found_by_their_body() -> None:

@@ -41,7 +41,7 @@ from hotloop.state.prefix import Prefix, PrefixCache, Sent
 
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
 _WS = b" \t\r\n"
-_OPEN, _CLOSE = ord("["), ord("]")
+_OPEN, _CLOSE, _COMMA = ord("["), ord("]"), ord(",")
 Buffer = bytes | memoryview  # raw input bytes: views of a request body are kept without a copy
 
 
@@ -244,14 +244,19 @@ class RawInput:
     """An HTTP request's ``input`` array as the client sent it (``raw``), and the body's bytes
     before it (``lead``; ``None`` when it could not be told for sure). ``prepared``: the request
     that a prefix hit left with only its new items, already validated (:func:`validate`), which
-    :meth:`Engine.start` then takes instead of validating it again."""
+    :meth:`Engine.start` then takes instead of validating it again. ``after``: the body's bytes
+    after the array (with ``lead``), and ``request`` what the body decoded to: registered as the
+    template of the next body that has the same bytes around its longer input (:func:`_by_body`).
+    """
 
-    __slots__ = ("raw", "lead", "prepared")
+    __slots__ = ("raw", "lead", "prepared", "after", "request")
 
-    def __init__(self, raw: Buffer, lead: bytes | None) -> None:
+    def __init__(self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None) -> None:
         self.raw = raw
         self.lead = lead
         self.prepared: Prepared | None = None
+        self.after = after if lead is not None else None
+        self.request: CreateRequest | None = request
 
 
 def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
@@ -260,7 +265,12 @@ def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
     if raw is None or any(type(it) is ItemReference for it in items):
         return None
     opened = open_array(raw.raw)
-    return RawInput(opened, raw.lead) if opened is not None else None
+    if opened is None:
+        return None
+    req = raw.request
+    # the request without its input (its items are the entry's, held by the cache once)
+    template = msgspec.structs.replace(req, input=None) if req is not None and raw.after is not None else None
+    return RawInput(opened, raw.lead, raw.after, template)
 
 
 def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:
@@ -352,18 +362,43 @@ def _by_body(
         return None
     p, end = found
     lead = p.lead
-    rest = body[end:].lstrip(_WS)
-    if rest[:1] != b"," or b'"input"' in rest or lead is None:
+    size = len(body)
+    k = end
+    while k < size and body[k] in _WS:
+        k += 1
+    if k == size or body[k] != _COMMA or lead is None:
+        return None
+    after, template = p.after, p.template
+    if template is not None and after is not None and body.endswith(after):
+        # The same bytes before and after the input as the registered request's: the same
+        # request with more items. Only the new items are decoded (the registered body had one
+        # "input" key, before its items: the bytes after them hold none).
+        close = size - len(after)
+        while close > k and body[close - 1] in _WS:
+            close -= 1
+        if close - k > 2 and body[close - 1] == _CLOSE:
+            added = msgspec.json.decode(b"[" + memoryview(body)[k + 1 : close])
+            if type(added) is list and added:  # ("[A,B, ]" is no JSON: not taken for "[A,B]")
+                cache.raw_hits += 1
+                cache.body_hits += 1
+                req = msgspec.structs.replace(template, input=added)
+                return req, p, RawInput(memoryview(body)[len(lead) : close], lead, after)
+    rest = body[k:]
+    if b'"input"' in rest:
         return None
     short = lead + b"[" + rest[1:]  # the body without the registered items
     lazy = _lazy_decoder.decode(short)
     tail = len(lazy.input)  # "[" + the new items + "]"
-    req = _with_input(lazy, msgspec.json.decode(lazy.input), tools, owner)
-    start = len(body) - len(rest) + 1  # where the new items start in the body
-    raw = memoryview(body)[len(lead) : start + tail - 1]  # a view: no copy of the history
+    added = msgspec.json.decode(lazy.input)
+    if not added:  # "[A,B, ]": no JSON, which the ordinary decode refuses
+        return None
+    req = _with_input(lazy, added, tools, owner)
+    start = k + 1  # where the new items start in the body
+    close = start + tail - 1
+    raw = memoryview(body)[len(lead) : close]  # a view: no copy of the history
     cache.raw_hits += 1
     cache.body_hits += 1
-    return req, p, RawInput(raw, lead)
+    return req, p, RawInput(raw, lead, bytes(body[close:]))
 
 
 def decode_create(
@@ -465,6 +500,15 @@ def _decode(
     body: bytes | bytearray, cache: PrefixCache, owner: str, tools: ToolsCache | None
 ) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
     """The request of ``body`` with its prefix hit and raw input (``None``: anything unusual)."""
+    got = _decoded(body, cache, owner, tools)
+    if got is not None and got[2] is not None:
+        got[2].request = got[0]  # (registered without its input: registration())
+    return got
+
+
+def _decoded(
+    body: bytes | bytearray, cache: PrefixCache, owner: str, tools: ToolsCache | None
+) -> tuple[CreateRequest, Prefix | None, RawInput | None] | None:
     try:
         prefix: Prefix | None
         by_body = _by_body(cache, owner, body, tools) if len(cache) else None
@@ -479,7 +523,8 @@ def _decode(
         if lazy.previous_response_id is not None or raw[:1] != b"[":
             plain = _unmatched(lazy, raw, tools, owner)  # a continuation, or a string input
             return (plain, None, None) if plain is not None else None
-        raw_input = RawInput(raw, _lead(body, raw))
+        lead = _lead(body, raw)
+        raw_input = RawInput(raw, lead, bytes(body[len(lead) + len(raw) :]) if lead is not None else None)
         hit = split_raw(cache, owner, raw)
         prefix, suffix_raw = hit if hit is not None else (None, None)
         if prefix is not None and suffix_raw is not None:

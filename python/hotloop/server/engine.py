@@ -592,7 +592,7 @@ class Engine:
         sent = reuse.sent_input(run.prefix, run.sent, n - len(run.prepared.items))
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls, sent=sent))
-        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent)) and run.hit is not None:
+        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request)) and run.hit is not None:
             # This input's bytes start with those of the input it reused (matched by bytes,
             # never one found by fingerprint, which may be another client's): keeping both would
             # hold every earlier body of the conversation (one per turn, up to the cache's

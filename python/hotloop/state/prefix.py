@@ -42,6 +42,7 @@ as sent count SENT_BYTES each; the ``_sent`` index holds only registered entries
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 from hotloop.protocol.request import FunctionCall
 from hotloop.state.context import CachedResponse, Context, entry_nbytes, item_id_of
 
@@ -71,7 +72,7 @@ class Prefix:
     cached ones (a classifier redacted them; positions below ``n``), or ``None``.
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent")
+    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent", "after", "template")
 
     def __init__(
         self,
@@ -84,6 +85,8 @@ class Prefix:
         calls: frozenset[str] | None = None,
         lead: bytes | None = None,
         sent: Sent | None = None,
+        after: bytes | None = None,
+        template: Any = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -98,6 +101,11 @@ class Prefix:
         self.calls = calls  # call ids of the n items (None: found by walking them)
         # the HTTP body's bytes before the input array (with ``raw``: the body up to the last item)
         self.lead = lead if raw is not None else None
+        # the body's bytes after the input array, and the request decoded from that body without
+        # its input (a CreateRequest with ``input=None``): a later body with the same lead and the
+        # same bytes after its input is the same request with more items (reuse._by_body)
+        self.after = after if self.lead is not None and template is not None else None
+        self.template = template if self.after is not None else None
         self.sent = tuple(x for x in sent if x[0] < n) or None if sent else None
 
     @property
@@ -130,6 +138,9 @@ class Prefix:
         # the entry as the caches of responses count it (its Response object too: its echoed
         # instructions and tools once held about 4 times what was counted here)
         lead = len(self.lead) if self.lead is not None else 0
+        template = self.template
+        if self.after is not None and template is not None:  # (its tools: the owner's shared ones, pipeline.settings)
+            lead += len(self.after) + len(template.instructions or "")
         return entry_nbytes(self.entry) + held + lead + (len(self.sent) * SENT_BYTES if self.sent else 0)
 
     def context(self) -> Context:
@@ -316,7 +327,7 @@ class PrefixCache:
             return  # no longer registered: the cache holds nothing of it
         size = p.size
         self._unindex(p)
-        p.raw = p.lead = p.head = None
+        p.raw = p.lead = p.head = p.after = p.template = None
         self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
