@@ -490,12 +490,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 end = data.find(_HEAD_END, start, stop)
                 cut = stop if end < 0 else end + len(_HEAD_END)
                 self._at_head_end = end >= 0
+                # these bytes are all head (one that goes on, or begins here): with the ones
+                # before them, within the bound, whether or not the head ends in this read
+                if (self._head_read if self._head_open else 0) + (cut - start) > MAX_REQUEST_HEAD:
+                    self._refuse(head_too_large_response())
+                    return
             super().data_received(view[start:cut])  # type: ignore[arg-type]
             if self._head_open:  # all of it went to a head that has not ended
                 self._head_read += cut - start
-                if self._head_read > MAX_REQUEST_HEAD:
-                    self._refuse(head_too_large_response())
-                    return
             start = cut
 
     def _drop_into(self) -> None:
