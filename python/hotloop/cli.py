@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "--store-sync",
         dest="store_sync",
         choices=["normal", "full"],
-        help="normal: stored responses are written off the critical path, durable within milliseconds of their "
+        help="normal: stored responses are written off the critical path, durable within --store-max-lag of their "
         "terminal event (README, Crash safety); full: written and synced before the terminal event is sent, "
         "nothing completed is ever lost (env HOTLOOP_STORE_SYNC, default normal)",
     )

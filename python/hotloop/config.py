@@ -148,8 +148,12 @@ class Config:
             value = getattr(self, name)
             if not 0 < value < float("inf"):  # NaN too
                 raise ValueError(f"{_flag(name)} must be a positive number of seconds; got {value!r}")
-        if not 0 <= self.shutdown_grace < float("inf"):
-            raise ValueError(f"--shutdown-grace must be 0 or more seconds; got {self.shutdown_grace!r}")
+        for name in _SECONDS_OR_ZERO:
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):  # NaN too
+                raise ValueError(f"{_flag(name)} must be 0 or more seconds; got {value!r}")
+        if not 0 <= self.sim_rate < float("inf"):
+            raise ValueError(f"{_flag('sim_rate')} must be 0 (unpaced) or more tokens per second; got {self.sim_rate!r}")
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -166,7 +170,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "store_sync": ("normal", "full"),
     "secrets": ("off", "flag", "redact", "block"),
 }
-_AT_LEAST_ONE = ("workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight")
+_AT_LEAST_ONE = (
+    "workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight",
+    "sim_output_tokens",
+)
+_SECONDS_OR_ZERO = ("shutdown_grace", "store_max_lag", "sim_ttft")
 _POSITIVE_SECONDS = (
     "request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age", "ws_ping_interval",
     "ws_ping_timeout",

@@ -87,7 +87,13 @@ def test_an_environment_value_of_the_wrong_type_is_refused_like_a_flag(tmp_path,
     (("--max-connections", "0"), {}, "--max-connections (HOTLOOP_MAX_CONNECTIONS) must be 1 or more"),
     (("--port", "70000"), {}, "--port must be between 0 and 65535"),
     (("--workers", "0"), {}, "--workers (HOTLOOP_WORKERS) must be 1 or more"),
-    (("--shutdown-grace", "-5"), {}, "--shutdown-grace must be 0 or more seconds"),
+    (("--shutdown-grace", "-5"), {}, "--shutdown-grace (HOTLOOP_SHUTDOWN_GRACE) must be 0 or more seconds"),
+    (("--store-max-lag", "-1"), {}, "--store-max-lag (HOTLOOP_STORE_MAX_LAG) must be 0 or more seconds"),
+    ((), {"HOTLOOP_STORE_MAX_LAG": "nan"}, "--store-max-lag (HOTLOOP_STORE_MAX_LAG) must be 0 or more seconds"),
+    (("--sim-ttft", "-3"), {}, "--sim-ttft (HOTLOOP_SIM_TTFT) must be 0 or more seconds"),
+    (("--sim-rate", "-1"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or more"),
+    (("--sim-rate", "inf"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or more"),
+    (("--sim-output-tokens", "-5"), {}, "--sim-output-tokens (HOTLOOP_SIM_OUTPUT_TOKENS) must be 1 or more"),
 ])
 def test_settings_no_server_can_run_with_stop_start_up(tmp_path, args: tuple[str, ...], env: dict[str, str], says: str) -> None:
     p = run(HOTLOOP, "serve", "--port", "0", *args, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})
@@ -119,3 +125,16 @@ def test_keys_and_usage_say_in_one_line_when_they_cannot_open_the_store(tmp_path
     ):
         p = run(HOTLOOP, *args)
         assert p.returncode == 1 and "cannot open the store" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_the_redis_store_without_its_package_is_one_line_naming_the_extra(tmp_path) -> None:
+    """redis-py is an extra (hotloop[redis]): without it, `--store redis` said ModuleNotFoundError
+    (serve) or printed a traceback (keys)."""
+    fake = tmp_path / "site" / "redis"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'redis'\", name='redis')\n")
+    env = {"PYTHONPATH": str(tmp_path / "site"), "HOTLOOP_DATA_DIR": str(tmp_path / "d")}
+    for args, code in ((("keys", "list", "--store", "redis"), 1), (("serve", "--port", "0", "--store", "redis"), 3)):
+        p = run(HOTLOOP, *args, env=env)
+        assert p.returncode == code, (args, p.stderr)
+        assert "pip install 'hotloop[redis]'" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

@@ -31,6 +31,9 @@ or ``anonymous``)::
                                          twice; with --store-sync full there is one per response)
     P fpkey                      STRING  the deployment's fingerprint key (32 random bytes,
                                          made by the first replica to start)
+    P callidkey                  STRING  the deployment's key of redacted call ids' tags (32
+                                         random bytes, made by the first replica to start;
+                                         hotloop.pipeline.classify.call_id_marker)
 
 The usage ledger is keyed by key id (see :mod:`hotloop.state.store`). Before it was, its rows
 were ``P u:rows`` / ``P u:{day}\\t{model}\\t{key name}`` (the counts and findings above, no
@@ -46,7 +49,9 @@ The fingerprint key is read once, when a replica starts. If ``P fpkey`` is delet
 while replicas run (a ``FLUSHDB``, an edit by hand), replicas started afterwards make a new key
 and their fingerprints no longer match those stored by the others: prefix reuse across them
 silently stops matching (answers stay correct, only the reuse is lost) until every replica has
-been restarted. Do not delete it while replicas run.
+been restarted. Do not delete it while replicas run. ``P callidkey`` likewise: replaced, the
+replicas started afterwards redact a secret in a call id to another marker, and a call stored
+before no longer pairs with its output sent to them.
 
 TTLs replace the SQLite pruner: a response reads as not found ``ttl_seconds`` after it was
 stored (``at``), and its keys expire at that time rounded up to ``EXPIRE_GRANULARITY`` (at most
@@ -230,8 +235,12 @@ def once(breaker: Breaker, fn: Callable[[], T]) -> T:
 
 def sync_client(url: str) -> Any:
     """A redis-py synchronous client for ``url`` (hiredis parser when installed), without
-    redis-py's own retries: the callers decide (fail fast, or retry with backoff)."""
-    import redis
+    redis-py's own retries: the callers decide (fail fast, or retry with backoff). ValueError
+    when redis-py is not installed (an extra: ``pip install 'hotloop[redis]'``)."""
+    try:
+        import redis
+    except ImportError:
+        raise ValueError("--store redis needs the redis package: pip install 'hotloop[redis]'") from None
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -483,17 +492,20 @@ class RedisStore:
         self._usage = self.r.register_script(_USAGE)
         self._migrate_usage = self.r.register_script(_MIGRATE_USAGE)
         check_version(self._read(lambda: self.r.info("server")))
-        self.fingerprint_key = self._shared_key()
+        self.fingerprint_key = self._shared_key("fpkey", "fingerprint key")
+        self.call_id_key = self._shared_key("callidkey", "call id key")
         self.migrate_ledger()
 
-    def _shared_key(self) -> bytes:
-        """The deployment's fingerprint key (:mod:`hotloop.state.fpkey`), one for every replica so
-        that the fingerprints they store agree: made by the first to start (``SET NX``), read by
-        the others. It sits beside the responses: whoever can read it can read them anyway.
+    def _shared_key(self, suffix: str, what: str) -> bytes:
+        """A deployment's key under ``P {suffix}``: the fingerprint key (:mod:`hotloop.state.fpkey`),
+        one for every replica so that the fingerprints they store agree, and the key of redacted
+        call ids' tags, so that a call stored by one replica pairs with its output redacted by
+        another. Made by the first to start (``SET NX``), read by the others. It sits beside the
+        responses: whoever can read it can read them anyway.
 
         :raises StoreUnavailable: Redis cannot be reached (the server does not start).
         :raises KeyFileError: what is stored there is not a key."""
-        name = self.prefix + "fpkey"
+        name = self.prefix + suffix
 
         def get() -> Any:
             self.r.set(name, secrets.token_bytes(fpkey.KEY_LEN), nx=True)
@@ -501,7 +513,7 @@ class RedisStore:
 
         key = self._read(get)
         if not isinstance(key, bytes) or len(key) != fpkey.KEY_LEN:
-            raise fpkey.KeyFileError(f"{name} in Redis is not a {fpkey.KEY_LEN}-byte fingerprint key; delete it")
+            raise fpkey.KeyFileError(f"{name} in Redis is not a {fpkey.KEY_LEN}-byte {what}; delete it")
         return key
 
     # -- calling Redis -------------------------------------------------------------------------
