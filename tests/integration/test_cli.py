@@ -38,13 +38,17 @@ def test_bench_help_is_the_bench_commands_own() -> None:
 
 
 def test_misconfigured_backend_fails_clearly(tmp_path) -> None:
+    """One `start-up failed` line, before the server starts (it was followed by uvicorn's lines,
+    one repeating it)."""
     p = run(HOTLOOP, "serve", "--backend", "openai-compat", "--port", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path)})
     assert p.returncode == 3
     assert "needs --base-url" in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.count("needs --base-url") == 1 and "uvicorn" not in p.stderr, p.stderr
     env = {k: v for k, v in os.environ.items() if k != "CEREBRAS_API_KEY"}
     env["HOTLOOP_DATA_DIR"] = str(tmp_path)
     p = subprocess.run([HOTLOOP, "serve", "--backend", "cerebras", "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 3 and "CEREBRAS_API_KEY" in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.count("CEREBRAS_API_KEY") == 1 and "uvicorn" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("flag, top", [("--flush-interval-ms", "1000"), ("--backend-read-pause-ms", "100")])

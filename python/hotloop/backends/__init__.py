@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hotloop.backends.base import Backend
+    from hotloop.backends.cerebras import CerebrasBackend
+    from hotloop.backends.openai_compat import OpenAICompatBackend
     from hotloop.config import Config
 
 BACKENDS = ("simulator", "cerebras", "openai-compat")
@@ -29,12 +31,18 @@ def create(config: "Config") -> "Backend":
             if config.model not in sim.models:
                 sim.models = (config.model, *sim.models)
         return sim
+    chat: CerebrasBackend | OpenAICompatBackend
     if config.backend == "cerebras":
         from hotloop.backends.cerebras import CerebrasBackend
 
-        return CerebrasBackend(config)
-    if config.backend == "openai-compat":
+        chat = CerebrasBackend(config)
+    elif config.backend == "openai-compat":
         from hotloop.backends.openai_compat import OpenAICompatBackend
 
-        return OpenAICompatBackend(config)
-    raise ValueError(f"unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
+        chat = OpenAICompatBackend(config)
+    else:
+        raise ValueError(f"unknown backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
+    why = chat.missing()
+    if why is not None:  # said before the server starts, in one line (its start() says it too)
+        raise ValueError(why)
+    return chat

@@ -67,11 +67,16 @@ class CerebrasBackend(ChatBackend):
         self._config = config
         self._client: AsyncCerebras | None = None
 
-    async def start(self) -> None:
+    def missing(self) -> str | None:
+        """What this backend needs and was not given (said at start-up, before serving)."""
         if not self._api_key:
-            raise RuntimeError(
-                "The cerebras backend needs an API key: set CEREBRAS_API_KEY (or HOTLOOP_BACKEND_API_KEY)."
-            )
+            return "The cerebras backend needs an API key: set CEREBRAS_API_KEY (or HOTLOOP_BACKEND_API_KEY)."
+        return None
+
+    async def start(self) -> None:
+        why = self.missing()
+        if why is not None:
+            raise RuntimeError(why)
         withhold(self._api_key)  # never repeated from a backend's error message
         quiet_http_logs()
         self._client = AsyncCerebras(

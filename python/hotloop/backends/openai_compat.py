@@ -45,12 +45,19 @@ class OpenAICompatBackend(ChatBackend):
         self._config = config
         self._client: httpx.AsyncClient | None = None
 
-    async def start(self) -> None:
+    def missing(self) -> str | None:
+        """What this backend needs and was not given (said at start-up, before serving)."""
         if not self._base_url:
-            raise RuntimeError(
+            return (
                 "The openai-compat backend needs --base-url (or HOTLOOP_BASE_URL), including the "
                 "API prefix, e.g. http://localhost:8000/v1."
             )
+        return None
+
+    async def start(self) -> None:
+        why = self.missing()
+        if why is not None or not self._base_url:
+            raise RuntimeError(why)
         withhold(self._api_key)  # never repeated from a backend's error message
         quiet_http_logs()
         headers = {"User-Agent": f"hotloop/{__version__}"}
