@@ -99,6 +99,31 @@ def test_replicas_share_one_fingerprint_key(store: RedisStore, redis: Redis) -> 
         elsewhere.close()
 
 
+def test_replicas_share_one_call_id_key(store: RedisStore, redis: Redis) -> None:
+    """Every store on one Redis redacts call ids under one key (``P callidkey``, made by the
+    first): a call stored by one replica pairs with its output redacted by another."""
+    from hotloop.pipeline.classify import call_id_marker
+    from hotloop.state import fpkey
+
+    other = RedisStore(redis.url, 3600, prefix=store.prefix)
+    elsewhere = RedisStore(redis.url, 3600, prefix=store.prefix + "y:")
+    try:
+        assert len(store.call_id_key) == fpkey.KEY_LEN
+        assert other.call_id_key == store.call_id_key == store.r.get(store.prefix + "callidkey")
+        assert store.call_id_key not in (store.fingerprint_key, fpkey.CALL_ID_PROCESS_KEY)
+        assert elsewhere.call_id_key != store.call_id_key
+        secret = "gh" + "p_" + "a1" * 18
+        assert call_id_marker("github_token", secret, other.call_id_key) == call_id_marker(
+            "github_token", secret, store.call_id_key
+        )
+        store.r.set(store.prefix + "callidkey", b"short")
+        with pytest.raises(fpkey.KeyFileError, match="call id key"):
+            RedisStore(redis.url, 3600, prefix=store.prefix)
+    finally:
+        other.close()
+        elsewhere.close()
+
+
 def test_scope_hides_other_owners(store: RedisStore) -> None:
     store.put(rec("s1", [item("si1")], owner="alice"))
     assert store.get("s1", "bob") is None

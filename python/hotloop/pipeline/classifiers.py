@@ -119,13 +119,15 @@ def _is_classifier(obj: Any) -> bool:
     )
 
 
-def build(secrets: str, specs: Sequence[str] = ()) -> list[Classifier[Any]]:
+def build(secrets: str, specs: Sequence[str] = (), *, call_id_key: bytes | None = None) -> list[Classifier[Any]]:
     """The server's classifiers: the secrets classifier unless its policy is ``off``, then each
-    ``module:attr`` of ``specs`` in order. Names must be unique (they key the chain states)."""
+    ``module:attr`` of ``specs`` in order. Names must be unique (they key the chain states).
+    ``call_id_key``: the key of the secrets classifier's call id markers (the store's
+    ``call_id_key``; None: this process's)."""
     out: list[Classifier[Any]] = []
     try:
         if secrets != "off":
-            out.append(SecretsClassifier(secrets))  # type: ignore[arg-type]
+            out.append(SecretsClassifier(secrets, call_id_key=call_id_key))  # type: ignore[arg-type]
     except ValueError as exc:
         raise ClassifierLoadError(str(exc)) from None
     for spec in specs:

@@ -11,7 +11,8 @@ Verdicts, from mildest to strongest:
 * :class:`Allow`: nothing to report;
 * :class:`Flag`: let the turn through, record ``labels`` (metrics, logs, stored metadata);
 * :class:`Redact`: let the turn through with ``items`` (the new items with spans replaced by
-  ``[REDACTED:<kind>]``) instead of the originals; ``findings`` say where, per item text;
+  ``[REDACTED:<kind>]``, or in a call id by :func:`call_id_marker`'s ``[REDACTED:<kind>:<tag>]``)
+  instead of the originals; ``findings`` say where, per item text;
 * :class:`Block`: refuse the turn, with a ``reason`` safe to show the client.
 
 Writing one (this one flags turns whose tool outputs are larger than a limit, and counts them)::
@@ -36,6 +37,8 @@ well-known credential formats (``hotloop._accel.SecretScanner``, one native call
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import re
 import threading
 import weakref
@@ -47,6 +50,7 @@ import msgspec
 
 from hotloop import _accel
 from hotloop.pipeline.items import MAX_DEPTH
+from hotloop.state import fpkey
 from hotloop.protocol.request import (
     CheckedTools,
     FunctionCall,
@@ -74,6 +78,7 @@ __all__ = [
     "SecretsPolicy",
     "SecretsState",
     "Verdict",
+    "call_id_marker",
     "default_secret_scanner",
     "item_texts",
 ]
@@ -435,6 +440,47 @@ SETTINGS_CACHE_ENTRIES = 64
 SETTINGS_CACHE_CHARS = 16 * 1024 * 1024
 
 
+#: The default key of :func:`call_id_marker`'s keyed hash, for a classifier built without a
+#: store's (tests, tools): random, one per process (:data:`hotloop.state.fpkey.CALL_ID_PROCESS_KEY`,
+#: the memory store's too). The server's classifier uses its store's ``call_id_key`` instead,
+#: shared by every process opening the store and kept with it. Never logged or served.
+_CALL_ID_KEY = fpkey.CALL_ID_PROCESS_KEY
+
+#: Hex characters of the keyed hash in a call id's marker (48 bits).
+CALL_ID_TAG_CHARS = 12
+
+#: The path of a call id in an item (:func:`item_texts`): a function call's and its output's, and
+#: the top-level ``call_id`` of an item kept verbatim (``custom_tool_call``, ``local_shell_call``...).
+CALL_ID: TextPath = ("call_id",)
+
+
+def call_id_marker(kind: str, secret: str, key: bytes | None = None) -> str:
+    """What replaces ``secret`` (a ``kind``) inside a call id under ``redact``:
+    ``[REDACTED:<kind>:<tag>]``, ``tag`` the first :data:`CALL_ID_TAG_CHARS` hex characters of an
+    HMAC-SHA256 of the secret under ``key`` (the store's ``call_id_key``; None: this process's
+    :data:`_CALL_ID_KEY`). A call id names its call: with the text marker two calls holding two
+    different secrets of one kind would get one id (the backend would see duplicate tool call ids
+    and could not tell their outputs apart), so here distinct secrets get distinct markers and the
+    same secret always the same one under one key (a call and its output keep pairing, across
+    turns, stored responses, restarts, workers and replicas of one store). Keyed, so the marker
+    does not let anyone confirm a guessed secret."""
+    mac = hmac.new(_CALL_ID_KEY if key is None else key, secret.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return f"[REDACTED:{kind}:{mac.hexdigest()[:CALL_ID_TAG_CHARS]}]"
+
+
+def redact_call_id(text: str, spans: Sequence[tuple[str, int, int]], key: bytes | None = None) -> str:
+    """``text`` (a call id) with each of ``spans`` (``str`` indices, sorted, non-overlapping)
+    replaced by its :func:`call_id_marker` under ``key``."""
+    parts: list[str] = []
+    at = 0
+    for kind, s, e in spans:
+        parts.append(text[at:s])
+        parts.append(call_id_marker(kind, text[s:e], key))
+        at = e
+    parts.append(text[at:])
+    return "".join(parts)
+
+
 @functools.cache
 def default_secret_scanner() -> Any:
     """The process-wide scanner over ``SECRET_PATTERNS`` (compiled once, thread-safe)."""
@@ -454,18 +500,26 @@ class SecretsClassifier:
 
     Policies: ``off`` (no scan, always :data:`ALLOW`), ``flag`` (:class:`Flag` with labels
     ``secret:<kind>``), ``redact`` (:class:`Redact`: items with ``[REDACTED:<kind>]`` in place of
-    each secret) and ``block`` (:class:`Block`). A text with more secrets than the scanner's
+    each secret, in a call id :func:`call_id_marker`'s ``[REDACTED:<kind>:<tag>]``, distinct per
+    secret) and ``block`` (:class:`Block`). A text with more secrets than the scanner's
     ``max_matches`` cannot be redacted completely, so ``redact`` blocks it instead.
+
+    ``call_id_key``: the key of the call id markers' tags, the server's store's ``call_id_key``
+    (the same in every process that opens the store, kept with it); None: this process's
+    (:data:`_CALL_ID_KEY`). At least 16 bytes.
     """
 
     name = "secrets"
     state_type = SecretsState
 
-    def __init__(self, policy: SecretsPolicy = "flag", scanner: Any = None) -> None:
+    def __init__(self, policy: SecretsPolicy = "flag", scanner: Any = None, *, call_id_key: bytes | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"secrets policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if call_id_key is not None and (not isinstance(call_id_key, bytes) or len(call_id_key) < 16):
+            raise ValueError("the call id key must be at least 16 bytes")  # never says what it was
         self.policy: SecretsPolicy = policy
         self.scanner = default_secret_scanner() if scanner is None else scanner
+        self._call_id_key = _CALL_ID_KEY if call_id_key is None else call_id_key
         # What the request's own texts (classify_settings) were found to hold, so that a client
         # sending the same instructions and tools every turn has them scanned once:
         # long instructions by value (LRU, at most SETTINGS_CACHE_ENTRIES texts and
@@ -507,8 +561,8 @@ class SecretsClassifier:
                 findings.extend(Finding(index, path, kind, s, e) for kind, s, e in spans)
                 if path[-1] == KEY:
                     key = key or findings[-1]
-                elif redacting:
-                    edits.append((path, result[0]))
+                elif redacting:  # a call id: one marker per secret (two calls keep two ids)
+                    edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else result[0]))
             if edits:
                 new_items[index] = with_texts(item, edits)
         if not findings:

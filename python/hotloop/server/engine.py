@@ -96,7 +96,11 @@ class Engine:
         self._deferred_scans = 0  # settings scans submitted by _classify_later and not done
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
         # a bad --classifier raises ClassifierLoadError here, before the server starts.
-        self.classifiers = classifiers.build(config.secrets, config.classifier_specs)
+        # Call ids redacted under the store's key, so that a call and its output redacted by another
+        # process of the store (a restart, a worker, a replica) get one marker.
+        self.classifiers = classifiers.build(
+            config.secrets, config.classifier_specs, call_id_key=getattr(persistence.store, "call_id_key", None)
+        )
         # Classifiers that can only flag (the secrets scanner under its default policy, alone)
         # change nothing the backend sees: a small input is then classified after the backend
         # request is out (Engine._classify_later), like its token count.

@@ -25,6 +25,11 @@ KEY_FILE = "fingerprint.key"
 KEY_LEN = 32
 #: this process's key: the memory store's, and the one used before a deployment key is set
 PROCESS_KEY = secrets.token_bytes(KEY_LEN)
+#: this process's key for the tags of call ids redacted under ``--secrets redact``
+#: (:func:`hotloop.pipeline.classify.call_id_marker`): the memory store's, and the one a
+#: classifier built without a store uses. The SQLite and Redis stores keep a shared one instead
+#: (``call_id_key``: SQLite's ``meta`` table, Redis's ``P callidkey``), made once.
+CALL_ID_PROCESS_KEY = secrets.token_bytes(KEY_LEN)
 # What a stored fingerprint means: bump it whenever the canonical form or the hash changes, so
 # fingerprints stored under the old meaning are dropped (SQLiteStore compares key_id values).
 SCHEME = b"hotloop item fingerprint v1: keyed BLAKE2b-128 of msgspec's sorted compact JSON"

@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import secrets
 import sqlite3
 import threading
 import time
@@ -83,6 +84,8 @@ log = logging.getLogger("hotloop.store")
 
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600
 _ORPHANS_COLLECTED = "orphan_blobs_collected"  # meta: the one-time collection ran (_collect_orphans)
+# meta: the key of redacted call ids' tags (fpkey.KEY_LEN random bytes, hex; SQLiteStore._call_id_key)
+_CALL_ID_KEY = "call_id_key"
 # A response's instructions and tools, when their JSON together is at least SETTINGS_BLOB_MIN
 # bytes, are stored once, as a blob named by its hash like an item's body (SQLite store), instead
 # of in the body of every response: a coding agent resends the same 10-30 KB of them with every
@@ -231,6 +234,11 @@ UsageRow = tuple[str, str, str]
 class ResponseStore(Protocol):
     #: the key the fingerprints it stores are made under (hotloop.state.fpkey); never shown
     fingerprint_key: bytes
+    #: the key of the tags in call ids redacted under ``--secrets redact``
+    #: (hotloop.pipeline.classify.call_id_marker): one for every process that opens the same
+    #: store, kept as long as the store is, so a call stored before a restart (or by another
+    #: worker or replica) still pairs with its output sent after; never shown
+    call_id_key: bytes
 
     """``scope``: the owner whose responses a call may see; ``None``: every owner's."""
 
@@ -305,6 +313,7 @@ class MemoryStore(_Pruned):
         self.ttl_seconds = ttl_seconds
         self.max_items = max_items
         self.fingerprint_key = fpkey.PROCESS_KEY  # nothing outlives the process
+        self.call_id_key = fpkey.CALL_ID_PROCESS_KEY  # likewise (a worker of --workers has its own)
         self.items = 0  # own items of every node, tombstones included
         # nodes without own items (a `generate: false` continuation without input): each counts
         # as one item against ``max_items``, else a chain of them grew without a bound
@@ -738,7 +747,10 @@ class SQLiteStore(_Pruned):
     and loading recomputes them from the items. A dropped fingerprint is recomputed on every
     load of its item, until the response is replaced or expires.
 
-    :raises fpkey.KeyFileError: the key file is unusable (wrong size, mode or type).
+    The key of redacted call ids' tags (``call_id_key``) is a ``meta`` row, made by the first
+    process to open the file and read by every later one (``:memory:``: one per store).
+
+    :raises fpkey.KeyFileError: the key file, or the ``meta`` row of the call id key, is unusable.
     """
 
     PRUNE_EVERY = 64
@@ -791,6 +803,7 @@ class SQLiteStore(_Pruned):
                             raise
             self._migrate_ledger()
             self._migrate_fingerprints()
+            self.call_id_key = self._call_id_key()
             self._db.executescript(_INDEXES)
             self._collect_orphans()
             if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
@@ -821,6 +834,39 @@ class SQLiteStore(_Pruned):
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+    def _call_id_key(self) -> bytes:
+        """The file's key of redacted call ids' tags (``meta``), made first if absent: in one
+        transaction (``INSERT OR IGNORE``, then read back), so processes opening the file at once
+        all end up with the key the first one wrote.
+
+        :raises fpkey.KeyFileError: the row does not hold a key (never says what it holds)."""
+        db = self._db
+        row = db.execute("SELECT value FROM meta WHERE name = ?", (_CALL_ID_KEY,)).fetchone()
+        if row is None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT OR IGNORE INTO meta(name, value) VALUES (?, ?)",
+                    (_CALL_ID_KEY, secrets.token_hex(fpkey.KEY_LEN)),
+                )
+                row = db.execute("SELECT value FROM meta WHERE name = ?", (_CALL_ID_KEY,)).fetchone()
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        value = row[0]
+        try:
+            key = bytes.fromhex(value.decode("ascii") if isinstance(value, bytes) else value)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            key = b""
+        if len(key) != fpkey.KEY_LEN:
+            raise fpkey.KeyFileError(
+                f"the meta row {_CALL_ID_KEY!r} of {self.path} is not a {fpkey.KEY_LEN}-byte key in hex; "
+                "delete the row to make a new one (redacted call ids stored so far then no longer pair with "
+                "outputs sent later)"
+            )
+        return key
 
     def _migrate_ledger(self) -> None:
         """Rebuild a ledger keyed by key name (a file written before the ledger recorded key ids)
