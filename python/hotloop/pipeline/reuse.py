@@ -32,6 +32,7 @@ from hotloop.protocol.request import (
     Item,
     ItemReference,
     Prepared,
+    checked_tools,
     convert_body,
     decode_body,
     validate,
@@ -39,6 +40,7 @@ from hotloop.protocol.request import (
 from hotloop.state.context import CachedResponse, item_id_of, item_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache, Sent
 
+TEMPLATE_MAX_BYTES = 16 * 1024  # body bytes around the input (besides instructions, shared tools) a template may hold decoded
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
 _WS = b" \t\r\n"
 _OPEN, _CLOSE, _COMMA = ord("["), ord("]"), ord(",")
@@ -268,8 +270,17 @@ def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
     if opened is None:
         return None
     req = raw.request
-    # the request without its input (its items are the entry's, held by the cache once)
-    template = msgspec.structs.replace(req, input=None) if req is not None and raw.after is not None else None
+    # the request without its input (its items are the entry's, held by the cache once), when
+    # what it holds besides its instructions and shared tools is small (Prefix.size counts those
+    # bytes once; decoded, a large schema or unshared tools array holds about ten times them)
+    template = None
+    if req is not None and raw.after is not None and raw.lead is not None:
+        other = len(raw.lead) + len(raw.after) - len(req.instructions or "")
+        shared = checked_tools(req.tools)
+        if shared is not None:
+            other -= len(shared.json)
+        if other <= TEMPLATE_MAX_BYTES:
+            template = msgspec.structs.replace(req, input=None)
     return RawInput(opened, raw.lead, raw.after, template)
 
 
@@ -293,9 +304,28 @@ def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:
     i += 1
     while i < n and body[i] in _WS:
         i += 1
-    if not body.startswith(raw, i) or body.find(b'"input"', i + len(raw)) >= 0:
+    if not body.startswith(raw, i) or body.find(b'"input"', i + len(raw)) >= 0 or not _plain_after(body, i + len(raw)):
         return None
     return bytes(body[:i])
+
+
+_KEYS: Any = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _plain_after(body: bytes | bytearray, start: int) -> bool:
+    """Whether the body's bytes from ``start`` (just after its input array) hold no other
+    ``input`` key. Callers look for the literal bytes; a key spelled with escapes
+    (``"\\u0069nput"``) is the same key, and the ordinary decode takes the last one: only a
+    decode of those keys tells, needed only where a ``\\u`` escape follows the array."""
+    if body.find(b"\\u", start) < 0:
+        return True
+    rest = bytes(body[start:]).lstrip(_WS)
+    if rest[:1] != b",":
+        return True  # "}": no key follows
+    try:
+        return "input" not in _KEYS.decode(b"{" + rest[1:])
+    except msgspec.DecodeError:
+        return False
 
 
 def _lazy_struct() -> Any:
@@ -395,6 +425,8 @@ def _by_body(
     req = _with_input(lazy, added, tools, owner)
     start = k + 1  # where the new items start in the body
     close = start + tail - 1
+    if not _plain_after(body, close) or not body.startswith(memoryview(lazy.input)[1:], start):
+        return None  # the input the decoder took is not this array (another, its key spelled with escapes)
     raw = memoryview(body)[len(lead) : close]  # a view: no copy of the history
     cache.raw_hits += 1
     cache.body_hits += 1

@@ -253,9 +253,10 @@ class PrefixCache:
                     # a small WebSocket frame's): the entry that has them serves both ways of
                     # matching. Replacing it would send every later request of the conversation
                     # matched by its bytes to a full decode and fingerprint match.
+                    self._d.move_to_end(key)
                     if prefix.sent is not None and prefix.sent != old.sent:
                         self._resend(old, prefix.sent)  # the items as last sent
-                    self._d.move_to_end(key)
+                        self._evict()  # (it grew by SENT_BYTES each)
                     return False
                 if prefix.sent is None and old.sent is not None:
                     # the same items (sent as cached this time): how they were sent before
@@ -284,10 +285,14 @@ class PrefixCache:
         self._index_sent(prefix)
         while len(group) > self.VARIANTS:
             self._remove(key, group[-1])
+        self._evict()
+        return any(q is prefix for q in self._d.get(key, ()))  # not evicted by its own bounds
+
+    def _evict(self) -> None:
+        """The least recently used entries leave until the cache is within its bounds."""
         while self._count > self.max_entries or self._bytes > self.max_bytes:
             oldest = next(iter(self._d))
             self._remove(oldest, self._d[oldest][-1])
-        return any(q is prefix for q in self._d.get(key, ()))  # not evicted by its own bounds
 
     def _index_sent(self, p: Prefix) -> None:
         last = p.sent_last
