@@ -624,16 +624,22 @@ def _usage_query(scope: Scope) -> tuple[str | None, UsageRow | None, int]:
     return since, after, limit
 
 
+_CURSOR_BY_ID = 1  # a cursor's last element: it names a row by key id (earlier ones named a key name)
+
+
 def _usage_cursor(row: dict[str, Any]) -> str:
     """The opaque ``after`` value that continues a listing after ``row``."""
-    raw = msgspec.json.encode([row["day"], row["model"], row["key_id"]])
+    raw = msgspec.json.encode([row["day"], row["model"], row["key_id"], _CURSOR_BY_ID])
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def _usage_after(cursor: str) -> UsageRow:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        row = msgspec.json.decode(raw, type=tuple[str, str, str])
+        day, model, key_id, kind = msgspec.json.decode(raw, type=tuple[str, str, str, int])
+        if kind != _CURSOR_BY_ID:  # (a cursor of three, from before rows were kept per key id, names a key name)
+            raise ValueError
+        row = (day, model, key_id)
     except (ValueError, msgspec.DecodeError):
         raise errors.InvalidValue(
             "Invalid 'after': pass the 'next_after' of the page before, unchanged.", param="after"

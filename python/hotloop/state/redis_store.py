@@ -422,11 +422,13 @@ return 1
 # (one exists when a self-named tenant wrote since) and its name kept; a model name the key had
 # counted that day (u:names, two days at most) is counted in the new names set. Returns the
 # number of rows moved (0: none left).
-# ARGV: prefix, rows per call, LEGACY_KEY_PREFIX, then the self-named tenants
+# A row whose model the key's names set of that day does not hold, when that set is full
+# (MAX_LEDGER_MODELS, ARGV[4]), is counted under OTHER_MODEL (ARGV[5]), as _USAGE counts it.
+# ARGV: prefix, rows per call, LEGACY_KEY_PREFIX, MAX_LEDGER_MODELS, OTHER_MODEL, then the self-named tenants
 _MIGRATE_USAGE = """
-local P, legacy = ARGV[1], ARGV[3]
+local P, legacy, cap, other = ARGV[1], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local own = {}
-for j = 4, #ARGV do own[ARGV[j]] = true end
+for j = 6, #ARGV do own[ARGV[j]] = true end
 local rows = redis.call('SPOP', P .. 'u:rows', tonumber(ARGV[2]))
 for _, row in ipairs(rows) do
   local src = P .. 'u:' .. row
@@ -434,13 +436,17 @@ for _, row in ipairs(rows) do
   local h = redis.call('HGETALL', src)
   if day and #h > 0 then
     local kid = own[name] and name or (legacy .. name)
+    local names = P .. 'ku:names:' .. day .. '\t' .. kid
+    if model ~= other and redis.call('EXISTS', P .. 'ku:' .. day .. '\t' .. model .. '\t' .. kid) == 0
+        and redis.call('SISMEMBER', names, model) == 0 and redis.call('SCARD', names) >= cap then
+      model = other
+    end
     local new = day .. '\t' .. model .. '\t' .. kid
     local dst = P .. 'ku:' .. new
     for j = 1, #h, 2 do redis.call('HINCRBY', dst, h[j], h[j + 1]) end
     redis.call('HSETNX', dst, 'name', name)
     redis.call('SADD', P .. 'ku:rows', new)
-    if redis.call('SISMEMBER', P .. 'u:names:' .. day .. '\t' .. name, model) == 1 then
-      local names = P .. 'ku:names:' .. day .. '\t' .. kid
+    if model ~= other and redis.call('SISMEMBER', P .. 'u:names:' .. day .. '\t' .. name, model) == 1 then
       redis.call('SADD', names, model)
       redis.call('EXPIRE', names, 172800)
     end
@@ -649,7 +655,7 @@ class RedisStore:
     def migrate_ledger(self) -> int:
         """Move ledger rows keyed by key name (see the module docstring) into the rows keyed by
         key id; the number moved. :raises StoreUnavailable: Redis cannot be reached."""
-        args = [self.prefix, MIGRATE_BATCH, LEGACY_KEY_PREFIX, *SELF_NAMED_TENANTS]
+        args = [self.prefix, MIGRATE_BATCH, LEGACY_KEY_PREFIX, self.max_ledger_models, OTHER_MODEL, *SELF_NAMED_TENANTS]
         moved = 0
         while n := int(self._read(lambda: self._migrate_usage(args=args))):
             moved += n

@@ -582,40 +582,49 @@ CREATE TABLE IF NOT EXISTS meta (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 ) WITHOUT ROWID;
-""" + _LEDGER_USAGE.format(name="key_usage") + ";" + _LEDGER_FINDINGS.format(name="key_findings") + ";"
+""" + _LEDGER_USAGE.format(name="ledger_usage") + ";" + _LEDGER_FINDINGS.format(name="ledger_findings") + ";"
 _USAGE_COLUMNS = ", ".join(USAGE_FIELDS)
-# The ledger before it recorded key names (one row per day and model): moved into key_usage
+# The ledger before it recorded key names (one row per day and model): moved into ledger_usage
 # under LEGACY_OWNER (open mode's tenant, whose id is its name), once.
 _MIGRATE_USAGE = f"""
-INSERT OR IGNORE INTO key_usage({_USAGE_COLUMNS})
+INSERT OR IGNORE INTO ledger_usage({_USAGE_COLUMNS})
     SELECT day, model, '{LEGACY_OWNER}', '{LEGACY_OWNER}', responses, input_tokens, output_tokens, cached_tokens,
         reasoning_tokens FROM usage;
 DROP TABLE usage;
 """
 # The ledger before it recorded key ids: key_usage and key_findings keyed by (day, model, key
-# name), without a key_id column. Each is rebuilt keyed by key id (SQLiteStore._migrate_ledger),
-# every old row under legacy_key_id(its name) (the CASE below: the same rule as that function),
-# its name kept as its ``key``; the old table (and its index) goes. Distinct names give distinct
-# ids, so no two old rows meet.
+# name). The ledger by key id is kept in other tables (ledger_usage, ledger_findings), so that a
+# process of an earlier version still running on the file (a package upgraded before its server
+# restarts, a server being replaced) keeps writing and listing its own tables: their rows are
+# moved (SQLiteStore._move_ledger_by_name) when the file is opened and before every listing,
+# each under legacy_key_id(its name) (the CASE below: the same rule as that function), its name
+# kept as its ``key``, added to a row of that id that exists (open mode's and the admin's).
 _LEGACY_ID_SQL = (
     "CASE WHEN key IN (" + ", ".join(f"'{n}'" for n in SELF_NAMED_TENANTS) + f") THEN key ELSE '{LEGACY_KEY_PREFIX}' || key END"
 )
 _COUNT_COLUMNS = "responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens, flagged"
-_REBUILD_LEDGER = {
-    "key_usage": (
-        _LEDGER_USAGE.format(name="key_usage_new"),
-        f"INSERT INTO key_usage_new(day, model, key, key_id, {_COUNT_COLUMNS})"
-        f" SELECT day, model, key, {_LEGACY_ID_SQL}, {_COUNT_COLUMNS} FROM key_usage",
-        "DROP TABLE key_usage",
-        "ALTER TABLE key_usage_new RENAME TO key_usage",
-    ),
-    "key_findings": (
-        _LEDGER_FINDINGS.format(name="key_findings_new"),
-        f"INSERT INTO key_findings_new(day, model, key_id, kind, count) SELECT day, model, {_LEGACY_ID_SQL}, kind, count FROM key_findings",
-        "DROP TABLE key_findings",
-        "ALTER TABLE key_findings_new RENAME TO key_findings",
-    ),
-}
+_ADD_COUNTS = ", ".join(f"{c}={c}+excluded.{c}" for c in _COUNT_COLUMNS.split(", "))
+
+
+def _move_by_name(key_id: str, tables: set[str]) -> list[str]:
+    """The statements that move the rows of ``tables`` (key_usage, key_findings: those the file
+    has) into the ledger by key id (``key_id``: the SQL of each row's id)."""
+    out = []
+    if "key_usage" in tables:
+        out += [
+            f"INSERT INTO ledger_usage(day, model, key, key_id, {_COUNT_COLUMNS})"
+            f" SELECT day, model, key, {key_id}, {_COUNT_COLUMNS} FROM key_usage WHERE 1"
+            f" ON CONFLICT(day, model, key_id) DO UPDATE SET {_ADD_COUNTS}",
+            "DELETE FROM key_usage",
+        ]
+    if "key_findings" in tables:
+        out += [
+            f"INSERT INTO ledger_findings(day, model, key_id, kind, count) SELECT day, model, {key_id}, kind, count"
+            " FROM key_findings WHERE 1 ON CONFLICT(day, model, key_id, kind) DO UPDATE SET count=count+excluded.count",
+            "DELETE FROM key_findings",
+        ]
+    return out
+
 
 # Columns added since the first schema: (table, column, definition). Older files get them with
 # ALTER TABLE; their rows (whole histories, no parent) keep loading unchanged.
@@ -634,7 +643,7 @@ _INDEXES = """
 CREATE INDEX IF NOT EXISTS response_items_item ON response_items(item_id);
 CREATE INDEX IF NOT EXISTS responses_parent ON responses(parent_id);
 CREATE INDEX IF NOT EXISTS responses_settings ON responses(settings_hash) WHERE settings_hash IS NOT NULL;
-CREATE INDEX IF NOT EXISTS key_usage_key_id ON key_usage(key_id, day);
+CREATE INDEX IF NOT EXISTS ledger_usage_key_id ON ledger_usage(key_id, day);
 """
 _ITEM_COLUMNS = "response_id, pos, hash, fp, tokens, item_id, minted"
 # Files written before fingerprints were keyed held unkeyed 64-bit INTEGER fingerprints: the table
@@ -795,13 +804,13 @@ class SQLiteStore(_Pruned):
             self._db.executescript(_SCHEMA)
             for table, column, decl in _ADDED_COLUMNS:
                 cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
-                if column not in cols:  # a file written by an earlier schema
+                if cols and column not in cols:  # a file written by an earlier schema
                     try:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                     except sqlite3.OperationalError:  # another process added it first, or holds the file
                         if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                             raise
-            self._migrate_ledger()
+            self._move_ledger_by_name()
             self._migrate_fingerprints()
             self.call_id_key = self._call_id_key()
             self._db.executescript(_INDEXES)
@@ -868,27 +877,25 @@ class SQLiteStore(_Pruned):
             )
         return key
 
-    def _migrate_ledger(self) -> None:
-        """Rebuild a ledger keyed by key name (a file written before the ledger recorded key ids)
-        keyed by key id (_REBUILD_LEDGER): idempotent, in one transaction, safe against a
-        concurrent opener."""
+    def _move_ledger_by_name(self) -> None:
+        """Move the rows of a ledger keyed by key name (key_usage, key_findings: left by an
+        earlier version, or written since by one still running on the file) into the ledger by
+        key id, in one transaction (each row once, whoever moves it). The tables stay, for such
+        a process. Cheap when they are empty or absent (a look-up each)."""
         db = self._db
-
-        def by_name() -> list[str]:
-            return [t for t in _REBUILD_LEDGER if "key_id" not in {r[1] for r in db.execute(f"PRAGMA table_info({t})")}]
-
-        if not by_name():
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ('key_usage', 'key_findings')")}
+        if not any(db.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone() for t in tables):
             return
+        by_id = "key_id" in {r[1] for r in db.execute("PRAGMA table_info(key_usage)")}  # (as 595783a kept it)
         db.execute("BEGIN IMMEDIATE")
         try:
-            for table in by_name():  # another process may have migrated it meanwhile
-                for stmt in _REBUILD_LEDGER[table]:
-                    db.execute(stmt)
+            for stmt in _move_by_name("key_id" if by_id else _LEGACY_ID_SQL, tables):
+                db.execute(stmt)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        log.info("the usage ledger of %s is now kept per key id; its earlier rows are kept under legacy ids", self.path)
+        log.info("usage ledger rows of %s kept by key name were moved to legacy key ids", self.path)
 
     def _migrate_fingerprints(self) -> None:
         """Drop fingerprints made under another key or scheme (and rebuild an INTEGER ``fp``
@@ -1172,7 +1179,7 @@ class SQLiteStore(_Pruned):
     def _ledger_models(self, rows: list[tuple[str, str, str]]) -> list[str]:
         """The model each ``(day, model, key id)`` is counted under: its own name when its row
         exists or the key has counted fewer than ``max_ledger_models`` names that day, else
-        OTHER_MODEL (inside the write's transaction; ``key_usage_key_id`` finds a key's day)."""
+        OTHER_MODEL (inside the write's transaction; ``ledger_usage_key_id`` finds a key's day)."""
         db = self._db
         known: dict[tuple[str, str, str], str] = {}
         named: dict[tuple[str, str], int] = {}  # (day, key) -> its named rows, this write's included
@@ -1182,12 +1189,12 @@ class SQLiteStore(_Pruned):
             if model is None:
                 day, model, key = row
                 if model != OTHER_MODEL and not db.execute(
-                    "SELECT 1 FROM key_usage WHERE day = ? AND model = ? AND key_id = ?", row
+                    "SELECT 1 FROM ledger_usage WHERE day = ? AND model = ? AND key_id = ?", row
                 ).fetchone():
                     n = named.get((day, key))
                     if n is None:
                         (n,) = db.execute(
-                            "SELECT COUNT(*) FROM key_usage WHERE key_id = ? AND day = ? AND model != ?", (key, day, OTHER_MODEL)
+                            "SELECT COUNT(*) FROM ledger_usage WHERE key_id = ? AND day = ? AND model != ?", (key, day, OTHER_MODEL)
                         ).fetchone()
                     if n >= self.max_ledger_models:
                         model = OTHER_MODEL
@@ -1198,7 +1205,7 @@ class SQLiteStore(_Pruned):
 
     def _add_usage(self, rows: list[tuple[Any, ...]], found: list[tuple[Any, ...]]) -> None:
         self._db.executemany(
-            f"INSERT INTO key_usage({_USAGE_COLUMNS}, flagged) "
+            f"INSERT INTO ledger_usage({_USAGE_COLUMNS}, flagged) "
             "VALUES (?,?,?,?,1,?,?,?,?,?) ON CONFLICT(day, model, key_id) DO UPDATE SET responses=responses+1, "
             "input_tokens=input_tokens+excluded.input_tokens, output_tokens=output_tokens+excluded.output_tokens, "
             "cached_tokens=cached_tokens+excluded.cached_tokens, reasoning_tokens=reasoning_tokens+excluded.reasoning_tokens, "
@@ -1207,7 +1214,7 @@ class SQLiteStore(_Pruned):
         )
         if found:
             self._db.executemany(
-                "INSERT INTO key_findings(day, model, key_id, kind, count) VALUES (?,?,?,?,?) "
+                "INSERT INTO ledger_findings(day, model, key_id, kind, count) VALUES (?,?,?,?,?) "
                 "ON CONFLICT(day, model, key_id, kind) DO UPDATE SET count=count+excluded.count",
                 found,
             )
@@ -1229,8 +1236,9 @@ class SQLiteStore(_Pruned):
             where.append("(day, model, key_id) > (?, ?, ?)")
             args.extend(after)
         with self._lock:
+            self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
             rows = self._db.execute(
-                f"SELECT {_USAGE_COLUMNS}, flagged FROM key_usage WHERE {' AND '.join(where)} "
+                f"SELECT {_USAGE_COLUMNS}, flagged FROM ledger_usage WHERE {' AND '.join(where)} "
                 "ORDER BY day, model, key_id LIMIT ?",
                 (*args, -1 if limit is None else limit),
             ).fetchall()
@@ -1238,7 +1246,7 @@ class SQLiteStore(_Pruned):
             if rows:  # the findings of the rows listed: from the first to the last
                 first, last = _row_id(rows[0]), _row_id(rows[-1])
                 found = self._db.execute(
-                    "SELECT day, model, key_id, kind, count FROM key_findings WHERE (?1 IS NULL OR key_id = ?1) "
+                    "SELECT day, model, key_id, kind, count FROM ledger_findings WHERE (?1 IS NULL OR key_id = ?1) "
                     "AND (day, model, key_id) >= (?2, ?3, ?4) AND (day, model, key_id) <= (?5, ?6, ?7) ORDER BY kind",
                     (key_id, *first, *last),
                 ).fetchall()
