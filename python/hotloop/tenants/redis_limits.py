@@ -219,8 +219,8 @@ class RedisLimiter:
     def _redis(self) -> Any:
         if self._client is None:
             import redis.asyncio as aredis
+            from redis.asyncio.retry import Retry  # (the synchronous one warns, converted, on an asyncio client)
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
 
             self._client = aredis.Redis.from_url(
                 self.url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT, retry=Retry(NoBackoff(), 0)
