@@ -244,6 +244,13 @@ class Persistence:
         self.failed = 0
         # ids of the last LOST_IDS responses whose write failed (--store-sync full reports them)
         self._lost: OrderedDict[str, None] = OrderedDict()
+        # sequence numbers of the last LOST_IDS ledger batches whose write failed (ledger_lost)
+        self._lost_usage: deque[int] = deque(maxlen=LOST_IDS)
+        # the batch the writer thread is writing: when its oldest job was queued, and its size
+        # (a stuck write counts against max_lag, and close() reports it)
+        self._writing_at: float | None = None
+        self._writing = 0
+        self.stuck = False  # close() gave up on a writer thread still inside the store
         self._usage: list[UsageRecord] = []
         self._usage_timer: asyncio.TimerHandle | None = None
         # the process-wide cache's evict (set by the app): responses the store's bounds pruned
@@ -265,18 +272,29 @@ class Persistence:
         """Whether the write of ``response_id`` failed (among the last ``LOST_IDS`` failures)."""
         return response_id in self._lost
 
-    async def flush(self) -> None:
+    @property
+    def seq(self) -> int:
+        """The last sequence number handed out (a job queued later has a higher one)."""
+        return self._seq
+
+    def ledger_lost(self, after: int, upto: int) -> bool:
+        """Whether a ledger batch queued after sequence number ``after`` and by ``upto`` failed
+        (``--store-sync full``: a record submitted after ``after`` and flushed by ``upto`` is in one)."""
+        return any(after < seq <= upto for seq in self._lost_usage)
+
+    async def flush(self) -> int:
         """Wait until every job submitted before this call is written (a barrier: later jobs
-        do not delay it)."""
+        do not delay it); the sequence number it waited for."""
         if self._usage:
             await self._enqueue("usage", self._take_usage(), 0)
         target = self._seq
         if self._done >= target or self._task is None:
-            return
+            return target
         fut = asyncio.get_running_loop().create_future()
         self._barriers.append((target, fut))
         self._wake()  # a barrier does not wait for the commit delay
         await fut
+        return target
 
     def _take_usage(self) -> list[UsageRecord]:
         batch, self._usage = self._usage, []
@@ -301,15 +319,21 @@ class Persistence:
                 await asyncio.wait_for(self.flush(), timeout)
             except TimeoutError:
                 log.error(
-                    "store flush at shutdown timed out after %.0f s: %d queued write(s) not stored",
-                    timeout, len(self._jobs) + len(self._blocked),
+                    "store flush at shutdown timed out after %g s: %d write(s) not stored",
+                    timeout, len(self._jobs) + len(self._blocked) + self._writing,
                 )
+                self.stuck = self._writing_at is not None
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self.stuck:
+            # the writer thread is still inside the store: closing it would wait behind that call
+            # without a bound. Left to the process's exit (serve() does not join the thread).
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            return
         await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
         self._pool.shutdown(wait=True)
 
@@ -325,11 +349,18 @@ class Persistence:
         of old jobs admitting one job per batch would make the writer slower still)."""
         jobs = self._jobs
         n = len(jobs)
-        return not jobs or (
-            n < self.max_pending
-            and self._jobs_bytes + nbytes <= self.max_pending_bytes
-            and (n < self._batch or time.monotonic() - jobs[0].at < self.max_lag)
-        )
+        if not jobs:
+            return True
+        if n >= self.max_pending or self._jobs_bytes + nbytes > self.max_pending_bytes:
+            return False
+        now = time.monotonic()
+        if now - jobs[0].at < self.max_lag:
+            return True
+        # less than a batch, unless the batch being written is itself older than max_lag (a
+        # write stuck on a lock or a slow disk): then nothing queued behind it would be durable
+        # within the bound either
+        writing = self._writing_at
+        return n < self._batch and (writing is None or now - writing < self.max_lag)
 
     def has_room(self) -> bool:
         """Whether a submission now would be queued at once: the writer is not behind. A response
@@ -408,10 +439,13 @@ class Persistence:
             jobs = [queue.popleft() for _ in range(min(len(queue), self._batch))]
             self._jobs_bytes -= sum(job.nbytes for job in jobs)
             self._admit()
+            self._writing_at, self._writing = jobs[0].at, len(jobs)
             done: list[bool] = []
             try:
                 done = await loop.run_in_executor(self._pool, self._write_jobs, jobs)
+                self._writing_at, self._writing = None, 0
             except Exception:  # the batch's commit failed: none of it is stored (logged, counted)
+                self._writing_at, self._writing = None, 0
                 log.exception("store write failed")
             finally:
                 for i, job in enumerate(jobs):
@@ -424,6 +458,8 @@ class Persistence:
                             self._lost[rid] = None
                             if len(self._lost) > LOST_IDS:
                                 self._lost.popitem(last=False)
+                    elif not ok:
+                        self._lost_usage.append(job.seq)
                     self.failed += not ok
                     self._finished(job.seq)
             if self._take_pruned is not None:

@@ -19,6 +19,7 @@ from typing import Any
 from hotloop import errors, tokenizer
 from hotloop.backends.base import Backend
 from hotloop.config import Config
+from hotloop.protocol import events as ev
 from hotloop.pipeline.post import Persistence
 from hotloop.server.common import Receive, Scope, Send
 from hotloop.server.engine import Engine
@@ -72,10 +73,33 @@ class HotloopApp:
                     await self.http(scope, receive, send)
                 else:
                     await serve_websocket(self, scope, receive, send)
+            except asyncio.CancelledError:
+                if not self.engine.stopping:
+                    raise
+                # The end of the stop: uvicorn cancels what still runs ABORT_WINDOW after the
+                # grace (a client that stopped reading, a request whose body never came). By
+                # design: one line, no traceback; a request not answered yet gets the shutdown 503.
+                log.info("%s connection still busy at the end of the shutdown grace: closed", kind)
+                if kind == "http":
+                    await self._refuse_at_stop(send)
             finally:
                 conns[kind] -= 1
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    @staticmethod
+    async def _refuse_at_stop(send: Send) -> None:
+        """The shutdown 503 (OpenAI error object) on an HTTP request not answered yet; nothing
+        when its response has started (uvicorn refuses a second start) or its client is gone."""
+        exc = errors.ServerShuttingDown("The server is shutting down; send the request again on a new connection.")
+        body = ev.http_error_body(exc)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+        try:
+            async with asyncio.timeout(0.5):
+                await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+        except Exception:  # started already, or the client does not read
+            pass
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -952,13 +952,15 @@ class Run:
         self._sealed = True
         self.marks.append(time.perf_counter())
         engine = self.engine
+        persistence = engine.persistence
+        before = persistence.seq  # the jobs holding this response's ledger entry come after it
         await engine.complete(self)
         r = self.turn.response
         if r["status"] not in ("completed", "incomplete"):
             return True
-        await engine.persistence.flush()  # submitted: the ledger entry, and the response if stored
+        upto = await persistence.flush()  # submitted: the ledger entry, and the response if stored
         rid = str(r["id"])
-        if not (r.get("store") and engine.persistence.lost(rid)):
+        if not (r.get("store") and persistence.lost(rid)) and not persistence.ledger_lost(before, upto):
             return True
         if self.conn is not None:
             self.conn.evict(rid, self.prepared.req.stream_id)

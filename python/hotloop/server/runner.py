@@ -183,7 +183,15 @@ def _server_class() -> type:
                 should_exit = await self.on_tick(counter)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            super().handle_exit(sig, frame)
+            # A repeated SIGINT (Ctrl-C twice) does not force the exit as uvicorn's would: that
+            # skipped the lifespan shutdown, so the store's queue and the usage ledger's buffer
+            # were lost while the process still exited 0. The stop is bounded anyway (the grace,
+            # ABORT_WINDOW, the store flush's CLOSE_FLUSH_SECONDS); SIGKILL is the forced exit.
+            self._captured_signals.append(sig)
+            if self.should_exit:
+                log = logging.getLogger("hotloop.server")
+                log.warning("already stopping (within the shutdown grace and the store flush)")
+            self.should_exit = True
             tick = self._tick
             if tick is not None:
                 self._tick_loop.call_soon_threadsafe(_end_tick, tick)
@@ -219,4 +227,10 @@ def serve(config: Config, sock: Any = None) -> int:
     server = _server_class()(uvicorn_config(app, config))
     server.app, server.grace = app, config.shutdown_grace
     server.run(sockets=None if sock is None else [sock])
-    return 0 if server.started else STARTUP_FAILURE
+    code = 0 if server.started else STARTUP_FAILURE
+    if app.persistence.stuck:  # a store write that never returned (logged): do not join its thread
+        import os
+
+        logging.shutdown()
+        os._exit(code)
+    return code

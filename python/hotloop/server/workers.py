@@ -63,6 +63,31 @@ def kill_after(grace: float) -> float:
     return grace + ABORT_WINDOW + CLOSE_FLUSH_SECONDS + KILL_MARGIN
 
 
+def _probe(host: str, port: int) -> int:
+    """The port, if nothing listens on ``host:port`` yet (``OSError`` otherwise): bound without
+    ``SO_REUSEPORT``, so another server's sockets that have it (an earlier ``--workers`` server,
+    or its orphaned workers) make it fail instead of letting our workers join their group and
+    share their connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        return int(probe.getsockname()[1])
+
+
+def _die_with(parent: int) -> None:
+    """In a worker: SIGTERM when the supervisor dies (SIGKILL, OOM), so no worker serves on as an
+    orphan; the worker then stops as on any SIGTERM (grace, store flush)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except Exception:  # not Linux: nothing to ask for
+        pass
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -86,8 +111,6 @@ def _prepare_store(config: Config) -> None:
 
 
 def _worker(config: Config, sock: socket.socket) -> int:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
     from hotloop.server.runner import serve
 
     return serve(config, sock)
@@ -105,25 +128,40 @@ class Supervisor:
         self.failed = False
 
     def spawn(self, slot: int) -> None:
-        pid = os.fork()
-        if pid == 0:  # the worker
-            code = 1
-            try:
-                for i, other in enumerate(self.socks):
-                    if i != slot:
-                        other.close()
-                code = _worker(self.config, self.socks[slot])
-            except BaseException:
-                logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
-            finally:
-                os._exit(code)
-        self.workers[pid] = slot
+        # A stop (SIGTERM/SIGINT) that comes while a worker is forked waits until the worker is
+        # recorded, so that stop() reaches it too.
+        parent = os.getpid()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            pid = os.fork()
+            if pid == 0:  # the worker
+                code = 1
+                try:
+                    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+                        signal.signal(sig, signal.SIG_DFL)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                    _die_with(parent)
+                    for i, other in enumerate(self.socks):
+                        if i != slot:
+                            other.close()
+                    code = _worker(self.config, self.socks[slot])
+                except BaseException:
+                    logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
+                finally:
+                    os._exit(code)
+            self.workers[pid] = slot
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("started worker %d", pid)
 
     def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         first, self.stopping = not self.stopping, True
         if first:
             log.info("stopping %d workers", len(self.workers))
+            # stop accepting: the workers close their copies as they stop; with the parent's
+            # open, new connections would queue unanswered until every worker has finished
+            for sock in self.socks:
+                sock.close()
         for pid in list(self.workers):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -168,6 +206,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         for slot in range(self.config.workers):
+            if self.stopping:  # a stop came during the start: start no more
+                break
             self.spawn(slot)
         self.first = set(self.workers)
         deadline: float | None = None
@@ -216,9 +256,8 @@ def serve_workers(config: Config) -> int:
             log.error("start-up failed: --workers needs a shared store: --store sqlite or redis")
             return STARTUP_FAILURE
         try:
-            socks = [_listen(config.host, config.port)]
-            port = socks[0].getsockname()[1]
-            socks += [_listen(config.host, port) for _ in range(config.workers - 1)]
+            port = _probe(config.host, config.port)  # a port in use: exit 3, as a single server does
+            socks = [_listen(config.host, port) for _ in range(config.workers)]
             _prepare_store(config)
         except Exception as exc:  # the data dir or the store file (sqlite3.Error): one line, exit 3
             log.error("start-up failed: %s: %s", type(exc).__name__, exc)
