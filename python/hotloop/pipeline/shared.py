@@ -59,11 +59,16 @@ log = logging.getLogger("hotloop.post")
 READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.125)
 VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
 DELETED_CHANNEL = "hotloop:deleted"
+# The delete subscription is pinged after this many seconds of silence, and given up as dead (a
+# flow dropped without FIN or RST: a NAT or load balancer idle timeout, a partition) when the
+# ping has had no answer for as long again: deletes it may have missed are then forgotten.
+SUBSCRIBER_HEARTBEAT_SECONDS = 5.0
 READER_THREADS = 2
 DELETE_POLL_SECONDS = 0.05  # how often a worker on a shared SQLite file reads the deletions
 DELETE_SETTLE_SECONDS = 2 * DELETE_POLL_SECONDS  # a DELETE's answer waits this after its row
 DELETIONS_KEPT = 100_000  # rows of deleted_responses kept (the newest)
 DELETIONS_READ = 1000  # rows a poll reads at most
+FLUSH_POLL_SECONDS = 0.05  # how often a request waiting for the writer checks that the store is reachable
 
 
 class DeletionLog:
@@ -165,16 +170,34 @@ class SharedPersistence(Persistence):
         if not getattr(self.store, "available", True):
             raise errors.StoreUnavailable()
 
+    async def _flushed(self) -> None:
+        """:meth:`flush`, but a 503 as soon as the store is known to be unreachable: a request
+        does not wait on the writer's retries (up to ``write_retry_seconds``). What it queued
+        stays queued (a cancelled flush loses nothing)."""
+        task = asyncio.ensure_future(self.flush())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=FLUSH_POLL_SECONDS)
+                if done:
+                    task.result()
+                    return
+                self._reachable()
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def usage(
         self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
         self._reachable()
-        return await super().usage(key, since, after, limit)
+        await self._flushed()
+        return await self._call(self.store.usage, key, since, after, limit)  # type: ignore[no-any-return]
 
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
         self._reachable()
         await self._again(super().get_response, response_id, scope)  # a write on its way lands first
-        deleted = await super().delete(response_id, scope)
+        await self._flushed()  # a write submitted earlier must not resurrect what is deleted now
+        deleted = bool(await self._call(self.store.delete, response_id, scope))
         if deleted:
             await self._publish(response_id)
         return deleted
@@ -256,10 +279,19 @@ class SharedPersistence(Persistence):
 
         from hotloop.state.redis_store import Breaker, redis_errors
 
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
         breaker = Breaker()
         missed = False  # whether deletes may have been published while no subscription listened
+        beat = SUBSCRIBER_HEARTBEAT_SECONDS
+        loop = asyncio.get_running_loop()
         while True:
-            client = aredis.Redis.from_url(url, socket_connect_timeout=1.0)
+            # No retries inside redis-py: a reconnection it made on its own would resubscribe
+            # without this loop learning that deletes may have been missed meanwhile.
+            client = aredis.Redis.from_url(
+                url, socket_connect_timeout=1.0, socket_timeout=beat, retry=Retry(NoBackoff(), 0)
+            )
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(DELETED_CHANNEL)
@@ -269,10 +301,22 @@ class SharedPersistence(Persistence):
                     # response deleted meanwhile is not served from this process's cache
                     self.forget()
                 missed = False
-                async for msg in pubsub.listen():
-                    evict = self.evict
-                    if evict is not None and msg.get("type") == "message":
-                        evict(msg["data"].decode())
+                heard, pinged = loop.time(), False
+                while True:
+                    # never a read without a bound: a flow dropped silently would be read forever
+                    msg = await pubsub.get_message(timeout=beat)
+                    now = loop.time()
+                    if msg is not None:
+                        heard, pinged = now, False
+                        evict = self.evict
+                        if evict is not None and msg.get("type") == "message":
+                            evict(msg["data"].decode())
+                        continue
+                    if now - heard >= 2 * beat:  # pinged, and no answer for a whole beat
+                        raise ConnectionError("the delete subscription went silent")
+                    if not pinged and now - heard >= beat:
+                        await pubsub.ping()  # its answer ("pong") counts as heard
+                        pinged = True
             except redis_errors():
                 missed = True
                 await asyncio.sleep(breaker.failed())

@@ -8,12 +8,15 @@ clock (``TIME``), so replicas' clocks do not matter.
 
 Key layout (``P`` is ``hotloop:``)::
 
-    P l:{key_id}:rpm        HASH  level, at (Redis time), cap: the requests bucket
+    P l:{key_id}:rpm        HASH  level, at (Redis time), cap: the requests bucket (no TTL)
     P l:{key_id}:tpm        HASH  the same for the tokens bucket
     P l:{key_id}:inflight   ZSET  grant ids of responses in flight, scored by lease expiry
     P l:{key_id}:x:{gid}    STRING  a grant given up before its admission answered (one lease)
 
-A bucket's keys expire two minutes after their last use (a full bucket is the same as none). A
+None of these keys has a time to live (the given-up markers excepted): under ``maxmemory`` with a
+``volatile-*`` policy Redis evicts the keys closest to expiry first, and an evicted bucket or
+lease set would give a key its whole limit again. A bucket is deleted once it is full again (a
+full bucket is the same as none); a lease set leaves with its last lease. A
 concurrency slot is a lease of ``LEASE_SECONDS`` (60 s) that the process holding it renews while
 its response runs: one renewal task per limiter renews every lease the process holds in one
 script call every ``RENEW_SECONDS`` (20 s), so a replica that dies with responses in flight frees
@@ -63,7 +66,6 @@ LEASE_SECONDS = 60.0  # a concurrency slot's lease, renewed by its holder while 
 RENEW_SECONDS = 20.0  # how often a process renews the leases it holds (a third of the lease)
 MAX_ABANDONED = 4096  # grant ids waiting for their removal; beyond it the oldest wait for their lease
 RENEW_BATCH = 1000  # leases renewed per script call
-BUCKET_TTL_MS = 120_000
 
 # Refill and take: KEYS[1] the bucket; ARGV cap, n, force (1: take even below n, the correction).
 # Returns {taken (1/0), level, Redis time} (numbers as strings: Lua numbers reply as integers).
@@ -76,17 +78,16 @@ local function refill(k, cap, now)
   return level
 end
 local function save(k, level, now, cap)
+  -- No time to live: under maxmemory with a volatile-* policy (the README's volatile-ttl) the
+  -- keys closest to expiry go first, and an evicted bucket would come back full (the limit
+  -- lifted under memory pressure). A full bucket is the same as none: it is deleted instead.
+  if level >= cap then redis.call('DEL', k); return end
   redis.call('HSET', k, 'level', tostring(level), 'at', tostring(now), 'cap', cap)
-  -- kept until it is full again: a bucket in debt (a response used more tokens than it
-  -- reserved) that expired sooner would come back full
-  local ttl = %d
-  local need = math.ceil((cap - level) * 60000 / cap) + 1000
-  if need > ttl then ttl = need end
-  redis.call('PEXPIRE', k, ttl)
+  redis.call('PERSIST', k)
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-""" % BUCKET_TTL_MS
+"""
 
 _TAKE = _LUA_REFILL + """
 local cap, n = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -115,8 +116,10 @@ if cap > 0 then
   save(KEYS[1], level, now, cap)
 end
 if maxc > 0 then
+  -- no time to live either (see save): expired leases leave at the next admission, and the
+  -- set itself with its last member
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
-  redis.call('PEXPIRE', KEYS[2], math.floor(tonumber(ARGV[5]) * 1000))
+  redis.call('PERSIST', KEYS[2])
 end
 return {1, tostring(level)}
 """
@@ -140,9 +143,7 @@ local t = redis.call('TIME')
 local lease = tonumber(ARGV[1])
 local exp = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease
 for i, k in ipairs(KEYS) do
-  if redis.call('ZADD', k, 'XX', 'CH', exp, ARGV[i + 1]) == 1 then
-    redis.call('PEXPIRE', k, math.floor(lease * 1000))
-  end
+  redis.call('ZADD', k, 'XX', 'CH', exp, ARGV[i + 1])
 end
 return 1
 """
