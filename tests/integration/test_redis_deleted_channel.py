@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, free_port, run_server
+from tests.integration.test_scaleout import poll
 from tests.services import redis_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,17 +113,6 @@ def create(server: Server, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", **body}, timeout=30)
 
 
-def poll(fn: Any, what: str, wait: float = WAIT) -> Any:
-    deadline = time.monotonic() + wait
-    while True:
-        out = fn()
-        if out:
-            return out
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def subscribers(url: str) -> int:
     import redis as redis_py
 
@@ -136,7 +126,7 @@ def subscribers(url: str) -> int:
 def test_delete_on_a_is_seen_by_b_whose_redis_flow_was_silently_dropped(tmp_path: Path) -> None:
     with redis_server(tmp_path) as redis, proxy_to(redis.port) as proxy:
         with replica(tmp_path, redis.url) as a, replica(tmp_path, proxy.url) as b:
-            poll(lambda: subscribers(redis.url) == 2, "both subscribers")
+            poll(lambda: subscribers(redis.url) == 2, "both subscribers", WAIT)
             r1 = create(a, {"input": "Remember 7.", "store": True})
             assert r1.status_code == 200, r1.text
             rid = r1.json()["id"]

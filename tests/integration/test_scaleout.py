@@ -78,8 +78,8 @@ def user(text: str) -> list[dict[str, Any]]:
     return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]
 
 
-def poll(fn: Any, what: str) -> Any:
-    deadline = time.monotonic() + WAIT
+def poll(fn: Any, what: str, wait: float = WAIT) -> Any:
+    deadline = time.monotonic() + wait
     while True:
         out = fn()
         if out:
