@@ -99,7 +99,7 @@ def test_store_sync_full_never_completes_a_response_whose_ledger_entry_was_not_w
         os.remove(full_disk / "filler")
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0
-        s.log.write_text("")  # the failed writes' tracebacks (store write failed) are expected here
+        s.log.write_text("")  # the failed writes' log lines (store write failed) are expected here
     store = SQLiteStore(data / "hotloop.sqlite3")
     try:
         ledger = sum(int(row["responses"]) for row in store.usage())

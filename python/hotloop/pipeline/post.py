@@ -38,6 +38,20 @@ the turn that completes a batch wait for the writer, and only then applies back-
 
 :meth:`Persistence.flush` is a barrier: every job gets a sequence number and ``flush`` waits until
 the writer has finished the jobs submitted before the call, however many arrive after it.
+
+Failed writes. A batch that waited out SQLite's busy timeout behind another connection's write
+lock ("database is locked": nothing of it was stored, :func:`hotloop.state.store.locked`) is
+tried again, whole and in order, ``LOCKED_RETRY_PAUSE`` seconds after each failed try (each try
+waits up to the busy timeout), until it is written or ``LOCKED_RETRY_SECONDS`` have passed since
+its first try. Meanwhile it counts against
+``max_lag`` like any write in progress, so new submissions wait (the queue stays within its
+bounds) and ``flush`` waits for it (with ``--store-sync full`` the terminal event waits). Any
+other failure (a full disk, an I/O error), and a batch still locked out at that bound, is final:
+the write is counted in ``failed`` (``hotloop_store_failed``, ``/hotloop/stats``) and remembered
+by id (:meth:`Persistence.lost`). Failures are logged in one line each, without a traceback (a
+bug, an error that is no storage failure, keeps its traceback): the first of each kind at once,
+then at most one line per kind every ``FAILURE_LOG_SECONDS`` saying how many more failed, and one
+line when writes succeed again. The writer keeps going: the next write is tried as usual.
 """
 
 from __future__ import annotations
@@ -55,7 +69,10 @@ from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
-from hotloop.state.store import LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, UsageRecord, UsageRow, page_items
+from hotloop.state.store import (
+    LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, TransactionLost, UsageRecord, UsageRow, failure_kind,
+    locked, page_items,
+)
 
 log = logging.getLogger("hotloop.post")
 
@@ -65,6 +82,13 @@ LOST_IDS = 1024  # failed writes remembered by id (Persistence.lost)
 WRITE_BATCH = 64  # queued jobs written together (one store transaction, one commit)
 CLOSE_FLUSH_SECONDS = 30.0  # the bound on writing the queue out at shutdown
 ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
+# A failure kind (SQLITE_FULL, SQLITE_IOERR_WRITE...) is logged at its first occurrence, then at
+# most once per this many seconds, with the count of writes that failed meanwhile (_FailureLog)
+FAILURE_LOG_SECONDS = 60.0
+# A batch locked out by another connection's write lock past the busy timeout is tried again
+# LOCKED_RETRY_PAUSE seconds after each failed try, for at most LOCKED_RETRY_SECONDS from its first
+LOCKED_RETRY_PAUSE = 0.05
+LOCKED_RETRY_SECONDS = 60.0
 
 
 class Snapshot(NamedTuple):
@@ -198,6 +222,72 @@ def usage_record(
     )
 
 
+class _FailureLog:
+    """Log lines about failed store writes, bounded (event loop only). Per kind: its first
+    failure at once (a traceback only for an error that is no storage failure), then at most one
+    line every ``interval`` seconds, with the writes that failed since its last line. Once writes
+    succeed again, one line says so with the failures not yet logged (at most one such line per
+    ``interval``; the rest are logged with the kind's next line, or at close)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        # kind -> [failures since its last line, monotonic time of that line, description]
+        self._kinds: dict[str, list[Any]] = {}
+        self._failing = False  # a failure (or a wait) since the last "succeed again" line
+        self._ok_at = -float("inf")
+
+    def _due(self, kind: str, now: float) -> list[Any] | None:
+        entry = self._kinds.get(kind)
+        return None if entry is None or now - entry[1] >= self.interval else entry
+
+    def failed(self, exc: BaseException, n: int, what: str) -> None:
+        """``n`` writes failed with ``exc`` (``what``: what became of them, e.g. "not stored")."""
+        kind, text, expected = failure_kind(exc)
+        now = time.monotonic()
+        self._failing = True
+        entry = self._due(kind, now)
+        if entry is not None:
+            entry[0] += n
+            return
+        last = self._kinds.get(kind)
+        self._kinds[kind] = [0, now, text]
+        if last is None:
+            log.error(
+                "store write failed: %s; %d write(s) %s (further failures of this kind: at most one line "
+                "per %g s; counted in hotloop_store_failed)", text, n, what, self.interval,
+                exc_info=None if expected else exc,
+            )
+        else:
+            log.error("store write failed: %s; %d write(s) failed in the last %.1f s", text, last[0] + n, now - last[1])
+
+    def note(self, kind: str, message: str, failing: bool = True, level: int = logging.WARNING) -> None:
+        """A line of ``kind`` that is no failed write (``message``), at most once per ``interval``;
+        ``failing``: it is about writes that do not go through (then their success is logged)."""
+        now = time.monotonic()
+        self._failing = self._failing or failing
+        if self._due(kind, now) is None:
+            self._kinds[kind] = [0, now, message]
+            log.log(level, "%s", message)
+
+    def ok(self) -> None:
+        """Writes succeed (again)."""
+        now = time.monotonic()
+        if self._failing and now - self._ok_at >= self.interval:
+            self._failing = False
+            self._ok_at = now
+            self.report("store writes succeed again", always=True)
+
+    def report(self, prefix: str, always: bool = False) -> None:
+        """The failures not logged yet, in one line (none: only if ``always``)."""
+        left = [f"{e[0]} more write(s) failed ({e[2]})" for e in self._kinds.values() if e[0]]
+        for e in self._kinds.values():
+            e[0] = 0
+        if left:
+            log.warning("%s; since the last line: %s", prefix, "; ".join(left))
+        elif always:
+            log.warning("%s", prefix)
+
+
 class _Job(NamedTuple):
     seq: int
     kind: str  # "put" (payload: Snapshot) or "usage" (payload: list[UsageRecord])
@@ -242,6 +332,8 @@ class Persistence:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
         self.written = 0
         self.failed = 0
+        self._failures = _FailureLog(FAILURE_LOG_SECONDS)  # bounded log lines about failed writes
+        self.usage_dropped = 0  # ledger records charge() dropped (its buffer full)
         # ids of the last LOST_IDS responses whose write failed (--store-sync full reports them)
         self._lost: OrderedDict[str, None] = OrderedDict()
         # sequence numbers of the last LOST_IDS ledger batches whose write failed (ledger_lost)
@@ -251,6 +343,7 @@ class Persistence:
         self._writing_at: float | None = None
         self._writing = 0
         self.stuck = False  # close() gave up on a writer thread still inside the store
+        self._retry_wait = False  # the writer waits to write a locked-out batch again (not in the store)
         self._usage: list[UsageRecord] = []
         self._usage_timer: asyncio.TimerHandle | None = None
         # the process-wide cache's evict (set by the app): responses the store's bounds pruned
@@ -322,7 +415,7 @@ class Persistence:
                     "store flush at shutdown timed out after %g s: %d write(s) not stored",
                     timeout, len(self._jobs) + len(self._blocked) + self._writing,
                 )
-                self.stuck = self._writing_at is not None
+                self.stuck = self._writing_at is not None and not self._retry_wait
             self._task.cancel()
             try:
                 await self._task
@@ -334,6 +427,7 @@ class Persistence:
             # without a bound. Left to the process's exit (serve() does not join the thread).
             self._pool.shutdown(wait=False, cancel_futures=True)
             return
+        self._failures.report("store closed")
         await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
         self._pool.shutdown(wait=True)
 
@@ -440,16 +534,14 @@ class Persistence:
             self._jobs_bytes -= sum(job.nbytes for job in jobs)
             self._admit()
             self._writing_at, self._writing = jobs[0].at, len(jobs)
-            done: list[bool] = []
+            done: list[BaseException | None] = []
             try:
-                done = await loop.run_in_executor(self._pool, self._write_jobs, jobs)
-                self._writing_at, self._writing = None, 0
-            except Exception:  # the batch's commit failed: none of it is stored (logged, counted)
-                self._writing_at, self._writing = None, 0
-                log.exception("store write failed")
+                done = await self._write_batch(loop, jobs)
             finally:
+                self._writing_at, self._writing = None, 0
+                # (cancelled: close() gave up on the queue and logged how many were not stored)
                 for i, job in enumerate(jobs):
-                    ok = i < len(done) and done[i]
+                    ok = i < len(done) and done[i] is None
                     if job.kind == "put":
                         rid = job.payload.entry.id
                         self.pending.pop(rid, None)
@@ -474,25 +566,64 @@ class Persistence:
             for rid in ids:
                 evict(rid)
 
-    def _write_jobs(self, jobs: list[_Job]) -> list[bool]:
+    async def _write_batch(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> list[BaseException | None]:
+        """Write ``jobs`` in the writer thread; each one's failure (``None``: written), logged and
+        never raised. A batch locked out by another connection's write lock is written again
+        (whole, in order) until ``LOCKED_RETRY_SECONDS`` have passed: nothing of it was stored."""
+        give_up = time.monotonic() + LOCKED_RETRY_SECONDS
+        tries = 0
+        while True:
+            try:
+                done = await loop.run_in_executor(self._pool, self._write_jobs, jobs)
+            except Exception as exc:  # the batch failed as a whole: none of it is stored
+                if locked(exc) and time.monotonic() + LOCKED_RETRY_PAUSE < give_up:
+                    tries += 1
+                    self._failures.note(
+                        "locked",
+                        "store writes wait: another connection holds the SQLite write lock past the busy timeout; "
+                        f"each batch is retried for up to {LOCKED_RETRY_SECONDS:g} s (at most one line per "
+                        f"{self._failures.interval:g} s)",
+                    )
+                    self._retry_wait = True
+                    try:
+                        await asyncio.sleep(LOCKED_RETRY_PAUSE)
+                    finally:
+                        self._retry_wait = False
+                    continue
+                what = f"not stored (given up after {tries + 1} tries)" if locked(exc) else "not stored"
+                self._failures.failed(exc, len(jobs), what)
+                return [exc] * len(jobs)
+            failed = [e for e in done if e is not None]
+            for err in failed:
+                self._failures.failed(err, 1, "not stored")
+            if len(failed) < len(done):
+                self._failures.ok()
+            return done
+
+    def _write_jobs(self, jobs: list[_Job]) -> list[BaseException | None]:
         """Write queued jobs (writer thread), in order: in one store transaction when the store
-        offers one (``batch``: one commit, one disk sync, for everything queued); whether each
-        was written. A job that fails is logged and does not stop the others."""
+        offers one (``batch``: one commit, one disk sync, for everything queued); each one's
+        failure (``None``: written). A job that fails alone does not stop the others; one whose
+        failure voids the batch (:class:`TransactionLost`) or that was locked out (``locked``)
+        raises, and the batch fails as a whole."""
         if len(jobs) == 1:
             return [self._write_job(jobs[0])]
         with self._store_batch():
             return [self._write_job(job) for job in jobs]
 
-    def _write_job(self, job: _Job) -> bool:
+    def _write_job(self, job: _Job) -> BaseException | None:
         try:
             if job.kind == "put":
                 self._write(job.payload)
             else:
                 self.store.record_usage(job.payload)
-            return True
-        except Exception:  # a storage failure must not kill the writer; it is logged
-            log.exception("store write failed")
-            return False
+            return None
+        except TransactionLost:
+            raise
+        except Exception as exc:  # a storage failure must not kill the writer (logged by _write_batch)
+            if locked(exc):  # nothing of it is stored: the batch is written again
+                raise
+            return exc
 
     def _write(self, snap: Snapshot) -> None:
         """Store one response (writer thread): its own items, or its whole history when its
@@ -540,7 +671,13 @@ class Persistence:
         if self._task is None:
             self.start()
         if len(self._usage) >= self.USAGE_BUFFER:
-            log.error("usage ledger buffer full (%d records): a record is dropped", self.USAGE_BUFFER)
+            self.usage_dropped += 1
+            self._failures.note(
+                "ledger buffer full",
+                f"usage ledger buffer full ({self.USAGE_BUFFER} records): records are dropped, "
+                f"{self.usage_dropped} so far (at most one line per {self._failures.interval:g} s)",
+                failing=False, level=logging.ERROR,
+            )
             return
         self._usage.append(rec)
         if self._usage_timer is None:

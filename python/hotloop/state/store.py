@@ -54,6 +54,16 @@ for a server-minted one. Rows written before provenance was recorded count as cl
 
 Store methods are synchronous and called from one writer thread
 (:class:`hotloop.pipeline.post.Persistence`); SQLite runs in WAL mode.
+
+Failed writes (SQLite store). A write that fails leaves nothing of itself in the file, and leaves
+the connection usable: on a full disk or an I/O error SQLite may roll back the whole transaction
+itself, so undoing checks whether a transaction is still open (SQLite's own rollback stands in
+for ours). Inside a :meth:`SQLiteStore.batch` such a rollback takes the batch's earlier writes
+with it: the write raises :class:`TransactionLost` and so does every later write of the batch,
+and the batch as a whole fails, so no write is reported stored that is not. :func:`locked` tells a
+write that waited out the busy timeout behind another connection's write lock ("database is
+locked": nothing of it was stored, it may be made again) from one that failed; the writer
+retries the former (:class:`hotloop.pipeline.post.Persistence`).
 """
 
 from __future__ import annotations
@@ -162,6 +172,46 @@ class History(StoredResponse):
     (made under another key or scheme); the loader recomputes it from the item."""
 
     __slots__ = ()
+
+
+class TransactionLost(Exception):
+    """SQLite rolled back the whole transaction of a :meth:`SQLiteStore.batch` (``__cause__``: the
+    error that made it, such as SQLITE_FULL): none of the batch's writes is stored."""
+
+
+# SQLite's primary result codes of a write that could not take its lock: another connection
+# held the write lock past the busy timeout (SQLITE_BUSY), or a table lock (SQLITE_LOCKED)
+_LOCKED_CODES = (5, 6)
+
+
+def locked(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the error behind a :class:`TransactionLost`) is SQLite's "database is
+    locked": the write waited out the busy timeout behind another connection's write lock and
+    nothing of it was stored, so it may be made again."""
+    if isinstance(exc, TransactionLost) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and isinstance(code, int) and code & 0xFF in _LOCKED_CODES
+
+
+def failure_kind(exc: BaseException) -> tuple[str, str, bool]:
+    """What a failed write is, for one log line: ``(kind, description, expected)``. ``kind`` is
+    SQLite's error name (``SQLITE_FULL``, ``SQLITE_IOERR_WRITE``, ``SQLITE_BUSY``...) or the
+    exception's type; ``expected`` is false for anything but a storage failure (SQLite's errors,
+    the OS's, a store that is unavailable), a bug whose traceback is worth logging."""
+    if isinstance(exc, TransactionLost) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    name = getattr(exc, "sqlite_errorname", None)
+    if isinstance(exc, sqlite3.Error) and isinstance(name, str):
+        return name, f"{exc} ({name})", True
+    kind = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # (a log line must not fail the writer)
+        text = ""
+    text = text if len(text) <= 200 else text[:200] + "..."
+    expected = isinstance(exc, (sqlite3.Error, OSError, TransactionLost)) or kind == "StoreUnavailable"
+    return kind, f"{kind}: {text}" if text else kind, expected
 
 
 class MissingParent(LookupError):
@@ -976,24 +1026,34 @@ class SQLiteStore(_Pruned):
         with self._lock:
             self._writes += 1
             if self._writes % self.PRUNE_EVERY == 0:
-                self._prune_locked()
+                try:
+                    self._prune_locked()
+                except sqlite3.Error as exc:  # the record is written (or its savepoint is); pruned later
+                    log.warning(
+                        "store prune failed (%s); the bounds are applied at a later prune", failure_kind(exc)[1]
+                    )
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Writes made inside (``put``, ``record_usage``; from this thread) commit together: one
         transaction, so one disk sync (``synchronous=FULL``) for all of them. Each write is a
-        savepoint in it: one that fails (``MissingParent``) is undone alone."""
+        savepoint in it: one that fails (``MissingParent``) is undone alone. A write whose failure
+        made SQLite roll back the whole transaction (a full disk, an I/O error) raises
+        :class:`TransactionLost`, as does every later write inside, and the batch fails: none of
+        it is stored. A failed commit is rolled back: the connection is left without a transaction."""
         with self._lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")  # see _txn
             self._batching = True
             try:
                 yield
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            else:
+                if not db.in_transaction:  # a write's TransactionLost was caught inside
+                    raise TransactionLost("the batch's transaction was rolled back by SQLite")
                 db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:  # (SQLite may have rolled it back itself)
+                    db.execute("ROLLBACK")
+                raise
             finally:
                 self._batching = False
 
@@ -1005,21 +1065,34 @@ class SQLiteStore(_Pruned):
         transaction whose snapshot another connection (another ``--workers`` process) committed
         past fails its first write at once with "database is locked", without the busy timeout,
         and inside a batch every later write of the batch with it; taking the write lock at the
-        start makes the other process wait its turn instead."""
+        start makes the other process wait its turn instead.
+
+        A failure undoes the write, or finds it undone: on a full disk or an I/O error SQLite may
+        roll back the whole transaction itself (then, inside a batch, the batch's earlier writes
+        are gone too: :class:`TransactionLost`). A failed ``COMMIT`` is rolled back."""
         db = self._db
-        begin, commit, undo = (
-            ("SAVEPOINT w", ("RELEASE w",), ("ROLLBACK TO w", "RELEASE w")) if self._batching
-            else ("BEGIN IMMEDIATE", ("COMMIT",), ("ROLLBACK",))
-        )
-        db.execute(begin)
+        if self._batching:
+            if not db.in_transaction:  # an earlier write of the batch lost its transaction
+                raise TransactionLost("the batch's transaction was rolled back by SQLite")
+            db.execute("SAVEPOINT w")
+            try:
+                yield db
+            except BaseException as exc:
+                if not db.in_transaction:
+                    raise TransactionLost("the batch's transaction was rolled back by SQLite") from exc
+                db.execute("ROLLBACK TO w")
+                db.execute("RELEASE w")
+                raise
+            db.execute("RELEASE w")
+            return
+        db.execute("BEGIN IMMEDIATE")
         try:
             yield db
+            db.execute("COMMIT")
         except BaseException:
-            for sql in undo:
-                db.execute(sql)
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
-        for sql in commit:
-            db.execute(sql)
 
     def prune(self) -> int:
         """Apply the age and count bounds now; the number of live responses pruned."""
