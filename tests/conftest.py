@@ -62,14 +62,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def run_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Start ``python -m hotloop serve`` with ``args``; wait for /healthz; stop it afterwards."""
+def run_server(
+    tmp: Path, *args: str, env: dict[str, str] | None = None, entry: tuple[str, ...] = ("-m", "hotloop")
+) -> Iterator[Server]:
+    """Start ``python -m hotloop serve`` with ``args``; wait for /healthz; stop it afterwards.
+    ``entry``: what the interpreter runs instead of ``-m hotloop`` (a ``-c`` script that calls
+    ``hotloop.cli.main(sys.argv[1:])``, say, after shortening a bound a test cannot wait out)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("HOTLOOP_DATA_DIR", str(tmp / f"data-{port}"))
-    cmd = [sys.executable, "-m", "hotloop", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, port, log)

@@ -385,6 +385,8 @@ def test_a_replacement_failing_to_start_does_not_stop_the_workers(tmp_path: Path
     """--workers 2 --store redis: Redis goes away and a worker dies meanwhile; its replacements
     fail to start (exit 3) and are retried with a growing delay while the other worker keeps
     serving; once Redis is back a replacement starts and serves."""
+    from hotloop.server.workers import RESTART_DELAY, STAYED_UP
+
     redis = Redis(tmp_path)
     redis.start()
     try:
@@ -393,10 +395,14 @@ def test_a_replacement_failing_to_start_does_not_stop_the_workers(tmp_path: Path
             victim, healthy = sorted(pids)
             redis.stop()
             os.kill(victim, signal.SIGKILL)
-            poll(lambda: len(re.findall(r"worker \d+ failed to start; starting another in", s.logs())) >= 2,
-                 "two failed replacements")
-            delays = [float(d) for d in re.findall(r"failed to start; starting another in (\S+) s", s.logs())]
-            assert delays[:2] == [0.5, 1.0], delays  # growing
+            failed = r"worker \d+ failed to start \(index \d, exit code 3, up \S+ s\); starting another in (\S+) s"
+            poll(lambda: len(re.findall(failed, s.logs())) >= 2, "two failed replacements")
+            delays = [float(d) for d in re.findall(failed, s.logs())]
+            # growing, from where the victim's death left its slot: killed before it stayed up
+            # (STAYED_UP), it counted as a failure too
+            up = float(re.findall(rf"worker {victim} exited \(index \d, signal SIGKILL, up (\S+) s\)", s.logs())[0])
+            first = RESTART_DELAY if up >= STAYED_UP else 2 * RESTART_DELAY
+            assert delays[:2] == [first, 2 * first], (up, delays)
             # the healthy worker was not stopped: it answers (connections on the dead slot wait)
             poll(lambda: serving_pids(s, 1, 0.5) == {healthy}, "the healthy worker to answer")
             assert s.proc.poll() is None and "stopping" not in s.logs()

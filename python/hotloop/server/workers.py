@@ -15,12 +15,18 @@ it is already set) before prometheus-client is imported, so every worker's serie
 there and ``/metrics`` on any worker serves the aggregate of all of them (dead workers' counters
 included); the directory is removed on exit if the parent created it.
 
-Supervision: a worker that dies is replaced after ``RESTART_DELAY``. A worker of the first
-generation (the initial start) that fails to start, exit code 3, stops the whole server with that
-code, as a single server does: the settings are wrong. A replacement that fails to start (say,
-Redis is briefly unreachable) does not stop the healthy workers: it is started again after a
-delay that doubles from ``RESTART_DELAY`` to ``RESTART_DELAY_MAX`` while its slot keeps failing
-(logged each time); a worker that dies after it started is again replaced after ``RESTART_DELAY``.
+Supervision: a worker that dies is replaced after a delay, and every replacement is logged as one
+line naming the worker's index (its slot), how it ended (an exit code, or the signal that killed it),
+how long it lived and the delay. A worker of the first generation (the initial start) that fails to
+start, exit code 3, stops the whole server with that code, as a single server does: the settings
+are wrong. Any other worker that fails to start (exit code 3: say, Redis is briefly unreachable),
+or that dies, by any exit code or signal (a segfault in a native extension, the OOM killer), less
+than ``STAYED_UP`` seconds after it was forked (before it finished starting, or soon after: a crash
+loop), does not stop the healthy workers: it is replaced after a delay that doubles from
+``RESTART_DELAY`` to ``RESTART_DELAY_MAX`` while its slot keeps failing, so a slot whose workers
+never start costs one start-up per ``RESTART_DELAY_MAX`` instead of a busy core. A worker that
+dies after it stayed up ``STAYED_UP`` seconds (exit code 3 aside) is replaced after
+``RESTART_DELAY``, and its slot's delay starts again from there.
 SIGTERM or SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their
 responses within ``--shutdown-grace``, fail what still runs and cancel it ``ABORT_WINDOW`` later,
 and flush their stores within ``CLOSE_FLUSH_SECONDS``; workers still alive :func:`kill_after`
@@ -45,8 +51,12 @@ from hotloop.config import Config
 
 log = logging.getLogger("hotloop.server")
 
-RESTART_DELAY = 0.5  # seconds before a dead worker is replaced
+RESTART_DELAY = 0.5  # seconds before a dead worker is replaced (the first delay of a failing slot)
 RESTART_DELAY_MAX = 10.0  # the bound on the doubling delay of a slot whose workers fail to start
+# A worker that lived this long has stayed up: its death is not a start-up failure, and its slot's
+# delay is reset. Several times a worker's start-up (about 1 s: the imports, the tokenizer, the
+# backend); the supervisor has no word from the worker that it finished starting.
+STAYED_UP = 10.0
 KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed
 STARTUP_FAILURE = 3
 
@@ -110,6 +120,13 @@ def _prepare_store(config: Config) -> None:
     SQLiteKeyStore(config.db_path).close()
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # a real-time signal, say
+        return str(signum)
+
+
 def _worker(config: Config, sock: socket.socket) -> int:
     from hotloop.server.runner import serve
 
@@ -121,6 +138,7 @@ class Supervisor:
         self.config = config
         self.socks = socks  # one per worker slot
         self.workers: dict[int, int] = {}  # pid -> slot
+        self.born: dict[int, float] = {}  # pid -> when it was forked (monotonic)
         self.first: set[int] = set()  # pids of the first generation
         self.due: dict[int, float] = {}  # slot -> when its replacement starts (monotonic)
         self.delay = [RESTART_DELAY] * len(socks)  # per slot: the next replacement's delay
@@ -150,9 +168,10 @@ class Supervisor:
                 finally:
                     os._exit(code)
             self.workers[pid] = slot
+            self.born[pid] = time.monotonic()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        log.info("started worker %d", pid)
+        log.info("started worker %d (index %d)", pid, slot)
 
     def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         first, self.stopping = not self.stopping, True
@@ -170,6 +189,7 @@ class Supervisor:
 
     def reap(self, pid: int, status: int) -> None:
         slot = self.workers.pop(pid, 0)
+        up = time.monotonic() - self.born.pop(pid, time.monotonic())
         try:
             from prometheus_client import multiprocess
 
@@ -182,17 +202,20 @@ class Supervisor:
         if self.stopping:
             return
         if code == STARTUP_FAILURE and first:
-            log.error("worker %d failed to start; stopping", pid)
+            log.error("worker %d failed to start (index %d, exit code %d); stopping", pid, slot, code)
             self.failed = True
             self.stop()
             return
-        if code == STARTUP_FAILURE:
+        how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
+        if code == STARTUP_FAILURE or up < STAYED_UP:  # it did not start, or barely: back off
             delay = self.delay[slot]
             self.delay[slot] = min(RESTART_DELAY_MAX, delay * 2)
-            log.error("worker %d failed to start; starting another in %g s", pid, delay)
-        else:
+            level = logging.ERROR
+        else:  # it had stayed up: the slot's failures, if any, are over
             delay = self.delay[slot] = RESTART_DELAY
-            log.warning("worker %d exited (%d); starting another", pid, code)
+            level = logging.WARNING
+        ended = "failed to start" if code == STARTUP_FAILURE else "exited"
+        log.log(level, "worker %d %s (index %d, %s, up %.1f s); starting another in %g s", pid, ended, slot, how, up, delay)
         self.due[slot] = time.monotonic() + delay
 
     def _replace_due(self) -> None:
