@@ -45,7 +45,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from hotloop import errors
@@ -131,6 +131,8 @@ class SharedPersistence(Persistence):
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
         self._readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="hotloop-store-read")
+        self._reading: set[Future[Any]] = set()  # reads (and deletion records) in flight there
+        self._sending = 0  # pruned ids being recorded by the publisher thread
 
     def writable(self) -> bool:
         """Whether a new ``store: true`` response may start: the store takes writes, or the
@@ -140,7 +142,12 @@ class SharedPersistence(Persistence):
         return not self._blocked and self._has_room(0)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
+        # run_in_executor, with the call kept in ``_reading`` until its thread is done with it
+        # (close() waits for those, within its bound)
+        call = self._readers.submit(fn, *args)
+        self._reading.add(call)
+        call.add_done_callback(self._reading.discard)
+        return await asyncio.wrap_future(call)
 
     async def _again(self, read: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         found = await read(*args)
@@ -245,10 +252,13 @@ class SharedPersistence(Persistence):
         while self._to_publish:
             ids = list(self._to_publish)
             self._to_publish.clear()
+            self._sending = len(ids)
             try:
                 await asyncio.get_running_loop().run_in_executor(self._publisher, lambda: deletions.record(*ids))
             except Exception:  # noqa: BLE001 - their caches' TTL still ends them
                 log.warning("could not publish %d pruned responses to other processes", len(ids))
+            finally:
+                self._sending = 0
 
     async def _poll(self, deletions: DeletionLog) -> None:
         """Evict what other workers deleted, every ``DELETE_POLL_SECONDS``."""
@@ -329,20 +339,72 @@ class SharedPersistence(Persistence):
                     await client.aclose()
 
     async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
+        """Stop: write the queue out, then close the store; returns within ``timeout`` seconds
+        whatever the store does (a file locked by another process, Redis unreachable).
+
+        The bound is the whole close, not each of its steps: the queued writes, the reads still
+        running (a ``DELETE``'s record too), the pruned ids on their way to the other workers and
+        the delete listener all run at once from the start and share one deadline. Its default,
+        :data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`, is the store flush's part of what a
+        ``--workers`` worker is given to stop before it is killed,
+        :func:`~hotloop.server.workers.kill_after` (the grace and ``ABORT_WINDOW`` come before
+        it, and ``KILL_MARGIN`` after it covers the rest of the shutdown): so a worker is not
+        killed in the middle of its flush. What is not done by the deadline is logged as one
+        line with counts (writes not stored, pruned ids the other workers were not told of,
+        reads still running), and a thread still inside the store is left to the process's exit
+        (``stuck``: the server exits without joining it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - loop.time())
+
         give_up_by = getattr(self.store, "give_up_by", None)
         if give_up_by is not None:  # stopping: the writer thread, too, stops retrying within the bound
             give_up_by(time.monotonic() + timeout)
+        # the queue is written out from now on, while the rest stops (what a flush cancelled at
+        # the deadline still waited for is counted below)
+        flushing = loop.create_task(self.flush()) if self._task is not None else None
         if self._listener is not None:
             self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
+            await asyncio.wait({self._listener}, timeout=left())
             self._listener = None
-        if self._publishing is not None:  # pruned ids on their way to the other workers
-            await asyncio.wait({self._publishing}, timeout=timeout)
+        self._readers.shutdown(wait=False, cancel_futures=True)  # reads still queued: cancelled
+        reading = [asyncio.wrap_future(call) for call in list(self._reading) if not call.done()]
+        if reading:
+            await asyncio.wait(reading, timeout=left())
+        if flushing is not None:
+            await asyncio.wait({flushing}, timeout=left())
+        publishing = self._publishing
+        if publishing is not None:  # pruned ids on their way to the other workers (the last writes' too)
+            await asyncio.wait({publishing}, timeout=left())
+        unwritten = 0
+        if flushing is not None and not flushing.done():
+            flushing.cancel()
+            unwritten = len(self._jobs) + len(self._blocked) + self._writing
+        unsent = 0
+        if publishing is not None and not publishing.done():
+            publishing.cancel()
+            unsent = self._sending + len(self._to_publish)
         self._publisher.shutdown(wait=False, cancel_futures=True)
-        # reads in flight finish (each bounded by the store's timeouts) off the event loop
-        await asyncio.to_thread(self._readers.shutdown, wait=True, cancel_futures=True)
-        if self._deletions is not None:
+        reads = sum(not call.done() for call in list(self._reading))
+        if unwritten or unsent or reads:
+            log.log(
+                logging.ERROR if unwritten or unsent else logging.WARNING,
+                "store shutdown not finished within %g s: %d write(s) not stored, %d pruned response(s) "
+                "not announced to the other workers, %d read(s) still running",
+                timeout, unwritten, unsent, reads,
+            )
+        # threads still inside the store (or the deletions table): not joined, not closed under them
+        # (a writer waiting to retry a locked-out batch is not inside the store)
+        writing = self._writing_at is not None and not self._retry_wait
+        self.stuck = writing or self._sending > 0 or reads > 0
+        if self._task is not None:  # the writer: stopped here, so that Persistence.close only closes
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._deletions is not None and not self.stuck:
             self._deletions.close()
             self._deletions = None
-        await super().close(timeout)
+        await super().close(left())
