@@ -14,7 +14,8 @@ What it does, and its bounds:
   (default 20, most recently used first), an idle connection is closed after ``keepalive_expiry``
   seconds (default 30, or the server's ``Keep-Alive: timeout`` minus one second when shorter).
 * **Reuse.** A connection goes back to the pool only when its response was read to the end and
-  both sides allow keep-alive. A cancelled, failed or abandoned stream closes its connection.
+  both sides allow keep-alive (and the request was written whole: a server answering early
+  leaves the rest queued). A cancelled, failed or abandoned stream closes its connection.
   An idle connection the server closed is noticed (the pool keeps reading idle sockets) and
   dropped before use; a request is retried on a fresh connection only when no byte of it was
   sent (the connection was found closed before the write). Once written, a request is never
@@ -29,8 +30,10 @@ What it does, and its bounds:
   set, as httpx does), with SNI and hostname checks.
 * **Bodies.** ``Content-Length``, chunked and read-until-close bodies (httptools decodes chunked
   framing). A response head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256)
-  fields; a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket
-  stops being read (back-pressure); a non-2xx body is read up to ``MAX_ERROR_BODY_BYTES``.
+  fields (reads without body bytes in a row, a trailer section's or chunk extensions', are
+  bounded as a head's are); a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB)
+  before the socket stops being read (back-pressure); a non-2xx body is read up to
+  ``MAX_ERROR_BODY_BYTES``.
 * **Read pauses.** While the pool has at least ``pause_streams`` connections in use
   (``--backend-read-pause-streams``, 16 by default), after a read whose chunks the response took
   whole through push delivery the connection stops reading for ``read_pause`` seconds
@@ -44,8 +47,8 @@ What it does, and its bounds:
   lone agent loop) is never slowed. One timer per pause; a pause never outlives its response
   (its end, a drop or a close ends it).
 * **Proxies.** This transport does not speak to proxies: :func:`proxy_for` tells the backend
-  when ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY`` (minus ``NO_PROXY``) apply to the origin, and
-  the backend then uses its SDK transport and logs that it does.
+  when ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY`` (minus ``NO_PROXY``, read as httpx reads it)
+  apply to the origin, and the backend then uses its SDK transport and logs that it does.
 
 Failures are typed hotloop errors: could not connect -> ``BackendUnavailable``; timeouts ->
 ``BackendTimeout``; a connection broken mid-response -> ``TransientBackendError``; a response
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import logging
 import os
 import re
@@ -124,9 +128,41 @@ def proxy_for(url: str) -> str | None:
     proxy = proxies.get(parts.scheme) or proxies.get("all")
     if not proxy:
         return None
-    if urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):  # type: ignore[attr-defined]
+    if _exempt(parts.hostname or "", proxies.get("no", "")):
         return None
     return proxy
+
+
+def _exempt(host: str, no_proxy: str) -> bool:
+    """``NO_PROXY`` exempts ``host``, read as httpx reads it (the sdk transport, which carries the
+    request when a proxy applies): ``*`` exempts all; ``.example.com`` its subdomains, not
+    example.com itself (urllib and curl take it for the domain too: the lean transport then went
+    directly where the sdk transport used the proxy); ``localhost`` and IP addresses themselves
+    only; any other name itself and its subdomains. Entries with a port or a scheme exempt
+    nothing here (the sdk transport reads them)."""
+    host = host.lower()
+    for name in no_proxy.split(","):
+        name = name.strip().lower()
+        if name == "*":
+            return True
+        if not name:
+            continue
+        if name.startswith("."):
+            if host.endswith(name):
+                return True
+        elif host == name:
+            return True
+        elif name != "localhost" and not _is_ip(name) and host.endswith("." + name):
+            return True
+    return False
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class Origin:
@@ -162,7 +198,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
-        "_head_bytes", "_head_read", "_released", "_loop", "push", "_kick",
+        "_head_bytes", "_head_read", "_quiet_at", "_released", "_loop", "push", "_kick",
     )
 
     def __init__(self, conn: "_Conn") -> None:
@@ -177,6 +213,9 @@ class Response:
         self._error: BaseException | None = None
         self._head_bytes = 0
         self._head_read = 0  # bytes of reads that ended inside the head (_Conn.data_received)
+        # then, in the body, of reads in a row without body bytes; ``_quiet_at``: the last one's
+        # number (that of the read that ended the head, until one comes)
+        self._quiet_at = -1
         self._released = False
         # Push delivery (hotloop.backends.base.PushSlot): called with each read's body bytes
         # while the reader is parked waiting for them; returns None if it did not take them
@@ -341,7 +380,8 @@ class _Conn(asyncio.Protocol):
             self.drop()
             return
         self.reads += 1
-        self.batch = []
+        batch: list[bytes] = []
+        self.batch = batch
         try:
             try:
                 self.parser.feed_data(data)
@@ -364,6 +404,22 @@ class _Conn(asyncio.Protocol):
             if resp._head_read > MAX_HEAD_READ:
                 resp.fail(errors.BackendError(_TOO_LARGE))
                 self.drop()
+        elif not batch and resp._state == _BODY:
+            # A read with no body bytes: chunk framing, a chunk extension, the trailer section
+            # (header fields, which the parser holds until each ends). Such reads in a row are
+            # bounded as a head's are: an endless trailer field or chunk extension fails as an
+            # oversized head instead of growing without bound (a read with body bytes ends a
+            # run, so a long stream's framing-only reads never add up; the read that ended the
+            # head is the head's).
+            quiet = resp._quiet_at
+            if quiet != self.reads:
+                if quiet != self.reads - 1:
+                    resp._head_read = 0
+                resp._quiet_at = self.reads
+                resp._head_read += len(data)
+                if resp._head_read > MAX_HEAD_READ:
+                    resp.fail(errors.BackendError(_TOO_LARGE))
+                    self.drop()
 
     def eof_received(self) -> bool:
         resp = self.resp
@@ -401,8 +457,9 @@ class _Conn(asyncio.Protocol):
             # An interim response (100 Continue, 102 Processing, 103 Early Hints): its head is
             # skipped and the final response read after it on the same connection (RFC 9110,
             # 15.2). Its bytes count towards the head's bound, so that endless interim heads
-            # fail as an oversized one. 101 would switch protocols: not HTTP any more.
-            if status == 101:
+            # fail as an oversized one. 101 would switch protocols: not HTTP any more; below 100
+            # is no status at all (RFC 9110, 15), not an interim response to wait past.
+            if status == 101 or status < 100:
                 raise _NotHttp()
             self.interim = True
             resp.headers = {}
@@ -411,6 +468,8 @@ class _Conn(asyncio.Protocol):
                 raise _TooLarge()
             return
         self.keep_alive = parser.should_keep_alive()
+        resp._head_read = 0  # from here, bytes of reads without body bytes (data_received)
+        resp._quiet_at = self.reads
         ka = resp.headers.get("keep-alive")
         if ka:
             self.expiry = min(self.pool.keepalive_expiry, _keepalive_timeout(ka, self.pool.keepalive_expiry))
@@ -479,7 +538,10 @@ class _Conn(asyncio.Protocol):
         if resp is not None:
             resp._conn = None
             resp.on_message_complete()
-        if self.keep_alive and not self.closed:
+        # A request still being written (the server answered before reading all of it, as with an
+        # early 413) keeps the connection busy: a request sent next would queue behind the rest,
+        # which the server may never read. Closed, not reused; the abort discards the rest.
+        if self.keep_alive and not self.closed and not self.transport.get_write_buffer_size():  # type: ignore[union-attr]
             self.draining = False
             self.pool._release(self)
         else:
