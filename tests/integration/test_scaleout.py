@@ -363,7 +363,7 @@ def test_workers_serve_http_and_websocket_from_both_processes(tmp_path: Path) ->
 
 def serving_pids(s: Server, tries: int = 16, timeout: float = 5.0) -> set[int]:
     """The pids of the workers answering /hotloop/stats over ``tries`` new connections (one the
-    kernel queued on a dead worker's socket waits for its replacement: ``timeout``)."""
+    kernel queued on a worker's socket just before it died is reset or waits: ``timeout``)."""
     pids = set()
     for _ in range(tries):
         with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=timeout) as c:
@@ -403,7 +403,7 @@ def test_a_replacement_failing_to_start_does_not_stop_the_workers(tmp_path: Path
             up = float(re.findall(rf"worker {victim} exited \(index \d, signal SIGKILL, up (\S+) s\)", s.logs())[0])
             first = RESTART_DELAY if up >= STAYED_UP else 2 * RESTART_DELAY
             assert delays[:2] == [first, 2 * first], (up, delays)
-            # the healthy worker was not stopped: it answers (connections on the dead slot wait)
+            # the healthy worker was not stopped: it answers (the dead slot's socket is closed)
             poll(lambda: serving_pids(s, 1, 0.5) == {healthy}, "the healthy worker to answer")
             assert s.proc.poll() is None and "stopping" not in s.logs()
             redis.start()

@@ -67,8 +67,8 @@ def test_a_slot_whose_workers_are_killed_while_starting_backs_off(tmp_path: Path
     with run_server(tmp_path, *args, env=env) as s:
         failing = poll(lambda: len(r := _restarts(s)) >= 3 and r, "three replacements of the failing slot", 12.0)
         logs = s.logs()
-        # the other slot serves (a connection the kernel queues on the failing slot's socket waits
-        # for a worker that never comes: hence short tries)
+        # the other slot serves (short tries: one the kernel queued on the dying worker's socket
+        # before the supervisor closed it is reset or waits)
         poll(lambda: serving_pids(s, 1, 0.5), "the other slot to answer")
     assert len({index for _, _, index, *_ in failing}) == 1, failing
     assert [sig for _, _, _, sig, _, _ in failing] == ["SIGKILL"] * len(failing)

@@ -1,10 +1,30 @@
 """``hotloop serve --workers N``: N server processes on one port, supervised by the parent.
 
 The parent binds one listening socket per worker on the same address (``SO_REUSEPORT``: the
-kernel spreads new connections evenly over them) and forks N workers, each accepting on its own
-socket and running its own event loop (uvloop), app, caches and writer thread, exactly like a
-single server. The parent keeps every socket open, so connections the kernel queued on a dead
-worker's socket wait for its replacement instead of being refused. What they share is the store: SQLite in
+kernel spreads new connections evenly over the sockets that listen) and forks N workers, each
+accepting on its own socket and running its own event loop (uvloop), app, caches and writer
+thread, exactly like a single server. A worker holds only its own socket (it closes its copies of
+the others when it is forked); the parent holds them all, so a socket outlives its worker only
+while the parent keeps it.
+
+Sockets of slots without a worker: when a worker dies, the parent closes its slot's socket (the
+kernel then sends new connections to the sockets of the workers that serve instead of queueing
+about 1/N of them, until the replacement serves, on a socket nobody accepts on: up to
+``RESTART_DELAY_MAX`` plus a start-up for a slot that keeps failing). Right before the replacement
+is forked the parent binds a fresh socket for the slot, without listening on it: the replacement's
+server listens once it has started (uvicorn, on a socket it is given), so no connection waits on
+a replacement that is starting, or fails to. A bind that fails (the address taken by another
+program, no file descriptors left) is one log line, and is tried again after the slot's delay,
+which doubles as for a failed start. Connections the kernel had already queued on a socket the
+parent closes are reset (the client sees a connection error, which the openai SDKs retry), unless
+``net.ipv4.tcp_migrate_req`` is 1 (Linux 5.14+): then the kernel moves them to another socket of
+the group. The parent never closes the last socket that listens: while no slot has a worker that
+serves, one dead slot's socket stays open and listening, so the port stays the server's (nothing
+else can bind it, so the replacements can) and new connections wait for a worker instead of being
+refused; it is closed once another slot's socket listens, or used by its slot's replacement.
+The sockets are not inheritable: a program a worker runs does not keep a slot's socket open.
+
+What the workers share is the store: SQLite in
 WAL mode (the parent creates the schema before forking; each worker's connection waits up to
 5 s on a lock) or Redis. A WebSocket is one connection, so its connection cache lives in the one
 worker that accepted it; HTTP continuations that land on another worker read the store
@@ -98,15 +118,33 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+BACKLOG = 2048  # uvicorn's, which the workers' servers pass when they listen
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` in the server's ``SO_REUSEPORT`` group, not listening: the
+    kernel gives it no connection until it listens."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = _bind(host, port)
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _listening(sock: socket.socket) -> bool:
+    """Whether ``sock`` listens: the parent's copy says so once the worker's server listens on it."""
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
 
 
 def _prepare_store(config: Config) -> None:
@@ -136,7 +174,9 @@ def _worker(config: Config, sock: socket.socket) -> int:
 class Supervisor:
     def __init__(self, config: Config, socks: list[socket.socket]) -> None:
         self.config = config
-        self.socks = socks  # one per worker slot
+        self.port = int(socks[0].getsockname()[1])
+        # one per worker slot, listening; None while a slot without a worker has none (closed)
+        self.socks: list[socket.socket | None] = list(socks)
         self.workers: dict[int, int] = {}  # pid -> slot
         self.born: dict[int, float] = {}  # pid -> when it was forked (monotonic)
         self.first: set[int] = set()  # pids of the first generation
@@ -151,6 +191,9 @@ class Supervisor:
         parent = os.getpid()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         try:
+            sock = self.socks[slot]
+            if self.stopping or sock is None:  # a stop came (it closed the sockets): start no more
+                return
             pid = os.fork()
             if pid == 0:  # the worker
                 code = 1
@@ -159,10 +202,10 @@ class Supervisor:
                         signal.signal(sig, signal.SIG_DFL)
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     _die_with(parent)
-                    for i, other in enumerate(self.socks):
-                        if i != slot:
+                    for other in self.socks:  # only the parent may keep another slot's socket open
+                        if other is not None and other is not sock:
                             other.close()
-                    code = _worker(self.config, self.socks[slot])
+                    code = _worker(self.config, sock)
                 except BaseException:
                     logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
                 finally:
@@ -179,8 +222,7 @@ class Supervisor:
             log.info("stopping %d workers", len(self.workers))
             # stop accepting: the workers close their copies as they stop; with the parent's
             # open, new connections would queue unanswered until every worker has finished
-            for sock in self.socks:
-                sock.close()
+            self._close_all()
         for pid in list(self.workers):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -208,8 +250,7 @@ class Supervisor:
             return
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
         if code == STARTUP_FAILURE or up < STAYED_UP:  # it did not start, or barely: back off
-            delay = self.delay[slot]
-            self.delay[slot] = min(RESTART_DELAY_MAX, delay * 2)
+            delay = self._back_off(slot)
             level = logging.ERROR
         else:  # it had stayed up: the slot's failures, if any, are over
             delay = self.delay[slot] = RESTART_DELAY
@@ -217,13 +258,55 @@ class Supervisor:
         ended = "failed to start" if code == STARTUP_FAILURE else "exited"
         log.log(level, "worker %d %s (index %d, %s, up %.1f s); starting another in %g s", pid, ended, slot, how, up, delay)
         self.due[slot] = time.monotonic() + delay
+        self._close_idle()
+
+    def _back_off(self, slot: int) -> float:
+        """The slot's delay before its next try; the one after it doubles (up to the bound)."""
+        delay = self.delay[slot]
+        self.delay[slot] = min(RESTART_DELAY_MAX, delay * 2)
+        return delay
+
+    def _close_idle(self) -> None:
+        """Close the socket of each slot waiting for its replacement, so that new connections go
+        to the sockets that listen, unless no other socket listens (the module's docstring). Run
+        at each death and on every tick of the supervisor: a socket kept while no other listened
+        is closed once another does (its worker's server has started)."""
+        for slot in self.due:
+            sock = self.socks[slot]
+            if sock is None:
+                continue
+            if any(other is not None and other is not sock and _listening(other) for other in self.socks):
+                sock.close()
+                self.socks[slot] = None
+            elif not _listening(sock):  # a replacement that failed before listening: clients wait
+                sock.listen(BACKLOG)
+
+    def _close_all(self) -> None:
+        for i, sock in enumerate(self.socks):
+            if sock is not None:
+                sock.close()
+                self.socks[i] = None
 
     def _replace_due(self) -> None:
         now = time.monotonic()
+        if any(when <= now for when in self.due.values()):
+            self._close_idle()  # a socket kept while none other listened, if one does now: a fresh one
         for slot, when in list(self.due.items()):
-            if when <= now:
-                del self.due[slot]
-                self.spawn(slot)
+            if when > now:
+                continue
+            if self.socks[slot] is None:  # closed when its worker died: a fresh one in the group
+                try:
+                    self.socks[slot] = _bind(self.config.host, self.port)
+                except OSError as exc:  # the address taken by another program, no fds left: later
+                    delay = self._back_off(slot)
+                    log.error(
+                        "could not bind %s:%d again for index %d (%s: %s); trying again in %g s",
+                        self.config.host, self.port, slot, type(exc).__name__, exc, delay,
+                    )
+                    self.due[slot] = now + delay
+                    continue
+            del self.due[slot]
+            self.spawn(slot)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
@@ -247,6 +330,8 @@ class Supervisor:
                     break
                 pid = 0  # every slot waits for its replacement
             if pid == 0:
+                if not self.stopping:
+                    self._close_idle()
                 if deadline is not None and time.monotonic() > deadline:
                     for p in list(self.workers):
                         log.error("worker %d did not stop in time; killing it", p)
@@ -255,8 +340,7 @@ class Supervisor:
                 time.sleep(0.05)
                 continue
             self.reap(pid, status)
-        for sock in self.socks:
-            sock.close()
+        self._close_all()
         return STARTUP_FAILURE if self.failed else 0
 
 
