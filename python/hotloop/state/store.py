@@ -64,6 +64,12 @@ and the batch as a whole fails, so no write is reported stored that is not. :fun
 write that waited out the busy timeout behind another connection's write lock ("database is
 locked": nothing of it was stored, it may be made again) from one that failed; the writer
 retries the former (:class:`hotloop.pipeline.post.Persistence`).
+
+Requests locked out (SQLite store). Reads are never blocked by another connection's write lock
+(WAL readers do not wait for a writer). What a client's request writes itself (``delete``, and
+``usage``, which first moves an earlier version's ledger rows) waits up to the busy timeout
+(``BUSY_TIMEOUT``) for that lock, then raises :class:`StoreBusy` (a 503 the client may retry)
+with nothing of it done.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from hotloop import errors
 from hotloop.protocol.request import checked_tools
 from hotloop.state import fpkey
 
@@ -174,6 +181,25 @@ class History(StoredResponse):
     __slots__ = ()
 
 
+# How long a statement of the SQLite store waits for another connection's write lock (another
+# worker's write, `hotloop keys`, a backup, an open sqlite3 shell) before it fails with "database
+# is locked": sqlite3's own default, which the store had before it was named here.
+BUSY_TIMEOUT = 5.0
+# A request locked out (StoreBusy) is logged at most once per this many seconds, with a count
+BUSY_LOG_SECONDS = 60.0
+
+
+class StoreBusy(errors.StoreUnavailable):
+    """A client's request that writes to the SQLite file (a delete, the usage listing) waited out
+    the busy timeout behind another connection's write lock, or waited as long for the store's
+    writer while that was locked out (:mod:`hotloop.server.http`): nothing of it was done. A 503
+    ``server_error`` with ``retry-after`` (OpenAI's clients retry it); never says why (the log does)."""
+
+    def __init__(self) -> None:
+        super().__init__("The response store is busy. Please retry shortly.")
+        self.headers["retry-after"] = "1"
+
+
 class TransactionLost(Exception):
     """SQLite rolled back the whole transaction of a :meth:`SQLiteStore.batch` (``__cause__``: the
     error that made it, such as SQLITE_FULL): none of the batch's writes is stored."""
@@ -210,7 +236,7 @@ def failure_kind(exc: BaseException) -> tuple[str, str, bool]:
     except Exception:  # (a log line must not fail the writer)
         text = ""
     text = text if len(text) <= 200 else text[:200] + "..."
-    expected = isinstance(exc, (sqlite3.Error, OSError, TransactionLost)) or kind == "StoreUnavailable"
+    expected = isinstance(exc, (sqlite3.Error, OSError, TransactionLost, errors.StoreUnavailable))
     return kind, f"{kind}: {text}" if text else kind, expected
 
 
@@ -835,9 +861,12 @@ class SQLiteStore(_Pruned):
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         self.max_ledger_models = MAX_LEDGER_MODELS
+        self.busy_timeout = BUSY_TIMEOUT  # (also the wait of a DELETE for the writer: server.http)
+        self._busy_logged = -BUSY_LOG_SECONDS  # monotonic time of the last StoreBusy line
+        self._busy_unlogged = 0  # StoreBusy raised since that line
         # One connection used from one thread at a time (the writer thread); the lock makes
         # occasional use from another thread (tests, the CLI) safe too.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()  # re-entered by writes inside batch()
         self._batching = False
         self._writes = 0
@@ -1228,8 +1257,30 @@ class SQLiteStore(_Pruned):
             response.update(_dec.decode(row[0]))  # the keys are there (null): their places are kept
         return response
 
+    @contextlib.contextmanager
+    def _locked_out_is_busy(self, what: str) -> Iterator[None]:
+        """A client's request (``what``) that waited out the busy timeout raises
+        :class:`StoreBusy` (nothing of it was done: its transaction never began, or was rolled
+        back), logged in one line, at most one per ``BUSY_LOG_SECONDS`` with a count."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if not locked(exc):
+                raise
+            now = time.monotonic()
+            self._busy_unlogged += 1
+            if now - self._busy_logged >= BUSY_LOG_SECONDS:
+                log.warning(
+                    "%s: another connection held the SQLite write lock of %s past the busy timeout (%g s); "
+                    "answered 503 (%d such request(s) since the last line; at most one line per %g s)",
+                    what, self.path, self.busy_timeout, self._busy_unlogged, BUSY_LOG_SECONDS,
+                )
+                self._busy_logged, self._busy_unlogged = now, 0
+            raise StoreBusy() from exc
+
     def delete(self, response_id: str, scope: str | None = None) -> bool:
-        with self._lock, self._txn() as db:
+        """:raises StoreBusy: locked out past the busy timeout (nothing deleted)."""
+        with self._locked_out_is_busy("a delete"), self._lock, self._txn() as db:
             found = db.execute(
                 "SELECT created_at FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
             ).fetchone()
@@ -1295,6 +1346,8 @@ class SQLiteStore(_Pruned):
     def usage(
         self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
+        """See :meth:`ResponseStore.usage`. :raises StoreBusy: the move of an earlier version's
+        rows (``_move_ledger_by_name``) was locked out past the busy timeout (nothing moved)."""
         # Only the conditions given are in the query: a row-value comparison behind "?3 IS NULL OR"
         # is not used to seek the (day, model, key_id) key, and a late page then scans every row
         # before it (200,000 rows: a late 1,000-row page 16.9 ms against 2.0 ms).
@@ -1309,7 +1362,8 @@ class SQLiteStore(_Pruned):
             where.append("(day, model, key_id) > (?, ?, ?)")
             args.extend(after)
         with self._lock:
-            self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
+            with self._locked_out_is_busy("a usage listing"):  # (raises StoreBusy: nothing moved)
+                self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
             rows = self._db.execute(
                 f"SELECT {_USAGE_COLUMNS}, flagged FROM ledger_usage WHERE {' AND '.join(where)} "
                 "ORDER BY day, model, key_id LIMIT ?",

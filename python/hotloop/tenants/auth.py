@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Iterable
 
 from hotloop import errors
-from hotloop.state.store import LEGACY_OWNER
+from hotloop.state.store import LEGACY_OWNER, locked
 from hotloop.tenants.keys import SECRET_PREFIX, UNLIMITED, KeyRecord, KeyStore, Limits, hash_secret
 from hotloop.tenants.limits import Grant, Limiter, MemoryLimiter
 
@@ -215,7 +215,16 @@ class Tenancy:
             return
         used, self._used = self._used, {}
         self._touched_at = now
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.keys.touch, used)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.keys.touch, used)
+        except Exception as exc:
+            for key_id, at in used.items():  # kept for the next touch (a later use is newer)
+                self._used.setdefault(key_id, at)
+            if not locked(exc):
+                raise
+            # another connection holds the file's write lock (a backup, `hotloop keys`...): at
+            # most one line per TOUCH_SECONDS, the next touch's time
+            log.warning("recording keys' last use: the key table is locked by another connection; tried again later")
 
     # -- per request ---------------------------------------------------------------------------
 

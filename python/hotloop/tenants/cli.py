@@ -139,10 +139,21 @@ def _usage(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+_LOCKED = (
+    "the store's SQLite file is locked by another connection (a server's long write, a backup, an "
+    "open sqlite3 shell); nothing was changed, try again"
+)
+
+
 def run(args: argparse.Namespace) -> int:
+    from hotloop.state.store import StoreBusy, locked
+
     config = _config(args)
     try:
         return _run(args, config)
+    except StoreBusy:  # the usage listing's move of an earlier version's rows, locked out
+        print(f"hotloop {args.command}: {_LOCKED}", file=sys.stderr)
+        return 1
     except StoreUnavailable as exc:
         from hotloop.state.redis_store import RedisVersionError
 
@@ -150,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"hotloop {args.command}: {why}", file=sys.stderr)
         return 1
     except (OSError, sqlite3.Error, ValueError) as exc:  # a data dir or database it cannot use, a malformed --redis-url
+        if locked(exc):  # past the busy timeout (the key store's BUSY_TIMEOUT, 10 s; the response store's, 5 s)
+            print(f"hotloop {args.command}: {_LOCKED}", file=sys.stderr)
+            return 1
         print(f"hotloop {args.command}: cannot open the store: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

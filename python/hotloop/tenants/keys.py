@@ -28,6 +28,13 @@ from typing import Any, Protocol
 SECRET_PREFIX = "hl-"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_NAMES = frozenset({"admin", "anonymous"})  # the admin key's and open mode's tenants
+# How long a key store statement waits for another connection's write lock on the SQLite file (a
+# server's store writer, another `hotloop keys`, a backup) before "database is locked"
+BUSY_TIMEOUT = 10.0
+# ... and how long the server's record of keys' last use waits for it (SQLiteKeyStore.touch): it
+# holds the key store's connection meanwhile, and a key table look-up (a new key's first
+# request, the revocation check) waits behind it. A touch locked out is made again later.
+TOUCH_BUSY_TIMEOUT = 0.25
 
 
 def new_secret() -> str:
@@ -182,7 +189,8 @@ class SQLiteKeyStore:
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self.busy_timeout = BUSY_TIMEOUT
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=self.busy_timeout)
         self._lock = threading.Lock()
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -221,8 +229,14 @@ class SQLiteKeyStore:
         return int(row[0]), int(row[1]), int(row[2])
 
     def touch(self, used: dict[str, float]) -> None:
+        """:raises sqlite3.OperationalError: locked out for ``TOUCH_BUSY_TIMEOUT`` (nothing written)."""
         with self._lock:
-            self._db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?", [(t, k) for k, t in used.items()])
+            db = self._db
+            db.execute(f"PRAGMA busy_timeout = {int(TOUCH_BUSY_TIMEOUT * 1000)}")
+            try:  # (times written before a later statement was locked out are written again: harmless)
+                db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?", [(t, k) for k, t in used.items()])
+            finally:
+                db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def close(self) -> None:
         with self._lock:
