@@ -29,7 +29,7 @@ from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutErr
 
 from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
 from hotloop.backends.chat.statuses import withhold
 from hotloop.config import Config
@@ -79,19 +79,22 @@ class CerebrasBackend(ChatBackend):
             raise RuntimeError(why)
         withhold(self._api_key)  # never repeated from a backend's error message
         quiet_http_logs()
-        self._client = AsyncCerebras(
-            api_key=self._api_key,
-            base_url=self._base_url,
-            timeout=self._timeout,
-            max_retries=0,
-            warm_tcp_connection=False,
-        )
+        try:
+            self._client = AsyncCerebras(
+                api_key=self._api_key,
+                base_url=self._base_url,
+                timeout=self._timeout,
+                max_retries=0,
+                warm_tcp_connection=False,
+            )
+        except httpx.InvalidURL:  # its message may quote a piece of the password
+            raise ValueError(f"not a valid http(s) URL: {redact_url(self._base_url or '')!r}") from None
         if self._config.backend_transport == "lean":
             client = self._client
             headers = {k: v for k, v in client.default_headers.items() if isinstance(v, str)}
             headers["Accept"] = "text/event-stream"
             self._pool = lean_pool(str(client.base_url), headers, self._config, self.name)
-        log.info("cerebras backend: %s transport to %s", self.transport, self._client.base_url)
+        log.info("cerebras backend: %s transport to %s", self.transport, redact_url(str(self._client.base_url)))
 
     async def close(self) -> None:
         await self._close_pool()

@@ -21,7 +21,7 @@ import httpx
 
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
 from hotloop.backends.chat.statuses import withhold
 from hotloop.config import Config
@@ -63,17 +63,20 @@ class OpenAICompatBackend(ChatBackend):
         headers = {"User-Agent": f"hotloop/{__version__}"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        self._client = httpx.AsyncClient(
-            # A trailing slash makes relative paths extend the prefix instead of replacing it.
-            base_url=self._base_url.rstrip("/") + "/",
-            headers=headers,
-            timeout=self._timeout,
-            limits=_LIMITS,
-        )
+        try:
+            self._client = httpx.AsyncClient(
+                # A trailing slash makes relative paths extend the prefix instead of replacing it.
+                base_url=self._base_url.rstrip("/") + "/",
+                headers=headers,
+                timeout=self._timeout,
+                limits=_LIMITS,
+            )
+        except httpx.InvalidURL:  # its message may quote a piece of the password
+            raise ValueError(f"not a valid http(s) URL: {redact_url(self._base_url)!r}") from None
         if self._config.backend_transport == "lean":
             lean_headers = {**headers, **_POST_HEADERS}
             self._pool = lean_pool(self._base_url, lean_headers, self._config, self.name)
-        log.info("openai-compat backend: %s transport to %s", self.transport, self._base_url)
+        log.info("openai-compat backend: %s transport to %s", self.transport, redact_url(self._base_url))
         # The model list also carries each model's context window (vLLM: max_model_len).
         models = await self.list_models()
         if not self.default_model:
@@ -99,7 +102,7 @@ class OpenAICompatBackend(ChatBackend):
         except httpx.TimeoutException:
             raise errors.BackendTimeout("The model backend did not answer in time.") from None
         except httpx.HTTPError:
-            log.warning("openai-compat backend: connection to %s failed", request.url)
+            log.warning("openai-compat backend: connection to %s failed", redact_url(str(request.url)))
             raise errors.BackendUnavailable("Could not connect to the model backend.") from None
 
     async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:

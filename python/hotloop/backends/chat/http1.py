@@ -10,9 +10,11 @@ httpx (see the README's performance section).
 What it does, and its bounds:
 
 * **Pool.** One :class:`Pool` per backend origin: at most ``max_connections`` open (default 100;
-  further requests wait for a free one, at most ``connect_timeout``), at most ``max_idle`` kept
-  (default 20, most recently used first), an idle connection is closed after ``keepalive_expiry``
-  seconds (default 30, or the server's ``Keep-Alive: timeout`` minus one second when shorter).
+  further requests wait for a free one: waiting, however often a freed connection goes to
+  another request first, and then connecting share one ``connect_timeout`` deadline), at most
+  ``max_idle`` kept (default 20, most recently used first), an idle connection is closed after
+  ``keepalive_expiry`` seconds (default 30, or the server's ``Keep-Alive: timeout`` minus one
+  second when shorter), by one timer per pool, whether or not a request comes.
 * **Reuse.** A connection goes back to the pool only when its response was read to the end and
   both sides allow keep-alive (and the request was written whole: a server answering early
   leaves the rest queued). A cancelled, failed or abandoned stream closes its connection.
@@ -29,11 +31,14 @@ What it does, and its bounds:
 * **TLS.** ``https`` origins use certifi's CA bundle (or ``SSL_CERT_FILE``/``SSL_CERT_DIR`` when
   set, as httpx does), with SNI and hostname checks.
 * **Bodies.** ``Content-Length``, chunked and read-until-close bodies (httptools decodes chunked
-  framing). A response head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256)
-  fields (reads without body bytes in a row, a trailer section's or chunk extensions', are
-  bounded as a head's are); a body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB)
-  before the socket stops being read (back-pressure); a non-2xx body is read up to
-  ``MAX_ERROR_BODY_BYTES``.
+  framing). Requests say ``accept-encoding: identity``: a 2xx response in another content coding
+  fails (a non-2xx one keeps its status, its body is ignored), and so does any response whose
+  transfer codings are anything but ``chunked`` alone (``chunked, gzip`` is a gzip body read
+  until close, RFC 9112 6.3; ``gzip, chunked`` a gzip body), its connection closed. A response
+  head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256) fields (reads without
+  body bytes in a row, a trailer section's or chunk extensions', are bounded as a head's are); a
+  body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket stops being
+  read (back-pressure); a non-2xx body is read up to ``MAX_ERROR_BODY_BYTES``.
 * **Read pauses.** While the pool has at least ``pause_streams`` connections in use
   (``--backend-read-pause-streams``, 16 by default), after a read whose chunks the response took
   whole through push delivery the connection stops reading for ``read_pause`` seconds
@@ -52,7 +57,8 @@ What it does, and its bounds:
 
 Failures are typed hotloop errors: could not connect -> ``BackendUnavailable``; timeouts ->
 ``BackendTimeout``; a connection broken mid-response -> ``TransientBackendError``; a response
-that is not HTTP -> ``BackendError``.
+that is not HTTP, or in a coding this transport does not decode -> ``BackendError``. Messages
+and logs never repeat the URL's user and password (:func:`redact_url`).
 """
 
 from __future__ import annotations
@@ -95,16 +101,23 @@ _NO_ANSWER = "The model backend did not answer in time."
 _NOT_HTTP = "The model backend sent a response that is not valid HTTP."
 _TOO_LARGE = "The model backend sent oversized response headers."
 _FAILED_READ = "The model backend failed."
+_ENCODED = "The model backend sent a compressed response (content-encoding), which hotloop does not decode."
+_CODING = "The model backend sent a response in a transfer coding other than chunked, which hotloop does not decode."
 
 # Response states
 _HEAD, _BODY, _DONE, _FAILED = 0, 1, 2, 3
 # request fields the transport writes itself, or that ask for what it does not do (100-continue,
 # an upgrade, transfer codings): configured values of these are not sent
-_OWN_FIELDS = frozenset({"host", "content-length", "transfer-encoding", "connection", "expect", "upgrade", "te", "trailer"})
+_OWN_FIELDS = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "expect", "upgrade", "te", "trailer", "accept-encoding",
+})
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # what an interim (1xx) response's head counts towards MAX_HEAD_BYTES besides its fields, so
 # that a backend sending them without end fails as one sending an oversized head
 _INTERIM_HEAD_BYTES = 1024
+# how much earlier than due the pool's expiry timer may close an idle connection (a timer may
+# fire a little early: it then never re-arms for the same instant in a loop)
+_EXPIRY_SLACK = 0.05
 
 
 def ssl_context() -> ssl.SSLContext:
@@ -165,19 +178,35 @@ def _is_ip(name: str) -> bool:
     return True
 
 
+def redact_url(url: str) -> str:
+    """``url`` without its user and password, for messages and logs: all before the last ``@``
+    (after the scheme) becomes ``***``, so a password with an unescaped ``/``, ``?`` or ``#``,
+    which ends the URL's authority early, is hidden too (more may be hidden than needed)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
 class Origin:
     """Where requests go: scheme, host, port, the path prefix, and the TLS settings."""
 
     __slots__ = ("scheme", "host", "port", "prefix", "ssl", "host_header", "basic")
 
     def __init__(self, url: str, ssl_ctx: ssl.SSLContext | None = None) -> None:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # a ValueError when not a number (it may be part of a password)
+        except ValueError:
+            raise ValueError(f"not a valid http(s) URL: {redact_url(url)!r}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+            raise ValueError(f"not an http(s) URL: {redact_url(url)!r}")
         self.scheme = parts.scheme
         self.host = parts.hostname
         default = 443 if parts.scheme == "https" else 80
-        self.port = parts.port or default
+        self.port = port or default
         self.prefix = parts.path.rstrip("/")
         self.ssl = (ssl_ctx or ssl_context()) if parts.scheme == "https" else None
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -338,6 +367,10 @@ class _NotHttp(Exception):
     pass
 
 
+class _Refused(Exception):
+    """A response head this transport does not read; ``args[0]``: the client-visible message."""
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection. Reads stay on while idle, so a close by the server is seen."""
 
@@ -388,8 +421,12 @@ class _Conn(asyncio.Protocol):
             finally:
                 self._deliver()  # what the read held before its end, an error or its last byte
         except httptools.HttpParserError as exc:  # includes errors raised by the callbacks
-            too_large = isinstance(exc.__context__, _TooLarge)
-            resp.fail(errors.BackendError(_TOO_LARGE if too_large else _NOT_HTTP))
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                message = cause.args[0]
+            else:
+                message = _TOO_LARGE if isinstance(cause, _TooLarge) else _NOT_HTTP
+            resp.fail(errors.BackendError(message))
             self.drop()
             return
         except httptools.HttpParserUpgrade:
@@ -467,6 +504,17 @@ class _Conn(asyncio.Protocol):
             if resp._head_bytes > MAX_HEAD_BYTES:
                 raise _TooLarge()
             return
+        headers = resp.headers
+        te = headers.get("transfer-encoding")
+        if te is not None and te != "chunked" and te.strip().lower() != "chunked":
+            # chunked not the last coding: read until close, in a coding we cannot decode (RFC
+            # 9112, 6.3); last but after another: a body in that coding. Failed, never reused.
+            log.warning("%s: response with transfer-encoding %r", self.pool.origin.host_header, te[:100])
+            raise _Refused(_CODING)
+        ce = headers.get("content-encoding")
+        if ce is not None and status < 300 and not _identity(ce):
+            log.warning("%s: response with content-encoding %r", self.pool.origin.host_header, ce[:100])
+            raise _Refused(_ENCODED)
         self.keep_alive = parser.should_keep_alive()
         resp._head_read = 0  # from here, bytes of reads without body bytes (data_received)
         resp._quiet_at = self.reads
@@ -686,6 +734,11 @@ class _Conn(asyncio.Protocol):
             self.pool._lost(self)
 
 
+def _identity(content_encoding: str) -> bool:
+    """A ``Content-Encoding`` value that leaves the body as sent (empty or ``identity`` only)."""
+    return all(c.strip().lower() in ("", "identity") for c in content_encoding.split(","))
+
+
 def _keepalive_timeout(header: str, default: float) -> float:
     for part in header.split(","):
         k, _, v = part.strip().partition("=")
@@ -728,12 +781,17 @@ class Pool:
         self._open = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweep: asyncio.TimerHandle | None = None  # the idle connections' expiry (_expire)
+        self._sweep_at = 0.0  # when it fires
         fixed = {"host": self.origin.host_header}
         for k, v in headers.items():
             if k.lower() not in _OWN_FIELDS:
                 fixed[k.lower()] = v
         if self.origin.basic is not None:
             fixed["authorization"] = self.origin.basic  # as httpx does with a URL's user and password
+        # no compression: a body is fed to the SSE decoder as it arrives (without the field, a
+        # server may compress; the response would then fail, see on_headers_complete)
+        fixed["accept-encoding"] = "identity"
         for k, v in fixed.items():
             if not _FIELD_NAME.fullmatch(k) or any(c in v for c in "\r\n\0"):
                 # one line break would end the request's head early: refused at start-up (the
@@ -795,6 +853,8 @@ class Pool:
             raw = b""
         finally:
             await resp.aclose()
+        if not _identity(resp.headers.get("content-encoding", "")):
+            raw = b""  # compressed though we asked not: undecodable, the status says enough
         return parse_body(raw)
 
     # -- connections ---------------------------------------------------------------------------
@@ -802,19 +862,28 @@ class Pool:
     async def _acquire(self) -> _Conn:
         if self.closed:
             raise errors.BackendUnavailable("The model backend is not started.")
-        now = self.loop.time()
+        loop = self.loop
         idle = self._idle
-        while idle:
-            conn = idle.pop()
-            if conn.usable(now):
-                self.reused += 1
-                return conn
-            conn.drop()  # closed by the server, or idle too long: found before any byte was sent
-        while self._open >= self.max_connections:
-            fut = self.loop.create_future()
+        deadline: float | None = None  # once it must wait: for the wait and the connect together
+        while True:
+            if idle:
+                now = loop.time()
+                while idle:
+                    conn = idle.pop()
+                    if conn.usable(now):
+                        self.reused += 1
+                        return conn
+                    conn.drop()  # closed by the server, or idle too long: found before any byte was sent
+            if self._open < self.max_connections:
+                return await self._connect(deadline)
+            if deadline is None:
+                # one deadline however often it is woken: a freed connection may go to a request
+                # that came meanwhile, and this one waits again, for what is left
+                deadline = loop.time() + self.connect_timeout
+            fut = loop.create_future()
             self._waiters.append(fut)
             try:
-                async with asyncio.timeout(self.connect_timeout):
+                async with asyncio.timeout_at(deadline):
                     await fut
             except BaseException as exc:
                 if fut.done() and not fut.cancelled():
@@ -829,16 +898,16 @@ class Pool:
                     self._waiters.remove(fut)
             if self.closed:
                 raise errors.BackendUnavailable("The model backend is not started.")
-            if idle:
-                return await self._acquire()
-        return await self._connect()
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self, deadline: float | None = None) -> _Conn:
+        """A new connection, within ``connect_timeout`` (or by ``deadline``: _acquire's)."""
         o = self.origin
         self._open += 1
         conn = _Conn(self)
+        if deadline is None:
+            deadline = self.loop.time() + self.connect_timeout
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout_at(deadline):
                 await self.loop.create_connection(
                     lambda: conn, o.host, o.port, ssl=o.ssl, server_hostname=o.host if o.ssl else None
                 )
@@ -863,10 +932,28 @@ class Pool:
         if self.closed or len(self._idle) >= self.max_idle:
             conn.drop()
             return
-        conn.idle_since = self.loop.time()
+        conn.idle_since = now = self.loop.time()
         conn.resume()
         self._idle.append(conn)
+        due = now + conn.expiry
+        if self._sweep is None or due < self._sweep_at:  # else the timer fires first anyway
+            self._arm_sweep(due)
         self._wake_waiter()
+
+    def _arm_sweep(self, due: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = due
+        self._sweep = self.loop.call_at(due, self._expire)
+
+    def _expire(self) -> None:
+        """The pool's one expiry timer: close the idle connections due, re-arm for the next one."""
+        self._sweep = None
+        limit = self.loop.time() + _EXPIRY_SLACK
+        for conn in [c for c in self._idle if c.idle_since + c.expiry <= limit]:
+            conn.drop()  # (_lost takes it out of _idle)
+        if self._idle and not self.closed:
+            self._arm_sweep(min(c.idle_since + c.expiry for c in self._idle))
 
     def _lost(self, conn: _Conn) -> None:
         """Called once per connection when it closes (or fails to open)."""
@@ -889,6 +976,9 @@ class Pool:
 
     async def aclose(self) -> None:
         self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in list(self._idle):
             conn.drop()
         self._idle.clear()
