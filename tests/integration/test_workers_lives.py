@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from typing import Iterator
 import httpx
 
 from tests.conftest import free_port, run_server
+from tests.integration.test_scaleout import poll, serving_pids
+from tests.integration.test_workers_restart_backoff import _at
 
 
 def _children(pid: int) -> list[int]:
@@ -146,3 +149,33 @@ def test_new_connections_are_refused_while_workers_finish_their_responses(tmp_pa
             t.join(timeout=30)
         assert s.proc.wait(timeout=60) == 0
     assert outcomes == ["refused"] * 4, outcomes
+
+
+def _wakeups(pid: int) -> int:
+    """How often ``pid`` (single-threaded) went to sleep and woke since it started."""
+    with open(f"/proc/{pid}/status") as fh:
+        return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)$", fh.read(), re.M).group(1))  # type: ignore[union-attr]
+
+
+def test_the_supervisor_sleeps_while_idle_and_sees_a_death_at_once(tmp_path: Path) -> None:
+    """An idle supervisor wakes about once a second (it polled every 50 ms: 30 wake-ups in 1.5 s
+    of a server doing nothing), yet handles a worker's death at once (SIGCHLD ends its wait), not
+    up to a poll later: until it does, the dead worker's socket still gets its share of new
+    connections, and they are reset when it is closed. Both workers are killed, the second 0.6 s
+    after the first's death was handled (past the replacement's 0.5 s delay, which wakes the
+    supervisor too): each death is logged within 0.25 s of its kill (a 1 s poll would miss that)."""
+    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0") as s:
+        workers = poll(lambda: p if len(p := serving_pids(s, 16, 2.0)) == 2 else None, "both workers")
+        time.sleep(0.2)
+        before = _wakeups(s.proc.pid)
+        time.sleep(1.5)
+        woke = _wakeups(s.proc.pid) - before
+        late = []
+        for pid in sorted(workers):
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+            line = poll(lambda: re.search(rf"^(\S+ \S+) \w+ hotloop\.server: worker {pid} exited", s.logs(), re.M), "the death's line")
+            late.append(round(_at(line.group(1)) - killed, 3))
+            time.sleep(0.6)
+    assert woke <= 5, f"the idle supervisor woke {woke} times in 1.5 s"
+    assert all(t < 0.25 for t in late), late

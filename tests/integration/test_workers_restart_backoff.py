@@ -98,12 +98,30 @@ def test_a_slot_s_delay_starts_again_once_a_worker_stayed_up(tmp_path: Path) -> 
             found = [(_at(t), int(p)) for t, p, i in STARTED.findall(s.logs()) if int(i) == index and _at(t) > died]
             return found[0] if found else None
 
-        born, pid = poll(replacement, "the replacement to start")
+        _, pid = poll(replacement, "the replacement to start")
         poll(lambda: pid in serving_pids(s, 4, 1.0), "the replacement to serve")
-        time.sleep(max(0.0, born + stayed_up + 0.5 - time.time()))
+        time.sleep(stayed_up + 0.3)  # it stays up from when it was ready, which it was by its answer
         os.kill(pid, signal.SIGKILL)
         again = poll(lambda: [r for r in _restarts(s) if r[1] == pid], "the killed worker's replacement")
     (_, _, again_index, sig, again_up, again_delay), = again
     assert (again_index, sig) == (index, "SIGKILL") and again_up >= stayed_up
     assert again_delay == RESTART_DELAY, again_delay  # reset: not the 1 s the failing start left
     assert s.proc.returncode == 0
+
+
+def test_a_worker_that_dies_before_it_was_ready_backs_off_however_long_its_start_took(tmp_path: Path) -> None:
+    """The failing slot's workers take longer to start than ``STAYED_UP`` (here 0.5 s instead of
+    10, not to wait it out) and die by SIGKILL before they serve. Before, "stayed up" was counted
+    from the fork, so each was replaced after ``RESTART_DELAY`` as if it had served (a crash loop
+    at full speed for a slow start); now only a worker that said it was ready and then stayed up
+    resets the delay: these back off, 0.5 then 1 s, logged as errors."""
+    entry = ("-c", "import sys, hotloop.server.workers as w; w.STAYED_UP = 0.5; "
+                   "from hotloop.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = _classifier(tmp_path, '_ordinal() >= 1 and __import__("time").sleep(1.0) is None')
+    args = ("--workers", "2", "--sim-rate", "0", "--classifier", "crashing:counting")
+    with run_server(tmp_path, *args, env=env, entry=entry) as s:
+        failing = poll(lambda: len(r := _restarts(s)) >= 2 and r, "two replacements of the failing slot", 8.0)
+        levels = re.findall(r"^\S+ \S+ (\w+) hotloop\.server: worker \d+ exited", s.logs(), re.M)
+    assert all(up > 0.5 for *_, up, _ in failing[:2]), failing  # started for longer than STAYED_UP
+    assert [delay for *_, delay in failing[:2]] == [RESTART_DELAY, 2 * RESTART_DELAY], failing
+    assert levels[:2] == ["ERROR", "ERROR"], levels

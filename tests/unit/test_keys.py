@@ -104,6 +104,8 @@ def test_open_mode_until_the_first_key() -> None:
         await t.refresh()
         assert not t.open  # revoking every key never opens the server
         await t.close()
+        await t.close()  # a second close does nothing (its thread pool is already shut down)
+        assert not t.open  # nor is the server opened by it
 
     asyncio.run(main())
 

@@ -91,6 +91,12 @@ LOCKED_RETRY_PAUSE = 0.05
 LOCKED_RETRY_SECONDS = 60.0
 
 
+def _retrieve(fut: "asyncio.Future[Any]") -> None:
+    """A done callback: the outcome of a call given up on is retrieved (not logged at exit)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Snapshot(NamedTuple):
     """What the event loop takes of a finished response for the writer: O(its own items)."""
 
@@ -405,12 +411,18 @@ class Persistence:
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
     async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
-        """Write everything queued (waiting at most ``timeout`` seconds: a store that hangs cannot
-        hold the process forever; what is lost then is logged), then close the store."""
+        """Write everything queued, then close the store, within ``timeout`` seconds in all (the
+        flush and the store's own close share the one deadline: a store that hangs cannot hold the
+        process forever). A flush cut short is one log line with the writes not stored; a close
+        cut short is one line too, and its thread is left to the process's exit (``stuck``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        late = False  # the flush was cut short (and said so): the close, if cut short too, is not told again
         if self._task is not None:
             try:
                 await asyncio.wait_for(self.flush(), timeout)
             except TimeoutError:
+                late = True
                 log.error(
                     "store flush at shutdown timed out after %g s: %d write(s) not stored",
                     timeout, len(self._jobs) + len(self._blocked) + self._writing,
@@ -428,7 +440,16 @@ class Persistence:
             self._pool.shutdown(wait=False, cancel_futures=True)
             return
         self._failures.report("store closed")
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
+        closing = loop.run_in_executor(self._pool, self.store.close)
+        done, _ = await asyncio.wait({closing}, timeout=max(0.0, deadline - loop.time()))
+        if not done:  # a close waiting on the store (a lock held by a thread inside it, say)
+            if not late:
+                log.error("closing the store at shutdown did not finish within %g s: left to the process's exit", timeout)
+            self.stuck = True  # its thread is not joined (serve() exits without it)
+            closing.add_done_callback(_retrieve)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            return
+        closing.result()  # a failing close raises, as it did when awaited directly
         self._pool.shutdown(wait=True)
 
     # -- the queue -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from hotloop import errors, tokenizer
 from hotloop.backends.base import Backend
 from hotloop.config import Config
 from hotloop.protocol import events as ev
+from hotloop.pipeline import post
 from hotloop.pipeline.post import Persistence
 from hotloop.server.common import Receive, Scope, Send
 from hotloop.server.engine import Engine
@@ -47,6 +48,7 @@ class HotloopApp:
         self.engine = Engine(config, backend, persistence, self.tenancy)
         self.started_at = time.time()
         self._abort_timer: asyncio.TimerHandle | None = None  # the end of the shutdown grace
+        self.stuck = False  # shutdown() gave up on the key store's close: its thread is not joined
         self.ws_deadlines = Deadlines(config.ws_connection_max_age)
         self.http = HttpTransport(self)
         # open client connections by transport (an SSE stream counts as sse, not http)
@@ -160,8 +162,22 @@ class HotloopApp:
             task.cancel()
         self.engine.close()
         await self.backend.close()
-        await self.persistence.close()
-        await self.tenancy.close()
+        # The store's shutdown: the write queue and the store's close, then the key store's
+        # (last uses, its close, the limiter's), in that order and within one deadline,
+        # CLOSE_FLUSH_SECONDS (read here, so that a test may shorten it), which is what a
+        # --workers worker is given for it before it is killed (workers.kill_after).
+        loop = asyncio.get_running_loop()
+        timeout = post.CLOSE_FLUSH_SECONDS
+        deadline = loop.time() + timeout
+        await self.persistence.close(timeout)
+        closing = loop.create_task(self.tenancy.close())
+        done, _ = await asyncio.wait({closing}, timeout=max(0.0, deadline - loop.time()))
+        if done:
+            closing.result()
+            return
+        closing.cancel()  # a key store that hangs (Redis not answering): its thread is not joined
+        self.stuck = True
+        log.error("closing the key store at shutdown did not finish within %g s: left to the process's exit", timeout)
 
     def stats(self) -> dict[str, Any]:
         """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``)."""

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import logging.config
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -144,6 +145,7 @@ def _server_class() -> type:
 
         app: HotloopApp
         grace: float
+        ready: int | None = None  # a pipe's write end: one byte once the server serves (--workers)
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
@@ -155,6 +157,11 @@ def _server_class() -> type:
             # an application embedded in another process leaves that process's collector alone.
             gc.collect()
             gc.freeze()
+            ready, self.ready = self.ready, None
+            if ready is not None and self.started:  # started: it listens; tell the supervisor
+                with contextlib.suppress(OSError):  # the supervisor is gone: its SIGTERM follows
+                    os.write(ready, b"+")
+                os.close(ready)
 
         async def shutdown(self, sockets: Any = None) -> None:
             self.app.stopping(self.grace)
@@ -205,9 +212,11 @@ def _server_class() -> type:
     return Server
 
 
-def serve(config: Config, sock: Any = None) -> int:
+def serve(config: Config, sock: Any = None, ready: int | None = None) -> int:
     """Run until stopped; the process exit code (0 after a graceful stop, 3 when start-up failed).
-    ``sock``: a listening socket to serve instead of binding ``host:port`` (a worker of ``--workers``)."""
+    ``sock``: a socket to serve instead of binding ``host:port``, and ``ready``: a file descriptor
+    to write one byte to (then closed) once the server has started and listens on it (a worker of
+    ``--workers``: :mod:`hotloop.server.workers`)."""
     try:
         config.check()
     except ValueError as exc:
@@ -225,12 +234,10 @@ def serve(config: Config, sock: Any = None) -> int:
         log.debug("start-up failure", exc_info=True)
         return STARTUP_FAILURE
     server = _server_class()(uvicorn_config(app, config))
-    server.app, server.grace = app, config.shutdown_grace
+    server.app, server.grace, server.ready = app, config.shutdown_grace, ready
     server.run(sockets=None if sock is None else [sock])
     code = 0 if server.started else STARTUP_FAILURE
-    if app.persistence.stuck:  # a store write that never returned (logged): do not join its thread
-        import os
-
+    if app.persistence.stuck or app.stuck:  # a store call that never returned (logged): do not join its thread
         logging.shutdown()
         os._exit(code)
     return code

@@ -37,28 +37,36 @@ included); the directory is removed on exit if the parent created it.
 
 Supervision: a worker that dies is replaced after a delay, and every replacement is logged as one
 line naming the worker's index (its slot), how it ended (an exit code, or the signal that killed it),
-how long it lived and the delay. A worker of the first generation (the initial start) that fails to
-start, exit code 3, stops the whole server with that code, as a single server does: the settings
-are wrong. Any other worker that fails to start (exit code 3: say, Redis is briefly unreachable),
-or that dies, by any exit code or signal (a segfault in a native extension, the OOM killer), less
-than ``STAYED_UP`` seconds after it was forked (before it finished starting, or soon after: a crash
-loop), does not stop the healthy workers: it is replaced after a delay that doubles from
-``RESTART_DELAY`` to ``RESTART_DELAY_MAX`` while its slot keeps failing, so a slot whose workers
-never start costs one start-up per ``RESTART_DELAY_MAX`` instead of a busy core. A worker that
-dies after it stayed up ``STAYED_UP`` seconds (exit code 3 aside) is replaced after
-``RESTART_DELAY``, and its slot's delay starts again from there.
+how long it lived (from its fork) and the delay. A worker is ready once its server has started
+and listens: it then writes one byte to a pipe the parent gave it (:func:`hotloop.server.runner.serve`'s
+``ready``). A worker of the first generation (the initial start) that fails to start, exit code 3,
+stops the whole server with that code, as a single server does: the settings are wrong. Any other
+worker that fails to start (exit code 3: say, Redis is briefly unreachable), or that dies, by any
+exit code or signal (a segfault in a native extension, the OOM killer), before it was ready
+(however long its start took) or less than ``STAYED_UP`` seconds after (a crash loop), does not
+stop the healthy workers: it is replaced after a delay that doubles from ``RESTART_DELAY`` to
+``RESTART_DELAY_MAX`` while its slot keeps failing, so a slot whose workers never start costs one
+start-up per ``RESTART_DELAY_MAX`` instead of a busy core. A worker that dies after it was ready
+and stayed up ``STAYED_UP`` seconds (exit code 3 aside) is replaced after ``RESTART_DELAY``, and
+its slot's delay starts again from there. The parent sleeps while nothing happens (up to
+``IDLE_POLL``, 1 s), and wakes at once when a worker dies (SIGCHLD, through
+``signal.set_wakeup_fd``: the dead worker's socket is closed before more connections queue on it),
+says it is ready, or a stop comes; each worker resets those signal handlers as it starts.
 SIGTERM or SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their
 responses within ``--shutdown-grace``, fail what still runs and cancel it ``ABORT_WINDOW`` later,
-and flush their stores within ``CLOSE_FLUSH_SECONDS``; workers still alive :func:`kill_after`
-seconds after the stop (all of that plus ``KILL_MARGIN``) are killed. The parent exits 0 after a
-requested stop.
+and shut their stores down (the write queue's flush, the store's close, the key store's) within
+``CLOSE_FLUSH_SECONDS`` in all (:meth:`hotloop.server.app.HotloopApp.shutdown`); workers still
+alive :func:`kill_after` seconds after the stop (all of that plus ``KILL_MARGIN``) are killed. The
+parent exits 0 after a requested stop.
 """
 
 from __future__ import annotations
 
 import logging
 import logging.config
+import math
 import os
+import select
 import shutil
 import signal
 import socket
@@ -73,17 +81,22 @@ log = logging.getLogger("hotloop.server")
 
 RESTART_DELAY = 0.5  # seconds before a dead worker is replaced (the first delay of a failing slot)
 RESTART_DELAY_MAX = 10.0  # the bound on the doubling delay of a slot whose workers fail to start
-# A worker that lived this long has stayed up: its death is not a start-up failure, and its slot's
-# delay is reset. Several times a worker's start-up (about 1 s: the imports, the tokenizer, the
-# backend); the supervisor has no word from the worker that it finished starting.
+# A worker that served this long (from the byte it writes to its readiness pipe once its server
+# has started: the supervisor's word that it is ready) has stayed up: its death is not a start-up
+# failure or a crash loop, and its slot's delay is reset. A worker that dies before it was ready,
+# however long its start took, has not.
 STAYED_UP = 10.0
-KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed
+# How long the supervisor sleeps when nothing happens: a worker's death (SIGCHLD), a worker ready
+# (its pipe), a stop (SIGTERM/SIGINT) wake it at once, and a replacement due or the kill deadline
+# when they come.
+IDLE_POLL = 1.0
+KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed (its backend's close, its exit)
 STARTUP_FAILURE = 3
 
 
 def kill_after(grace: float) -> float:
     """Seconds after a stop before workers still alive are killed: what a worker may take to stop
-    (``grace``, then :data:`~hotloop.server.runner.ABORT_WINDOW`, then the store flush,
+    (``grace``, then :data:`~hotloop.server.runner.ABORT_WINDOW`, then the store's shutdown,
     :data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`) plus ``KILL_MARGIN``. Imported here, not
     at module level: the parent imports the server modules only once it is stopping, after every
     worker has been forked."""
@@ -165,10 +178,24 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
-def _worker(config: Config, sock: socket.socket) -> int:
+def _worker(config: Config, sock: socket.socket, ready: int | None) -> int:
     from hotloop.server.runner import serve
 
-    return serve(config, sock)
+    return serve(config, sock, ready)
+
+
+def _woken(signum: int, frame: Any) -> None:
+    """SIGCHLD's handler in the supervisor: nothing, but with it the signal writes to the wake-up
+    pipe (``signal.set_wakeup_fd``), so the supervisor's wait ends as a worker dies."""
+
+
+def _drain(fd: int) -> None:
+    """Read what a non-blocking pipe holds."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 class Supervisor:
@@ -179,6 +206,9 @@ class Supervisor:
         self.socks: list[socket.socket | None] = list(socks)
         self.workers: dict[int, int] = {}  # pid -> slot
         self.born: dict[int, float] = {}  # pid -> when it was forked (monotonic)
+        self.pipes: dict[int, int] = {}  # pid -> its readiness pipe's read end, until it says it is ready
+        self.ready: dict[int, float] = {}  # pid -> when it said it was ready (monotonic)
+        self.wake = self._wake_w = -1  # the wake-up pipe signals write to (run())
         self.first: set[int] = set()  # pids of the first generation
         self.due: dict[int, float] = {}  # slot -> when its replacement starts (monotonic)
         self.delay = [RESTART_DELAY] * len(socks)  # per slot: the next replacement's delay
@@ -187,34 +217,65 @@ class Supervisor:
 
     def spawn(self, slot: int) -> None:
         # A stop (SIGTERM/SIGINT) that comes while a worker is forked waits until the worker is
-        # recorded, so that stop() reaches it too.
+        # recorded, so that stop() reaches it too; so does SIGCHLD, so that the worker never runs
+        # the supervisor's handler (nor writes to its wake-up pipe).
         parent = os.getpid()
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD})
         try:
             sock = self.socks[slot]
             if self.stopping or sock is None:  # a stop came (it closed the sockets): start no more
                 return
+            try:  # the worker writes a byte to it once it serves (not inheritable: not by programs it runs)
+                ready_r, ready_w = os.pipe()
+            except OSError as exc:  # no file descriptors left: it starts, but its death counts as a failed start
+                log.warning("no readiness pipe for index %d (%s: %s)", slot, type(exc).__name__, exc)
+                ready_r = ready_w = -1
             pid = os.fork()
             if pid == 0:  # the worker
                 code = 1
                 try:
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                         signal.signal(sig, signal.SIG_DFL)
+                    signal.set_wakeup_fd(-1)  # before its pipe is closed: the fd may be reused
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     _die_with(parent)
                     for other in self.socks:  # only the parent may keep another slot's socket open
                         if other is not None and other is not sock:
                             other.close()
-                    code = _worker(self.config, sock)
+                    for fd in (self.wake, self._wake_w, ready_r, *self.pipes.values()):  # the parent's pipes
+                        if fd >= 0:
+                            os.close(fd)
+                    code = _worker(self.config, sock, ready_w if ready_w >= 0 else None)
                 except BaseException:
                     logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
                 finally:
                     os._exit(code)
+            if ready_w >= 0:
+                os.close(ready_w)
+                os.set_blocking(ready_r, False)
+                self.pipes[pid] = ready_r
             self.workers[pid] = slot
             self.born[pid] = time.monotonic()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("started worker %d (index %d)", pid, slot)
+
+    def _readiness(self, pid: int) -> bool:
+        """Read ``pid``'s readiness pipe (a byte: it is ready; EOF: it died, or closed it, without
+        one); whether it said it is ready."""
+        fd = self.pipes.pop(pid, -1)
+        if fd < 0:
+            return False
+        try:
+            said = os.read(fd, 1)
+        except (BlockingIOError, InterruptedError):  # nothing yet (a process it forked holds the pipe)
+            self.pipes[pid] = fd
+            return False
+        os.close(fd)
+        if said and pid in self.workers:
+            self.ready[pid] = time.monotonic()
+            return True
+        return False
 
     def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         first, self.stopping = not self.stopping, True
@@ -230,15 +291,26 @@ class Supervisor:
                 pass
 
     def reap(self, pid: int, status: int) -> None:
+        self._readiness(pid)  # a byte it wrote before it died, not read yet
         slot = self.workers.pop(pid, 0)
-        up = time.monotonic() - self.born.pop(pid, time.monotonic())
+        now = time.monotonic()
+        up = now - self.born.pop(pid, now)
+        ready = self.ready.pop(pid, None)
+        fd = self.pipes.pop(pid, -1)
+        if fd >= 0:
+            os.close(fd)
         try:
-            from prometheus_client import multiprocess
+            self._replace(pid, slot, os.waitstatus_to_exitcode(status), up, ready, now)
+        finally:  # after its socket is dealt with (the first time imports prometheus-client)
+            try:
+                from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(pid)
-        except Exception:  # its files stay; counters are meant to
-            pass
-        code = os.waitstatus_to_exitcode(status)
+                multiprocess.mark_process_dead(pid)
+            except Exception:  # its files stay; counters are meant to
+                pass
+
+    def _replace(self, pid: int, slot: int, code: int, up: float, ready: float | None, now: float) -> None:
+        """Schedule the replacement of the worker ``pid`` that ended with ``code`` (or stop)."""
         first = pid in self.first
         self.first.discard(pid)
         if self.stopping:
@@ -249,16 +321,16 @@ class Supervisor:
             self.stop()
             return
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
-        if code == STARTUP_FAILURE or up < STAYED_UP:  # it did not start, or barely: back off
+        if code == STARTUP_FAILURE or ready is None or now - ready < STAYED_UP:  # it never served, or barely: back off
             delay = self._back_off(slot)
             level = logging.ERROR
         else:  # it had stayed up: the slot's failures, if any, are over
             delay = self.delay[slot] = RESTART_DELAY
             level = logging.WARNING
+        self.due[slot] = time.monotonic() + delay
+        self._close_idle()  # its socket first: new connections go to the sockets that are served
         ended = "failed to start" if code == STARTUP_FAILURE else "exited"
         log.log(level, "worker %d %s (index %d, %s, up %.1f s); starting another in %g s", pid, ended, slot, how, up, delay)
-        self.due[slot] = time.monotonic() + delay
-        self._close_idle()
 
     def _back_off(self, slot: int) -> float:
         """The slot's delay before its next try; the one after it doubles (up to the bound)."""
@@ -269,8 +341,8 @@ class Supervisor:
     def _close_idle(self) -> None:
         """Close the socket of each slot waiting for its replacement, so that new connections go
         to the sockets that listen, unless no other socket listens (the module's docstring). Run
-        at each death and on every tick of the supervisor: a socket kept while no other listened
-        is closed once another does (its worker's server has started)."""
+        at each death, when a worker says it is ready and whenever the supervisor wakes: a socket
+        kept while no other listened is closed once another does (its worker's server has started)."""
         for slot in self.due:
             sock = self.socks[slot]
             if sock is None:
@@ -308,9 +380,41 @@ class Supervisor:
             del self.due[slot]
             self.spawn(slot)
 
+    def _wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, until a signal comes (a worker's death: SIGCHLD; a stop)
+        or a worker says it is ready."""
+        pipes = {fd: pid for pid, fd in self.pipes.items()}
+        poller = select.poll()
+        for fd in (self.wake, *pipes):
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(math.ceil(max(0.0, timeout) * 1000)):
+            if fd == self.wake:
+                _drain(fd)
+            elif self._readiness(pipes[fd]) and not self.stopping:
+                self._close_idle()  # its socket listens: a socket kept while none other listened can go
+
     def run(self) -> int:
+        # Signals wake the supervisor through a pipe (the self-pipe trick: one that comes between
+        # the look for dead workers and the wait still ends the wait). SIGCHLD has a handler so
+        # that it writes to it; a worker resets all this as it starts (spawn).
+        self.wake, self._wake_w = os.pipe()
+        for fd in (self.wake, self._wake_w):
+            os.set_blocking(fd, False)
+        old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        old_chld = signal.signal(signal.SIGCHLD, _woken)
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
+        try:
+            return self._supervise()
+        finally:
+            signal.signal(signal.SIGCHLD, old_chld if old_chld is not None else signal.SIG_DFL)
+            signal.set_wakeup_fd(old_wakeup)
+            for fd in (self.wake, self._wake_w, *self.pipes.values()):
+                os.close(fd)
+            self.wake = self._wake_w = -1
+            self.pipes.clear()
+
+    def _supervise(self) -> int:
         for slot in range(self.config.workers):
             if self.stopping:  # a stop came during the start: start no more
                 break
@@ -329,17 +433,23 @@ class Supervisor:
                 if self.workers:
                     break
                 pid = 0  # every slot waits for its replacement
-            if pid == 0:
-                if not self.stopping:
-                    self._close_idle()
-                if deadline is not None and time.monotonic() > deadline:
-                    for p in list(self.workers):
-                        log.error("worker %d did not stop in time; killing it", p)
-                        os.kill(p, signal.SIGKILL)
-                    deadline = time.monotonic() + 5.0
-                time.sleep(0.05)
+            if pid != 0:
+                self.reap(pid, status)
                 continue
-            self.reap(pid, status)
+            if not self.stopping:
+                self._close_idle()
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                for p in list(self.workers):
+                    log.error("worker %d did not stop in time; killing it", p)
+                    os.kill(p, signal.SIGKILL)
+                deadline = now + 5.0
+            wait = IDLE_POLL
+            if self.due and not self.stopping:
+                wait = min(wait, min(self.due.values()) - now)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._wait(wait)
         self._close_all()
         return STARTUP_FAILURE if self.failed else 0
 

@@ -119,6 +119,7 @@ class Tenancy:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-keys")
         self._refreshing: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._shut = False  # close() has begun: a second call does nothing
         self._used: dict[str, float] = {}  # key id -> last use not yet written
         self._touched_at = 0.0
         self._reload(keys.version(), keys.list())
@@ -141,15 +142,25 @@ class Tenancy:
             self._task = asyncio.get_running_loop().create_task(self._watch(), name="hotloop-keys")
 
     async def close(self) -> None:
+        """Stop the watcher, record the last uses, close the key store and the limiter. Never
+        blocks the event loop (the key store closes on its thread, after whatever the watcher left
+        there): the server bounds the whole close (:meth:`HotloopApp.shutdown`). Once only."""
+        if self._shut:
+            return
+        self._shut = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        with contextlib.suppress(errors.StoreUnavailable):
-            await self._flush_used(force=True)
-        self._pool.shutdown(wait=True)
-        self.keys.close()
+        try:
+            with contextlib.suppress(errors.StoreUnavailable):
+                await self._flush_used(force=True)
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.keys.close)
+        except BaseException:  # cut short (cancelled): the thread ends once the store lets it go
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._pool.shutdown(wait=True)  # idle: the close was its last call
         aclose = getattr(self.limiter, "aclose", None)
         if aclose is not None:
             await aclose()
