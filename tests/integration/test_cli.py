@@ -106,13 +106,17 @@ def test_settings_no_server_can_run_with_stop_start_up(tmp_path, args: tuple[str
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_what_start_up_meets_is_one_line_and_exit_3(tmp_path, workers: str) -> None:
-    """A missing script, an unusable data dir: one line, exit 3, and workers are not restarted
-    in a loop (the first generation failing stops the server)."""
+    """A missing script, an unusable data dir, a backend URL the backend's start refuses (in the
+    application's start-up, where uvicorn exits 3 itself: a worker used to exit 1 with a traceback
+    and be restarted for ever): one line, exit 3, and workers are not restarted in a loop (the
+    first generation failing stops the server)."""
     blocked = tmp_path / "blocked"
     (blocked / "hotloop.sqlite3").mkdir(parents=True)  # the database file is a directory
+    bad_url = ("--backend", "openai-compat", "--base-url", "http://alice:pw/x@example.com/v1", "--model", "m")
     for args, env, says in (
         (("--sim-script", str(tmp_path / "missing.json")), {"HOTLOOP_DATA_DIR": str(tmp_path / "d")}, "FileNotFoundError"),
         ((), {"HOTLOOP_DATA_DIR": str(blocked)}, "start-up failed"),
+        (bad_url, {"HOTLOOP_DATA_DIR": str(tmp_path / "u")}, "not a valid http(s) URL: 'http://***@example.com/v1'"),
     ):
         p = run(HOTLOOP, "serve", "--port", "0", "--workers", workers, *args, env=env)
         assert p.returncode == 3, (args, p.stderr)

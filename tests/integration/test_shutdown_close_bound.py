@@ -109,3 +109,26 @@ def test_the_store_s_close_is_within_the_flush_bound_behind_a_delete_held_by_ano
     assert stuck  # the server exits without joining the store's thread
     lines = _error_lines(caplog)
     assert len(lines) == 1 and "closing the store" in lines[0], lines
+
+
+def test_a_store_flush_that_used_the_bound_leaves_the_key_store_its_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The response store's flush cut short at the bound: the key store's close (healthy SQLite,
+    a millisecond) still runs, within ``KEYS_CLOSE_FLOOR``, instead of being given up on at once,
+    blamed in the log, and the process sent to ``os._exit``."""
+    monkeypatch.setattr(post, "CLOSE_FLUSH_SECONDS", 0.5)
+    caplog.set_level(logging.WARNING)
+    app = make_app(Config(store="sqlite", data_dir=str(tmp_path), sim_rate=0))
+
+    async def used_the_bound(timeout: float = 0.5) -> None:  # a flush cut short at its timeout
+        await asyncio.sleep(timeout)
+
+    async def main() -> None:
+        await app.startup()
+        monkeypatch.setattr(app.persistence, "close", used_the_bound)
+        await app.shutdown()
+
+    asyncio.run(main())
+    assert not app.stuck
+    assert not [line for line in _error_lines(caplog) if "key store" in line]

@@ -354,6 +354,38 @@ def test_transfer_codings_other_than_chunked_alone_fail_and_close(fields: bytes)
     run(main())
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"chunked, gzip"])
+@pytest.mark.parametrize(
+    "status,expected",
+    [(b"503 Service Unavailable", errors.BackendUnavailable), (b"429 Too Many Requests", errors.RateLimited)],
+    ids=["503", "429"],
+)
+def test_a_non_2xx_answer_in_a_transfer_coding_keeps_its_status(status: bytes, expected: type, coding: bytes) -> None:
+    """The refusal of transfer codings is for streams: a 503 or 429 so sent stays a 503 or 429
+    (retried, or answered with its retry-after), its body not read; a body read until the
+    connection closes (``chunked, gzip``) leaves its connection closed, not kept."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        packed = gzip.compress(b'{"error":{"message":"busy"}}')
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed) if coding.endswith(b"chunked") else packed
+        writer.write(b"HTTP/1.1 " + status + b"\r\nretry-after: 1\r\ntransfer-encoding: " + coding + b"\r\n\r\n" + body)
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url())
+            with pytest.raises(errors.HotloopError) as caught:
+                await open_chat_stream(pool, "/chat/completions", b"{}", backend="t", model="m")
+            assert type(caught.value) is expected, (type(caught.value), caught.value.message)
+            if coding == b"chunked, gzip":
+                assert pool.idle == 0
+            await pool.aclose()
+
+    run(main())
+
+
 # -- 5. no credentials from the URL in messages or logs ------------------------------------------
 
 SECRET = "hunter2pw"
@@ -386,7 +418,9 @@ def test_redact_url() -> None:
 
 
 def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
-    """Its start logs the URL it sends to ("lean transport to ..."): with the user and password."""
+    """Its start logs the URL it sends to ("lean transport to ..."): with the user and password.
+    So did httpx's line for the model list under ``--log-level debug`` (every request's, on the
+    sdk transport)."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -406,7 +440,7 @@ def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
             await backend.start()
             await backend.close()
 
-    logger = logging.getLogger("hotloop.backends")
+    logger = logging.getLogger()  # hotloop serve --log-level debug: httpx's request lines too
     keep, level = Keep(logging.DEBUG), logger.level
     logger.addHandler(keep)
     logger.setLevel(logging.DEBUG)
@@ -417,6 +451,7 @@ def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
         logger.setLevel(level)
     text = "\n".join(r.getMessage() for r in records)
     assert "transport to http://***@127.0.0.1:" in text
+    assert "HTTP Request: GET http://***@127.0.0.1:" in text  # httpx's, for the model list
     assert SECRET not in text and "alice" not in text
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import hashlib
 
@@ -237,3 +238,23 @@ def test_key_limits_beyond_what_the_stores_hold_are_refused_by_the_cli() -> None
     for bad in ("0", "-3", str(2**63), "99999999999999999999"):  # the last crashed SQLite with a traceback
         with pytest.raises(argparse.ArgumentTypeError):
             _positive(bad)
+
+
+def test_a_cancelled_close_ends_cancelled() -> None:
+    """The server gives up on a close that takes too long by cancelling it: the cancellation must
+    end it, not be taken for the end of the watcher it cancelled itself (the close ran on to its
+    end, the pool's shutdown blocking the event loop, after the server had given up on it)."""
+
+    async def main() -> tuple[bool, bool]:
+        tenancy = Tenancy(MemoryKeyStore())
+        tenancy.start("127.0.0.1")
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(tenancy.close())
+        await asyncio.sleep(0)  # close() awaits the watcher it cancelled
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        return closing.cancelled(), tenancy._pool._shutdown
+
+    cancelled, pool_shut = asyncio.run(main())
+    assert cancelled and pool_shut  # ended, its thread pool let go without a wait

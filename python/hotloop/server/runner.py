@@ -235,7 +235,14 @@ def serve(config: Config, sock: Any = None, ready: int | None = None) -> int:
         return STARTUP_FAILURE
     server = _server_class()(uvicorn_config(app, config))
     server.app, server.grace, server.ready = app, config.shutdown_grace, ready
-    server.run(sockets=None if sock is None else [sock])
+    try:
+        server.run(sockets=None if sock is None else [sock])
+    except SystemExit as exc:
+        # uvicorn exits 3 itself when the application's start-up (lifespan) or the bind failed,
+        # which it has logged: returned as such, so that a --workers worker exits 3 too (its
+        # supervisor tells a failed start from a crash by that code), not 1 with a traceback
+        if exc.code != STARTUP_FAILURE:
+            raise
     code = 0 if server.started else STARTUP_FAILURE
     if app.persistence.stuck or app.stuck:  # a store call that never returned (logged): do not join its thread
         logging.shutdown()

@@ -148,11 +148,16 @@ class Tenancy:
         if self._shut:
             return
         self._shut = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:  # the watcher's own end, unless close() is cancelled too
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                    raise
         try:
             with contextlib.suppress(errors.StoreUnavailable):
                 await self._flush_used(force=True)

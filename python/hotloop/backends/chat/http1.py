@@ -32,9 +32,10 @@ What it does, and its bounds:
   set, as httpx does), with SNI and hostname checks.
 * **Bodies.** ``Content-Length``, chunked and read-until-close bodies (httptools decodes chunked
   framing). Requests say ``accept-encoding: identity``: a 2xx response in another content coding
-  fails (a non-2xx one keeps its status, its body is ignored), and so does any response whose
-  transfer codings are anything but ``chunked`` alone (``chunked, gzip`` is a gzip body read
-  until close, RFC 9112 6.3; ``gzip, chunked`` a gzip body), its connection closed. A response
+  fails, and so does one whose transfer codings are anything but ``chunked`` alone (``chunked,
+  gzip`` is a gzip body read until close, RFC 9112 6.3; ``gzip, chunked`` a gzip body), its
+  connection closed; a non-2xx one keeps its status, its body ignored (in a transfer coding, not
+  read: a body still coming closes its connection). A response
   head is at most ``MAX_HEAD_BYTES`` (64 KiB) and ``MAX_HEADERS`` (256) fields (reads without
   body bytes in a row, a trailer section's or chunk extensions', are bounded as a head's are); a
   body waiting to be read is at most ``MAX_PENDING_BYTES`` (1 MiB) before the socket stops being
@@ -504,17 +505,18 @@ class _Conn(asyncio.Protocol):
             if resp._head_bytes > MAX_HEAD_BYTES:
                 raise _TooLarge()
             return
-        headers = resp.headers
-        te = headers.get("transfer-encoding")
-        if te is not None and te != "chunked" and te.strip().lower() != "chunked":
-            # chunked not the last coding: read until close, in a coding we cannot decode (RFC
-            # 9112, 6.3); last but after another: a body in that coding. Failed, never reused.
-            log.warning("%s: response with transfer-encoding %r", self.pool.origin.host_header, te[:100])
-            raise _Refused(_CODING)
-        ce = headers.get("content-encoding")
-        if ce is not None and status < 300 and not _identity(ce):
-            log.warning("%s: response with content-encoding %r", self.pool.origin.host_header, ce[:100])
-            raise _Refused(_ENCODED)
+        if status < 300:  # a non-2xx answer keeps its status whatever its codings (error_body)
+            headers = resp.headers
+            te = headers.get("transfer-encoding")
+            if te is not None and te != "chunked" and not _chunked_alone(te):
+                # chunked not the last coding: read until close, in a coding we cannot decode (RFC
+                # 9112, 6.3); last but after another: a body in that coding. Failed, never reused.
+                log.warning("%s: response with transfer-encoding %r", self.pool.origin.host_header, te[:100])
+                raise _Refused(_CODING)
+            ce = headers.get("content-encoding")
+            if ce is not None and not _identity(ce):
+                log.warning("%s: response with content-encoding %r", self.pool.origin.host_header, ce[:100])
+                raise _Refused(_ENCODED)
         self.keep_alive = parser.should_keep_alive()
         resp._head_read = 0  # from here, bytes of reads without body bytes (data_received)
         resp._quiet_at = self.reads
@@ -734,6 +736,11 @@ class _Conn(asyncio.Protocol):
             self.pool._lost(self)
 
 
+def _chunked_alone(transfer_encoding: str) -> bool:
+    """A ``Transfer-Encoding`` value that is ``chunked`` alone (any case, any spaces around)."""
+    return transfer_encoding.strip().lower() == "chunked"
+
+
 def _identity(content_encoding: str) -> bool:
     """A ``Content-Encoding`` value that leaves the body as sent (empty or ``identity`` only)."""
     return all(c.strip().lower() in ("", "identity") for c in content_encoding.split(","))
@@ -845,7 +852,13 @@ class Pool:
     async def error_body(self, resp: Response) -> object:
         """A non-2xx body, read up to ``MAX_ERROR_BODY_BYTES`` and decoded if it is JSON; one
         that does not arrive within ``ERROR_BODY_TIMEOUT`` is taken as empty (its status still
-        says what went wrong: a 429 is not a 504 because its body stalled)."""
+        says what went wrong: a 429 is not a 504 because its body stalled). A body in a transfer
+        coding other than chunked is not read (it may run until the connection closes, in a
+        coding not decoded): taken as empty, and its connection closed unless it has ended."""
+        te = resp.headers.get("transfer-encoding")
+        if te is not None and not _chunked_alone(te):
+            await resp.aclose()  # abandoned: its connection is dropped, never reused
+            return parse_body(b"")
         try:
             async with asyncio.timeout(ERROR_BODY_TIMEOUT):
                 raw = await resp.read(MAX_ERROR_BODY_BYTES)

@@ -22,9 +22,31 @@ MAX_ERROR_BODY_BYTES = 64 * 1024  # read of a non-2xx body
 DRAIN_TIMEOUT = 1.0  # after [DONE], how long to wait for the body's end (keeps the connection)
 
 
+class _NoUserinfo(logging.Filter):
+    """httpx's request lines name the URL whole, a base URL's user and password included: shown
+    without them (:func:`~hotloop.backends.chat.http1.redact_url`). Runs only for the records the
+    logger's level lets through (none at the default WARNING)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any("@" in str(a) for a in args):
+            from hotloop.backends.chat.http1 import redact_url
+
+            record.args = tuple(redact_url(str(a)) if "@" in str(a) else a for a in args)
+        return True
+
+
+_NO_USERINFO = _NoUserinfo()
+
+
 def quiet_http_logs() -> None:
     """httpx logs every request at INFO: one line per turn is noise for a server (and costs
-    time on the hot path). Left alone when logging is configured for debugging or explicitly."""
+    time on the hot path). Left alone when logging is configured for debugging or explicitly;
+    either way its lines never show the URL's user and password."""
+    for name in ("httpx", "httpcore"):
+        logger = logging.getLogger(name)
+        if _NO_USERINFO not in logger.filters:
+            logger.addFilter(_NO_USERINFO)
     if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
         return
     for name in ("httpx", "httpcore"):
