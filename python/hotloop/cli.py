@@ -97,6 +97,14 @@ def _parser() -> argparse.ArgumentParser:
         "commit; at most half of --store-max-lag; 0: write at once; not with --workers) "
         "(env HOTLOOP_STORE_COMMIT_DELAY, default 0.1)",
     )
+    s.add_argument(
+        "--store-busy-timeout",
+        dest="store_busy_timeout",
+        type=float,
+        help="seconds a write to the SQLite response store waits for another connection's write lock (another worker, "
+        "hotloop keys, a backup) before the writer retries it, or a DELETE or usage listing answers 503; more than 0, "
+        "at most 30 (env HOTLOOP_STORE_BUSY_TIMEOUT, default 5)",
+    )
     s.add_argument("--data-dir", dest="data_dir", help="where the SQLite store lives (env HOTLOOP_DATA_DIR)")
     s.add_argument(
         "--max-connections",

@@ -19,6 +19,10 @@ def _default_data_dir() -> str:
 
 MAX_FLUSH_INTERVAL_MS = 1000.0  # the largest --flush-interval-ms
 MAX_READ_PAUSE_MS = 100.0  # --backend-read-pause-ms at most (far below any idle timeout)
+# --store-busy-timeout at most: a DELETE or a usage listing locked out answers its 503 within about
+# that long, and the writer's retries of a locked-out batch (60 s,
+# hotloop.pipeline.post.LOCKED_RETRY_SECONDS) still make two tries or more
+MAX_STORE_BUSY_TIMEOUT = 30.0
 
 
 @dataclass
@@ -72,6 +76,9 @@ class Config:
     data_dir: str = field(default_factory=_default_data_dir)
     store_ttl_seconds: float = 30 * 24 * 3600
     store_max_responses: int = 10_000
+    # seconds a SQLite write waits for another connection's write lock (hotloop.state.store.BUSY_TIMEOUT);
+    # a DELETE's or usage listing's bound (README, Crash safety); 0 < it <= MAX_STORE_BUSY_TIMEOUT
+    store_busy_timeout: float = 5.0
     # bounds
     max_body_bytes: int = 32 * 1024 * 1024  # HTTP request bodies and WebSocket frames
     # what one turn may add to its conversation (hotloop.pipeline.guard): new input items after
@@ -152,6 +159,11 @@ class Config:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # NaN too
                 raise ValueError(f"{_flag(name)} must be 0 or more seconds; got {value!r}")
+        if not 0 < self.store_busy_timeout <= MAX_STORE_BUSY_TIMEOUT:  # NaN too
+            raise ValueError(
+                f"{_flag('store_busy_timeout')} must be a positive number of seconds, at most "
+                f"{MAX_STORE_BUSY_TIMEOUT:g}; got {self.store_busy_timeout!r}"
+            )
         if not 0 <= self.sim_rate < float("inf"):
             raise ValueError(f"{_flag('sim_rate')} must be 0 (unpaced) or more tokens per second; got {self.sim_rate!r}")
 

@@ -37,6 +37,7 @@ def test_keys_and_usage_locked_out_say_so_in_one_line_and_change_nothing(
     OperationalError: database is locked" (after 10 s for keys)."""
     monkeypatch.setattr(keys_mod, "BUSY_TIMEOUT", BUSY, raising=False)
     monkeypatch.setattr(store_mod, "BUSY_TIMEOUT", BUSY, raising=False)
+    monkeypatch.setenv("HOTLOOP_STORE_BUSY_TIMEOUT", str(BUSY))  # (what the store is opened with)
     data = ["--data-dir", str(tmp_path)]
     code, secret, _ = _hotloop(capsys, "keys", "create", "first", *data)
     assert code == 0 and secret.startswith("hl-")

@@ -13,8 +13,8 @@ answers then, over HTTP and WebSocket, on a real server (uvicorn, in process) wi
   then the request's own transaction at most as long), and nothing is half done: after the lock
   is released everything works and the response deleted is gone, its continuation still loads.
 
-The busy timeout is shortened (``hotloop.state.store.BUSY_TIMEOUT``, and the same ``PRAGMA`` on
-the store's connection) so that each test takes a few seconds."""
+The busy timeout is shortened (``--store-busy-timeout``, ``hotloop.state.store.BUSY_TIMEOUT``, and
+the same ``PRAGMA`` on the store's connection) so that each test takes a few seconds."""
 
 from __future__ import annotations
 
@@ -100,7 +100,9 @@ class Running:
 
 async def _start(tmp: Path, workers: int, monkeypatch: pytest.MonkeyPatch) -> Running:
     monkeypatch.setattr(store_mod, "BUSY_TIMEOUT", BUSY, raising=False)
-    config = Config(store="sqlite", data_dir=str(tmp), sim_rate=0, log_level="warning", workers=workers)
+    config = Config(
+        store="sqlite", data_dir=str(tmp), sim_rate=0, log_level="warning", workers=workers, store_busy_timeout=BUSY
+    )
     app = make_app(config)
     store = app.persistence.store
     assert isinstance(store, store_mod.SQLiteStore)

@@ -52,6 +52,10 @@ by id (:meth:`Persistence.lost`). Failures are logged in one line each, without 
 bug, an error that is no storage failure, keeps its traceback): the first of each kind at once,
 then at most one line per kind every ``FAILURE_LOG_SECONDS`` saying how many more failed, and one
 line when writes succeed again. The writer keeps going: the next write is tried as usual.
+
+A DELETE and a usage listing wait for the writes queued before them, but not for those retries:
+on SQLite the wait and their own write share one bound, the busy timeout, past which they raise
+:class:`~hotloop.state.store.StoreBusy` (a 503) with nothing done (:meth:`Persistence.delete`).
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
 from hotloop.state.context import CachedResponse, Context
 from hotloop.state.store import (
-    LEGACY_OWNER, History, MissingParent, ResponseStore, StoredResponse, TransactionLost, UsageRecord, UsageRow, failure_kind,
-    locked, page_items,
+    LEGACY_OWNER, History, MissingParent, ResponseStore, StoreBusy, StoredResponse, TransactionLost, UsageRecord, UsageRow,
+    failure_kind, locked, page_items,
 )
 
 log = logging.getLogger("hotloop.post")
@@ -755,14 +759,66 @@ class Persistence:
         page = page_items(items, after, limit, order)
         return False if page is None else page
 
+    # -- what a client's request writes (DELETE, the usage listing) ---------------------------------
+    #
+    # Each first waits for the writes queued before it (a write submitted earlier must not
+    # resurrect what a DELETE deletes; a listing counts what was charged before it), then writes
+    # itself. On a SQLite store (one with a ``busy_timeout``) the request has one bound, its
+    # busy timeout from the request's start: the wait for the writer (which, locked out of the
+    # file by another connection, retries its batch for up to LOCKED_RETRY_SECONDS) and the
+    # request's own wait for the write lock share it, and past it the request raises StoreBusy
+    # (a 503 to retry) with nothing of it done; the queued writes stay queued. Its own write
+    # runs in a store thread, which may first finish a try of the writer's that began meanwhile
+    # (at most one busy timeout more), and then tries at once. Other stores wait as their
+    # writer does (a memory store never waits; Redis: a 503 once it is unreachable, shared).
+
+    def _deadline(self) -> float | None:
+        """When a client's request that writes gives up (``time.monotonic()``), or ``None``."""
+        bound = getattr(self.store, "busy_timeout", None)
+        return None if bound is None else time.monotonic() + bound
+
+    async def _settled(self, deadline: float | None) -> None:
+        """:meth:`flush`, within ``deadline`` (:class:`StoreBusy` past it; nothing is lost)."""
+        if deadline is None:
+            await self.flush()
+            return
+        try:
+            await asyncio.wait_for(self.flush(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise StoreBusy() from None
+
+    def _store_delete(
+        self, response_id: str, scope: str | None, deadline: float | None, on_delete: Callable[..., None] | None = None
+    ) -> bool:
+        """The store's delete (a store thread), waiting for the write lock until ``deadline``
+        at most, counted when the thread takes the call (``on_delete``: see SQLiteStore.delete)."""
+        store: Any = self.store
+        if deadline is None:
+            return bool(store.delete(response_id, scope))
+        return bool(store.delete(response_id, scope, wait=deadline - time.monotonic(), on_delete=on_delete))
+
+    def _store_usage(
+        self, key: str | None, since: str | None, after: UsageRow | None, limit: int | None, deadline: float | None
+    ) -> list[dict[str, Any]]:
+        """The store's usage listing (a store thread), within ``deadline`` as :meth:`_store_delete`."""
+        store: Any = self.store
+        if deadline is None:
+            return store.usage(key, since, after, limit)  # type: ignore[no-any-return]
+        return store.usage(key, since, after, limit, wait=deadline - time.monotonic())  # type: ignore[no-any-return]
+
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
-        await self.flush()  # a write submitted earlier must not resurrect what is deleted now
-        return bool(await self._call(self.store.delete, response_id, scope))
+        """:raises StoreBusy: a SQLite store locked out past the request's bound (nothing deleted)."""
+        deadline = self._deadline()
+        await self._settled(deadline)  # a write submitted earlier must not resurrect what is deleted now
+        return bool(await self._call(self._store_delete, response_id, scope, deadline))
 
     async def usage(
         self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
         """Ledger rows of the key id ``key`` (``None``: every key's) from UTC day ``since`` on,
-        after the row ``after``, at most ``limit`` (see :meth:`Store.usage`)."""
-        await self.flush()
-        return await self._call(self.store.usage, key, since, after, limit)  # type: ignore[no-any-return]
+        after the row ``after``, at most ``limit`` (see :meth:`Store.usage`).
+
+        :raises StoreBusy: a SQLite store locked out past the request's bound."""
+        deadline = self._deadline()
+        await self._settled(deadline)
+        return await self._call(self._store_usage, key, since, after, limit, deadline)  # type: ignore[no-any-return]

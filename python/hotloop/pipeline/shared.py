@@ -20,7 +20,12 @@ delete is appended to the file's ``deleted_responses`` table (:class:`DeletionLo
 ``DELETIONS_KEPT`` rows kept), which every worker polls every ``DELETE_POLL_SECONDS`` (50 ms; one
 primary-key range query, off the event loop); the DELETE answers ``DELETE_SETTLE_SECONDS``
 (100 ms) after its row is written, so a request sent after the answer does not find the response
-on any worker whose event loop was not blocked meanwhile. Requests pay nothing for it. A WebSocket
+on any worker whose event loop was not blocked meanwhile. The row is written in the delete's own
+transaction: a response is deleted only with the record the other workers read, and a DELETE
+locked out of the file (another connection's write lock past the busy timeout) answers 503 with
+neither written, so its client retries it. (Written after the delete, in a transaction of its
+own, a record locked out left the DELETE answering 200 while the other workers served the
+response from their caches until they evicted it.) Requests pay nothing for it. A WebSocket
 connection's own cache is the connection's, on one process, and needs no invalidation beyond
 OpenAI's rule (a continuation of a deleted response still finds it there).
 
@@ -52,7 +57,7 @@ from hotloop import errors
 from hotloop.pipeline.post import CLOSE_FLUSH_SECONDS, Persistence
 from hotloop.protocol.request import Item
 from hotloop.state.context import CachedResponse
-from hotloop.state.store import PRUNED_KEPT, UsageRow
+from hotloop.state.store import PRUNED_KEPT, StoreBusy, UsageRow
 
 log = logging.getLogger("hotloop.post")
 
@@ -71,13 +76,24 @@ DELETIONS_READ = 1000  # rows a poll reads at most
 FLUSH_POLL_SECONDS = 0.05  # how often a request waiting for the writer checks that the store is reachable
 
 
+def _append(db: sqlite3.Connection, *response_ids: str) -> None:
+    """Append ``response_ids`` to ``deleted_responses``, inside the caller's transaction on ``db``
+    (now and then the rows past the newest ``DELETIONS_KEPT`` leave)."""
+    db.executemany("INSERT INTO deleted_responses (id) VALUES (?)", [(r,) for r in response_ids])
+    seq = db.execute("SELECT max(seq) FROM deleted_responses").fetchone()[0] or 0
+    if seq // 1024 != (seq - len(response_ids)) // 1024:  # now and then: keep the newest
+        db.execute("DELETE FROM deleted_responses WHERE seq <= ?", (seq - DELETIONS_KEPT,))
+
+
 class DeletionLog:
     """The deletes made through any worker on one SQLite file, in its ``deleted_responses``
     table (``seq`` ascending), for the other workers' process-wide caches. Its own connection,
-    used from the reader threads under a lock."""
+    used from the reader threads under a lock (``busy_timeout``: the store's). A DELETE's row is
+    written by the store's delete itself, in its transaction (:func:`_append`); pruned ids are
+    recorded here."""
 
-    def __init__(self, path: str) -> None:
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=5.0)
+    def __init__(self, path: str, busy_timeout: float = 5.0) -> None:
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout)
         self._lock = threading.Lock()
         with self._lock:
             self._db.execute(
@@ -90,10 +106,7 @@ class DeletionLog:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany("INSERT INTO deleted_responses (id) VALUES (?)", [(r,) for r in response_ids])
-                seq = db.execute("SELECT max(seq) FROM deleted_responses").fetchone()[0] or 0
-                if seq // 1024 != (seq - len(response_ids)) // 1024:  # now and then: keep the newest
-                    db.execute("DELETE FROM deleted_responses WHERE seq <= ?", (seq - DELETIONS_KEPT,))
+                _append(db, *response_ids)
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
@@ -131,7 +144,7 @@ class SharedPersistence(Persistence):
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
         self._readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="hotloop-store-read")
-        self._reading: set[Future[Any]] = set()  # reads (and deletion records) in flight there
+        self._reading: set[Future[Any]] = set()  # reads (and DELETEs, usage listings) in flight there
         self._sending = 0  # pruned ids being recorded by the publisher thread
 
     def writable(self) -> bool:
@@ -149,10 +162,12 @@ class SharedPersistence(Persistence):
         call.add_done_callback(self._reading.discard)
         return await asyncio.wrap_future(call)
 
-    async def _again(self, read: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    async def _again(self, read: Callable[..., Awaitable[Any]], *args: Any, until: float | None = None) -> Any:
+        """``read``, retried after ``READ_RETRY_DELAYS`` while it finds nothing (no retry ends
+        past ``until``, ``time.monotonic()``: a request's bound)."""
         found = await read(*args)
         for delay in READ_RETRY_DELAYS:
-            if found is not None:
+            if found is not None or (until is not None and time.monotonic() + delay >= until):
                 break
             await asyncio.sleep(delay)
             found = await read(*args)
@@ -177,18 +192,22 @@ class SharedPersistence(Persistence):
         if not getattr(self.store, "available", True):
             raise errors.StoreUnavailable()
 
-    async def _flushed(self) -> None:
-        """:meth:`flush`, but a 503 as soon as the store is known to be unreachable: a request
-        does not wait on the writer's retries (up to ``write_retry_seconds``). What it queued
-        stays queued (a cancelled flush loses nothing)."""
+    async def _settled(self, deadline: float | None) -> None:
+        """:meth:`flush`, but a 503 as soon as the store is known to be unreachable (Redis: a
+        request does not wait on the writer's retries, up to ``write_retry_seconds``) or the
+        request's ``deadline`` (SQLite: :class:`StoreBusy`, see :class:`Persistence`) has passed.
+        What it queued stays queued (a cancelled flush loses nothing)."""
         task = asyncio.ensure_future(self.flush())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=FLUSH_POLL_SECONDS)
+                wait = FLUSH_POLL_SECONDS if deadline is None else min(FLUSH_POLL_SECONDS, deadline - time.monotonic())
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, wait))
                 if done:
                     task.result()
                     return
                 self._reachable()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise StoreBusy()
         finally:
             if not task.done():
                 task.cancel()
@@ -197,14 +216,19 @@ class SharedPersistence(Persistence):
         self, key: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
         self._reachable()
-        await self._flushed()
-        return await self._call(self.store.usage, key, since, after, limit)  # type: ignore[no-any-return]
+        deadline = self._deadline()
+        await self._settled(deadline)
+        return await self._call(self._store_usage, key, since, after, limit, deadline)  # type: ignore[no-any-return]
 
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
         self._reachable()
-        await self._again(super().get_response, response_id, scope)  # a write on its way lands first
-        await self._flushed()  # a write submitted earlier must not resurrect what is deleted now
-        deleted = bool(await self._call(self.store.delete, response_id, scope))
+        deadline = self._deadline()
+        # a write on its way (another worker's) lands first
+        await self._again(super().get_response, response_id, scope, until=deadline)
+        await self._settled(deadline)  # a write submitted earlier must not resurrect what is deleted now
+        # SQLite: the record for the other workers in the delete's own transaction (module docstring)
+        on_delete = _append if self._deletions is not None else None
+        deleted = bool(await self._call(self._store_delete, response_id, scope, deadline, on_delete))
         if deleted:
             await self._publish(response_id)
         return deleted
@@ -221,17 +245,19 @@ class SharedPersistence(Persistence):
         if url is not None:
             self._listener = loop.create_task(self._listen(url), name="hotloop-deleted")
         elif isinstance(path, str) and path != ":memory:":
-            self._deletions = DeletionLog(path)
+            self._deletions = DeletionLog(path, getattr(self.store, "busy_timeout", 5.0))
             self._listener = loop.create_task(self._poll(self._deletions), name="hotloop-deleted")
 
     async def _publish(self, response_id: str) -> None:
+        """A delete done: told to the other processes (Redis), or waited for their polls (SQLite:
+        its row was written with it)."""
         r = getattr(self.store, "r", None)
-        try:
-            if r is not None:
-                await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
-            elif self._deletions is not None:
-                await self._call(self._deletions.record, response_id)
+        if r is None:
+            if self._deletions is not None:
                 await asyncio.sleep(DELETE_SETTLE_SECONDS)  # the other workers' polls
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
         except Exception:  # other processes' caches expire on their own; the delete itself is done
             log.warning("could not publish the delete of %s to other processes", response_id)
 
@@ -343,7 +369,7 @@ class SharedPersistence(Persistence):
         whatever the store does (a file locked by another process, Redis unreachable).
 
         The bound is the whole close, not each of its steps: the queued writes, the reads still
-        running (a ``DELETE``'s record too), the pruned ids on their way to the other workers and
+        running (a ``DELETE``'s write too), the pruned ids on their way to the other workers and
         the delete listener all run at once from the start and share one deadline. Its default,
         :data:`~hotloop.pipeline.post.CLOSE_FLUSH_SECONDS`, is the store flush's part of what a
         ``--workers`` worker is given to stop before it is killed,

@@ -32,7 +32,7 @@ from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, req
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
-from hotloop.state.store import StoreBusy, UsageRow
+from hotloop.state.store import UsageRow
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ class HttpTransport:
         if path == "/hotloop/usage":
             self._method(method, "GET")
             since, after, limit = _usage_query(scope)
-            await self._writes_settled()
+            # (waits for the writes queued before it; a SQLite store locked out: a 503 within its
+            # busy timeout, StoreBusy: hotloop.pipeline.post.Persistence)
             rows = await self.app.persistence.usage(None if tenant.admin else tenant.id, since, after, limit + 1)
             more = len(rows) > limit
             del rows[limit:]
@@ -398,28 +399,16 @@ class HttpTransport:
         # a response the store already pruned may still be cached here: it answered GET, so it
         # is deleted too (evicted), not a 404
         cached = self.app.engine.responses.get(response_id, scope) is not None
-        await self._writes_settled()
+        # The persistence waits for the writes queued before the DELETE, then deletes. On a SQLite
+        # store the two share one bound, the busy timeout: locked out of the file by another
+        # connection (its writer retrying a batch for up to 60 s, or the delete itself), a 503
+        # (StoreBusy, retry-after) with nothing deleted, the queued writes still queued
+        # (hotloop.pipeline.post.Persistence). With --workers the record the other workers read
+        # is written in the delete's own transaction (hotloop.pipeline.shared).
         if not await self.app.persistence.delete(response_id, scope) and not cached:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         self.app.engine.responses.evict(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
-
-    async def _writes_settled(self) -> None:
-        """Before a DELETE or a usage listing: the writes queued before it are written (the
-        persistence's own ``flush`` that follows then has nothing to wait for). On a SQLite store
-        the wait is bounded by its busy timeout: past it the store's writer is locked out of the
-        file by another connection (and retries its batch for up to 60 s,
-        ``hotloop.pipeline.post.LOCKED_RETRY_SECONDS``), and the request answers 503
-        (:class:`StoreBusy`) instead of waiting for those retries. The queued writes stay queued.
-        Other stores wait as their persistence does (Redis: a 503 once it is unreachable)."""
-        persistence = self.app.persistence
-        bound = getattr(persistence.store, "busy_timeout", None)
-        if bound is None:
-            return
-        try:
-            await asyncio.wait_for(persistence.flush(), bound)
-        except TimeoutError:
-            raise StoreBusy() from None
 
     async def _cancel(self, response_id: str, scope: str | None) -> None:
         known = self.app.engine.responses.get(response_id, scope) is not None or (

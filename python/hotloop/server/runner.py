@@ -40,7 +40,9 @@ def make_store(config: Config) -> ResponseStore:
     if config.store == "memory":
         return MemoryStore(config.store_max_responses, config.store_ttl_seconds)
     if config.store == "sqlite":
-        return SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync)
+        return SQLiteStore(
+            config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync, config.store_busy_timeout
+        )
     if config.store == "redis":
         from hotloop.state.redis_store import RedisStore
 

@@ -68,8 +68,19 @@ retries the former (:class:`hotloop.pipeline.post.Persistence`).
 Requests locked out (SQLite store). Reads are never blocked by another connection's write lock
 (WAL readers do not wait for a writer). What a client's request writes itself (``delete``, and
 ``usage``, which first moves an earlier version's ledger rows) waits up to the busy timeout
-(``BUSY_TIMEOUT``) for that lock, then raises :class:`StoreBusy` (a 503 the client may retry)
+(``busy_timeout``: ``BUSY_TIMEOUT``, or ``--store-busy-timeout``) for that lock, or less when the
+caller gives what is left of its request's bound (``wait``: the time it already waited for the
+store's writer counts; :class:`hotloop.pipeline.post.Persistence`), the wait for this process's
+writer to leave the store included, then raises :class:`StoreBusy` (a 503 the client may retry)
 with nothing of it done.
+
+Opening a file another connection holds locked. Reads go on, so the store opens unless the file
+needs a schema change (a column, a table, fingerprints made under another key: those wait for
+the lock like any write). The move of an earlier version's ledger rows (it is made again before
+every listing) and the one-time collection of orphaned blobs are not needed to serve: at open
+each waits at most ``OPEN_WAIT`` seconds for the lock, and is otherwise left for later with one
+log line (a server started while ``hotloop keys``, a backup or another worker holds the file
+starts at once, instead of failing after the busy timeout).
 """
 
 from __future__ import annotations
@@ -82,7 +93,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
 from operator import itemgetter
 from pathlib import Path
@@ -183,8 +194,13 @@ class History(StoredResponse):
 
 # How long a statement of the SQLite store waits for another connection's write lock (another
 # worker's write, `hotloop keys`, a backup, an open sqlite3 shell) before it fails with "database
-# is locked": sqlite3's own default, which the store had before it was named here.
+# is locked": sqlite3's own default, which the store had before it was named here. The default of
+# ``--store-busy-timeout`` (SQLiteStore's ``busy_timeout``).
 BUSY_TIMEOUT = 5.0
+# What a write the store makes at open only to tidy up (the move of an earlier version's ledger
+# rows, made again before every listing; the one-time collection of orphaned blobs) waits for the
+# write lock before it is left for later (seconds; at most the busy timeout)
+OPEN_WAIT = 0.25
 # A request locked out (StoreBusy) is logged at most once per this many seconds, with a count
 BUSY_LOG_SECONDS = 60.0
 
@@ -846,12 +862,17 @@ class SQLiteStore(_Pruned):
         max_responses: int = DEFAULT_MAX_RESPONSES,
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
         sync: str = "normal",
+        busy_timeout: float | None = None,
     ) -> None:
         """``sync``: ``normal`` (WAL with synchronous=NORMAL: a committed write survives the
         process being killed, the last ones may not survive a power cut) or ``full``
-        (synchronous=FULL: every commit is on disk when ``put`` returns)."""
+        (synchronous=FULL: every commit is on disk when ``put`` returns). ``busy_timeout``:
+        seconds a write waits for another connection's write lock (``None``: ``BUSY_TIMEOUT``)."""
         if sync not in ("normal", "full"):
             raise ValueError(f"unknown store sync {sync!r}; choose 'normal' or 'full'")
+        busy = BUSY_TIMEOUT if busy_timeout is None else float(busy_timeout)
+        if not 0 < busy < float("inf"):  # NaN too
+            raise ValueError(f"the store's busy timeout must be a positive number of seconds, got {busy!r}")
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -861,7 +882,8 @@ class SQLiteStore(_Pruned):
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         self.max_ledger_models = MAX_LEDGER_MODELS
-        self.busy_timeout = BUSY_TIMEOUT  # (also the wait of a DELETE for the writer: server.http)
+        # (also the bound of a DELETE's or a usage listing's wait for the writer: pipeline.post)
+        self.busy_timeout = busy
         self._busy_logged = -BUSY_LOG_SECONDS  # monotonic time of the last StoreBusy line
         self._busy_unlogged = 0  # StoreBusy raised since that line
         # One connection used from one thread at a time (the writer thread); the lock makes
@@ -889,11 +911,14 @@ class SQLiteStore(_Pruned):
                     except sqlite3.OperationalError:  # another process added it first, or holds the file
                         if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                             raise
-            self._move_ledger_by_name()
+            self._tidy_at_open(
+                "usage ledger rows an earlier version kept by key name are moved before the next usage listing",
+                self._move_ledger_by_name,
+            )
             self._migrate_fingerprints()
             self.call_id_key = self._call_id_key()
             self._db.executescript(_INDEXES)
-            self._collect_orphans()
+            self._tidy_at_open("orphaned item bodies are collected at the next open", self._collect_orphans)
             if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
                 try:
                     self._db.executescript("BEGIN;" + _MIGRATE_USAGE + "COMMIT;")
@@ -901,17 +926,37 @@ class SQLiteStore(_Pruned):
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
 
+    @contextlib.contextmanager
+    def _waiting(self, seconds: float) -> Iterator[None]:
+        """The connection's statements inside wait at most ``seconds`` (0: not at all) for
+        another connection's write lock, instead of the busy timeout (the caller holds the lock)."""
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
+        try:
+            yield
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _tidy_at_open(self, what: str, write: Callable[[], None]) -> None:
+        """At open, a write that only tidies up (``what``, ``OPEN_WAIT``): locked out, it is left
+        for later (nothing of it was done) in one line, so that the store opens while another
+        connection holds the file (reads go on under WAL)."""
+        try:
+            with self._waiting(min(OPEN_WAIT, self.busy_timeout)):
+                write()
+        except sqlite3.OperationalError as exc:
+            if not locked(exc):
+                raise
+            log.info("another connection holds the SQLite write lock of %s at open: %s", self.path, what)
+
     def _collect_orphans(self) -> None:
         """Once per file: the item bodies no row lists any more (earlier versions collected them
         only when a prune ran in the process that deleted their responses; since then each
-        leaves with its last row)."""
+        leaves with its last row). Locked out, it raises (:meth:`_tidy_at_open`: the next open)."""
         db = self._db
         if db.execute("SELECT 1 FROM meta WHERE name = ?", (_ORPHANS_COLLECTED,)).fetchone():
             return
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError:  # another worker holds the file (collecting): next open
-            return
+        db.execute("BEGIN IMMEDIATE")
         try:
             db.execute(
                 "DELETE FROM blobs WHERE NOT EXISTS (SELECT 1 FROM response_items WHERE response_items.hash = blobs.hash)"
@@ -1257,35 +1302,64 @@ class SQLiteStore(_Pruned):
             response.update(_dec.decode(row[0]))  # the keys are there (null): their places are kept
         return response
 
+    def _busy(self, what: str) -> StoreBusy:
+        """The :class:`StoreBusy` of a client's request (``what``) locked out, logged in one line,
+        at most one per ``BUSY_LOG_SECONDS`` with a count."""
+        now = time.monotonic()
+        self._busy_unlogged += 1
+        if now - self._busy_logged >= BUSY_LOG_SECONDS:
+            log.warning(
+                "%s: another connection held the SQLite write lock of %s past the busy timeout (%g s); "
+                "answered 503 (%d such request(s) since the last line; at most one line per %g s)",
+                what, self.path, self.busy_timeout, self._busy_unlogged, BUSY_LOG_SECONDS,
+            )
+            self._busy_logged, self._busy_unlogged = now, 0
+        return StoreBusy()
+
     @contextlib.contextmanager
-    def _locked_out_is_busy(self, what: str) -> Iterator[None]:
-        """A client's request (``what``) that waited out the busy timeout raises
+    def _request_write(self, what: str, wait: float | None) -> Iterator[None]:
+        """The store's lock for a client's request (``what``) that writes, which waits at most
+        ``wait`` seconds in all (``None``, or more than the busy timeout: the busy timeout; 0 or
+        less: it tries once, without waiting) for this process's writer to leave the store (a
+        try of a batch may be under way) and then for the file's write lock. Locked out it raises
         :class:`StoreBusy` (nothing of it was done: its transaction never began, or was rolled
-        back), logged in one line, at most one per ``BUSY_LOG_SECONDS`` with a count."""
+        back)."""
+        bound = self.busy_timeout if wait is None else min(max(wait, 0.0), self.busy_timeout)
+        deadline = time.monotonic() + bound
+        if not self._lock.acquire(timeout=bound):
+            raise self._busy(what)
         try:
-            yield
+            with self._waiting(deadline - time.monotonic()):
+                yield
         except sqlite3.OperationalError as exc:
             if not locked(exc):
                 raise
-            now = time.monotonic()
-            self._busy_unlogged += 1
-            if now - self._busy_logged >= BUSY_LOG_SECONDS:
-                log.warning(
-                    "%s: another connection held the SQLite write lock of %s past the busy timeout (%g s); "
-                    "answered 503 (%d such request(s) since the last line; at most one line per %g s)",
-                    what, self.path, self.busy_timeout, self._busy_unlogged, BUSY_LOG_SECONDS,
-                )
-                self._busy_logged, self._busy_unlogged = now, 0
-            raise StoreBusy() from exc
+            raise self._busy(what) from exc
+        finally:
+            self._lock.release()
 
-    def delete(self, response_id: str, scope: str | None = None) -> bool:
-        """:raises StoreBusy: locked out past the busy timeout (nothing deleted)."""
-        with self._locked_out_is_busy("a delete"), self._lock, self._txn() as db:
+    def delete(
+        self,
+        response_id: str,
+        scope: str | None = None,
+        *,
+        wait: float | None = None,
+        on_delete: Callable[[sqlite3.Connection, str], None] | None = None,
+    ) -> bool:
+        """``wait``: see :meth:`_request_write`. ``on_delete(connection, response_id)``: a write
+        made in the delete's own transaction when the response is removed (with ``--workers``
+        the record of the deletion for the other workers, :mod:`hotloop.pipeline.shared`): both
+        are stored, or neither.
+
+        :raises StoreBusy: locked out (nothing deleted)."""
+        with self._request_write("a delete", wait), self._txn() as db:
             found = db.execute(
                 "SELECT created_at FROM responses WHERE id = ?1 AND live = 1 AND (?2 IS NULL OR owner = ?2)", (response_id, scope)
             ).fetchone()
             if found is not None:
                 self._kill_locked(response_id)
+                if on_delete is not None:
+                    on_delete(db, response_id)
         # past its time to live it reads as not found (GET answers 404): removed, and not found
         return found is not None and found[0] >= time.time() - self.ttl_seconds
 
@@ -1344,10 +1418,17 @@ class SQLiteStore(_Pruned):
             )
 
     def usage(
-        self, key_id: str | None = None, since: str | None = None, after: UsageRow | None = None, limit: int | None = None
+        self,
+        key_id: str | None = None,
+        since: str | None = None,
+        after: UsageRow | None = None,
+        limit: int | None = None,
+        *,
+        wait: float | None = None,
     ) -> list[dict[str, Any]]:
-        """See :meth:`ResponseStore.usage`. :raises StoreBusy: the move of an earlier version's
-        rows (``_move_ledger_by_name``) was locked out past the busy timeout (nothing moved)."""
+        """See :meth:`ResponseStore.usage`; ``wait``: see :meth:`_request_write`. :raises
+        StoreBusy: the move of an earlier version's rows (``_move_ledger_by_name``) was locked
+        out (nothing moved)."""
         # Only the conditions given are in the query: a row-value comparison behind "?3 IS NULL OR"
         # is not used to seek the (day, model, key_id) key, and a late page then scans every row
         # before it (200,000 rows: a late 1,000-row page 16.9 ms against 2.0 ms).
@@ -1361,9 +1442,8 @@ class SQLiteStore(_Pruned):
         if after is not None:
             where.append("(day, model, key_id) > (?, ?, ?)")
             args.extend(after)
-        with self._lock:
-            with self._locked_out_is_busy("a usage listing"):  # (raises StoreBusy: nothing moved)
-                self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
+        with self._request_write("a usage listing", wait):  # (raises StoreBusy: nothing moved)
+            self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
             rows = self._db.execute(
                 f"SELECT {_USAGE_COLUMNS}, flagged FROM ledger_usage WHERE {' AND '.join(where)} "
                 "ORDER BY day, model, key_id LIMIT ?",
