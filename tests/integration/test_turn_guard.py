@@ -119,6 +119,25 @@ def test_the_output_sent_back_with_a_prefix_is_not_new_input(server: Server) -> 
     assert_too_large(create(server, input=history + [user(f"m{i}") for i in range(MAX_ITEMS + 1)], store=False), "new items")
 
 
+def test_a_history_no_cache_holds_is_bounded_after_the_model_s_last_output(server: Server) -> None:
+    """A client resending a history this server has not cached (it restarted, or its prefix
+    cache let the conversation go): the history before the model's last output was bounded when
+    it was new. Counting all of it refused every later turn once it passed the limits, for good
+    (a refused turn caches nothing)."""
+    history: list[dict[str, Any]] = []
+    for i in range(3):  # an earlier server's conversation: user turns, model outputs, tool calls
+        history += [user(f"turn {i} " + "o" * 1500), {"type": "message", "role": "assistant", "content": f"answer {i}"}]
+        history += [{"type": "function_call", "call_id": f"c{i}", "name": "run", "arguments": "{}"}]
+        history += [{"type": "function_call_output", "call_id": f"c{i}", "output": "done " + "r" * 500}]
+    assert len(history) > MAX_ITEMS and len(json.dumps(history)) > MAX_BYTES
+    r = create(server, input=history + [user("next")], store=False)  # never seen: no prefix
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0  # analysed whole, as a miss is
+    # what follows the last output (here the function call) is still bounded
+    assert_too_large(create(server, input=history[:-1] + [user(f"x{i}") for i in range(MAX_ITEMS + 1)], store=False), "new items")
+    assert_too_large(create(server, input=history + [user("z" * MAX_BYTES)], store=False), "bytes")
+
+
 def as_parts(item: dict[str, Any]) -> dict[str, Any]:
     """The same message spelled with content parts (other bytes, the same fingerprint)."""
     kind = "output_text" if item["role"] == "assistant" else "input_text"

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from hotloop.pipeline import guard
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputImage, InputText, Message, OtherItem
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputImage, InputText, Message, OtherItem, Reasoning
 
 ITEMS = [
     Message(role="user", content=[InputText(text="héllo wörld ✓"), InputImage(image_url="data:image/png;base64,AAAA")]),
@@ -42,3 +42,18 @@ def test_the_limits_are_inclusive() -> None:
         "message": info.value.message, "type": "invalid_request_error", "param": "input", "code": "input_too_large",
     }
     assert f"the {n - 1} bytes" in info.value.message
+
+
+def test_a_turn_starts_after_the_last_item_a_model_produced() -> None:
+    user = Message(role="user", content="go")
+    out = FunctionCallOutput(call_id="c1", output="ok")
+    assert guard.turn_start([user, user]) == 0  # a first turn: all of it
+    assert guard.turn_start([user, Message(role="assistant", content="hi"), user]) == 2
+    assert guard.turn_start([user, Message(role="developer", content="be brief"), user]) == 0
+    assert guard.turn_start(ITEMS) == 4  # a custom tool call, last: nothing after it
+    assert guard.turn_start(ITEMS[:3]) == 2  # after the function call: its output
+    assert guard.turn_start([user, Reasoning(summary=[]), out]) == 2
+    other = OtherItem(type="custom_tool_call_output", data={"type": "custom_tool_call_output", "call_id": "c2", "output": "x"})
+    assert guard.turn_start([*ITEMS, other, user]) == 4  # a tool's output is the client's
+    assert guard.turn_start([{"type": "message", "role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]) == 1
+    assert guard.turn_start([{"type": "local_shell_call"}, {"type": "local_shell_call_output"}]) == 1

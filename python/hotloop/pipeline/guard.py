@@ -6,7 +6,14 @@ A turn's *new* input is what the pipeline still has to validate, classify, finge
 and store: for a ``previous_response_id`` continuation, its whole ``input``; for a client that
 resends its history, the items after the longest cached prefix (and after the output of the
 response that prefix produced, which the client sends back; :mod:`hotloop.pipeline.reuse`); with
-no prefix cached, every item. The request-level bounds (``max_body_bytes``, ``MAX_INPUT_ITEMS``)
+no prefix cached, the items after the last one a model produced (an assistant message, a
+reasoning item, a tool call: :func:`turn_start`), or every item when there is none (a first turn).
+The history before that was the new input of earlier turns, bounded when they were sent: a server
+that restarted, or whose prefix cache let the conversation go (or never kept it: a history over
+its byte budget), must not refuse every later turn of a client that resends its history, as
+counting all of it did once it passed the limits (a permanent lock-out, since a refused turn
+caches nothing). What the pipeline then analyses again is bounded by the request's own limits,
+as before the guard. The request-level bounds (``max_body_bytes``, ``MAX_INPUT_ITEMS``)
 limit what one message may carry; these limit the work one turn may ask for, so that an operator
 can cap it below them (``--max-turn-input-items``, ``--max-turn-input-bytes``).
 
@@ -30,9 +37,9 @@ from typing import Any
 import msgspec
 
 from hotloop import errors
-from hotloop.protocol.request import Item
+from hotloop.protocol.request import FunctionCall, Item, Message, OtherItem, Reasoning
 
-__all__ = ["InputTooLarge", "check", "input_bytes"]
+__all__ = ["InputTooLarge", "check", "input_bytes", "turn_start"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -57,20 +64,42 @@ def input_bytes(items: Sequence[Item] | Sequence[dict[str, Any]], limit: int | N
     return n
 
 
+def _produced(item: Item | dict[str, Any]) -> bool:
+    """Whether a model produced ``item``: an assistant message, reasoning, or a call of any
+    tool (``function_call``, ``custom_tool_call``, ``local_shell_call``...), not its output."""
+    if isinstance(item, Message):
+        return item.role == "assistant"
+    if isinstance(item, (FunctionCall, Reasoning)):
+        return True
+    kind = item.type if isinstance(item, OtherItem) else (item.get("type") if isinstance(item, dict) else None)
+    if isinstance(kind, str):
+        return kind.endswith("_call") or kind == "reasoning" or (kind == "message" and isinstance(item, dict) and item.get("role") == "assistant")
+    return False
+
+
+def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]]) -> int:
+    """Where the client's own turn starts in a whole history sent without a cached prefix: after
+    the last item a model produced (0 when there is none: a first turn)."""
+    for i in range(len(items) - 1, -1, -1):
+        if _produced(items[i]):
+            return i + 1
+    return 0
+
+
 def check(items: Sequence[Item] | Sequence[dict[str, Any]], max_items: int, max_bytes: int) -> None:
     """Raise :class:`InputTooLarge` if ``items`` (a turn's new input items) are more than
     ``max_items`` or their JSON more than ``max_bytes``."""
     if len(items) > max_items:
         raise InputTooLarge(
             f"Invalid 'input': this turn adds {len(items)} input items; the server accepts at most "
-            f"{max_items} new items per turn (items after 'previous_response_id' or after a cached "
-            "prefix of the conversation). Send fewer items.",
+            f"{max_items} new items per turn (items after 'previous_response_id', after a cached "
+            "prefix of the conversation, or after the model's last output in it). Send fewer items.",
             param="input",
         )
     if input_bytes(items, max_bytes) > max_bytes:
         raise InputTooLarge(
             f"Invalid 'input': this turn's new input items are larger than the {max_bytes} bytes the "
-            "server accepts per turn (their JSON, counting items after 'previous_response_id' or after a "
-            "cached prefix of the conversation). Send less input.",
+            "server accepts per turn (their JSON, counting items after 'previous_response_id', after a "
+            "cached prefix of the conversation, or after the model's last output in it). Send less input.",
             param="input",
         )

@@ -259,8 +259,12 @@ class Engine:
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
-            # what this turn adds, bounded before it is classified, tokenized or stored (pipeline.guard)
-            guard.check(p.items, self._max_new_items, self._max_new_bytes)
+            # what this turn adds, bounded before it is classified, tokenized or stored (pipeline.guard):
+            # of a whole history nobody has cached, what follows the model's last output in it
+            new = p.items
+            if parent is None and type(req.input) is list and len(new) > 1:
+                new = new[guard.turn_start(new) :]
+            guard.check(new, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
                 settings_flags = None
