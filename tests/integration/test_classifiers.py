@@ -56,6 +56,7 @@ def test_flag_changes_nothing_on_the_wire_and_counts_in_the_ledger(tmp_path: Pat
         flagged = create(flag, **body).json()
         create(flag, model="flag-test", input="nothing to see")
         [row] = usage_rows(flag, "flag-test")
+        metrics = httpx.get(flag.base + "/metrics", timeout=10).text
         logs = flag.logs()
     assert flagged["output"][0]["content"][0]["text"] == plain["output"][0]["content"][0]["text"]
     assert flagged["usage"] == plain["usage"]
@@ -64,6 +65,10 @@ def test_flag_changes_nothing_on_the_wire_and_counts_in_the_ledger(tmp_path: Pat
     }
     assert row["responses"] == 2 and row["flagged"] == 1
     assert row["findings"] == {"github_token": 1, "jwt": 1}
+    # and in the metrics (one response flagged, its findings by kind)
+    assert "\nhotloop_classified_responses_total 1.0\n" in metrics
+    assert 'hotloop_classifier_findings_total{kind="github_token"} 1.0' in metrics
+    assert 'hotloop_classifier_findings_total{kind="jwt"} 1.0' in metrics
     assert "classifier secrets flagged" in logs and "github_token x1, jwt x1" in logs
     assert GH not in logs and JWT not in logs
 

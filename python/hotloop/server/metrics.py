@@ -77,6 +77,15 @@ class Metrics:
         self.errors = Counter("hotloop_errors", "Errors answered to clients, by status and code.", ("status", "code"), registry=r)
         self.rate_limited = Counter("hotloop_rate_limited", "Requests refused by a key's rate limits.", registry=r)
         self.backend_errors = Counter("hotloop_backend_errors", "Model backend failures, by kind.", ("kind",), registry=r)
+        # what the ledger records per response (its input flagged or redacted), as counters: a
+        # block is an error (hotloop_errors, code secret_detected), never a response
+        self.flagged = Counter(
+            "hotloop_classified_responses", "Responses whose input a classifier flagged or redacted.", registry=r
+        )
+        self.findings = Counter(
+            "hotloop_classifier_findings", "What classifiers found in responses' input (flagged or redacted), by kind.",
+            ("kind",), registry=r,
+        )
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         if self.multiprocess:
             # Each process writes its values to files the scrape aggregates: the per-response
@@ -110,6 +119,9 @@ class Metrics:
         model = run.prepared.req.model
         model = self.app.backend.default_model if model is None else model if model in self.models else OTHER
         key = (run.turn.transport, model, run.tenant.name) if self.per_key else (run.turn.transport, model)
+        flags = run.plan.flags
+        if flags:
+            self.classified(flags)
         if self.multiprocess:
             return self._turn_mp(run, key)
         s = self.series.get(key)
@@ -166,6 +178,12 @@ class Metrics:
                 self.mp_rate.labels(*key).observe(out / (m[6] - m[5]))
         if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
             self.backend_errors.labels(run.failure).inc()
+
+    def classified(self, flags: dict[str, int]) -> None:
+        """A response whose input the classifiers flagged or redacted: its findings per kind."""
+        self.flagged.inc()
+        for kind, n in flags.items():
+            self.findings.labels(_bounded_kind(kind)).inc(n)
 
     def error(self, exc: errors.HotloopError) -> None:
         """An error answered before a response started (an HTTP error, a WebSocket error frame)."""
@@ -242,6 +260,10 @@ class _SeriesCollector:
 # takes any), and past these a new one counts as OTHER, so that the series stay bounded.
 MAX_ERROR_CODES = 128
 _codes: set[str] = set()
+# Distinct finding kinds given a series of their own (the secret scanner's kinds, user classifiers'
+# labels); past these a new one counts as OTHER
+MAX_FINDING_KINDS = 64
+_kinds: set[str] = set()
 _OWN_CODES = frozenset(
     c.code for c in vars(errors).values()
     if isinstance(c, type) and issubclass(c, errors.HotloopError) and isinstance(c.code, str)
@@ -258,6 +280,18 @@ def _bounded_code(code: str) -> str:
             return OTHER
         _codes.add(code)
     return code
+
+
+def _bounded_kind(kind: str) -> str:
+    """A finding's kind: the secret scanner's own (a fixed set), or a user classifier's label,
+    kept to a plain shape and one of at most ``MAX_FINDING_KINDS``."""
+    if len(kind) > 40 or not kind.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        return OTHER
+    if kind not in _kinds:
+        if len(_kinds) >= MAX_FINDING_KINDS:
+            return OTHER
+        _kinds.add(kind)
+    return kind
 
 
 class _StateCollector:
