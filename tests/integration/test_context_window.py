@@ -51,6 +51,7 @@ def test_http_window_check_and_truncation(tmp_path: Path) -> None:
         small = create(s, input=msgs(2))
         assert small.status_code == 200, small.text
         assert "x-hotloop-truncated-items" not in small.headers
+        assert "truncated_items" not in small.json()["usage"]  # only when something was dropped
         # over the window: 400 in the OpenAI shape, nothing generated
         big = create(s, input=msgs(8))
         assert big.status_code == 400
@@ -72,6 +73,7 @@ def test_http_window_check_and_truncation(tmp_path: Path) -> None:
         assert 1 <= dropped < 8
         body = auto.json()
         assert body["truncation"] == "auto" and body["status"] == "completed"
+        assert body["usage"]["truncated_items"] == dropped  # in usage too
         assert body["usage"]["input_tokens"] <= WINDOW
         # input_tokens counts what the response is given: after truncation with "auto", the
         # whole input (over the window) with "disabled"
@@ -89,7 +91,7 @@ def test_http_window_check_and_truncation(tmp_path: Path) -> None:
             assert r.status_code == 200
             assert r.headers["x-hotloop-truncated-items"] == str(dropped)
             text = r.read().decode()
-        assert "response.completed" in text
+        assert "response.completed" in text and f'"truncated_items":{dropped}' in text
         # unknown models have no window
         assert create(s, model="roomy-sim", input=msgs(8)).status_code == 200
         logs = s.logs()
@@ -151,6 +153,7 @@ def test_websocket_error_then_truncated_continuation(tmp_path: Path) -> None:
             done = raw_until_terminal(ws)[-1]
             assert done["type"] == "response.completed", done
             assert done["response"]["usage"]["input_tokens"] <= WINDOW
+            assert done["response"]["usage"]["truncated_items"] >= 1  # the one place a socket can see it
             # and the truncated response is itself continuable
             ws.send(json.dumps({"type": "response.create", "model": MODEL, "metadata": SIM, "store": False,
                                 "previous_response_id": done["response"]["id"], "input": "ok?"}))

@@ -47,16 +47,22 @@ class IdGen:
 
 
 def usage_object(
-    input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+    input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0, truncated_items: int = 0
 ) -> dict[str, Any]:
-    """The full usage object: every field present (openai-python and Codex require them)."""
-    return {
+    """The full usage object: every field present (openai-python and Codex require them).
+    ``truncated_items``: hotloop's own field (OpenAI's usage has none), the input items
+    ``truncation: "auto"`` dropped, present only when some were (clients' usage types keep or
+    ignore a field they do not know)."""
+    usage = {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
+    if truncated_items:
+        usage["truncated_items"] = truncated_items
+    return usage
 
 
 def _text_object(p: Prepared) -> dict[str, Any]:

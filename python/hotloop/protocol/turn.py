@@ -115,6 +115,8 @@ class Turn:
         self.transport = transport
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
+        # input items ``truncation: "auto"`` dropped: reported in usage when any (usage_object)
+        self.truncated_items = 0
         self.max_tool_calls = max_tool_calls
         self._clock = clock
         self._seq = 0
@@ -409,7 +411,7 @@ class Turn:
                 cached = u.cached_tokens
             if u.reasoning_tokens is not None:
                 reasoning = u.reasoning_tokens
-        return usage_object(input_tokens, output_tokens, min(cached, input_tokens), reasoning)
+        return usage_object(input_tokens, output_tokens, min(cached, input_tokens), reasoning, self.truncated_items)
 
     def finish(self, reason: str = "stop") -> list[Frame]:
         """Close the open item and end with ``completed`` (or ``incomplete`` on a token limit)."""

@@ -376,6 +376,7 @@ class Engine:
             clock=self.clock,
             quiet=transport == "json",  # a non-streaming response: nobody reads its events
         )
+        turn.truncated_items = plan.truncated  # (fit_window ran before)
         return turn, turn.start()
 
     def limits(self, model: str | None) -> ModelLimits:
