@@ -682,7 +682,8 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
      TOKEN_MIN_ENTROPY),
     ("generic_secret",
      _GENERIC_KEY + r"(?:[_.-][A-Za-z0-9_.-]{0,30})?" + _ASSIGN
-     + r"(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-]{12,})", "", GENERIC_MIN_ENTROPY),
+     # a "$" inside the value, not first: "pa$$w0rd"s are passwords, "$DB_PASSWORD" a reference
+     + r"(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-][A-Za-z0-9+/=_~!@#%^&*?$-]{11,})", "", GENERIC_MIN_ENTROPY),
 )
 
 
