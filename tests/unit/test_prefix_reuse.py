@@ -338,8 +338,10 @@ def conversations(draw: Any) -> tuple[list[str], list[tuple[int, str]]]:
             t += " " + draw(st.sampled_from(SECRETS))[1] + " " + draw(_TEXT)
         texts.append(t)
     cuts = sorted(set(draw(st.lists(st.integers(1, n), max_size=n))) | {n})
-    modes = [draw(st.sampled_from(["full", "full-parts", "chain", "stored"])) for _ in cuts]
-    return texts, list(zip(cuts, modes))
+    # "fork": continue an earlier response of the conversation (the number picks which), not the latest
+    modes = [draw(st.sampled_from(["full", "full-parts", "chain", "stored", "fork"])) for _ in cuts]
+    picks = [draw(st.integers(0, 99)) for _ in cuts]
+    return texts, list(zip(cuts, modes, picks))
 
 
 def _spell(item: dict[str, Any], parts: bool) -> dict[str, Any]:
@@ -348,7 +350,7 @@ def _spell(item: dict[str, Any], parts: bool) -> dict[str, Any]:
     return item
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(conversations())
 def test_incremental_paths_equal_a_computation_from_scratch(tmp_path: Path, case: Any) -> None:
     texts, turns = case
@@ -366,9 +368,17 @@ def test_incremental_paths_equal_a_computation_from_scratch(tmp_path: Path, case
                 history: list[dict[str, Any]] = []  # what the model saw, as the client keeps it
                 sent = 0
                 prev: dict[str, Any] | None = None
-                for cut, mode in turns:
+                # each earlier response: (it, the history with its output, its continuation's cached tokens)
+                earlier: list[tuple[dict[str, Any], list[dict[str, Any]], int]] = []
+                for cut, mode, pick in turns:
                     new = [{"role": "user", "content": t} for t in texts[sent:cut]]
                     sent = cut
+                    if mode == "fork" and earlier:
+                        # a fork off an earlier response: it continues what that one saw, and the
+                        # branch it leaves (and any later fork of it) stays as it was
+                        prev, forked, prev_full_tokens = earlier[pick % len(earlier)]
+                        history = list(forked)
+                        mode = "chain"
                     if mode in ("chain", "stored") and prev is not None:
                         if mode == "stored":
                             await app.persistence.flush()
@@ -405,6 +415,7 @@ def test_incremental_paths_equal_a_computation_from_scratch(tmp_path: Path, case
                     # a continuation reuses the previous context with its output
                     fp2, tk2, _ = itemlib.analyze(entry.context.items, itemlib.TokenCache())
                     prev_full_tokens = sum(tk2) + (prev_input_tokens - sum(toks))
+                    earlier.append((resp, list(history), prev_full_tokens))
         finally:
             await app.shutdown()
             await ref.shutdown()
