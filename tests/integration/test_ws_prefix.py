@@ -5,10 +5,13 @@ body is, with the token counts, usage and errors of a computation from scratch."
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Iterator
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from websockets.sync.client import connect as ws_connect
 
 from hotloop.protocol.session import FAST_DECODE_BYTES
@@ -214,3 +217,60 @@ def test_smaller_frames_take_their_tools_from_the_cache_too(servers: tuple[Serve
     bad_lookups = 2 if kind == "eight tools" else 1
     assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (1 + bad_lookups, 2)
     assert after["entries"] - before["entries"] <= 1 and ref_after == ref_before
+
+
+# -- hypothesis: over WebSocket, the incremental paths equal a computation from scratch ---------
+
+_TEXT = st.text(alphabet="abc xyz=:\n_-é", min_size=1, max_size=60)
+
+
+@st.composite
+def _conversations(draw: Any) -> list[tuple[list[str], str, int]]:
+    """Turns: each one's new user texts, how it is sent (``full``: the whole history, no
+    ``previous_response_id``; ``chain``: the latest response; ``fork``: an earlier one, the
+    number picks which) and that number."""
+    turns = []
+    for _ in range(draw(st.integers(2, 7))):
+        texts = draw(st.lists(_TEXT, min_size=1, max_size=3))
+        turns.append((texts, draw(st.sampled_from(["full", "chain", "fork"])), draw(st.integers(0, 99))))
+    return turns
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_conversations())
+def test_ws_incremental_paths_equal_a_computation_from_scratch(servers: tuple[Server, Server], case: Any) -> None:
+    """On one socket, in any mix: a whole history matched by its prefix, a continuation of the
+    latest response (the connection's cache) and a fork off an earlier one (the store): each
+    turn's ``input_tokens`` is that of its whole history counted from scratch (on a server
+    without a prefix cache), and its ``cached_tokens`` that of the history it continues, which
+    the turn sent before it and its output (0 for the first)."""
+    s, ref = servers
+
+    def scratch(history: list[dict[str, Any]]) -> int:
+        r = httpx.post(ref.v1 + "/responses/input_tokens", json={"model": "hotloop-sim", "input": history}, timeout=20)
+        assert r.status_code == 200, r.text
+        return int(r.json()["input_tokens"])
+
+    history: list[dict[str, Any]] = []
+    earlier: list[tuple[str, list[dict[str, Any]]]] = []  # each response: its id, its history with its output
+    # a conversation of its own: the server's prefix cache keeps every example's (one key)
+    first = [{"role": "user", "content": f"conversation {uuid.uuid4().hex}"}]
+    with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
+        for texts, mode, pick in case:
+            new, first = first + [{"role": "user", "content": t} for t in texts], []
+            body: dict[str, Any] = {"store": True}
+            if mode != "full" and earlier:
+                rid, history = earlier[-1] if mode == "chain" else earlier[pick % len(earlier)]
+                history = list(history)
+                body.update(previous_response_id=rid, input=new)
+            else:
+                body["input"] = history + new
+            before = scratch(history) if history else 0
+            history += new
+            frame = _turn(ws, body)
+            assert frame["type"] == "response.completed", frame
+            resp = frame["response"]
+            assert resp["usage"]["input_tokens"] == scratch(history)
+            assert _cached(resp) == before
+            history += resp["output"]
+            earlier.append((resp["id"], list(history)))
