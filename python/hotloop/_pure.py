@@ -682,8 +682,9 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
      TOKEN_MIN_ENTROPY),
     ("generic_secret",
      _GENERIC_KEY + r"(?:[_.-][A-Za-z0-9_.-]{0,30})?" + _ASSIGN
-     # a "$" inside the value, not first: "pa$$w0rd"s are passwords, "$DB_PASSWORD" a reference
-     + r"(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-][A-Za-z0-9+/=_~!@#%^&*?$-]{11,})", "", GENERIC_MIN_ENTROPY),
+     # a "$" ends the value: "$DB_PASSWORD", "root_$MYSQL_PWD", "prefix_$CI_JOB_ID" are a shell's
+     # references, not secrets (a password holding a "$" is found when 12 characters precede it)
+     + r"(?P<secret>[A-Za-z0-9+/=_~!@#%^&*?-]{12,})", "", GENERIC_MIN_ENTROPY),
 )
 
 
