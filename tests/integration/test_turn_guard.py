@@ -138,6 +138,25 @@ def test_a_history_no_cache_holds_is_bounded_after_the_model_s_last_output(serve
     assert_too_large(create(server, input=history + [user("z" * MAX_BYTES)], store=False), "bytes")
 
 
+def test_a_conversation_past_the_prefix_cache_s_entry_budget_is_not_locked_out(tmp_path: Path) -> None:
+    """A conversation resent whole stops being registered once it is past the prefix cache's
+    budget for one entry (a quarter of its bytes); its last registered prefix keeps matching, and
+    counting all that follows it refused every turn once that passed a limit. What follows the
+    model's last output is what the turn adds."""
+    env = {"HOTLOOP_PREFIX_CACHE_BYTES": str(48 * 1024)}  # one entry: at most 12 KiB
+    with run_server(tmp_path, "--sim-rate", "0", "--max-turn-input-bytes", str(MAX_BYTES), env=env) as s:
+        history: list[dict[str, Any]] = []
+        for i in range(20):  # about 30 KB of history in the end, each turn's own under the limit
+            turn = user(f"turn {i} " + "o" * 1500)
+            r = create(s, input=history + [turn], store=False)
+            assert r.status_code == 200, (i, r.text)
+            history += [turn] + r.json()["output"]
+        assert len(json.dumps(history)) > 16 * 1024
+        stats = httpx.get(s.base + "/hotloop/stats", timeout=5).json()["prefix_cache"]
+        assert stats["hits"] >= 19  # a prefix matched every turn: an early one, at the end
+        assert_too_large(create(s, input=history + [user("z" * MAX_BYTES)], store=False), "bytes")
+
+
 def as_parts(item: dict[str, Any]) -> dict[str, Any]:
     """The same message spelled with content parts (other bytes, the same fingerprint)."""
     kind = "output_text" if item["role"] == "assistant" else "input_text"

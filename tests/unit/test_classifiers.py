@@ -558,3 +558,34 @@ def test_no_classifiers_means_no_states(tmp_path: Path) -> None:
 
 
 
+
+
+def test_a_request_whose_client_left_during_prefill_is_flagged_in_the_metrics_as_in_the_ledger() -> None:
+    """Its client left while the backend prepared the first token: no response, but the ledger
+    charges it with its findings, and so do the metrics (they missed it: no run to observe)."""
+    import asyncio
+    import json
+
+    from hotloop.protocol.request import decode_body
+
+    kind, secret = SECRETS[0]
+
+    async def main() -> tuple[str, list[dict[str, Any]]]:
+        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=5.0))
+        await app.startup()
+        try:
+            body = {"model": "m", "input": f"here: {secret}", "store": False, "metadata": {"sim": "tokens:3"}}
+            start = asyncio.ensure_future(app.engine.start(decode_body(json.dumps(body).encode()), transport="json"))
+            await asyncio.sleep(0.3)  # the backend's first token is 5 s away
+            start.cancel()  # the client leaves
+            await asyncio.gather(start, return_exceptions=True)
+            await app.persistence.flush()
+            assert app.metrics is not None
+            return app.metrics.render().decode(), await app.persistence.usage()
+        finally:
+            await app.shutdown()
+
+    metrics, rows = uvloop.run(main())
+    assert [(r["responses"], r["flagged"], r["findings"]) for r in rows] == [(1, 1, {kind: 1})]
+    assert "\nhotloop_classified_responses_total 1.0\n" in metrics
+    assert f'hotloop_classifier_findings_total{{kind="{kind}"}} 1.0' in metrics

@@ -7,7 +7,9 @@ import msgspec
 import pytest
 
 from hotloop.pipeline import guard
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, InputImage, InputText, Message, OtherItem, Reasoning
+from hotloop.protocol.request import (
+    FunctionCall, FunctionCallOutput, InputImage, InputText, ItemReference, Message, OtherItem, Reasoning,
+)
 
 ITEMS = [
     Message(role="user", content=[InputText(text="héllo wörld ✓"), InputImage(image_url="data:image/png;base64,AAAA")]),
@@ -57,3 +59,6 @@ def test_a_turn_starts_after_the_last_item_a_model_produced() -> None:
     assert guard.turn_start([*ITEMS, other, user]) == 4  # a tool's output is the client's
     assert guard.turn_start([{"type": "message", "role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]) == 1
     assert guard.turn_start([{"type": "local_shell_call"}, {"type": "local_shell_call_output"}]) == 1
+    # a stored item named by reference (how the Vercel AI SDK sends a model's earlier output)
+    assert guard.turn_start([user, ItemReference(id="msg_0123"), user]) == 2
+    assert guard.turn_start([{"role": "user", "content": "a"}, {"type": "item_reference", "id": "fc_1"}, out]) == 2

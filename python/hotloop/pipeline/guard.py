@@ -5,15 +5,21 @@ or stored.
 A turn's *new* input is what the pipeline still has to validate, classify, fingerprint, tokenize
 and store: for a ``previous_response_id`` continuation, its whole ``input``; for a client that
 resends its history, the items after the longest cached prefix (and after the output of the
-response that prefix produced, which the client sends back; :mod:`hotloop.pipeline.reuse`); with
-no prefix cached, the items after the last one a model produced (an assistant message, a
-reasoning item, a tool call: :func:`turn_start`), or every item when there is none (a first turn).
-The history before that was the new input of earlier turns, bounded when they were sent: a server
-that restarted, or whose prefix cache let the conversation go (or never kept it: a history over
-its byte budget), must not refuse every later turn of a client that resends its history, as
-counting all of it did once it passed the limits (a permanent lock-out, since a refused turn
-caches nothing). What the pipeline then analyses again is bounded by the request's own limits,
-as before the guard. The request-level bounds (``max_body_bytes``, ``MAX_INPUT_ITEMS``)
+response that prefix produced, which the client sends back; :mod:`hotloop.pipeline.reuse`), and
+of those (all of them with no prefix cached) the items after the last one a model produced (an
+assistant message, a reasoning item, a tool call, or an ``item_reference`` to a stored item:
+:func:`turn_start`), every item when there is none (a first turn). The history before that was
+the new input of earlier turns, bounded when they were sent: a server that restarted, or whose
+prefix cache let the conversation go or keeps only an early prefix of it (a conversation past
+the cache's per-entry byte budget stops being registered, and its last registered prefix keeps
+matching), must not refuse every later turn of a client that resends its history, as counting
+all of it did once it passed the limits (a permanent lock-out: a refused turn caches nothing).
+
+So for a whole history the operator's bound on what precedes the model's last output is the
+request's own (``max_body_bytes``, ``HOTLOOP_MAX_BODY_BYTES``; ``MAX_INPUT_ITEMS``), as before
+the guard: a client may label its own items as the model's, and the server cannot tell them from
+the model's output without a cached prefix. ``previous_response_id`` continuations count their
+whole ``input``. The request-level bounds (``max_body_bytes``, ``MAX_INPUT_ITEMS``)
 limit what one message may carry; these limit the work one turn may ask for, so that an operator
 can cap it below them (``--max-turn-input-items``, ``--max-turn-input-bytes``).
 
@@ -37,7 +43,7 @@ from typing import Any
 import msgspec
 
 from hotloop import errors
-from hotloop.protocol.request import FunctionCall, Item, Message, OtherItem, Reasoning
+from hotloop.protocol.request import FunctionCall, Item, ItemReference, Message, OtherItem, Reasoning
 
 __all__ = ["InputTooLarge", "check", "input_bytes", "turn_start"]
 
@@ -65,21 +71,25 @@ def input_bytes(items: Sequence[Item] | Sequence[dict[str, Any]], limit: int | N
 
 
 def _produced(item: Item | dict[str, Any]) -> bool:
-    """Whether a model produced ``item``: an assistant message, reasoning, or a call of any
-    tool (``function_call``, ``custom_tool_call``, ``local_shell_call``...), not its output."""
+    """Whether a model produced ``item`` (an assistant message, reasoning, a call of any tool:
+    ``function_call``, ``custom_tool_call``, ``local_shell_call``..., not its output), or it
+    names a stored item (``item_reference``: the Vercel AI SDK sends a model's earlier output so)."""
     if isinstance(item, Message):
         return item.role == "assistant"
-    if isinstance(item, (FunctionCall, Reasoning)):
+    if isinstance(item, (FunctionCall, Reasoning, ItemReference)):
         return True
     kind = item.type if isinstance(item, OtherItem) else (item.get("type") if isinstance(item, dict) else None)
     if isinstance(kind, str):
-        return kind.endswith("_call") or kind == "reasoning" or (kind == "message" and isinstance(item, dict) and item.get("role") == "assistant")
+        return (
+            kind.endswith("_call") or kind in ("reasoning", "item_reference")
+            or (kind == "message" and isinstance(item, dict) and item.get("role") == "assistant")
+        )
     return False
 
 
 def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]]) -> int:
-    """Where the client's own turn starts in a whole history sent without a cached prefix: after
-    the last item a model produced (0 when there is none: a first turn)."""
+    """Where the client's own turn starts in a whole history (or in what follows its cached
+    prefix): after the last item a model produced (0 when there is none: a first turn)."""
     for i in range(len(items) - 1, -1, -1):
         if _produced(items[i]):
             return i + 1

@@ -123,6 +123,9 @@ class Engine:
         self.conn_misses = 0
         # Called once per finished response (hotloop.server.metrics and the response log line).
         self.observers: list[Callable[["Run"], None]] = []
+        # told what the classifiers flagged in a request charged without a response (its client
+        # left while the backend worked on it): the metrics count it as the ledger does
+        self.on_flagged: Callable[[dict[str, int]], None] | None = None
         # A shared store's admission check for store: true (hotloop.pipeline.shared); None: always
         self._writable: Callable[[], bool] | None = getattr(persistence, "writable", None)
 
@@ -260,9 +263,9 @@ class Engine:
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
             # what this turn adds, bounded before it is classified, tokenized or stored (pipeline.guard):
-            # of a whole history nobody has cached, what follows the model's last output in it
+            # of a whole history, what follows the cached prefix and the model's last output in it
             new = p.items
-            if parent is None and type(req.input) is list and len(new) > 1:
+            if req.previous_response_id is None and type(req.input) is list and len(new) > 1:
                 new = new[guard.turn_start(new) :]
             guard.check(new, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
@@ -335,6 +338,8 @@ class Engine:
                 usage = {"input_tokens": charged, "output_tokens": 0, "total_tokens": charged,
                          "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
                 self.persistence.charge(usage_record({"model": model, "usage": usage}, tenant.id, plan.flags, tenant.name))
+                if plan.flags and self.on_flagged is not None:
+                    self.on_flagged(plan.flags)
             if grant is not None:
                 grant.finish(charged)
             if not isinstance(exc, _KEEPS_PARENT):  # a retry must find the parent

@@ -80,7 +80,9 @@ class Metrics:
         # what the ledger records per response (its input flagged or redacted), as counters: a
         # block is an error (hotloop_errors, code secret_detected), never a response
         self.flagged = Counter(
-            "hotloop_classified_responses", "Responses whose input a classifier flagged or redacted.", registry=r
+            "hotloop_classified_responses",
+            "Responses whose input a classifier flagged or redacted (and requests charged without a response: their client left during prefill).",
+            registry=r,
         )
         self.findings = Counter(
             "hotloop_classifier_findings", "What classifiers found in responses' input (flagged or redacted), by kind.",
@@ -180,7 +182,8 @@ class Metrics:
             self.backend_errors.labels(run.failure).inc()
 
     def classified(self, flags: dict[str, int]) -> None:
-        """A response whose input the classifiers flagged or redacted: its findings per kind."""
+        """A response whose input the classifiers flagged or redacted (or a request charged
+        without one: its client left during prefill), its findings per kind."""
         self.flagged.inc()
         for kind, n in flags.items():
             self.findings.labels(_bounded_kind(kind)).inc(n)
