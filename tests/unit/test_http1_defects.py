@@ -442,6 +442,10 @@ def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
 
     logger = logging.getLogger()  # hotloop serve --log-level debug: httpx's request lines too
     keep, level = Keep(logging.DEBUG), logger.level
+    # as in a fresh process: httpx's logger not set yet (an earlier test's backend quietened it)
+    http_levels = {name: logging.getLogger(name).level for name in ("httpx", "httpcore")}
+    for name in http_levels:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     logger.addHandler(keep)
     logger.setLevel(logging.DEBUG)
     try:
@@ -449,6 +453,8 @@ def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
     finally:
         logger.removeHandler(keep)
         logger.setLevel(level)
+        for name, lvl in http_levels.items():
+            logging.getLogger(name).setLevel(lvl)
     text = "\n".join(r.getMessage() for r in records)
     assert "transport to http://***@127.0.0.1:" in text
     assert "HTTP Request: GET http://***@127.0.0.1:" in text  # httpx's, for the model list
