@@ -156,8 +156,13 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _listening(sock: socket.socket) -> bool:
-    """Whether ``sock`` listens: the parent's copy says so once the worker's server listens on it."""
-    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    """Whether ``sock`` listens: the parent's copy says so once the worker's server listens on it.
+    A socket closed meanwhile does not (a stop's signal handler closes them all, between any two
+    steps of the supervisor's loop)."""
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
 
 
 def _prepare_store(config: Config) -> None:
@@ -350,8 +355,11 @@ class Supervisor:
             if any(other is not None and other is not sock and _listening(other) for other in self.socks):
                 sock.close()
                 self.socks[slot] = None
-            elif not _listening(sock):  # a replacement that failed before listening: clients wait
-                sock.listen(BACKLOG)
+            elif not _listening(sock) and not self.stopping:  # a replacement that failed before listening: clients wait
+                try:
+                    sock.listen(BACKLOG)
+                except OSError:  # closed by a stop that came meanwhile (its signal handler)
+                    pass
 
     def _close_all(self) -> None:
         for i, sock in enumerate(self.socks):
