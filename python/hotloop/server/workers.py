@@ -172,7 +172,7 @@ def _prepare_store(config: Config) -> None:
     from hotloop.state.store import SQLiteStore
     from hotloop.tenants.keys import SQLiteKeyStore
 
-    SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds).close()
+    SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, busy_timeout=config.store_busy_timeout).close()
     SQLiteKeyStore(config.db_path).close()
 
 
