@@ -316,10 +316,15 @@ def _ordinary(event: str, data: str) -> ChatChunk | None:
 
 
 def _error_status(error: object) -> int:
+    """The HTTP status an error object sent inside a 200 stream stands for: its ``status_code``,
+    ``code`` or ``status`` when that is a 4xx/5xx status, as a number (vLLM, OpenRouter) or as a
+    string of digits (LiteLLM's proxy: ``"code": "429"``); 500 otherwise."""
     if isinstance(error, dict):
         for key in ("status_code", "code", "status"):
             v = error.get(key)
-            if isinstance(v, int) and 400 <= v <= 599:
+            if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
+                v = int(v)
+            if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
                 return v
     return 500
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import math
 import re
 import time
 from typing import Mapping
@@ -42,12 +43,15 @@ _DURATION_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def _seconds(value: str) -> float | None:
-    """``"1.5"`` (seconds), ``"6m0s"`` / ``"250ms"`` (OpenAI's durations) -> seconds."""
+    """``"1.5"`` (seconds), ``"6m0s"`` / ``"250ms"`` (OpenAI's durations) -> seconds; ``None``
+    for anything else, a number that is not finite (``inf``, ``nan``, ``1e999``) included."""
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        v = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, v) if math.isfinite(v) else None
     total, pos = 0.0, 0
     for m in _DURATION_RE.finditer(value):
         if m.start() != pos:
@@ -65,22 +69,9 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     durations). Of those, the resets whose matching ``x-ratelimit-remaining-*`` is 0 decide (the
     longest wins); without that information the shortest reset is used.
     """
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        v = _seconds(ms)
-        if v is not None:
-            return v / 1000.0
-    ra = headers.get("retry-after")
-    if ra is not None:
-        v = _seconds(ra)
-        if v is not None:
-            return v
-        try:
-            when = email.utils.parsedate_to_datetime(ra)
-        except (TypeError, ValueError):
-            when = None
-        if when is not None:
-            return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    asked = _asked_delay(headers, now)
+    if asked is not None:
+        return asked
     exhausted: list[float] = []
     resets: list[float] = []
     for name, value in headers.items():
@@ -97,6 +88,35 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     if exhausted:
         return max(exhausted)
     return min(resets) if resets else None
+
+
+def _asked_delay(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The delay the backend asked for in so many words: ``retry-after-ms``, then ``retry-after``
+    (seconds or an HTTP date); ``None`` without one."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        v = _seconds(ms)
+        if v is not None:
+            return v / 1000.0
+    ra = headers.get("retry-after")
+    if ra is not None:
+        v = _seconds(ra)
+        if v is not None:
+            return v
+        try:
+            when = email.utils.parsedate_to_datetime(ra)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return None
+
+
+def _delay_headers(delay: float | None) -> dict[str, str]:
+    """A delay as a client reads it (``retry-after``, ``retry-after-ms``), as :class:`errors.RateLimited` sends it."""
+    if delay is None:
+        return {}
+    return {"retry-after": f"{delay:g}", "retry-after-ms": str(int(delay * 1000))}
 
 
 def _plain_seconds(delay: float) -> str:
@@ -221,7 +241,11 @@ def status_error(
     if status in (408, 504):
         return errors.BackendTimeout("The model backend timed out.")
     if status == 503:
-        return errors.BackendUnavailable("The model backend is unavailable. Please try again later.")
+        # An overloaded backend's own word on when to come back is passed on (its x-ratelimit-*
+        # headers describe hotloop's account, as for a 429, and are not).
+        return errors.BackendUnavailable(
+            "The model backend is unavailable. Please try again later.", headers=_delay_headers(_asked_delay(headers))
+        )
     if status >= 500:
         return TransientBackendError(f"The model backend failed (HTTP {status}).")
     return errors.BackendError(f"The model backend failed (HTTP {status}).")
@@ -233,6 +257,9 @@ def retry_delay(exc: errors.HotloopError, attempt: int) -> float | None:
         delay = exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt
     elif isinstance(exc, (TransientBackendError, errors.BackendUnavailable, errors.BackendTimeout)):
         delay = min(0.25 * 2**attempt, 4.0)
+        asked = exc.headers.get("retry-after-ms")  # a 503's own delay (status_error)
+        if asked is not None:
+            delay = max(delay, int(asked) / 1000.0)
     else:
         return None
     return delay if delay <= MAX_RETRY_DELAY else None

@@ -1,0 +1,137 @@
+"""A chat backend's failures as a client sees them: error objects inside a 200 stream, and the
+delays a backend asks for. Both chat backends, over both transports, against the scripted mock
+(tests.mock_chat_server) on a real loopback socket."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from hotloop import errors
+from hotloop.backends.base import BackendRequest
+from hotloop.backends.cerebras import CerebrasBackend
+from hotloop.backends.chat.statuses import retry_after, status_error
+from hotloop.backends.openai_compat import OpenAICompatBackend
+from hotloop.config import Config
+from hotloop.protocol.chunks import TextDelta
+from tests.mock_chat_server import MockChatServer, Reply, chunk
+
+TIMEOUT = 10.0
+BACKENDS = ["openai-compat/lean", "openai-compat/sdk", "cerebras/lean", "cerebras/sdk"]
+
+
+@pytest.fixture(scope="module")
+def mock() -> Any:
+    with MockChatServer() as m:
+        yield m
+
+
+def _backend(which: str, mock: MockChatServer) -> Any:
+    kind, transport = which.split("/")
+    if kind == "cerebras":
+        return CerebrasBackend(
+            Config(backend="cerebras", base_url=mock.url, model="mock-model", backend_transport=transport, backend_api_key="csk-test-key-0123")
+        )
+    return OpenAICompatBackend(
+        Config(backend="openai-compat", base_url=mock.v1, model="mock-model", backend_transport=transport, backend_api_key="sk-test-key-0123")
+    )
+
+
+def _stream(which: str, mock: MockChatServer, reply: Reply) -> tuple[list[Any], BaseException | None]:
+    """The chunks the backend yields for ``reply``, and the error it ends with (if any)."""
+
+    async def main() -> tuple[list[Any], BaseException | None]:
+        backend = _backend(which, mock)
+        await backend.start()
+        mock.reset()
+        mock.push(reply)
+        got: list[Any] = []
+        try:
+            req = BackendRequest(model="mock-model", instructions=None, items=[], tools=[], tool_choice="auto", parallel_tool_calls=True)
+            async for c in backend.stream(req):
+                got.append(c)
+        except errors.HotloopError as exc:
+            return got, exc
+        finally:
+            await backend.close()
+        return got, None
+
+    return asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+
+
+# LiteLLM's proxy sends a failure that comes after its 200 head as an SSE data line whose error
+# object's "code" is the status as a *string* (ProxyException: ``self.code = str(code)``).
+LITELLM_429 = {"error": {"message": "litellm.RateLimitError: rate limited", "type": "None", "param": "None", "code": "429"}}
+LITELLM_400 = {"error": {"message": "This model's maximum context length is 8192 tokens.", "type": "None", "param": "None", "code": "400"}}
+
+
+@pytest.mark.parametrize("which", BACKENDS)
+def test_an_error_object_whose_status_is_a_string_keeps_its_status(which: str, mock: MockChatServer) -> None:
+    """A rate limit (or a context overflow) reported inside the stream before any output reached
+    the client as a 502 server_error (read as HTTP 500): a client retried at once a request the
+    backend had said to slow down on, or retried for ever one that can never fit."""
+    role = chunk({"role": "assistant", "content": ""})
+    got, exc = _stream(which, mock, Reply.stream([role, LITELLM_429]))
+    assert got == [] and isinstance(exc, errors.RateLimited) and exc.status == 429 and exc.code == "rate_limit_exceeded"
+    got, exc = _stream(which, mock, Reply.stream([LITELLM_400]))
+    assert got == [] and isinstance(exc, errors.ContextLengthExceeded) and exc.status == 400
+    # after output: the same error ends the stream (response.failed carries its code)
+    got, exc = _stream(which, mock, Reply.stream([chunk({"content": "par"}), LITELLM_429]))
+    assert got == [TextDelta("par")] and isinstance(exc, errors.RateLimited)
+
+
+def test_an_error_objects_status_is_read_from_its_fields() -> None:
+    from hotloop.backends.chat.backend import _error_status
+
+    assert _error_status({"code": "429"}) == 429
+    assert _error_status({"code": 503}) == 503
+    assert _error_status({"status": " 400 "}) == 400
+    # not a status: an OpenAI-style code word, a number outside 4xx/5xx, a bool
+    for error in ({"code": "server_error"}, {"code": "200"}, {"code": "42"}, {"code": True}, {"code": "4e2"}, {"code": "4\u00b2\u00b9"}, "boom", None):
+        assert _error_status(error) == 500
+
+
+def test_a_delay_that_is_not_finite_is_no_delay() -> None:
+    """``retry-after: inf`` (or 1e999) made the 429's mapping raise OverflowError: the client got
+    a generic 502 "The model backend failed." and the log a traceback, instead of the 429."""
+    for headers in ({"retry-after": "inf"}, {"retry-after": "1e999"}, {"retry-after-ms": "Infinity"}, {"retry-after": "nan"},
+                    {"x-ratelimit-reset-tokens-minute": "inf"}):
+        assert retry_after(headers) is None
+        exc = status_error(429, headers, {"message": "slow down"}, backend="b", model="m")
+        assert isinstance(exc, errors.RateLimited) and exc.retry_after is None and "retry-after" not in exc.headers
+    # a finite one still counts, however large
+    assert retry_after({"retry-after": "1e9"}) == 1e9
+    assert retry_after({"retry-after": "inf", "x-ratelimit-reset-tokens-minute": "2.5"}) == 2.5
+
+
+@pytest.mark.parametrize("which", BACKENDS)
+def test_a_503_passes_on_the_delay_its_backend_asked_for(which: str, mock: MockChatServer) -> None:
+    """An overloaded backend's 503 with ``retry-after`` reached the client as a 503 without it
+    (HTTP headers, and a WebSocket error frame's ``error.headers``), so openai-python and Codex
+    came back at their own backoff of a fraction of a second instead of when asked. Only the
+    backend's explicit delay is passed on, never its x-ratelimit-* headers."""
+    body = {"error": {"message": "We're experiencing high traffic right now! Please try again soon.", "type": "service_unavailable"}}
+    headers = {"retry-after": "7", "x-ratelimit-reset-tokens-minute": "30", "x-ratelimit-remaining-tokens-minute": "0"}
+    _, exc = _stream(which, mock, Reply.error(503, body, headers))
+    assert isinstance(exc, errors.BackendUnavailable) and exc.status == 503 and exc.code == "server_error"
+    assert exc.headers == {"retry-after": "7", "retry-after-ms": "7000"}
+    from hotloop.protocol.events import ws_error
+
+    assert b'"headers":{"retry-after":"7","retry-after-ms":"7000"}' in ws_error(exc)[1]
+    # without a delay of its own (only the account's reset times): nothing to pass on
+    _, exc = _stream(which, mock, Reply.error(503, body, {"x-ratelimit-reset-tokens-minute": "30"}))
+    assert isinstance(exc, errors.BackendUnavailable) and exc.headers == {}
+
+
+def test_hotloops_own_retry_of_a_503_waits_as_long_as_asked() -> None:
+    from hotloop.backends.chat.statuses import MAX_RETRY_DELAY, retry_delay
+
+    def unavailable(headers: dict[str, str]) -> errors.HotloopError:
+        return status_error(503, headers, None, backend="b", model="m")
+
+    assert retry_delay(unavailable({}), 0) == 0.25  # its own backoff
+    assert retry_delay(unavailable({"retry-after-ms": "1500"}), 0) == 1.5
+    assert retry_delay(unavailable({"retry-after": "0"}), 1) == 0.5  # never sooner than its backoff
+    assert retry_delay(unavailable({"retry-after": str(MAX_RETRY_DELAY + 1)}), 0) is None  # surfaced at once
