@@ -104,6 +104,17 @@ def test_function_calls_parallel_and_after_text() -> None:
     assert [e["output_index"] for e in arg_deltas] == [1, 1, 2]
 
 
+def test_a_call_without_arguments_has_the_empty_object() -> None:
+    """A backend that sends no arguments (or "") for a no-parameter function: "{}", as OpenAI
+    sends, in a delta and in the done events alike (clients parse arguments as JSON)."""
+    ev = run(make_turn(), [ToolCallDelta(0, call_id="call_a", name="list_files", arguments=""), Finish("tool_calls")])
+    check_invariants(ev)
+    deltas = [e["delta"] for e in ev if e["type"] == "response.function_call_arguments.delta"]
+    done = [e["arguments"] for e in ev if e["type"] == "response.function_call_arguments.done"]
+    assert deltas == ["{}"] and done == ["{}"]
+    assert ev[-1]["response"]["output"][0]["arguments"] == "{}"
+
+
 def test_reasoning_then_answer_counts_reasoning_tokens() -> None:
     ev = run(make_turn(), [ReasoningDelta("think"), TextDelta("ok"), Usage(output_tokens=2, reasoning_tokens=1), Finish()])
     check_invariants(ev)

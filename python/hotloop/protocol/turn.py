@@ -370,6 +370,12 @@ class Turn:
         else:
             index = int(item.key[5:])
             self._closed_calls.add(index)
+            if not text and status == "completed":
+                # A call without arguments: some servers send none at all, or "" (a no-parameter
+                # function), where OpenAI sends "{}" and clients parse the arguments as JSON (Codex
+                # fails on ""). Streamed as a delta too, so the deltas still add up to the arguments.
+                text = "{}"
+                out.append(self._ev.arguments_delta(self._next(), item.item_id, idx, text))
             out.append(
                 self._ev.event(
                     ev.FUNCTION_CALL_ARGUMENTS_DONE,
