@@ -365,6 +365,50 @@ def test_steer_failures(paced: Server) -> None:
         assert collect(ws, 1)[-1]["type"] == "response.completed"
 
 
+_SLOW_STORE_WRITE = """
+import asyncio, sys
+import hotloop.pipeline.post as post
+
+flush = post.Persistence.flush
+
+async def slow_flush(self):
+    await asyncio.sleep(0.4)  # the store's write (--store-sync full) takes a while
+    return await flush(self)
+
+post.Persistence.flush = slow_flush
+from hotloop.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_steer_while_the_terminal_event_waits_for_the_store(tmp_path: Path) -> None:
+    """With --store-sync full the terminal event waits for the store's write: a steer arriving
+    then was accepted (or refused) with a number after the terminal event's, sent before it, so
+    the response's numbers went backwards on the wire. The response is ending: refused, numbered 0."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    with run_server(tmp_path, "--sim-rate", "400", "--store-sync", "full", entry=("-c", _SLOW_STORE_WRITE)) as srv:
+        with ws_connect(srv.ws + "/responses") as ws:
+            ws.send(create(input="go", tools=tools, store=True, metadata={"sim": "tools:1"}))
+            events = [recv(ws)]
+            rid = events[0]["response"]["id"]
+            while True:  # until the stream pauses after the call's arguments: its end waits for the store
+                try:
+                    events.append(json.loads(ws.recv(timeout=0.2)))
+                except TimeoutError:
+                    if events[-1]["type"] == "response.function_call_arguments.delta":
+                        break
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "late"}))
+            while events[-1]["type"] != "response.completed":
+                events.append(recv(ws, 5))
+            with pytest.raises(TimeoutError):
+                ws.recv(timeout=0.3)  # nothing pending, no successor
+    [failed] = [e for e in events if e["type"].startswith("response.steer.")]
+    assert failed["type"] == "response.steer.failed" and failed["error"]["code"] == "response_not_active"
+    assert failed["sequence_number"] == 0
+    numbered = [e["sequence_number"] for e in events if not e["type"].startswith("response.steer.")]
+    assert numbered == list(range(len(numbered)))
+
+
 def test_too_many_pending_steers(paced: Server) -> None:
     with ws_connect(paced.ws + "/responses") as ws:
         tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]

@@ -52,8 +52,8 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
   names another parent or none), the queued input comes back in ``response.steer.failed`` with
   ``response_not_active``.
 * Steering events carry the target response's ``sequence_number`` numbering (the transport takes
-  the next number of that response's stream; ``0`` when no response is involved) and its lane's
-  ``stream_id``.
+  the next number of that response's stream; ``0`` when no response is involved, or when its
+  terminal event exists but is not sent yet: see ``finishing``) and its lane's ``stream_id``.
 """
 
 from __future__ import annotations
@@ -203,6 +203,7 @@ class Session:
         decode_create: Callable[[str], tuple[CreateRequest, Any] | None] | None = None,
         convert_create: Callable[[dict[str, Any]], CreateRequest] | None = None,
         check_steer: Callable[[list[dict[str, Any]]], None] | None = None,
+        finishing: Callable[[str], bool] | None = None,
     ) -> None:
         """``decode_create``: a faster decoder the transport may offer for frames of
         OFFERED_BYTES or more (a full-history input matched against cached prefixes by its
@@ -215,8 +216,13 @@ class Session:
         only :class:`~hotloop.errors.HotloopError`). ``check_steer``: the turn bounds the
         steered response's successor will be held to, checked on its steering items (those
         pending and a new submission's, as message items) before the submission is accepted
-        and cuts the running response; raises :class:`~hotloop.errors.HotloopError`."""
+        and cuts the running response; raises :class:`~hotloop.errors.HotloopError`.
+        ``finishing``: whether a running response's terminal event exists but may not have been
+        sent yet (``--store-sync full`` holds it for the store's write): such a response is
+        ending (``response_not_active``), and the reply is numbered ``0``, as a number after
+        its terminal event would go out before that event."""
         self.check_steer = check_steer
+        self.finishing = finishing
         self.decode_create = decode_create
         self.convert_create = convert_create if convert_create is not None else convert_body
         self.opened_at = opened_at
@@ -555,12 +561,16 @@ class Session:
             st = self._lanes[target]
         elif isinstance(prev, str) and prev in self._known:
             target = self._known[prev][0]
+        # its terminal event exists but is still to be sent: a reply numbered after it would
+        # go out first, so the reply is numbered 0, as for a response that is over
+        finishing = st is not None and not st.ending and self.finishing is not None and self.finishing(str(prev))
+        numbered = st is not None and not finishing  # the reply joins the running response's numbering
 
         def fail(code: str, message: str) -> list[Action]:
             return [
                 SteerEvent(
                     ev.STEER_FAILED, prev if isinstance(prev, str) else "", target,
-                    prev if st is not None else None, input=raw_input, code=code, message=message,
+                    prev if numbered else None, input=raw_input, code=code, message=message,
                 )
             ]
 
@@ -584,7 +594,7 @@ class Session:
         if st.ending == "completed":
             return fail("response_already_completed", f"Response '{prev}' has completed and no longer accepts "
                         "steering input.")
-        if st.ending or self.closing:
+        if st.ending or finishing or self.closing:
             return fail("response_not_active", f"Response '{prev}' is ending and no longer accepts steering input.")
         assert st.request is not None
         if st.request.generate is False:

@@ -139,9 +139,16 @@ class Connection:
             decode_create=self._decode_create,
             convert_create=self._convert_create,
             check_steer=lambda items: guard.check(items, cfg.max_turn_input_items, cfg.max_turn_input_bytes),
+            finishing=self._finishing,
         )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
         return self.session
+
+    def _finishing(self, response_id: str) -> bool:
+        """Whether a running response's terminal event exists (``--store-sync full`` holds it
+        until the store's write is done; Session.finishing)."""
+        run = self._runs.get(response_id)
+        return run is not None and run.turn.done
 
     def _decode_create(self, frame: str) -> Any:
         """A large ``response.create`` frame (FAST_DECODE_BYTES or more), which may resend a
