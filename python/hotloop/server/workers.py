@@ -173,7 +173,20 @@ def _prepare_store(config: Config) -> None:
     from hotloop.tenants.keys import SQLiteKeyStore
 
     SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, busy_timeout=config.store_busy_timeout).close()
-    SQLiteKeyStore(config.db_path).close()
+    keys = SQLiteKeyStore(config.db_path)
+    try:
+        limited = [r.name for r in keys.list() if r.active and (r.limits.rpm or r.limits.tpm or r.limits.max_concurrent)]
+    finally:
+        keys.close()
+    if limited:
+        # Each worker keeps a key's rate and concurrency limits in its own memory on SQLite (only
+        # Redis shares them): a key whose connections land on several workers gets up to
+        # --workers times its limits. Said at start, once (README, Scaling out).
+        log.warning(
+            "per-key limits are kept by each worker on its own with --store sqlite: with --workers %d a key may "
+            "get up to %d times its rpm, tpm and max_concurrent (keys with limits: %s); use --store redis to share them",
+            config.workers, config.workers, ", ".join(sorted(limited)[:5]) + (", ..." if len(limited) > 5 else ""),
+        )
 
 
 def _signal_name(signum: int) -> str:
