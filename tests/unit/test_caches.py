@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
+import tracemalloc
 from typing import Any
 
 import msgspec
@@ -14,7 +16,7 @@ from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.post import from_record, to_record
 from hotloop.pipeline.prepare import finished, prepare
 from hotloop.protocol.objects import IdGen, response_object
-from hotloop.protocol.request import FunctionCall, Message, OutputText, decode_body, validate
+from hotloop.protocol.request import FunctionCall, Message, OutputText, decode_body, decode_items, validate
 from hotloop.server.runner import make_app
 from hotloop.state.context import (
     ITEM_OVERHEAD,
@@ -23,7 +25,9 @@ from hotloop.state.context import (
     Context,
     ResponseCache,
     entry_nbytes,
+    held_extra,
     item_nbytes,
+    response_nbytes,
 )
 
 IDS = IdGen(deterministic=True)
@@ -57,11 +61,77 @@ def test_split_and_analyze_report_the_same_sizes() -> None:
     ]
     _, _, _, split_sizes = itemlib.split(items, itemlib.TokenCache())
     _, _, analyze_sizes = itemlib.analyze(items, itemlib.TokenCache())
-    assert split_sizes == analyze_sizes == [len(itemlib.canonical(it)) + ITEM_OVERHEAD for it in items]
+    assert split_sizes == analyze_sizes == [
+        len(itemlib.canonical(it)) + ITEM_OVERHEAD + held_extra(it) for it in items
+    ]
     assert split_sizes[0] >= 1000 + ITEM_OVERHEAD
     assert split_sizes[1] >= 600 + ITEM_OVERHEAD  # UTF-8 bytes, not characters
     # the estimate for items of unknown size (loaded from the store) is never below the exact one
     assert all(item_nbytes(it) >= n for it, n in zip(items, split_sizes))
+
+
+def _held(raw_items: list[Any]) -> int:
+    """Bytes the decoded items of ``raw_items`` really hold (tracemalloc, from their JSON)."""
+    body = json.dumps(raw_items, separators=(",", ":")).encode()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        items = decode_items(msgspec.json.decode(body))
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    _HELD.append(items)  # measured after the sizes are asked: encoding caches UTF-8 copies
+    return held
+
+
+_HELD: list[Any] = []
+
+
+def test_sizes_count_what_decoded_items_hold_not_only_their_json() -> None:
+    """An item was counted as its view's JSON plus 256 bytes: an item kept verbatim with an array
+    of 90,000 empty objects (270 KB of JSON) held 6.5 MB decoded (24x), a message of 90,000
+    two-letter parts 9x, a reasoning summary 20x, Latin text with one emoji 4-5x; a server's
+    response and prefix caches, within their 128 MiB each, held 1.35 GB after 30 such requests.
+    Now every size is at least about what the decoded item holds."""
+    n = 30_000
+    shapes: dict[str, list[Any]] = {
+        "verbatim_objects": [{"type": "custom_tool_call", "call_id": "c", "input": "y", "extra": [{} for _ in range(n)]}],
+        "verbatim_arrays": [{"type": "custom_tool_call", "call_id": "c", "input": "y", "extra": [[] for _ in range(n)]}],
+        "verbatim_strings": [{"type": "custom_tool_call", "call_id": "c", "extra": [f"{i % 100:02d}" for i in range(n)]}],
+        "message_parts": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ab"}] * n}],
+        "output_parts": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": ""}] * n}],
+        "summary_parts": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "ab"}] * n}],
+        "one_emoji": [{"type": "message", "role": "user", "content": "\U0001F600" + "a" * 300_000}],
+        "emoji_args": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "\U0001F600" + "a" * 300_000}],
+    }
+    for name, raw in shapes.items():
+        held = _held(raw)
+        items = _HELD.pop()
+        counted = sum(itemlib.split(items)[3])
+        estimated = sum(map(item_nbytes, items))
+        assert counted >= held * 0.8, (name, held, counted)
+        assert estimated >= held * 0.8, (name, held, estimated)
+        assert counted <= held * 4, (name, held, counted)  # and not wildly over
+    # ordinary ASCII items: sizes as before (their JSON plus ITEM_OVERHEAD)
+    plain = [Message(role="user", content="x" * 1000), FunctionCall(call_id="c1", name="f", arguments='{"a": 1}')]
+    assert itemlib.split(plain)[3] == [len(itemlib.canonical(it)) + ITEM_OVERHEAD for it in plain]
+
+
+def test_a_response_counts_its_output_schema_as_decoded() -> None:
+    """A text.format schema of 30,000 empty objects (90 KB of JSON) held 8 times the count of the
+    Response object that echoes it (its JSON weighted 3 times)."""
+    schema = {"type": "object", "x": [{} for _ in range(30_000)]}
+    body = json.dumps({"text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}).encode()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        response = msgspec.json.decode(body)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert response_nbytes(response) >= held
 
 
 def test_context_nbytes_of_a_continuation_is_parent_plus_new() -> None:

@@ -46,7 +46,7 @@ from hotloop.protocol.request import (
     model_view,
 )
 from hotloop.state import fpkey
-from hotloop.state.context import ITEM_OVERHEAD
+from hotloop.state.context import ITEM_OVERHEAD, held_extra
 from hotloop.state.store import LEGACY_OWNER
 
 # The canonical form: compact JSON with sorted keys, by msgspec. A Cython canonicaliser measured
@@ -253,7 +253,8 @@ def split(
 ) -> tuple[list[bytes], list[int], list[tuple[int, str]], list[int]]:
     """Fingerprints, cached token counts (0 where unknown), the ``(index, text)`` still to count,
     and item sizes in bytes for :attr:`Context.nbytes` (the length of the canonical JSON the
-    fingerprint hashes, plus ``ITEM_OVERHEAD``: no second encoding).
+    fingerprint hashes, plus ``ITEM_OVERHEAD`` and what the decoded item holds beyond its JSON,
+    :func:`hotloop.state.context.held_extra`: no second encoding).
 
     :raises errors.InvalidValue: an item whose count is not cached nests too deeply.
     """
@@ -275,7 +276,7 @@ def split(
             n = 0
         fps.append(fp)
         toks.append(n)
-        sizes.append(len(data) + overhead)
+        sizes.append(len(data) + overhead + held_extra(item))
     return fps, toks, missing, sizes
 
 

@@ -30,6 +30,7 @@ form (``RESPONSE_WEIGHT``; its tool definitions, unless the tools cache holds th
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import msgspec
 
 from hotloop import _accel
-from hotloop.protocol.request import FunctionCall, Item, checked_tools
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, Message, OtherItem, Reasoning, checked_tools
 from hotloop.state.store import LEGACY_OWNER, visible
 
 
@@ -46,14 +47,85 @@ from hotloop.state.store import LEGACY_OWNER, visible
 ITEM_OVERHEAD = 256
 
 
+# What each content part (or reasoning summary/content part) of an item costs beyond its text's
+# JSON: the part object, its list slot and its text's str header (measured about 100 bytes for a
+# part with a 2-character text, whose JSON in the item's view is 7 bytes).
+PART_OVERHEAD = 128
+
+_getsizeof = sys.getsizeof
+
+
+def _tree_nbytes(obj: Any) -> int:
+    """Bytes a decoded JSON value holds: every container, key and scalar (iterative, any depth).
+    Shared objects (small ints, ``None``) count too: the safe direction."""
+    n = 0
+    stack = [obj]
+    pop, extend = stack.pop, stack.extend
+    while stack:
+        o = pop()
+        n += _getsizeof(o)
+        t = type(o)
+        if t is dict:
+            extend(o.keys())
+            extend(o.values())
+        elif t is list or t is tuple:
+            extend(o)
+    return n
+
+
+def _parts_extra(parts: Any) -> int:
+    n = PART_OVERHEAD * len(parts)
+    for p in parts:
+        for f in p.__struct_fields__:
+            v = getattr(p, f)
+            t = type(v)
+            if t is str:
+                if not v.isascii():
+                    n += _getsizeof(v)
+            elif (t is list or t is dict) and v:
+                n += _tree_nbytes(v)
+    return n
+
+
+def held_extra(item: Item) -> int:
+    """Bytes an item holds decoded beyond its JSON and ``ITEM_OVERHEAD`` (a few hundred ns for a
+    message or a call): ``PART_OVERHEAD`` for each content part, a non-ASCII string whole (1 to 4
+    bytes a character, and its UTF-8 copy once encoded, where its JSON has 1 to 4 bytes a
+    character: text with one emoji held 4-5 times its JSON), and an item kept verbatim
+    (``OtherItem``) as all its decoded values (an array of empty objects held 24 times its JSON).
+    An ASCII string holds about its JSON length."""
+    t = type(item)
+    if t is Message or t is FunctionCallOutput:
+        c = item.content if t is Message else item.output  # type: ignore[union-attr]
+        if type(c) is str:
+            return 0 if c.isascii() else _getsizeof(c)
+        return _parts_extra(c)
+    if t is FunctionCall:
+        n = 0
+        for s in (item.call_id, item.name, item.arguments):  # type: ignore[union-attr]
+            if not s.isascii():
+                n += _getsizeof(s)
+        return n
+    if t is Reasoning:
+        r: Reasoning = item  # type: ignore[assignment]
+        n = _parts_extra(r.summary) + (_parts_extra(r.content) if r.content else 0)
+        e = r.encrypted_content
+        return n + (_getsizeof(e) if e and not e.isascii() else 0)
+    if t is OtherItem:
+        return _tree_nbytes(item.data)  # type: ignore[union-attr]
+    return 0
+
+
 def item_nbytes(item: Item) -> int:
-    """Approximate bytes an item holds (its wire JSON plus ``ITEM_OVERHEAD``), for items whose
-    size nobody computed (loaded from the store). Slightly above the size
-    :func:`hotloop.pipeline.items.split` reports for the same item (ids and type tags count)."""
+    """Approximate bytes an item holds (its wire JSON plus ``ITEM_OVERHEAD`` and
+    :func:`held_extra`), for items whose size nobody computed (loaded from the store). Slightly
+    above the size :func:`hotloop.pipeline.items.split` reports for the same item (ids and type
+    tags count)."""
     try:
-        return len(msgspec.json.encode(item)) + ITEM_OVERHEAD
+        n = len(msgspec.json.encode(item)) + ITEM_OVERHEAD
     except (TypeError, ValueError, OverflowError):  # not JSON-encodable: count the overhead only
-        return ITEM_OVERHEAD
+        n = ITEM_OVERHEAD
+    return n + held_extra(item)
 
 
 # A Response object decoded, against its JSON: measured 1.4x (output text) to 2.8x (tool
@@ -93,6 +165,16 @@ def response_nbytes(response: dict[str, Any]) -> int:
         n *= RESPONSE_WEIGHT
         if tools and type(tools) is list and shared is None:  # not the tools cache's
             n += TOOLS_WEIGHT * len(msgspec.json.encode(tools))
+        # the two other values of any shape a client sets: an output format's schema (an array
+        # of empty objects held 8 times its weighted JSON) and a tool_choice object, as decoded
+        text = response.get("text")
+        fmt = text.get("format") if type(text) is dict else None
+        schema = fmt.get("schema") if type(fmt) is dict else None
+        if schema:
+            n += _tree_nbytes(schema)
+        choice = response.get("tool_choice")
+        if type(choice) is dict:
+            n += _tree_nbytes(choice)
         return n
     except (TypeError, ValueError, OverflowError):
         return 0
