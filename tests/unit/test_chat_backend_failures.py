@@ -88,6 +88,10 @@ def test_an_error_objects_status_is_read_from_its_fields() -> None:
     assert _error_status({"code": "429"}) == 429
     assert _error_status({"code": 503}) == 503
     assert _error_status({"status": " 400 "}) == 400
+    # OpenAI's code words that name a status (a number, when there is one, wins)
+    assert _error_status({"code": "context_length_exceeded", "message": "too long"}) == 400
+    assert _error_status({"code": "rate_limit_exceeded"}) == 429
+    assert _error_status({"code": "rate_limit_exceeded", "status": 503}) == 503
     # not a status: an OpenAI-style code word, a number outside 4xx/5xx, a bool
     for error in ({"code": "server_error"}, {"code": "200"}, {"code": "42"}, {"code": True}, {"code": "4e2"}, {"code": "4\u00b2\u00b9"}, "boom", None):
         assert _error_status(error) == 500

@@ -72,7 +72,7 @@ import msgspec
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
-from hotloop.state.context import CachedResponse, Context
+from hotloop.state.context import CachedResponse, Context, held_extra
 from hotloop.state.store import (
     LEGACY_OWNER, History, MissingParent, ResponseStore, StoreBusy, StoredResponse, TransactionLost, UsageRecord, UsageRow,
     failure_kind, locked, page_items,
@@ -136,13 +136,14 @@ def _parts_nbytes(parts: Any) -> int:
 
 def approx_nbytes(items: list[Item]) -> int:
     """Estimated bytes a stored record of ``items`` holds: their strings plus ``ITEM_OVERHEAD``
-    each (no encoding, except for item types kept verbatim, which are rare)."""
+    each and what the decoded items hold beyond that (:func:`~hotloop.state.context.held_extra`:
+    content parts, non-ASCII strings, an item kept verbatim as all its decoded values)."""
     n = ITEM_OVERHEAD * len(items)
     for it in items:
         t = type(it)
+        n += held_extra(it)
         if t is OtherItem:
-            n += len(_enc.encode(it.data))  # type: ignore[union-attr]
-            continue
+            continue  # (held_extra counted all of it)
         n += _parts_nbytes(getattr(it, "content", None)) + _parts_nbytes(getattr(it, "output", None))
         n += _parts_nbytes(getattr(it, "summary", None))
         if t is FunctionCall:

@@ -315,17 +315,26 @@ def _ordinary(event: str, data: str) -> ChatChunk | None:
     return None if chunk.error is not None else chunk
 
 
+# OpenAI's error code words that say which status an error object without a number stands for
+_CODE_STATUS = {"context_length_exceeded": 400, "rate_limit_exceeded": 429}
+
+
 def _error_status(error: object) -> int:
     """The HTTP status an error object sent inside a 200 stream stands for: its ``status_code``,
     ``code`` or ``status`` when that is a 4xx/5xx status, as a number (vLLM, OpenRouter) or as a
-    string of digits (LiteLLM's proxy: ``"code": "429"``); 500 otherwise."""
+    string of digits (LiteLLM's proxy: ``"code": "429"``), or an OpenAI code word that names one
+    (``context_length_exceeded``: 400, not retried; ``rate_limit_exceeded``: 429); 500 otherwise."""
     if isinstance(error, dict):
+        code = error.get("code")
+        word = _CODE_STATUS.get(code) if isinstance(code, str) else None
         for key in ("status_code", "code", "status"):
             v = error.get(key)
             if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
                 v = int(v)
             if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
                 return v
+        if word is not None:
+            return word
     return 500
 
 
