@@ -479,3 +479,22 @@ def test_token_cache_views_are_per_owner_and_share_the_bound_and_counters() -> N
     for i in range(3):  # the bound is the cache's, all owners together
         bob.put(bytes([i]) * 16, i)
     assert len(cache) == 3 and alice.get(fp) is None
+
+
+def test_a_size_walk_is_bounded_and_estimates_past_its_bound() -> None:
+    """An item kept verbatim of millions of tiny values is not walked value by value (seconds on
+    the event loop): past WALK_NODES values it counts VERBATIM_WORST times its JSON; so do
+    content parts past WALK_PARTS, by the average of those seen."""
+    import msgspec
+
+    from hotloop.protocol.request import InputText, Message, OtherItem
+    from hotloop.state import context
+
+    small = {"type": "x_call", "input": [{} for _ in range(100)]}
+    assert context._tree_nbytes(small) is not None
+    big = {"type": "x_call", "input": [{} for _ in range(200_000)]}
+    assert context._tree_nbytes(big) is None
+    assert context.held_extra(OtherItem(type="x_call", data=big)) == context.VERBATIM_WORST * len(msgspec.json.encode(big))
+    parts = [InputText(text="\u00e9" * 3) for _ in range(3 * context.WALK_PARTS)]
+    each = context.held_extra(Message(role="user", content=parts[:10])) // 10
+    assert context.held_extra(Message(role="user", content=parts)) == each * len(parts)

@@ -139,3 +139,16 @@ def test_hotloops_own_retry_of_a_503_waits_as_long_as_asked() -> None:
     assert retry_delay(unavailable({"retry-after-ms": "1500"}), 0) == 1.5
     assert retry_delay(unavailable({"retry-after": "0"}), 1) == 0.5  # never sooner than its backoff
     assert retry_delay(unavailable({"retry-after": str(MAX_RETRY_DELAY + 1)}), 0) is None  # surfaced at once
+
+
+def test_a_delay_too_large_for_milliseconds_and_a_long_digit_code_map_without_crashing() -> None:
+    """``retry-after: 1e306`` is finite, but its milliseconds overflowed (``int(inf)``) in the
+    429's and the 503's headers; a code of 5,000 digits passed Python's int() digit limit."""
+    from hotloop.backends.chat.backend import _error_status
+    from hotloop.backends.chat.statuses import status_error
+
+    busy = status_error(503, {"retry-after": "1e306"}, None, backend="b", model="m")
+    assert isinstance(busy, errors.BackendUnavailable) and "retry-after" not in busy.headers
+    limited = status_error(429, {"retry-after": "1e306"}, None, backend="b", model="m")
+    assert isinstance(limited, errors.RateLimited)
+    assert _error_status({"code": "4" * 5000}) == 500

@@ -329,7 +329,7 @@ def _error_status(error: object) -> int:
         word = _CODE_STATUS.get(code) if isinstance(code, str) else None
         for key in ("status_code", "code", "status"):
             v = error.get(key)
-            if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
+            if isinstance(v, str) and len(v.strip()) == 3 and v.strip().isascii() and v.strip().isdigit():
                 v = int(v)
             if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
                 return v

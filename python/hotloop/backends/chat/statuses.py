@@ -51,7 +51,8 @@ def _seconds(value: str) -> float | None:
     except ValueError:
         pass
     else:
-        return max(0.0, v) if math.isfinite(v) else None
+        # not finite, or too large to be in milliseconds (1e306 s: retry-after-ms overflowed)
+        return max(0.0, v) if math.isfinite(v * 1000.0) else None
     total, pos = 0.0, 0
     for m in _DURATION_RE.finditer(value):
         if m.start() != pos:
