@@ -142,6 +142,20 @@ class RequestTimeout(HotloopError):
         super().__init__(f"The request did not arrive within {seconds:g} seconds.")
 
 
+def retry_headers(delay: float | None) -> dict[str, str]:
+    """A delay as clients read it: ``retry-after`` (seconds) and ``retry-after-ms``; none without one."""
+    if delay is None:
+        return {}
+    return {"retry-after": f"{delay:g}", "retry-after-ms": str(int(delay * 1000))}
+
+
+def retrieved(fut: Any) -> None:
+    """A done callback: the outcome of a future nobody awaits (a call given up on, a failure
+    nobody joined) is retrieved, so asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class RateLimited(HotloopError):
     status = 429
     type = "rate_limit_exceeded"
@@ -154,10 +168,7 @@ class RateLimited(HotloopError):
         retry_after: float | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        hdrs = dict(headers or {})
-        if retry_after is not None:
-            hdrs.setdefault("retry-after", f"{retry_after:g}")
-            hdrs.setdefault("retry-after-ms", str(int(retry_after * 1000)))
+        hdrs = {**retry_headers(retry_after), **(headers or {})}
         super().__init__(message, headers=hdrs)
         self.retry_after = retry_after
 

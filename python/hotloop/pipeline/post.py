@@ -69,6 +69,7 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 
+from hotloop import errors
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline.classifiers import freeze, frozen
 from hotloop.protocol.request import FunctionCall, InputAudio, Item, OtherItem, item_from_dict, item_to_dict
@@ -93,12 +94,6 @@ FAILURE_LOG_SECONDS = 60.0
 # LOCKED_RETRY_PAUSE seconds after each failed try, for at most LOCKED_RETRY_SECONDS from its first
 LOCKED_RETRY_PAUSE = 0.05
 LOCKED_RETRY_SECONDS = 60.0
-
-
-def _retrieve(fut: "asyncio.Future[Any]") -> None:
-    """A done callback: the outcome of a call given up on is retrieved (not logged at exit)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 class Snapshot(NamedTuple):
@@ -451,7 +446,7 @@ class Persistence:
             if not late:
                 log.error("closing the store at shutdown did not finish within %g s: left to the process's exit", timeout)
             self.stuck = True  # its thread is not joined (serve() exits without it)
-            closing.add_done_callback(_retrieve)
+            closing.add_done_callback(errors.retrieved)
             self._pool.shutdown(wait=False, cancel_futures=True)
             return
         closing.result()  # a failing close raises, as it did when awaited directly

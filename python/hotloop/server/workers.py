@@ -170,12 +170,12 @@ def _prepare_store(config: Config) -> None:
     if config.store != "sqlite":
         return
     from hotloop.state.store import SQLiteStore
-    from hotloop.tenants.keys import SQLiteKeyStore
+    from hotloop.tenants.keys import UNLIMITED, SQLiteKeyStore
 
     SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, busy_timeout=config.store_busy_timeout).close()
     keys = SQLiteKeyStore(config.db_path)
     try:
-        limited = [r.name for r in keys.list() if r.active and (r.limits.rpm or r.limits.tpm or r.limits.max_concurrent)]
+        limited = [r.name for r in keys.list() if r.active and r.limits != UNLIMITED]
     finally:
         keys.close()
     if limited:

@@ -226,6 +226,18 @@ class TransactionLost(Exception):
 _LOCKED_CODES = (5, 6)
 
 
+@contextlib.contextmanager
+def busy_wait(db: sqlite3.Connection, seconds: float, restore: float) -> Iterator[None]:
+    """``db``'s statements inside wait at most ``seconds`` (0: not at all) for another
+    connection's write lock; then its busy timeout is ``restore`` seconds again (the caller holds
+    whatever lock serialises the connection's users)."""
+    db.execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
+    try:
+        yield
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {int(restore * 1000)}")
+
+
 def locked(exc: BaseException) -> bool:
     """Whether ``exc`` (or the error behind a :class:`TransactionLost`) is SQLite's "database is
     locked": the write waited out the busy timeout behind another connection's write lock and
@@ -926,16 +938,10 @@ class SQLiteStore(_Pruned):
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
 
-    @contextlib.contextmanager
-    def _waiting(self, seconds: float) -> Iterator[None]:
+    def _waiting(self, seconds: float) -> contextlib.AbstractContextManager[None]:
         """The connection's statements inside wait at most ``seconds`` (0: not at all) for
         another connection's write lock, instead of the busy timeout (the caller holds the lock)."""
-        db = self._db
-        db.execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
-        try:
-            yield
-        finally:
-            db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        return busy_wait(self._db, seconds, self.busy_timeout)
 
     def _tidy_at_open(self, what: str, write: Callable[[], None]) -> None:
         """At open, a write that only tidies up (``what``, ``OPEN_WAIT``): locked out, it is left

@@ -70,11 +70,6 @@ ADMIN = Tenant("admin", "admin", admin=True)
 ANONYMOUS = Tenant(LEGACY_OWNER, "anonymous")
 
 
-def _retrieved(fut: "asyncio.Future[None]") -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
@@ -212,7 +207,7 @@ class Tenancy:
                 return await asyncio.shield(self._refreshing)
         loop = asyncio.get_running_loop()
         fut = self._refreshing = loop.create_future()
-        fut.add_done_callback(_retrieved)  # a failure nobody joined is not "never retrieved"
+        fut.add_done_callback(errors.retrieved)  # a failure nobody joined is not "never retrieved"
         try:
             version, records = await loop.run_in_executor(self._pool, self._read, self._version)
             if records is not None:

@@ -230,13 +230,11 @@ class SQLiteKeyStore:
 
     def touch(self, used: dict[str, float]) -> None:
         """:raises sqlite3.OperationalError: locked out for ``TOUCH_BUSY_TIMEOUT`` (nothing written)."""
-        with self._lock:
-            db = self._db
-            db.execute(f"PRAGMA busy_timeout = {int(TOUCH_BUSY_TIMEOUT * 1000)}")
-            try:  # (times written before a later statement was locked out are written again: harmless)
-                db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?", [(t, k) for k, t in used.items()])
-            finally:
-                db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        from hotloop.state.store import busy_wait
+
+        # (times written before a later statement was locked out are written again: harmless)
+        with self._lock, busy_wait(self._db, TOUCH_BUSY_TIMEOUT, self.busy_timeout):
+            self._db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?", [(t, k) for k, t in used.items()])
 
     def close(self) -> None:
         with self._lock:

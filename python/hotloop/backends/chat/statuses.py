@@ -113,13 +113,6 @@ def _asked_delay(headers: Mapping[str, str], now: float | None = None) -> float 
     return None
 
 
-def _delay_headers(delay: float | None) -> dict[str, str]:
-    """A delay as a client reads it (``retry-after``, ``retry-after-ms``), as :class:`errors.RateLimited` sends it."""
-    if delay is None:
-        return {}
-    return {"retry-after": f"{delay:g}", "retry-after-ms": str(int(delay * 1000))}
-
-
 def _plain_seconds(delay: float) -> str:
     """A delay as Codex reads "try again in Ns": a plain number (3600, 1.5, 0.25), never "3.6e+03"."""
     return f"{delay:.0f}" if delay >= 100 else f"{delay:.3f}".rstrip("0").rstrip(".")
@@ -245,7 +238,7 @@ def status_error(
         # An overloaded backend's own word on when to come back is passed on (its x-ratelimit-*
         # headers describe hotloop's account, as for a 429, and are not).
         return errors.BackendUnavailable(
-            "The model backend is unavailable. Please try again later.", headers=_delay_headers(_asked_delay(headers))
+            "The model backend is unavailable. Please try again later.", headers=errors.retry_headers(_asked_delay(headers))
         )
     if status >= 500:
         return TransientBackendError(f"The model backend failed (HTTP {status}).")
