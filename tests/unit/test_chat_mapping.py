@@ -406,6 +406,11 @@ def test_text_reasoning_usage_finish() -> None:
         Finish("stop"),
     ]
     assert assemble([chunk({"content": "x"}, "length")])[-1] == Finish("length")
+    # a usage chunk whose choices are null, or absent, as some servers send it
+    for extra in ({"choices": None}, {}):
+        raw = json.dumps({**extra, "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+        tail = assemble([chunk({"content": "x"}, "stop"), msgspec.json.decode(raw, type=ChatChunk)])
+        assert tail == [TextDelta("x"), Usage(input_tokens=3, output_tokens=1), Finish("stop")]
     assert assemble([chunk({}, "function_call")])[-1] == Finish("tool_calls")
     assert assemble([chunk({}, "weird")])[-1] == Finish("stop")
 

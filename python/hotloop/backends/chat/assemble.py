@@ -72,7 +72,8 @@ class _Usage(msgspec.Struct):
 class ChatChunk(msgspec.Struct):
     """The parts of a ``chat.completion.chunk`` hotloop reads (unknown fields are ignored)."""
 
-    choices: list[_Choice] = []
+    # null as well as absent or []: servers send ``"choices": null`` in a stream's usage chunk
+    choices: list[_Choice] | None = None
     usage: _Usage | None = None
     error: Any = None  # an error object sent mid-stream (Cerebras, vLLM)
     status_code: int | None = None  # Cerebras' ErrorChunkResponse
@@ -156,7 +157,7 @@ class ChunkAssembler:
         out: list[Chunk] = []
         if chunk.usage is not None:
             self.usage = _usage(chunk.usage)
-        for choice in chunk.choices:
+        for choice in chunk.choices or ():
             if choice.index != 0:
                 continue  # hotloop never asks for n > 1
             d = choice.delta
