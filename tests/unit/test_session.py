@@ -325,6 +325,33 @@ def test_steer_on_a_tool_call_turn_is_pending_then_prepended() -> None:
     ]
 
 
+def test_pending_input_comes_back_when_the_connection_reaches_its_age_limit() -> None:
+    """Steering input waiting for the continuation of a tool-call turn, when the connection
+    reaches its age limit: no response on it will commit the input, so it comes back
+    (``response.steer.failed``) before the limit's error and the close."""
+    for running_other in (False, True):
+        sess = s()
+        run = running(sess)
+        acc, _ = sess.receive(steer("resp_1", "one"), 2)
+        stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
+        [p] = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
+        assert p.kind == "response.steer.pending"
+        other = None
+        if running_other:  # another lane still running: the close waits for it, the input does not
+            [other] = sess.receive(create("t"), 3)
+        actions = sess.expire()
+        back = actions[0]
+        assert isinstance(back, SteerEvent) and back.kind == "response.steer.failed"
+        assert (back.code, back.steer_id, back.input, back.stream_id) == ("successor_creation_failed", acc.steer_id, "one", "s")
+        if running_other:
+            assert actions[1:] == []
+            assert isinstance(other, RunCreate)
+            assert [type(a) for a in sess.lane_done("t", Ended("resp_2", "completed"), other)] == [SendError, Close]
+        else:
+            assert [type(a) for a in actions[1:]] == [SendError, Close]
+        assert sess.expire() == []
+
+
 def test_pending_input_comes_back_when_its_continuation_is_refused() -> None:
     """The explicit continuation after ``pending`` refused before it became a response (a
     malformed field): the refusal, then the queued input back; a corrected retry is ordinary."""

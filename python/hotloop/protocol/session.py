@@ -50,7 +50,8 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
   settings; if that request fails before ``response.created`` (refused on arrival too), the input
   comes back as ``successor_creation_failed``. If the lane moves on instead (its next response
   names another parent or none), the queued input comes back in ``response.steer.failed`` with
-  ``response_not_active``.
+  ``response_not_active``; when the connection reaches its age limit first, with
+  ``successor_creation_failed``.
 * Steering events carry the target response's ``sequence_number`` numbering (the transport takes
   the next number of that response's stream; ``0`` when no response is involved, or when its
   terminal event exists but is not sent yet: see ``finishing``) and its lane's ``stream_id``.
@@ -256,9 +257,15 @@ class Session:
             return []
         self.closing = True
         self._ready.clear()
-        for st in self._lanes.values():
+        out: list[Action] = []
+        for lane, st in self._lanes.items():
             self._drop_queue(st)
-        return self._close_if_idle()
+            # steering input waiting for its continuation (``response.steer.pending``) will not
+            # be committed by any response on this connection now: it comes back, as when its
+            # continuation fails, before the connection says why it closes
+            pending, st.pending_parent, st.pending = st.pending, None, []
+            out += [_failed(x, "successor_creation_failed", "The connection is closing.", lane) for x in pending]
+        return out + self._close_if_idle()
 
     def _drop_queue(self, st: _LaneState) -> None:
         for a in st.queue:
