@@ -168,6 +168,29 @@ def test_fork_from_another_lane_and_failed_fork_keeps_the_parent(paced: Server) 
         assert gone["error"]["code"] == "previous_response_not_found"
 
 
+def test_a_fork_off_a_response_still_running_on_another_lane_says_so(paced: Server) -> None:
+    """Another lane naming a response that has not ended: its output is not known, so the fork is
+    refused with a message that says why (the code clients handle for a parent they cannot
+    continue); the running response is not disturbed, and once it has completed the same fork
+    works."""
+    with ws_connect(paced.ws + "/responses") as ws:
+        ws.send(create(input="base", metadata={"sim": "text,tokens:60"}, stream_id="main"))
+        created = recv(ws)
+        assert created["type"] == "response.created"
+        parent = created["response"]["id"]
+        ws.send(create(input="fork", previous_response_id=parent, stream_id="side"))
+        events = collect(ws, 2)
+        [err] = [e for e in events if e["type"] == "error"]
+        assert err["stream_id"] == "side" and err["error"]["code"] == "previous_response_not_found"
+        assert err["error"]["param"] == "previous_response_id" and "still in progress" in err["error"]["message"]
+        [done] = [e for e in events if e["type"] == "response.completed"]
+        assert done["response"]["id"] == parent and done["stream_id"] == "main"
+        assert_well_formed([created, *events])
+        ws.send(create(input="fork", previous_response_id=parent, metadata={"sim": "text,tokens:3"}, stream_id="side"))
+        [*_, fork] = collect(ws, 1)
+        assert fork["type"] == "response.completed" and fork["response"]["previous_response_id"] == parent, fork
+
+
 def test_closing_the_socket_cancels_every_lane(tmp_path: Path) -> None:
     with run_server(tmp_path, "--sim-rate", "50", "--store", "memory") as srv:
         with ws_connect(srv.ws + "/responses") as ws:

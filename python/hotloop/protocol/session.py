@@ -494,6 +494,14 @@ class Session:
         st.ending = ""
         self._active[response_id] = lane
 
+    def in_progress(self, response_id: str) -> bool:
+        """Whether ``response_id`` is a response of this connection that has not sent its terminal
+        event yet (a continuation of it on another lane cannot start: its output is not known)."""
+        if response_id not in self._active:
+            return False
+        st = self._lanes.get(self._active[response_id])
+        return st is not None and st.response_id == response_id and not st.ending
+
     def ending(self, lane: Lane, status: str) -> None:
         """The lane's response sent its terminal event (``status``): it takes no more steering."""
         st = self._lanes.get(lane)

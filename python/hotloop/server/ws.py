@@ -368,6 +368,22 @@ class Connection:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
             return Ended()
         rid_ = request_id()  # this response's request id (logs, the backend's x-request-id)
+        prev = req.previous_response_id
+        session = self.session
+        assert session is not None
+        if prev is not None and session.in_progress(prev):
+            # A fork off a response still running on another lane (one on this lane waited for
+            # it): its output is not known yet. The code clients handle for a parent they cannot
+            # continue, with a message that says why; the parent is not evicted (a cross-lane
+            # fork's error preserves it).
+            err = errors.PreviousResponseNotFound(
+                prev,
+                f"Previous response with id '{errors.clip(prev)}' is still in progress on another stream of this "
+                "connection; continue from it once it has completed.",
+            )
+            self._count_error(err)
+            await self.send_frame(ev.ws_error(err, stream_id)[1])
+            return Ended()
         try:
             prefix, raw_input = action.decoded or (None, None)
             run: Run = await engine.start(
@@ -390,8 +406,6 @@ class Connection:
             await self.send_frame(ev.ws_error(errors.ServerError(), stream_id)[1])
             return Ended()
         rid = str(run.response["id"])
-        session = self.session
-        assert session is not None
         self._runs[rid] = run
         session.started(stream_id, rid, req)
         suffix = ev.stream_id_suffix(stream_id)
