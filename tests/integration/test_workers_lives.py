@@ -179,21 +179,3 @@ def test_the_supervisor_sleeps_while_idle_and_sees_a_death_at_once(tmp_path: Pat
             time.sleep(0.6)
     assert woke <= 5, f"the idle supervisor woke {woke} times in 1.5 s"
     assert all(t < 0.25 for t in late), late
-
-
-def test_workers_on_sqlite_warn_that_keys_limits_are_per_worker(tmp_path: Path) -> None:
-    """On SQLite each worker keeps a key's rate and concurrency limits in its own memory (Redis
-    shares them): a key may get up to --workers times its limits. Said once at start when a key
-    has limits, not when none has."""
-    from tests.integration.test_tenants import create_key
-
-    data = tmp_path / "data"
-    create_key(data, "free")
-    env = {"HOTLOOP_DATA_DIR": str(data)}
-    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0", env=env) as s:
-        assert "per-key limits" not in s.logs()
-    create_key(data, "capped", "--rpm", "2")
-    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0", env=env) as s:
-        logs = s.logs()
-    assert logs.count("per-key limits are kept by each worker on its own") == 1
-    assert "may get up to 2 times its rpm" in logs and "keys with limits: capped" in logs

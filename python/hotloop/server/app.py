@@ -228,4 +228,8 @@ def make_tenancy(config: Config, keys: KeyStore) -> Tenancy:
         from hotloop.tenants.redis_limits import RedisLimiter
 
         limiter = RedisLimiter(config.redis_url, max_keys=config.limit_max_keys)
+    elif config.store == "sqlite" and config.workers > 1:  # shared by the workers through a file of their own
+        from hotloop.tenants.sqlite_limits import SQLiteLimiter, limits_path
+
+        limiter = SQLiteLimiter(limits_path(config.db_path), max_keys=config.limit_max_keys)
     return Tenancy(keys, config.api_key, limiter, output_reserve=config.limit_output_reserve)

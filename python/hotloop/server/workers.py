@@ -26,8 +26,11 @@ The sockets are not inheritable: a program a worker runs does not keep a slot's 
 
 What the workers share is the store: SQLite in
 WAL mode (the parent creates the schema before forking; each worker's connection waits up to
-5 s on a lock) or Redis. A WebSocket is one connection, so its connection cache lives in the one
-worker that accepted it; HTTP continuations that land on another worker read the store
+5 s on a lock) or Redis; and each key's rate and concurrency limits: in Redis, or with SQLite in
+a file of their own (:mod:`hotloop.tenants.sqlite_limits`) that the parent makes fresh before
+forking, frees a dead worker's concurrency slots in as it reaps it, and removes once its workers
+are gone. A WebSocket is one connection, so its connection cache lives in the one worker that
+accepted it; HTTP continuations that land on another worker read the store
 (:mod:`hotloop.pipeline.shared`).
 
 Metrics: the parent points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh temporary directory (unless
@@ -166,27 +169,26 @@ def _listening(sock: socket.socket) -> bool:
 
 
 def _prepare_store(config: Config) -> None:
-    """Create the SQLite schema once, before the workers open the file concurrently."""
+    """Create the SQLite schema once, before the workers open the file concurrently, and a fresh
+    file for the per-key limits the workers share (:mod:`hotloop.tenants.sqlite_limits`: a
+    restarted server starts with full buckets and no slot, as a single server does)."""
     if config.store != "sqlite":
         return
     from hotloop.state.store import SQLiteStore
-    from hotloop.tenants.keys import UNLIMITED, SQLiteKeyStore
+    from hotloop.tenants import sqlite_limits
+    from hotloop.tenants.keys import SQLiteKeyStore
 
     SQLiteStore(config.db_path, config.store_max_responses, config.store_ttl_seconds, busy_timeout=config.store_busy_timeout).close()
-    keys = SQLiteKeyStore(config.db_path)
-    try:
-        limited = [r.name for r in keys.list() if r.active and r.limits != UNLIMITED]
-    finally:
-        keys.close()
-    if limited:
-        # Each worker keeps a key's rate and concurrency limits in its own memory on SQLite (only
-        # Redis shares them): a key whose connections land on several workers gets up to
-        # --workers times its limits. Said at start, once (README, Scaling out).
-        log.warning(
-            "per-key limits are kept by each worker on its own with --store sqlite: with --workers %d a key may "
-            "get up to %d times its rpm, tpm and max_concurrent (keys with limits: %s); use --store redis to share them",
-            config.workers, config.workers, ", ".join(sorted(limited)[:5]) + (", ..." if len(limited) > 5 else ""),
-        )
+    SQLiteKeyStore(config.db_path).close()
+    sqlite_limits.create(sqlite_limits.limits_path(config.db_path))
+
+
+def _free_slots(config: Config, pid: int) -> None:
+    """The concurrency slots a dead worker held in the limits file: its responses are gone."""
+    if config.store == "sqlite":
+        from hotloop.tenants import sqlite_limits
+
+        sqlite_limits.free_slots(sqlite_limits.limits_path(config.db_path), pid)
 
 
 def _signal_name(signum: int) -> str:
@@ -320,6 +322,7 @@ class Supervisor:
         try:
             self._replace(pid, slot, os.waitstatus_to_exitcode(status), up, ready, now)
         finally:  # after its socket is dealt with (the first time imports prometheus-client)
+            _free_slots(self.config, pid)  # before any replacement is forked: its pid is not reused yet
             try:
                 from prometheus_client import multiprocess
 
@@ -501,7 +504,13 @@ def serve_workers(config: Config) -> int:
             log.error("start-up failed: %s: %s", type(exc).__name__, exc)
             return STARTUP_FAILURE
         log.info("serving on http://%s:%d with %d workers", config.host, port, config.workers)
-        return Supervisor(config, socks).run()
+        try:
+            return Supervisor(config, socks).run()
+        finally:  # its workers are gone: so are the limits they shared
+            if config.store == "sqlite":
+                from hotloop.tenants import sqlite_limits
+
+                sqlite_limits.remove(sqlite_limits.limits_path(config.db_path))
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)

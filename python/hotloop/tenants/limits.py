@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from hotloop import errors
 from hotloop.tenants.keys import Limits
@@ -140,6 +140,29 @@ class Grant:
         if b is not None:
             b.refill(self.clock())
             b.level = min(b.capacity, b.level + self.reserved - (used or 0))
+
+
+class _Releaser(Protocol):
+    def release(self, grant: Any, correction: int) -> None: ...
+
+
+class SharedGrant(Grant):
+    """An admitted response of a limiter whose buckets live outside this process (Redis, a SQLite
+    file): :meth:`finish` hands the reservation's correction to ``limiter.release``."""
+
+    __slots__ = ("limiter", "key_id")
+
+    def __init__(self, limiter: _Releaser, key_id: str, reserved: int) -> None:
+        self.limiter = limiter
+        self.key_id = key_id
+        self.reserved = reserved
+        self.done = False
+
+    def finish(self, used: int | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.limiter.release(self, self.reserved - (used or 0))
 
 
 class Limiter(Protocol):

@@ -56,7 +56,7 @@ from hotloop import errors
 from hotloop.state.redis_store import PREFIX, Breaker, redis_errors
 from hotloop.tenants.keys import Limits
 from hotloop.tenants.limits import (
-    DEFAULT_MAX_KEYS, Grant, RequestsLimited, TokensLimited, _retry_headers, duration, too_large,
+    DEFAULT_MAX_KEYS, Grant, RequestsLimited, SharedGrant, TokensLimited, _retry_headers, duration, too_large,
 )
 
 log = logging.getLogger("hotloop.tenants")
@@ -175,24 +175,15 @@ class _View:
         return min(self.cap, self.level + max(0.0, now - self.at) * self.cap / 60.0)
 
 
-class RedisGrant(Grant):
+class RedisGrant(SharedGrant):
     """An admitted response whose release goes to Redis (in the background)."""
 
-    __slots__ = ("limiter", "key_id", "limits", "gid")
+    __slots__ = ("limits", "gid")
 
     def __init__(self, limiter: "RedisLimiter", key_id: str, limits: Limits, reserved: int, gid: str) -> None:
-        self.limiter = limiter
-        self.key_id = key_id
+        super().__init__(limiter, key_id, reserved)
         self.limits = limits
-        self.reserved = reserved
         self.gid = gid
-        self.done = False
-
-    def finish(self, used: int | None = None) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.limiter.release(self, self.reserved - (used or 0))
 
 
 class RedisLimiter:
