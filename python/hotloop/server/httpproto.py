@@ -239,6 +239,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None
         self._stopped = False  # refused: nothing more of the connection's bytes is parsed
         self._at_head_end = False  # the piece being parsed ends where a request head ends
+        # how many of _HEAD_END's first bytes the head bytes fed so far end with (its blank line
+        # split across reads: _feed)
+        self._head_tail = 0
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -286,8 +289,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             # (chunked, with Expect, too large) is refused, 400, and the connection closed.
             late = _upgrade_body_length(self.headers)
             # (the head's end must be where this read's piece ends: the parser stops there and
-            # takes nothing after it, so a head whose blank line was split across reads, fed
-            # with the start of its body, would lose those bytes)
+            # takes nothing after it, so a head fed with the start of its body would lose those
+            # bytes; _feed cuts a piece at a head's end, one split across reads too)
             if late and not self._at_head_end:
                 late = -1
             if late < 0 or late > BODY_BUFFER or self.limits.direct_bytes + _body_capacity(late) > DIRECT_BODY_BYTES:
@@ -334,7 +337,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             ON_DISCONNECT: functools.partial(self._on_disconnect, cycle),
             SEND_NOW: functools.partial(_send_now, cycle),
             CORK: functools.partial(_cork, cycle),
-            RESPOND: functools.partial(_respond, cycle),
+            RESPOND: functools.partial(_respond, cycle, self),
             RECEIVE: functools.partial(_receive, cycle),
         }
         scope["extensions"] = extensions  # type: ignore[typeddict-item]
@@ -488,8 +491,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self.flow.held = True  # and reading stays paused until then
                     return
                 end = data.find(_HEAD_END, start, stop)
-                cut = stop if end < 0 else end + len(_HEAD_END)
-                self._at_head_end = end >= 0
+                ended = end >= 0
+                cut = end + len(_HEAD_END) if ended else stop
+                tail = self._head_tail
+                if tail:  # the bytes before ended with the start of a head's end
+                    self._head_tail = 0
+                    if data.startswith(_HEAD_END[tail:], start, stop):
+                        cut = start + len(_HEAD_END) - tail  # it ends here, ahead of any end in this read
+                        ended = True
+                if not ended:
+                    self._head_tail = _head_end_begun(data, start, stop, tail)
+                self._at_head_end = ended
                 # these bytes are all head (one that goes on, or begins here): with the ones
                 # before them, within the bound, whether or not the head ends in this read
                 if (self._head_read if self._head_open else 0) + (cut - start) > MAX_REQUEST_HEAD:
@@ -573,6 +585,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
+        if self._in_message and not self.pipeline and self._awaits_continue(self.cycle):
+            # the response is the newest request's, whose body will not come (what comes next
+            # would be read as it): closed after the response (its cork's, if held)
+            self.cycle.transport.close()
+            return
         started = bool(self.pipeline)
         if started:
             cycle, app = self.pipeline.pop()
@@ -595,6 +612,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since = now = self.loop.time()
         if self._idle_timer is None:
             self._set_idle_timer(now + self.timeout_keep_alive)
+
+    def _awaits_continue(self, cycle: Any) -> bool:
+        """Whether the client of ``cycle``, answered (or being answered) before its body was
+        read, waits for the ``100 Continue`` it asked for and will not send that body: what it
+        sends next on the connection (a request) would be read as the body, and dropped. No
+        body byte has come, and the application never asked for it (which sends the 100)."""
+        return (
+            cycle is self.cycle and self._in_message and not self._head_open and self.expect_100_continue
+            and not getattr(cycle, "continued", False) and not self._body_parts and not cycle.body
+        )
 
     def _write_refusal(self) -> None:
         refusal, self._refusal = self._refusal, None
@@ -714,8 +741,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(timeout_response(self.limits.read_timeout))
             return
         # the stalled request is the newest one's own (its head, or the body its application
-        # waits for): its 408, unless its response has started (then it is cut)
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        # waits for): its 408, unless its response has started (then it is cut) or is complete
+        # and the stalled bytes are its body, which came too late to matter (not a second answer)
+        if cycle is None or not cycle.response_started or (cycle.response_complete and self._head_open):
             transport.write(timeout_response(self.limits.read_timeout))
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
@@ -730,6 +758,21 @@ def _later(due: float, set_for: float, now: float) -> bool:
     so a timer may fire up to 1 ms early, and setting it again for a time already this close
     would fire at once, again and again, until the clock got there."""
     return due > max(set_for, now)
+
+
+def _head_end_begun(data: bytes | bytearray, start: int, stop: int, tail: int) -> int:
+    """How many of _HEAD_END's first bytes the head bytes up to ``data[stop]`` end with (the ones
+    before ``data[start]`` ended with ``tail``), ``data[start:stop]`` holding no whole one: for a
+    head whose blank line is split across reads (only such reads pay for it). Found in each read
+    alone, such a head was taken to go on: the next read, a body's first 64 KiB, was counted in
+    it (a 431) and fed to the parser whole."""
+    n = stop - start
+    if tail and tail + n < len(_HEAD_END) and _HEAD_END.startswith(bytes(data[start:stop]), tail):
+        return tail + n  # a read of a byte or two, going on with it
+    for k in (3, 2, 1):
+        if data.endswith(_HEAD_END[:k], start, stop):
+            return k
+    return 0
 
 
 def _body_capacity(size: int) -> int:
@@ -862,7 +905,9 @@ def _send_now(cycle: Any, body: bytes) -> bool:
     return not cycle.flow.write_paused
 
 
-def _respond(cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+def _respond(
+    cycle: Any, http: BoundedHttpToolsProtocol, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bool:
     """:data:`RESPOND` for one request's ``RequestResponseCycle``. Not while the client is not
     taking what was written (``write_paused``): uvicorn's ``send`` then waits for it, which also
     keeps the connection's next (pipelined) request from starting, so a client that never reads
@@ -872,7 +917,10 @@ def _respond(cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: 
     if cycle.disconnected:  # nobody to write to: dropped, as uvicorn's send drops it
         return True
     cycle.response_started = True
-    cycle.waiting_for_100_continue = False
+    if cycle.waiting_for_100_continue:  # a final answer instead of the 100: the body will not come
+        cycle.waiting_for_100_continue = False
+        if http._awaits_continue(cycle):
+            cycle.keep_alive = False
     cycle.chunked_encoding = False
     cycle.expected_content_length = 0
     head = [STATUS_LINE[status]]
@@ -904,6 +952,7 @@ async def _receive(cycle: Any) -> dict[str, Any]:
     if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
         cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         cycle.waiting_for_100_continue = False
+        cycle.continued = True  # (BoundedHttpToolsProtocol._awaits_continue)
     if not cycle.disconnected and not cycle.response_complete:
         cycle.flow.resume_reading()
         await cycle.message_event.wait()
