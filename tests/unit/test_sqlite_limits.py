@@ -299,3 +299,63 @@ def test_rows_are_bounded(pair: tuple[SQLiteLimiter, SQLiteLimiter], path: Path,
     clock.t += sqlite_limits.SWEEP_SECONDS + 1  # every process deletes what has refilled since
     assert a.take_request("k3", Limits(rpm=1000)) is None
     assert rows(path, "buckets") == [("k3", "rpm", 1000, 999.0, clock.t)]
+
+
+def test_a_response_admitted_under_an_earlier_tpm_leaves_the_new_limits_bucket(pair: tuple[SQLiteLimiter, SQLiteLimiter], clock: Clock) -> None:
+    """A key's tpm changed while a response admitted under the old one ran: its end corrects the
+    old limit's bucket (MemoryLimiter's grant holds the old state), not the new limit's, which it
+    must neither empty out (a correction given back) nor replace (one over its reservation)."""
+    a, b = pair
+    old, new = Limits(tpm=6000), Limits(tpm=600)
+    mem = MemoryLimiter(clock=clock)
+    for used in (0, 3000):
+        for lim, other in ((mem, mem), (a, b)):
+            g = lim.admit("k", old, 1000)
+            assert isinstance(g, Grant)
+            assert isinstance(other.admit("k", new, 500), Grant)  # the new limit: 100 left
+            g.finish(used)
+            with pytest.raises(TokensLimited):
+                other.admit("k", new, 200)
+        clock.t += 120  # every bucket full again
+
+
+_SECOND_SERVER = """
+import asyncio, sys
+from pathlib import Path
+from hotloop.tenants import sqlite_limits
+from hotloop.tenants.keys import Limits
+from hotloop.tenants.limits import LimitExceeded
+p = Path(sys.argv[1])
+sqlite_limits.create(p)  # a second --workers server's parent, on the same data directory
+lim = sqlite_limits.SQLiteLimiter(p)  # its worker
+try:
+    lim.take_request("k", Limits(rpm=2))
+    print("ok")
+except LimitExceeded:
+    print("refused")
+asyncio.run(lim.aclose())
+sqlite_limits.remove(p)  # it exits first
+"""
+
+
+def test_a_second_server_on_the_data_directory_neither_wipes_nor_removes_the_limits_file(path: Path) -> None:
+    """The parent of a running server made ``path`` (the fixture); another server starting and
+    stopping on the same data directory must not empty the file under the first one's workers
+    nor delete it (its workers would go on alone, on an unlinked file, and its replacements on a
+    new one): the key's limit holds across both servers."""
+    a = SQLiteLimiter(path)
+    try:
+        limits = Limits(rpm=2)
+        assert a.take_request("k", limits) is None
+        out = subprocess.run(
+            [os.sys.executable, "-c", _SECOND_SERVER, str(path)], capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["ok"]  # the second of the key's 2 requests
+        assert path.exists(), "the first server's limits file was removed by the second server"
+        with pytest.raises(RequestsLimited):
+            a.take_request("k", limits)
+    finally:
+        asyncio.run(a.aclose())
+    sqlite_limits.remove(path)  # the first server exits: now it goes
+    assert not any(path.parent.glob("hotloop-limits*"))

@@ -28,8 +28,9 @@ What the workers share is the store: SQLite in
 WAL mode (the parent creates the schema before forking; each worker's connection waits up to
 5 s on a lock) or Redis; and each key's rate and concurrency limits: in Redis, or with SQLite in
 a file of their own (:mod:`hotloop.tenants.sqlite_limits`) that the parent makes fresh before
-forking, frees a dead worker's concurrency slots in as it reaps it, and removes once its workers
-are gone. A WebSocket is one connection, so its connection cache lives in the one worker that
+forking (or shares, when another server on the data directory uses it), frees a dead worker's
+concurrency slots in as it reaps it, and removes once its workers are gone (unless that other
+server still runs). A WebSocket is one connection, so its connection cache lives in the one worker that
 accepted it; HTTP continuations that land on another worker read the store
 (:mod:`hotloop.pipeline.shared`).
 

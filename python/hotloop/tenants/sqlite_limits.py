@@ -12,8 +12,10 @@ store's own: the buckets change with every limited request and must not contend 
 write lock (nor go into its backups). WAL with ``synchronous=OFF``: nothing in it needs to
 survive a crash of the host (the buckets would start full, as at any start). The parent creates
 it fresh before it forks the workers (:func:`create`: a restarted server starts with full
-buckets, as a single server does) and removes it once its workers are gone (:func:`remove`): one
-``--workers`` server per data directory. Tables::
+buckets, as a single server does) and removes it once its workers are gone (:func:`remove`). The
+parent holds ``hotloop-limits.sqlite3-lock`` (``flock``, shared) and its workers inherit it: a
+second ``--workers`` server on the same data directory finds it held, and shares the file as it
+is instead of emptying it, and the file is removed only by the last of them to stop. Tables::
 
     buckets (key, kind, cap, level, at)   a bucket that is not full; kind 'rpm' or 'tpm'
     slots   (id, key, pid, started)       a response in flight of a key with max_concurrent
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import sqlite3
@@ -113,22 +116,121 @@ def _connect(path: Path, timeout: float, create: bool) -> sqlite3.Connection:
     return db
 
 
-def remove(path: Path) -> None:
-    """Delete the limits file and its WAL files, if they are there."""
-    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+_held: dict[str, int] = {}  # limits files this process made (create) -> its descriptor of their lock
+
+
+def _lock_path(path: Path) -> Path:
+    return Path(f"{path}-lock")
+
+
+def _lock(path: Path, *, create: bool) -> tuple[int, bool] | None:
+    """A descriptor of ``path``'s lock file (made when ``create``), locked exclusively (``True``:
+    no other server uses the file) or, when another server holds it, shared (``False``; only
+    when ``create``); ``None``: no lock file, or in use and not ``create``. A lock file removed
+    meanwhile by a server that stopped is opened again."""
+    lock = _lock_path(path)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except BlockingIOError:
+                if not create:
+                    os.close(fd)
+                    return None
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another server's create empties it
+                alone = False
+            st = os.fstat(fd)
+            try:
+                same = os.stat(lock).st_ino == st.st_ino and os.stat(lock).st_dev == st.st_dev
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd, alone
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), _lock_path(path)):  # the lock last
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
 
-def create(path: Path) -> None:
-    """Make a fresh, empty limits file at ``path`` (what an earlier server left is gone)."""
-    remove(path)
+def _prepare(path: Path, empty: bool) -> None:
     db = _connect(path, BUSY_SECONDS, create=True)
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
+        if empty:
+            db.executescript("BEGIN IMMEDIATE; DELETE FROM buckets; DELETE FROM slots; COMMIT;")
     finally:
         db.close()
+
+
+def remove(path: Path) -> None:
+    """Delete the limits file and its WAL and lock files, unless another server on the same data
+    directory still uses them (its workers hold the lock file shared: the file is theirs now).
+    The caller has no connection to the file open."""
+    fd = _held.pop(str(path), None)
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("the rate-limits file %s is left to the other server that uses it", path)
+                return
+        else:
+            got = _lock(path, create=False)
+            if got is None and _lock_path(path).exists():  # in use by a server
+                log.info("the rate-limits file %s is left to the server that uses it", path)
+                return
+            fd = got[0] if got is not None else None
+        _unlink(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def create(path: Path) -> None:
+    """Make the limits file at ``path`` ready for this server's workers, which inherit its lock:
+    emptied (full buckets, no slots: what an earlier server left is gone), unless another server
+    on the same data directory still uses it (then shared with it, as it is: emptying it or
+    making another would split a key's limits between the servers' workers). The caller has no
+    connection to the file open."""
+    old = _held.pop(str(path), None)
+    if old is not None:  # this process's earlier server on it is gone
+        os.close(old)
+    got = _lock(path, create=True)
+    assert got is not None
+    fd, alone = got
+    try:
+        if not alone:
+            log.warning(
+                "the rate-limits file %s is in use by another server on this data directory: "
+                "its limits are shared with it", path,
+            )
+        try:
+            _prepare(path, empty=alone)
+        except sqlite3.DatabaseError:  # not a database, or a damaged one (a host crash): a new one
+            if not alone:
+                raise
+            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            _prepare(path, empty=False)
+        if alone:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # another server that starts shares it
+    except BaseException:
+        os.close(fd)
+        raise
+    _held[str(path)] = fd
 
 
 def free_slots(path: Path, pid: int) -> int:
@@ -311,13 +413,19 @@ class SQLiteLimiter:
 
     def _release(self, db: sqlite3.Connection, now: float, key_id: str, tpm: int | None, correction: int, slot: int | None) -> None:
         if tpm is not None and correction:
-            b = self._load(db, key_id, "tpm", Bucket(tpm, now), now)
-            b.refill(now)
-            b.level = min(b.capacity, b.level + correction)
-            self._save(db, key_id, "tpm", b)
-            st = self.view._states.get(key_id)
-            if st is not None and st.tokens is not None and st.tokens.capacity == tpm:
-                st.tokens.level, st.tokens.at = b.level, b.at
+            row = db.execute("SELECT cap, level, at FROM buckets WHERE key = ? AND kind = 'tpm'", (key_id,)).fetchone()
+            if row is None or row[0] == tpm:  # else the key's tpm changed since the admission: the
+                # bucket is the new limit's, the correction the old one's (a MemoryLimiter grant
+                # corrects the old state it holds, which no admission reads any more)
+                b = Bucket(tpm, now)
+                if row is not None:
+                    b.level, b.at = row[1], row[2]
+                b.refill(now)
+                b.level = min(b.capacity, b.level + correction)
+                self._save(db, key_id, "tpm", b)
+                st = self.view._states.get(key_id)
+                if st is not None and st.tokens is not None and st.tokens.capacity == tpm:
+                    st.tokens.level, st.tokens.at = b.level, b.at
         if slot is not None:
             db.execute("DELETE FROM slots WHERE id = ? AND pid = ? AND started = ?", (slot, self.pid, self.started))
 
