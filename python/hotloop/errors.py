@@ -109,6 +109,14 @@ class AuthenticationFailed(HotloopError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(HotloopError):
+    """A valid key asking for what only the admin key may read (per-key metrics)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code: str | None = None
+
+
 class NotFound(HotloopError):
     status = 404
     type = "invalid_request_error"

@@ -94,7 +94,9 @@ class HttpTransport:
         respond_now: Callable[[int, list[tuple[bytes, bytes]], bytes], bool] | None = extensions.get(RESPOND)
         try:
             path = scope["path"].rstrip("/")
-            if path not in _PUBLIC and not (path == "/metrics" and self.app.config.metrics_public):
+            # (/metrics is public only where it is served: without metrics it is an unknown route)
+            public_metrics = path == "/metrics" and self.app.config.metrics_public and self.app.metrics is not None
+            if path not in _PUBLIC and not public_metrics:
                 # once per request: who is calling, and may it make one more request
                 tenant = await self.app.tenancy.authenticate(scope)
                 pending = self.app.tenancy.admit(tenant)
@@ -128,6 +130,12 @@ class HttpTransport:
         path: str = scope["path"].rstrip("/") or "/"
         if path == "/metrics" and self.app.metrics is not None:
             self._method(method, "GET")
+            if self.app.metrics.per_key and tenant is not None and tenant.key_hash:
+                # per-key series are every key's usage (and name): the admin key's, as /hotloop/usage
+                raise errors.PermissionDenied(
+                    "Per-key metrics (--metrics-per-key) are served to the admin key (--api-key) only, "
+                    "or to anyone with --metrics-public."
+                )
             return await respond(200, self.app.metrics.render(), content_type=METRICS_CONTENT_TYPE.encode())
         if path in _PUBLIC:
             body = encode(

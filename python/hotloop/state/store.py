@@ -103,7 +103,7 @@ import msgspec
 
 from hotloop import errors
 from hotloop.protocol.request import checked_tools
-from hotloop.state import fpkey
+from hotloop.state import create_private, fpkey
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
@@ -887,8 +887,10 @@ class SQLiteStore(_Pruned):
             raise ValueError(f"the store's busy timeout must be a positive number of seconds, got {busy!r}")
         self.path = str(path)
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # (a key file refused leaves no database behind: the key first)
             self.fingerprint_key = fpkey.load_or_create(fpkey.key_path(self.path))
+            create_private(self.path)  # every tenant's responses
         else:
             self.fingerprint_key = fpkey.PROCESS_KEY
         self.max_responses = max_responses

@@ -71,11 +71,19 @@ ANONYMOUS = Tenant(LEGACY_OWNER, "anonymous")
 
 
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the request's one ``Authorization: Bearer`` field; ``None`` without one, for
+    another scheme, or with two fields (a singleton field, RFC 9110: which one a front proxy
+    checked is unknown, so neither is taken)."""
+    found: bytes | None = None
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
-    return None
+            if found is not None:
+                return None
+            found = value
+    if found is None:
+        return None
+    scheme, _, token = found.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 def is_loopback(host: str) -> bool:

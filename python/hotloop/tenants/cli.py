@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import time
 from datetime import date
+from pathlib import Path
 from typing import Any, Sequence
 
 from hotloop.config import Config
@@ -172,6 +173,16 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if config.store == "memory":
         print(f"hotloop {args.command}: needs a persistent store: --store sqlite (the default) or redis", file=sys.stderr)
         return 2
+    reads = args.command == "usage" or args.keys_command != "create"
+    if config.store == "sqlite" and reads and not Path(config.db_path).exists():
+        # (opening it would create an empty store there, and its fingerprint key, and answer as
+        # if nothing had been recorded: a mistyped --data-dir must not look like an empty ledger)
+        print(
+            f"hotloop {args.command}: no store at {config.db_path} (check --data-dir / HOTLOOP_DATA_DIR; "
+            "`hotloop keys create` and `hotloop serve` create it)",
+            file=sys.stderr,
+        )
+        return 1
     if args.command == "usage":
         return _usage(args, config)
     keys = open_key_store(config.store, config.db_path, config.redis_url)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from hotloop.state import create_private
+
 SECRET_PREFIX = "hl-"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_NAMES = frozenset({"admin", "anonymous"})  # the admin key's and open mode's tenants
@@ -188,7 +190,7 @@ class SQLiteKeyStore:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            create_private(self.path)  # the file the server stores every tenant's responses in too
         self.busy_timeout = BUSY_TIMEOUT
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=self.busy_timeout)
         self._lock = threading.Lock()
