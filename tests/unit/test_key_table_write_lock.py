@@ -122,3 +122,35 @@ def test_a_locked_key_table_holds_up_no_authentication_and_keeps_last_use(
     assert "Traceback" not in caplog.text and all(r.exc_info is None for r in caplog.records), caplog.text
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("hotloop") and r.levelno >= logging.WARNING]
     assert 1 <= len(lines) <= 3 and all("locked" in m for m in lines), lines
+
+
+def test_a_key_table_read_locked_out_is_a_503_not_a_500(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A look-up of the key table (a secret not seen yet) that SQLite refuses as locked (another
+    connection kept the file past the key store's busy timeout) raised SQLite's own error: a 500
+    for the client. Now a 503 it may retry, one log line, no traceback; the key works once the
+    table can be read again."""
+    keys = SQLiteKeyStore(tmp_path / "hotloop.sqlite3")
+    rec, secret = keys.create("agent")
+    real = keys.version
+
+    def version() -> tuple[int, int, int]:
+        exc = sqlite3.OperationalError("database is locked")
+        exc.sqlite_errorcode = 5  # type: ignore[attr-defined]  # SQLITE_BUSY
+        raise exc
+
+    async def main() -> None:
+        tenancy = Tenancy(keys)
+        tenancy.start("127.0.0.1")
+        try:
+            keys.version = version  # type: ignore[method-assign]
+            with pytest.raises(errors.StoreUnavailable) as info:
+                await tenancy.authenticate(_scope("hl-" + "y" * 43))
+            assert info.value.status == 503 and "locked" not in info.value.message
+            keys.version = real  # type: ignore[method-assign]
+            assert (await tenancy.authenticate(_scope(secret))).id == rec.id
+        finally:
+            await tenancy.close()
+
+    asyncio.run(main())
+    assert "Traceback" not in caplog.text and all(r.exc_info is None for r in caplog.records), caplog.text
+

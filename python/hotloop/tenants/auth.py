@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Iterable
 
 from hotloop import errors
-from hotloop.state.store import LEGACY_OWNER, locked
+from hotloop.state.store import LEGACY_OWNER, StoreBusy, locked
 from hotloop.tenants.keys import SECRET_PREFIX, UNLIMITED, KeyRecord, KeyStore, Limits, hash_secret
 from hotloop.tenants.limits import Grant, Limiter, MemoryLimiter
 
@@ -217,7 +217,15 @@ class Tenancy:
         fut = self._refreshing = loop.create_future()
         fut.add_done_callback(errors.retrieved)  # a failure nobody joined is not "never retrieved"
         try:
-            version, records = await loop.run_in_executor(self._pool, self._read, self._version)
+            try:
+                version, records = await loop.run_in_executor(self._pool, self._read, self._version)
+            except Exception as exc:
+                if not locked(exc):
+                    raise
+                # another connection kept the file locked past the key store's busy timeout: a
+                # 503 the client may retry (not a 500, and not a 401: the key may be valid)
+                log.warning("reading the key table failed: it is locked by another connection")
+                raise StoreBusy() from None
             if records is not None:
                 self._reload(version, records)
         except BaseException as exc:
