@@ -111,7 +111,9 @@ def test_text_reasoning_and_usage_stream(server: Server, mock: MockChatServer) -
     assert final.output_text == "The answer is 42."
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me think."
     u = final.usage
-    assert (u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens, u.output_tokens_details.reasoning_tokens) == (50, 9, 32, 3)
+    # the backend's 32 cached tokens are not this key's own reused prefix (a first request has
+    # none): its prompt cache is every key's, so they are not reported as cached
+    assert (u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens, u.output_tokens_details.reasoning_tokens) == (50, 9, 0, 3)
 
     (sent,) = mock.requests
     body = sent.json
@@ -125,6 +127,23 @@ def test_text_reasoning_and_usage_stream(server: Server, mock: MockChatServer) -
     else:
         assert body["max_tokens"] == 100
         assert sent.headers["authorization"] == "Bearer compat-key"
+
+
+def test_cached_tokens_are_the_keys_own_reused_prefix_at_most_what_the_backend_cached(server: Server, mock: MockChatServer) -> None:
+    """``cached_tokens`` with a backend that reports its own: never more than its prompt cache
+    served (what it bills), never more than the tokens this key's request reuses (the backend's
+    cache is shared by every key, so its count alone could reveal another key's prefix)."""
+    client = client_for(server)
+    mock.push(Reply.stream(text_events("First answer.", pieces=2, use=usage(40, 3, cached=30))))
+    first = client.responses.create(model="gpt-oss-120b", input="Tell me something.", store=True)
+    assert first.usage.input_tokens_details.cached_tokens == 0  # nothing of this key's was reused
+    mock.push(Reply.stream(text_events("Second.", pieces=1, use=usage(5000, 2, cached=4000))))
+    second = client.responses.create(model="gpt-oss-120b", input="And more?", previous_response_id=first.id, store=True)
+    own = second.usage.input_tokens_details.cached_tokens
+    assert 0 < own < 100 and second.usage.input_tokens == 5000  # the parent's items, as hotloop counts them
+    mock.push(Reply.stream(text_events("Third.", pieces=1, use=usage(5000, 2, cached=1))))
+    third = client.responses.create(model="gpt-oss-120b", input="And more?", previous_response_id=first.id, store=True)
+    assert third.usage.input_tokens_details.cached_tokens == 1  # what the backend's cache served
 
 
 def test_tool_calls_over_many_chunks_then_outputs(server: Server, mock: MockChatServer) -> None:

@@ -414,7 +414,11 @@ class Turn:
             if u.output_tokens is not None:
                 output_tokens = u.output_tokens
             if u.cached_tokens is not None:
-                cached = u.cached_tokens
+                # Never more than the backend's prompt cache served (what it bills), and never
+                # more than this key's own reused prefix: the backend's cache is shared by every
+                # key this server serves, so its count alone could tell a key that another one
+                # sent the same prefix (hotloop's own caches are scoped per key for that reason).
+                cached = min(cached, u.cached_tokens)
             if u.reasoning_tokens is not None:
                 reasoning = u.reasoning_tokens
         return usage_object(input_tokens, output_tokens, min(cached, input_tokens), reasoning, self.truncated_items)
