@@ -33,7 +33,10 @@ Bounds: the cork only holds what one loop iteration produced; senders wait on ``
 (cleared while the transport's own buffer is above its high-water mark), so a slow client applies
 back-pressure exactly as before. The receive queue holds at most two data messages (and the
 others of the read that brought the second) and a disconnect: reading stops when a message
-arrives while an earlier one still waits, until the application has taken them.
+arrives while an earlier one still waits, until the application has taken them. A closing
+connection (either side's close frame, a FIN, a protocol error, the server's shutdown) whose
+client does not read what is still buffered is aborted ``CLOSE_TIMEOUT`` seconds after the close
+(a transport closes only once its buffer has drained, and keep-alive pings stop at the close).
 
 Relies on ``WebSocketsSansIOProtocol`` internals (``conn``, ``transport``, ``writable``,
 ``queue``, ``handshake_complete``, ``close_sent``, ``initial_response``, ``request``,
@@ -240,6 +243,12 @@ _PONG = b"\x8a"  # the first byte of a server's pong frame (FIN, opcode 0xA)
 # Bytes of messages waiting in a connection's inbox before reading pauses (send_receive_event_to_app)
 INBOX_READ_AHEAD = 64 * 1024
 MESSAGE_OVERHEAD = 256  # bytes a waiting message counts besides its own (its event dict)
+# Seconds a closing connection waits for its client: to answer the server's close frame (uvicorn's
+# close_timeout), or to read what was still buffered when the transport was closed. A transport
+# closes only once its write buffer has drained, and keep-alive pings stop once the close begins,
+# so a client that stops reading then held its connection (its place under --max-connections, its
+# buffered bytes; after a FIN, its running response) for good. Past this it is aborted.
+CLOSE_TIMEOUT = 10.0
 
 
 # What a refused handshake says (websockets' text names its own exceptions, a base64 decoder's
@@ -249,6 +258,13 @@ _REFUSALS = {
     403: ("The WebSocket handshake's origin is not allowed.", "invalid_websocket_handshake"),
     426: ("This endpoint needs a WebSocket upgrade (Upgrade: websocket).", "upgrade_required"),
 }
+
+
+def _buffered(transport: Any) -> int:
+    """Bytes written to ``transport`` that have not left yet (0 for a transport that does not
+    say, such as the recording transports of the unit tests)."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    return size() if size is not None else 0  # type: ignore[no-any-return]
 
 
 def _accept(accept: Any, request: Any) -> Any:
@@ -266,6 +282,10 @@ def _accept(accept: Any, request: Any) -> Any:
             del headers[name]
         headers["Content-Type"] = "application/json"
         headers["Content-Length"] = str(len(body))
+        if status == 400 and request.headers.get_all("Sec-WebSocket-Version") != ["13"]:
+            # RFC 6455 4.4: a version the server does not speak (or none) is answered with the
+            # versions it speaks, so that a client can retry with one (websockets says nothing)
+            headers["Sec-WebSocket-Version"] = "13"
         response.body = body
     return response
 
@@ -287,6 +307,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._app_closed = False
         self._busy: Any = None
         self._pong = b""  # the pong of the latest ping, held while the client does not read (handle_ping)
+        self.close_timeout = CLOSE_TIMEOUT
+        self._abort_timer: asyncio.TimerHandle | None = None  # a closing transport's bound (_closing)
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
@@ -334,6 +356,47 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if pong and not self.transport.is_closing():
             self.transport.write(pong)
         super().resume_writing()
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def _closing(self) -> None:
+        """After ``transport.close()``: what is still buffered gets ``close_timeout`` seconds to
+        leave (the transport waits for it, however long a client that does not read takes), then
+        the connection is aborted (``connection_lost``, its place under the connection limit freed)."""
+        t = self.transport
+        if self._abort_timer is None and not self.disconnected and t.is_closing() and _buffered(t):
+            self._abort_timer = self.loop.call_later(self.close_timeout, self._abort)
+
+    def _abort(self) -> None:
+        self._abort_timer = None
+        if not self.disconnected:
+            self.transport.abort()
+
+    def _close_timed_out(self) -> None:
+        """The client did not answer the server's close frame in time (uvicorn's ``close_timer``,
+        which only closed the transport): closed, and aborted if it has not read what was written."""
+        self.close_timer = None
+        t = self.transport
+        t.close()
+        if _buffered(t) and not self.disconnected:
+            t.abort()
+
+    def eof_received(self) -> None:
+        # A FIN (half-close): the client is gone now (ON_CLIENT_GONE), not once the transport's
+        # write buffer has drained, which a client that reads no more never lets happen (its
+        # response went on, waiting to write, for good); the transport closes, bounded (_closing).
+        if not self._app_closed:
+            self._client_gone()
+        self.transport.close()
+        self._closing()
+
+    def handle_parser_exception(self) -> None:
+        super().handle_parser_exception()
+        self._closing()
+
+    async def run_asgi(self) -> None:
+        await super().run_asgi()
+        self._closing()
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -449,6 +512,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._flush()  # frames still corked go out before the close frame
         if self.close_sent or not self.handshake_complete:
             super().shutdown()
+            self._closing()
             return
         # uvicorn's own shutdown closes with 1012 (service restart); hotloop says 1001 (going away)
         self.stop_keepalive()
@@ -456,6 +520,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.conn.send_close(1001, "server shutting down")
         self.transport.write(b"".join(self.conn.data_to_send()))
         self.transport.close()
+        self._closing()
 
     def _on_client_gone(self, callback: Any) -> None:
         self._on_gone = callback
@@ -469,6 +534,9 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._held is not None:
             self._held.cancel()
             self._held = None
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+            self._abort_timer = None
         if self.limits is not None:
             self.limits.release(self.transport)
         super().connection_lost(exc)
@@ -481,6 +549,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         super().handle_close(event)
         if gone:
             self._client_gone()
+        self._closing()
 
     def handle_connect(self, event: Any) -> None:
         self.conn.accept = functools.partial(_accept, self.conn.accept)  # type: ignore[method-assign]
@@ -620,4 +689,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if message["type"] == "websocket.accept":
             self.response = None  # type: ignore[assignment]
+        elif self.close_timer is not None and message["type"] == "websocket.close":
+            self.close_timer.cancel()  # uvicorn's only closes the transport: see _close_timed_out
+            self.close_timer = self.loop.call_later(self.close_timeout, self._close_timed_out)
 
