@@ -49,6 +49,11 @@ from hotloop.server.common import request_id
 log = logging.getLogger("hotloop.server")
 
 MAX_REJECTED_HEAD = 64 * 1024  # bytes read from a connection beyond the limit before it is closed
+# Seconds a connection stays open, reading and dropping, after a final answer to a request that
+# asked for 100 Continue and sent no body (at most the read timeout): the client may send the body
+# anyway (RFC 9110 10.1.1 lets it), and a close while it does could reset the connection before it
+# read the answer (a lingering close, as nginx's). The answer says connection: close.
+LINGER_SECONDS = 2.0
 # Pipelined requests that may wait on one connection while the request before them runs. uvicorn
 # parsed every request head of a read (a 64 KiB read holds about 1,900 small ones) and queued
 # them all, each read after a response adding more, without a bound (one client pipelining
@@ -586,9 +591,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._in_message and not self.pipeline and self._awaits_continue(self.cycle):
-            # the response is the newest request's, whose body will not come (what comes next
-            # would be read as it): closed after the response (its cork's, if held)
-            self.cycle.transport.close()
+            # the response (connection: close) is the newest request's, whose body the client may
+            # or may not send (what it sends next would be read as it): nothing more is parsed,
+            # what comes is dropped, and the connection closes once the client does or
+            # LINGER_SECONDS later (after the response: its cork's, if held)
+            self._stopped = True
+            self._disarm()  # no 408 for a body nobody waits for
+            self._into = None  # (reads go to the scratch buffer, and nowhere)
+            self.flow.held = False
+            self.flow.resume_reading()
+            self.loop.call_later(min(LINGER_SECONDS, self.limits.read_timeout), self.cycle.transport.close)
             return
         started = bool(self.pipeline)
         if started:
@@ -914,13 +926,14 @@ def _respond(
     cannot make the server buffer answer after answer."""
     if cycle.response_started or cycle.access_log or cycle.flow.write_paused:
         return False
+    # a final answer instead of the 100, no body byte yet: it says connection: close, and the
+    # connection closes after a linger (on_response_complete), not at once (through uvicorn's
+    # send, with the access log on, the linger alone)
+    lingers = cycle.waiting_for_100_continue and cycle.keep_alive and http._awaits_continue(cycle)
     if cycle.disconnected:  # nobody to write to: dropped, as uvicorn's send drops it
         return True
     cycle.response_started = True
-    if cycle.waiting_for_100_continue:  # a final answer instead of the 100: the body will not come
-        cycle.waiting_for_100_continue = False
-        if http._awaits_continue(cycle):
-            cycle.keep_alive = False
+    cycle.waiting_for_100_continue = False
     cycle.chunked_encoding = False
     cycle.expected_content_length = 0
     head = [STATUS_LINE[status]]
@@ -932,7 +945,7 @@ def _respond(
             cycle.keep_alive = False
             closes = True
         head += (name, b": ", value, b"\r\n")
-    if not cycle.keep_alive and not closes:
+    if (lingers or not cycle.keep_alive) and not closes:
         head.append(b"connection: close\r\n")
     head.append(b"\r\n")
     if cycle.scope["method"] != "HEAD":

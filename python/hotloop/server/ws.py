@@ -65,7 +65,10 @@ async def _reject(scope: Scope, send: Send, exc: errors.HotloopError) -> None:
             {
                 "type": "websocket.http.response.start",
                 "status": exc.status,
-                "headers": [JSON_HEADER, (b"x-request-id", request_id().encode())],
+                "headers": [
+                    JSON_HEADER, (b"x-request-id", request_id().encode()),
+                    *((k.encode(), v.encode()) for k, v in exc.headers.items()),  # a 429's or 503's retry-after
+                ],
             }
         )
         await send({"type": "websocket.http.response.body", "body": ev.http_error_body(exc)})

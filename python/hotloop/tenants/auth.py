@@ -179,6 +179,8 @@ class Tenancy:
             try:
                 await self.refresh()
                 await self._flush_used()
+            except StoreBusy:  # SQLite locked by another connection: refresh said so
+                pass
             except errors.StoreUnavailable:  # Redis is down: keys already loaded keep working
                 log.warning("reading the key table failed: the store is unavailable")
             except Exception:  # a busy or broken key table must not stop the watcher
