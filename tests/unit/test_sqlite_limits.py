@@ -359,3 +359,24 @@ def test_a_second_server_on_the_data_directory_neither_wipes_nor_removes_the_lim
         asyncio.run(a.aclose())
     sqlite_limits.remove(path)  # the first server exits: now it goes
     assert not any(path.parent.glob("hotloop-limits*"))
+
+
+def test_a_failing_file_answers_503_with_retry_after(tmp_path: Path) -> None:
+    """A SQLite failure other than a lock (a disk full, an I/O error, a file gone bad) is a 503
+    at once, paced like the busy file's (``retry-after: 1``), with nothing internal in it."""
+    path = tmp_path / "limits.sqlite3"
+    sqlite_limits.create(path)
+    lim = SQLiteLimiter(path)
+    try:
+        db = lim._db
+        assert db is not None
+        db.execute("DROP TABLE buckets")  # the file gone bad under the limiter
+        with pytest.raises(errors.StoreUnavailable) as ei:
+            lim.take_request("k", Limits(rpm=10))
+        exc = ei.value
+        assert (exc.status, exc.headers) == (503, {"retry-after": "1"})
+        assert json.loads(ev.http_error_body(exc))["error"]["message"] == "The rate-limit store is unavailable. Please retry shortly."
+    finally:
+        asyncio.run(lim.aclose())
+        sqlite_limits.remove(path)
+

@@ -71,14 +71,14 @@ ANONYMOUS = Tenant(LEGACY_OWNER, "anonymous")
 
 
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of the request's one ``Authorization: Bearer`` field; ``None`` without one, for
-    another scheme, or with two fields (a singleton field, RFC 9110: which one a front proxy
-    checked is unknown, so neither is taken)."""
+    """The token of the request's one ``Authorization: Bearer`` field; ``None`` without one or
+    for another scheme; ``TWO_FIELDS`` with two or more (a singleton field, RFC 9110: which one a
+    front proxy checked is unknown, so neither is taken)."""
     found: bytes | None = None
     for name, value in headers:
         if name == b"authorization":
             if found is not None:
-                return None
+                return TWO_FIELDS
             found = value
     if found is None:
         return None
@@ -96,6 +96,10 @@ def is_loopback(host: str) -> bool:
 
 
 _BAD_KEY = "Incorrect API key provided."
+_TWO_FIELDS = "Send one Authorization header: this request has several, and none of them is used."
+# bearer()'s answer for several Authorization fields: an object of its own (compared by identity,
+# so no token the client sends is ever taken for it), no key's prefix (open mode: anonymous)
+TWO_FIELDS = bytes(b"\x00several Authorization fields")
 _REVOKED = "The API key used for this connection has been revoked."
 
 
@@ -262,6 +266,8 @@ class Tenancy:
         token = bearer(scope["headers"])
         if self.open and (token is None or not token.startswith(SECRET_PREFIX.encode())):
             return ANONYMOUS
+        if token is TWO_FIELDS:
+            raise errors.AuthenticationFailed(_TWO_FIELDS)
         if token is not None:
             h = hash_secret(token)
             admin = self._admin_hash

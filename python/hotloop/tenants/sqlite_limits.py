@@ -368,7 +368,9 @@ class SQLiteLimiter:
             if locked(exc):
                 raise _Locked() from None
             self._failed(f"{type(exc).__name__}: {exc}")
-            raise errors.StoreUnavailable("The rate-limit store is unavailable. Please retry shortly.") from None
+            refused = errors.StoreUnavailable("The rate-limit store is unavailable. Please retry shortly.")
+            refused.headers["retry-after"] = "1"  # as the busy file's 503: paces the SDKs' retries
+            raise refused from None
 
     async def _retry(self, op: Callable[..., T], *args: Any) -> T:
         deadline = time.monotonic() + BUSY_SECONDS
