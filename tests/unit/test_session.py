@@ -325,17 +325,24 @@ def test_steer_on_a_tool_call_turn_is_pending_then_prepended() -> None:
     ]
 
 
+def pending_steer() -> tuple[Session, SteerEvent]:
+    """A session whose lane ``s`` completed ``resp_1`` with an open call while steering input
+    ("one") was accepted: the input waits (``response.steer.pending``) for the continuation."""
+    sess = s()
+    run = running(sess)
+    acc, _ = sess.receive(steer("resp_1", "one"), 2)
+    stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
+    [p] = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
+    assert p.kind == "response.steer.pending"
+    return sess, acc
+
+
 def test_pending_input_comes_back_when_the_connection_reaches_its_age_limit() -> None:
     """Steering input waiting for the continuation of a tool-call turn, when the connection
     reaches its age limit: no response on it will commit the input, so it comes back
     (``response.steer.failed``) before the limit's error and the close."""
     for running_other in (False, True):
-        sess = s()
-        run = running(sess)
-        acc, _ = sess.receive(steer("resp_1", "one"), 2)
-        stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
-        [p] = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
-        assert p.kind == "response.steer.pending"
+        sess, acc = pending_steer()
         other = None
         if running_other:  # another lane still running: the close waits for it, the input does not
             [other] = sess.receive(create("t"), 3)
@@ -355,12 +362,7 @@ def test_pending_input_comes_back_when_the_connection_reaches_its_age_limit() ->
 def test_pending_input_comes_back_when_its_continuation_is_refused() -> None:
     """The explicit continuation after ``pending`` refused before it became a response (a
     malformed field): the refusal, then the queued input back; a corrected retry is ordinary."""
-    sess = s()
-    run = running(sess)
-    acc, _ = sess.receive(steer("resp_1", "one"), 2)
-    stubs = [{"type": "function_call_output", "call_id": "c", "name": "f"}]
-    [p] = sess.lane_done("s", Ended("resp_1", "completed", stubs), run)
-    assert p.kind == "response.steer.pending"
+    sess, acc = pending_steer()
     err, back = sess.receive(create("s", previous_response_id="resp_1", temperature="hot"), 3)
     assert isinstance(err, SendError) and err.error.param == "temperature" and err.stream_id == "s"
     assert isinstance(back, SteerEvent) and back.kind == "response.steer.failed"

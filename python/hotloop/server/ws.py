@@ -374,20 +374,17 @@ class Connection:
         prev = req.previous_response_id
         session = self.session
         assert session is not None
-        if prev is not None and session.in_progress(prev):
-            # A fork off a response still running on another lane (one on this lane waited for
-            # it): its output is not known yet. The code clients handle for a parent they cannot
-            # continue, with a message that says why; the parent is not evicted (a cross-lane
-            # fork's error preserves it).
-            err = errors.PreviousResponseNotFound(
-                prev,
-                f"Previous response with id '{errors.clip(prev)}' is still in progress on another stream of this "
-                "connection; continue from it once it has completed.",
-            )
-            self._count_error(err)
-            await self.send_frame(ev.ws_error(err, stream_id)[1])
-            return Ended()
         try:
+            if prev is not None and session.in_progress(prev):
+                # A fork off a response still running on another lane (one on this lane waited
+                # for it): its output is not known yet. The code clients handle for a parent they
+                # cannot continue, with a message that says why; the parent is not evicted (a
+                # cross-lane fork's error preserves it).
+                raise errors.PreviousResponseNotFound(
+                    prev,
+                    f"Previous response with id '{errors.clip(prev)}' is still in progress on another stream of this "
+                    "connection; continue from it once it has completed.",
+                )
             prefix, raw_input = action.decoded or (None, None)
             run: Run = await engine.start(
                 req, transport="ws", conn=self.cache, websocket=True, tenant=self.tenant, request_id=rid_,
