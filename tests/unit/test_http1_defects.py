@@ -1,6 +1,7 @@
-"""The lean transport (``hotloop.backends.chat.http1``): one deadline for a pool waiter, idle
-connections closed when they expire, identity encoding only, transfer codings other than
-chunked alone refused, and no credentials echoed from the backend URL.
+"""The lean transport (``hotloop.backends.chat.http1``): pool waiters served first come first
+served within ``connect_timeout``, idle connections closed when they expire, identity encoding
+only, transfer codings other than chunked alone refused, and no credentials echoed from the
+backend URL.
 
 Each test runs a small asyncio server on 127.0.0.1 that scripts the exact bytes it answers with;
 every wait is bounded.
@@ -85,44 +86,174 @@ async def collect(resp: Any) -> bytes:
     return out
 
 
-# -- 1. one deadline for a request waiting for a connection --------------------------------------
+async def never_ending(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A handler whose one answer's body never ends (its connection stays busy)."""
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    await writer.drain()
+    await reader.read()
 
 
-def test_a_waiter_that_keeps_losing_the_race_times_out_at_one_deadline() -> None:
-    """With every connection busy, a request waits for one at most ``connect_timeout``. Each
-    time one was freed, a request that came meanwhile took it before the woken waiter ran, and
-    the waiter waited again with a fresh ``connect_timeout``: as long as that went on it never
-    timed out (here 2.4 s and counting against a 0.5 s timeout). One deadline now bounds it."""
+def held_until(go: asyncio.Event, paths: list[bytes] | None = None) -> Handler:
+    """A keep-alive handler: a request for ``/hold`` gets an answer that ends once ``go`` is set
+    (then cleared), any other the complete ``OK``; the paths asked are listed in ``paths``."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")  # a body that never ends
-        await writer.drain()
-        await reader.read()
+        while True:
+            head = await read_request(reader)
+            if paths is not None:
+                paths.append(head.split(b" ")[1])
+            if b"/hold " in head:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                await writer.drain()
+                await go.wait()
+                go.clear()
+                writer.write(b"9\r\ndata: x\n\n\r\n0\r\n\r\n")
+            else:
+                writer.write(OK)
+            await writer.drain()
+
+    return handler
+
+
+# -- 1. requests waiting for a connection: first come first served, within connect_timeout -----
+
+
+def test_a_waiter_gets_the_freed_slot_before_a_request_that_came_after_it() -> None:
+    """With every connection busy, a request waits for one. Each time one was freed, a request
+    that came meanwhile could take it before the woken waiter ran; the waiter then queued again
+    at the back, and timed out (here at 0.5 s) while newer requests were served. A freed slot is
+    now handed to the longest waiting request, and a newcomer queues behind it."""
 
     async def main() -> None:
-        async with Served(handler) as srv:
+        async with Served(never_ending) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=0.5)
+            held = await pool.stream("POST", "/chat/completions", b"{}")
+            waiter = asyncio.create_task(pool.stream("POST", "/chat/completions", b"{}"))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()
+            await held.aclose()  # frees the slot and hands it to the waiter, which has not run yet
+            # a request asking in the same loop iteration, before the waiter runs: it queues
+            # behind the waiter (which then holds the one connection), and times out
+            with pytest.raises(errors.BackendUnavailable, match="Too many connections"):
+                await pool.stream("POST", "/chat/completions", b"{}")
+            assert waiter.done()
+            got = waiter.result()  # the waiter's request was served
+            assert pool.open == 1 and srv.connections == 2
+            await got.aclose()
+            await (await pool.stream("POST", "/chat/completions", b"{}")).aclose()
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_released_connection_goes_to_the_waiter_not_to_a_request_that_came_after_it() -> None:
+    """The same for a connection whose response ended (kept alive): it went idle and the waiter
+    was woken, so a request asking before the waiter ran took it from the idle list."""
+    go = asyncio.Event()
+    paths: list[bytes] = []
+
+    async def main() -> None:
+        async with Served(held_until(go, paths)) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=2)
+            first = await pool.stream("POST", "/hold", b"{}")
+            waiter = asyncio.create_task(pool.stream("POST", "/waiter", b"{}"))
+            await asyncio.sleep(0.05)
+            go.set()
+            await collect(first)  # its end hands the connection to the waiter, which has not run yet
+            late = await pool.stream("POST", "/newcomer", b"{}")  # asks in the same loop iteration
+            await collect(await asyncio.wait_for(waiter, 2))
+            await collect(late)
+            assert paths == [b"/v1/hold", b"/v1/waiter", b"/v1/newcomer"]
+            assert srv.connections == 1
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_waiter_never_handed_a_connection_times_out_at_connect_timeout() -> None:
+    """The wait for a free connection is bounded by ``connect_timeout``, and says why it failed."""
+
+    async def main() -> None:
+        async with Served(never_ending) as srv:
             pool = Pool(srv.url(), max_connections=1, connect_timeout=0.5)
             held = await pool.stream("POST", "/chat/completions", b"{}")
             t0 = time.monotonic()
-            waiter = asyncio.create_task(pool.stream("POST", "/chat/completions", b"{}"))
-            ended: list[float] = []
-            waiter.add_done_callback(lambda _: ended.append(time.monotonic()))
-            await asyncio.sleep(0.05)
-            assert not waiter.done()
-            for _ in range(8):  # every 0.3 s the connection is freed, and a newcomer takes it first
-                await asyncio.sleep(0.3)
-                if waiter.done():
-                    break
-                await held.aclose()  # frees the slot and wakes the waiter, which has not run yet
-                held = await pool.stream("POST", "/chat/completions", b"{}")  # the newcomer
-            assert waiter.done(), "the waiter was still waiting after 2.4 s (connect_timeout 0.5 s)"
             with pytest.raises(errors.BackendUnavailable, match="Too many connections"):
-                waiter.result()
-            elapsed = ended[0] - t0
-            assert 0.45 < elapsed < 0.8, elapsed
+                await pool.stream("POST", "/chat/completions", b"{}")
+            assert 0.45 < time.monotonic() - t0 < 0.9
+            assert pool.open == 1 and not pool._waiters
             await held.aclose()
+            await (await pool.stream("POST", "/chat/completions", b"{}")).aclose()  # the pool still works
             await pool.aclose()
+
+    run(main())
+
+
+def test_released_connections_go_to_waiters_in_the_order_they_came() -> None:
+    """A connection whose response ended goes straight to the request waiting longest: with
+    one connection and four requests, they are served in the order they asked, over the one
+    kept-alive connection."""
+    order: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await read_request(reader)
+            order.append(head.split(b" ")[1])
+            await asyncio.sleep(0.02)
+            writer.write(OK)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=5)
+
+            async def user(name: str) -> None:
+                await collect(await pool.stream("POST", f"/{name}", b"{}"))
+
+            tasks = []
+            for name in ("a", "b", "c", "d"):
+                tasks.append(asyncio.create_task(user(name)))
+                await asyncio.sleep(0.005)
+            await asyncio.gather(*tasks)
+            assert order == [b"/v1/a", b"/v1/b", b"/v1/c", b"/v1/d"]
+            assert srv.connections == 1 and pool.reused == 3
+            await pool.aclose()
+
+    run(main())
+
+
+def test_a_waiter_handed_a_connection_and_cancelled_passes_it_on() -> None:
+    """A waiter cancelled after it was handed a connection (its client left in the same loop
+    iteration) gives it to the next waiter; a slot (a closed connection's) likewise."""
+    go = asyncio.Event()
+
+    async def ended(resp: Any) -> None:  # read to its end: the connection is handed over
+        go.set()
+        await collect(resp)
+
+    async def dropped(resp: Any) -> None:  # not read to its end: closed, its slot handed over
+        await resp.aclose()
+
+    async def main() -> None:
+        async with Served(held_until(go)) as srv:
+            pool = Pool(srv.url(), max_connections=1, connect_timeout=5)
+            for end in (ended, dropped):
+                held = await pool.stream("POST", "/hold", b"{}")
+                first = asyncio.create_task(pool.stream("POST", "/c", b"{}"))
+                await asyncio.sleep(0.01)
+                second = asyncio.create_task(pool.stream("POST", "/c", b"{}"))
+                await asyncio.sleep(0.01)
+                assert len(pool._waiters) == 2
+                await end(held)  # hands the connection, or its slot, to the first waiter
+                first.cancel()  # which leaves before it ran
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                await collect(await asyncio.wait_for(second, 2))
+                assert pool.open == 1
+            assert srv.connections == 2  # one kept alive through the first case, one opened in the second
+            await pool.aclose()
+            assert pool.open == 0
 
     run(main())
 
@@ -467,3 +598,55 @@ def test_the_openai_compat_backend_refuses_a_malformed_url_without_its_password(
     with pytest.raises(ValueError) as caught:
         asyncio.run(asyncio.wait_for(backend.start(), TIMEOUT))
     assert SECRET not in str(caught.value) and "alice" not in str(caught.value)
+
+
+def test_waiters_cancelled_at_random_never_leak_or_exceed_slots() -> None:
+    """Requests over a small pool, some cancelled at random moments (waiting, just handed a
+    connection or a slot, streaming), some abandoning their stream: the pool never opens more
+    than ``max_connections``, every request not cancelled is served, and at the end every open
+    connection is an idle one."""
+    import random
+
+    rng = random.Random(7)
+    most = 0  # the most connections the pool counted open, seen by each request it served
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            await asyncio.sleep(rng.random() * 0.004)
+            writer.write(OK)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Served(handler) as srv:
+            pool = Pool(srv.url(), max_connections=3, max_idle=2, connect_timeout=5)
+            served = 0
+
+            async def user(abandon: bool) -> None:
+                nonlocal served, most
+                resp = await pool.stream("POST", "/c", b"{}")
+                most = max(most, pool.open)
+                if abandon:
+                    await resp.aclose()
+                else:
+                    await collect(resp)
+                served += 1
+
+            tasks = [asyncio.create_task(user(rng.random() < 0.2)) for _ in range(120)]
+            cancelled = 0
+            for _ in range(40):
+                await asyncio.sleep(rng.random() * 0.003)
+                t = rng.choice(tasks)
+                if not t.done():
+                    t.cancel()
+                    cancelled += 1
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            failures = [r for r in done if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            assert not failures
+            assert served + sum(isinstance(r, asyncio.CancelledError) for r in done) == 120
+            assert pool.open == pool.idle <= 2 and not pool._waiters
+            assert most == 3  # the pool was used to its limit, never past it
+            await pool.aclose()
+            assert pool.open == 0
+
+    run(main())

@@ -10,8 +10,10 @@ httpx (see the README's performance section).
 What it does, and its bounds:
 
 * **Pool.** One :class:`Pool` per backend origin: at most ``max_connections`` open (default 100;
-  further requests wait for a free one: waiting, however often a freed connection goes to
-  another request first, and then connecting share one ``connect_timeout`` deadline), at most
+  further requests wait for a free one, first come first served: a freed connection, or the
+  slot of a closed one, is handed to the longest waiting request, and a request that arrives
+  while others wait queues behind them; the wait is bounded by ``connect_timeout``, and a
+  connection opened after it has a ``connect_timeout`` of its own), at most
   ``max_idle`` kept (default 20, most recently used first), an idle connection is closed after
   ``keepalive_expiry`` seconds (default 30, or the server's ``Keep-Alive: timeout`` minus one
   second when shorter), by one timer per pool, whether or not a request comes.
@@ -96,6 +98,7 @@ Payload = bytes | list[bytes]  # a request body: bytes, or pieces sent as one ve
 DRAIN_TIMEOUT = 1.0  # after the caller's release, how long the rest of a body may take to arrive
 
 _UNAVAILABLE = "Could not connect to the model backend."
+_SLOT = object()  # what a pool waiter is handed when a connection closed: its slot, to open one
 _BROKEN = "The model backend closed the connection mid-stream."
 _SILENT = "The model backend stopped sending output."
 _NO_ANSWER = "The model backend did not answer in time."
@@ -786,7 +789,7 @@ class Pool:
         self.pause_streams = max(1, pause_streams)  # responses served at once for read pauses to apply
         self._idle: list[_Conn] = []
         self._open = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[asyncio.Future[object]] = deque()  # requests waiting for a connection, oldest first
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None  # the idle connections' expiry (_expire)
         self._sweep_at = 0.0  # when it fires
@@ -877,50 +880,68 @@ class Pool:
             raise errors.BackendUnavailable("The model backend is not started.")
         loop = self.loop
         idle = self._idle
-        deadline: float | None = None  # once it must wait: for the wait and the connect together
+        front = False  # handed a connection that could not be used: waits again first in line
         while True:
-            if idle:
-                now = loop.time()
-                while idle:
-                    conn = idle.pop()
-                    if conn.usable(now):
-                        self.reused += 1
-                        return conn
-                    conn.drop()  # closed by the server, or idle too long: found before any byte was sent
-            if self._open < self.max_connections:
-                return await self._connect(deadline)
-            if deadline is None:
-                # one deadline however often it is woken: a freed connection may go to a request
-                # that came meanwhile, and this one waits again, for what is left
-                deadline = loop.time() + self.connect_timeout
-            fut = loop.create_future()
-            self._waiters.append(fut)
+            if not self._waiters:  # first come first served: with requests waiting, queue behind them
+                if idle:
+                    now = loop.time()
+                    while idle:
+                        conn = idle.pop()
+                        if conn.usable(now):
+                            self.reused += 1
+                            return conn
+                        conn.drop()  # closed by the server, or idle too long: found before any byte was sent
+                if self._open < self.max_connections:
+                    return await self._connect()
+            fut: asyncio.Future[object] = loop.create_future()
+            if front:
+                self._waiters.appendleft(fut)
+            else:
+                self._waiters.append(fut)
             try:
-                async with asyncio.timeout_at(deadline):
-                    await fut
+                async with asyncio.timeout(self.connect_timeout):
+                    got = await fut
             except BaseException as exc:
                 if fut.done() and not fut.cancelled():
-                    # woken for a freed connection, then cancelled or timed out before taking
-                    # it: the next waiter gets the wake-up instead of waiting for another one
-                    self._wake_waiter()
+                    # handed a connection or a slot, then cancelled or timed out before taking
+                    # it: it goes to the next request waiting (or back to the pool)
+                    self._hand_on(fut.result())
                 if isinstance(exc, TimeoutError):
                     raise errors.BackendUnavailable("Too many connections to the model backend are busy.") from None
                 raise
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
-            if self.closed:
+            if self.closed or got is None:  # (aclose wakes its waiters with None)
+                self._hand_on(got)
                 raise errors.BackendUnavailable("The model backend is not started.")
+            if got is _SLOT:  # a closed connection's slot, counted as open for this request
+                return await self._connect(reserved=True)
+            conn = got  # type: ignore[assignment]
+            if conn.usable(loop.time()):
+                self.reused += 1
+                return conn
+            conn.drop()  # closed since it was handed over: its slot goes to whoever waits first
+            front = True
 
-    async def _connect(self, deadline: float | None = None) -> _Conn:
-        """A new connection, within ``connect_timeout`` (or by ``deadline``: _acquire's)."""
+    def _hand_on(self, got: object) -> None:
+        """What a waiter was handed and will not use: a connection goes back (to the next
+        waiter, or idle), a slot to the next waiter (or is given up)."""
+        if got is _SLOT:
+            self._open -= 1
+            self._wake_waiter()
+        elif got is not None:
+            self._release(got)  # type: ignore[arg-type]
+
+    async def _connect(self, reserved: bool = False) -> _Conn:
+        """A new connection, within ``connect_timeout``. ``reserved``: its slot is already
+        counted in ``_open`` (handed to a waiter by :meth:`_lost`)."""
         o = self.origin
-        self._open += 1
+        if not reserved:
+            self._open += 1
         conn = _Conn(self)
-        if deadline is None:
-            deadline = self.loop.time() + self.connect_timeout
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout(self.connect_timeout):
                 await self.loop.create_connection(
                     lambda: conn, o.host, o.port, ssl=o.ssl, server_hostname=o.host if o.ssl else None
                 )
@@ -942,16 +963,24 @@ class Pool:
 
     def _release(self, conn: _Conn) -> None:
         """A connection whose response ended cleanly: back to the pool, or closed."""
-        if self.closed or len(self._idle) >= self.max_idle:
+        if self.closed:
             conn.drop()
             return
         conn.idle_since = now = self.loop.time()
         conn.resume()
+        waiters = self._waiters
+        while waiters:  # straight to the request waiting longest, never idle in between
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(conn)
+                return
+        if len(self._idle) >= self.max_idle:
+            conn.drop()
+            return
         self._idle.append(conn)
         due = now + conn.expiry
         if self._sweep is None or due < self._sweep_at:  # else the timer fires first anyway
             self._arm_sweep(due)
-        self._wake_waiter()
 
     def _arm_sweep(self, due: float) -> None:
         if self._sweep is not None:
@@ -981,10 +1010,13 @@ class Pool:
         self._wake_waiter()
 
     def _wake_waiter(self) -> None:
-        while self._waiters:
+        """A slot is free (``_open`` below the limit): handed to the request waiting longest,
+        counted as open for it at once, so that no request arriving meanwhile takes it."""
+        while self._waiters and self._open < self.max_connections:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(None)
+                self._open += 1
+                fut.set_result(_SLOT)
                 return
 
     async def aclose(self) -> None:
