@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import logging
 import re
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
@@ -32,7 +33,7 @@ from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, req
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.prefix import Prefix
-from hotloop.state.store import UsageRow
+from hotloop.state.store import UsageRow, page_items
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hotloop.server")
 
 _PUBLIC = ("/healthz", "/health")  # routes that need no API key
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}  # a boolean in a query string
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -196,7 +198,7 @@ class HttpTransport:
             rid_ = rest[0]
             if len(rest) == 1:
                 if method == "GET":
-                    return await self._retrieve(rid_, respond, scope_)
+                    return await self._retrieve(rid_, scope, respond, scope_)
                 if method == "DELETE":
                     return await self._delete(rid_, respond, scope_)
                 raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.", headers={"allow": "GET, DELETE"})
@@ -396,11 +398,27 @@ class HttpTransport:
     # The endpoints on a stored response take the caller's scope (an owner id, or None for the
     # admin key): another tenant's response answers exactly like one that does not exist.
 
-    async def _retrieve(self, response_id: str, respond: Any, scope: str | None) -> None:
+    async def _retrieve(self, response_id: str, asgi: Scope, respond: Any, scope: str | None) -> None:
+        stream = parse_qs(asgi.get("query_string", b"").decode()).get("stream", ["false"])[0].lower()
+        if stream not in _BOOLS:
+            raise errors.InvalidValue(
+                f"Invalid 'stream': '{errors.clip(stream)}'. Expected 'true' or 'false'.", param="stream"
+            )
         hit = self.app.engine.responses.get(response_id, scope)
         response = hit.response if hit is not None else await self.app.persistence.get_response(response_id, scope)
         if response is None:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
+        if _BOOLS[stream]:
+            # ``stream=true`` (and ``starting_after``) replays the events of a *background*
+            # response, which this server does not offer. Answered with the JSON object, the
+            # SDKs' stream (openai-python, openai-node) parsed no SSE event from it and ended at
+            # once without an error. A 400 naming ``stream`` says why (OpenAI too answers a 400
+            # for a response it cannot stream); an unknown id is still a 404 first.
+            raise errors.InvalidValue(
+                "Only responses created with the 'background' parameter set to true can be streamed; "
+                "this server does not offer background responses. Omit 'stream' to retrieve the response.",
+                param="stream",
+            )
         await respond(200, encode(response))
 
     async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
@@ -431,6 +449,10 @@ class HttpTransport:
     async def _input_items(self, response_id: str, scope: Scope, respond: Any, owner: str | None) -> None:
         q = parse_qs(scope.get("query_string", b"").decode())
         after = q.get("after", [None])[0]
+        # ``before`` (a parameter of input_items.list in earlier openai-python/openai-node
+        # versions, and in clients generated from that spec): the page just before that item;
+        # it used to be ignored, so such a client got the first page whatever its cursor
+        before = q.get("before", [None])[0]
         order = q.get("order", ["desc"])[0]
         if order not in ("asc", "desc"):
             raise errors.InvalidValue(f"Invalid 'order': '{errors.clip(order)}'. Expected 'asc' or 'desc'.", param="order")
@@ -441,11 +463,21 @@ class HttpTransport:
         if not 1 <= limit <= 100:
             raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
         hit = self.app.engine.responses.get(response_id, owner)
-        if hit is not None:
-            from hotloop.state.store import page_items
-
-            page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
+        if before is not None:
+            # every item (the persistence pages without ``before``), then the page from them
+            if hit is not None:
+                every: Any = ([item_to_dict(i) for i in hit.input_items], False)
+            else:
+                every = await self.app.persistence.input_items(response_id, None, sys.maxsize, "asc", owner)
+            if every is None or every is False:
+                raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
+            if before not in {it.get("id") for it in every[0]}:
+                raise errors.InvalidValue(f"Invalid 'before': no item with id '{errors.clip(before)}'.", param="before")
+            page = page_items(every[0], after, limit, order, before)  # None: after names no item
             result: Any = False if page is None else page
+        elif hit is not None:
+            page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
+            result = False if page is None else page
         else:
             result = await self.app.persistence.input_items(response_id, after, limit, order, owner)
         if result is None:
@@ -466,8 +498,18 @@ class HttpTransport:
     async def _input_tokens(self, receive: Receive, respond: Any, tenant: Tenant) -> None:
         scope = tenant.scope
         req = decode_body(await self._body(receive))
+        parent = None
+        if req.model is None:
+            # ``model`` is optional here (OpenAI's reference, openai-python's
+            # InputTokenCountParams, openai-node's), unlike in POST /v1/responses: the count is
+            # that of the previous response's model, else of the backend's default model,
+            # instead of a 400 the SDKs' callers cannot expect.
+            parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
+            model = parent.response.get("model") if parent is not None else None
+            req.model = model if isinstance(model, str) and model else self.app.backend.default_model
         p = validate(req)
-        parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
+        if parent is None:
+            parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
         stored = await self.app.engine.stored_items(p, parent, scope)
         plan = prepare(p, parent, self.app.engine.ids, self.app.engine.tokens.view(tenant.id), defer=True, stored=stored)
         if req.truncation == "auto":

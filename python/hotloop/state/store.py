@@ -291,9 +291,14 @@ class UsageRecord(NamedTuple):
 
 
 def page_items(
-    items: list[dict[str, Any]], after: str | None, limit: int, order: str
+    items: list[dict[str, Any]], after: str | None, limit: int, order: str, before: str | None = None
 ) -> tuple[list[dict[str, Any]], bool] | None:
-    """One page of ``input_items``; ``None`` when ``after`` names no item."""
+    """One page of ``input_items``; ``None`` when ``after`` (or ``before``) names no item.
+
+    In the listing's ``order``: the first ``limit`` items after ``after``, ``has_more`` when
+    more follow them; with ``before``, the last ``limit`` items before it (and after ``after``,
+    if given), the page just before the cursor, ``has_more`` when more precede them (the
+    direction the client pages in, as OpenAI's list cursors)."""
     seq = items if order == "asc" else list(reversed(items))
     start = 0
     if after is not None:
@@ -303,6 +308,14 @@ def page_items(
                 break
         else:
             return None
+    if before is not None:
+        for end, it in enumerate(seq):
+            if it.get("id") == before:
+                break
+        else:
+            return None
+        window = seq[start:end]  # (empty when after does not come before before)
+        return window[max(0, len(window) - limit) :], len(window) > limit
     page = seq[start : start + limit]
     return page, start + limit < len(seq)
 
