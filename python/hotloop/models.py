@@ -68,7 +68,8 @@ class ModelLimitsError(ValueError):
 
 
 def _tokenizer_for(model: str) -> str:
-    return O200K_HARMONY if model.startswith("gpt-oss") else O200K_BASE
+    # the id's last path segment: vLLM serves gpt-oss as "openai/gpt-oss-120b" by default
+    return O200K_HARMONY if model.rsplit("/", 1)[-1].lower().startswith("gpt-oss") else O200K_BASE
 
 
 def _parse_entry(model: str, raw: Any) -> dict[str, Any]:

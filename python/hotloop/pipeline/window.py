@@ -14,7 +14,8 @@ backend is called.
 Truncation (``"auto"``) drops whole items from the front of the effective input until it fits,
 and only then costs O(history). It never drops: a system or developer message (instructions
 given as input), the input's last item, or one item of a function call without the others
-that share its ``call_id`` (call and output are dropped together or kept together). When nothing
+that share its ``call_id`` (call and output are dropped together or kept together; a call id a
+conversation uses again pairs each call with the outputs that follow it). When nothing
 droppable is left and the input still does not fit, the answer is the same 400 as with
 ``"disabled"``.
 """
@@ -97,29 +98,42 @@ _PAIRED_BY = {"mcp_approval_request": "id", "mcp_approval_response": "approval_r
 
 
 def _forbidden_cuts(items: list[Item]) -> set[int]:
-    """Cut positions ``k`` (keep ``items[k:]``) that would separate items sharing a call id:
+    """Cut positions ``k`` (keep ``items[k:]``) that would separate a call from its output:
     function calls and their outputs, and the calls and outputs of item types kept verbatim
     (custom tools, shell, apply_patch, computer use: a ``call_id`` in their data; an MCP
-    approval request's ``id`` and its response's ``approval_request_id``)."""
-    spans: dict[str, list[int]] = {}
+    approval request's ``id`` and its response's ``approval_request_id``).
+
+    An output belongs to the latest call before it with its call id: a conversation that reuses
+    a call id (a client numbering its calls per turn, a backend that does) pairs each call with
+    the outputs that follow it, up to the next call with that id once it was answered. Calls
+    with one id not yet answered, and the outputs of one call, stay together."""
+    spans: list[list[int]] = []
+    open_: dict[str, list[int]] = {}  # call id -> [first, last, answered] of its latest group
     for i, it in enumerate(items):
         t = type(it)
-        if t is FunctionCall or t is FunctionCallOutput:
-            cid = it.call_id  # type: ignore[union-attr]
+        if t is FunctionCall:
+            cid, output = it.call_id, False  # type: ignore[union-attr]
+        elif t is FunctionCallOutput:
+            cid, output = it.call_id, True  # type: ignore[union-attr]
         elif t is OtherItem:
             data = it.data  # type: ignore[union-attr]
-            cid = data.get(_PAIRED_BY.get(str(data.get("type")), "call_id"))
+            kind = str(data.get("type"))
+            cid = data.get(_PAIRED_BY.get(kind, "call_id"))
             if type(cid) is not str:
                 continue
+            output = kind.endswith("_output") or kind == "mcp_approval_response"
         else:
             continue
-        span = spans.get(cid)
-        if span is None:
-            spans[cid] = [i, i]
+        group = open_.get(cid)
+        if group is None or (not output and group[2]):  # a new call (the last one was answered)
+            group = open_[cid] = [i, i, int(output)]
+            spans.append(group)
         else:
-            span[1] = i
+            group[1] = i
+            if output:
+                group[2] = 1
     forbidden: set[int] = set()
-    for lo, hi in spans.values():
+    for lo, hi, _ in spans:
         forbidden.update(range(lo + 1, hi + 1))
     return forbidden
 
@@ -181,6 +195,7 @@ def fit(plan: "Plan", limits: ModelLimits, max_output_tokens: int | None, trunca
         return 0
     dropped = truncate(plan, allowed) if truncation == "auto" else 0
     if plan.input_tokens > allowed:
-        raise exceeded(plan.input_tokens, allowed, limits, max_output_tokens)
+        # the same 400 as with "disabled": the input as sent, not what dropping left of it
+        raise exceeded(tokens, allowed, limits, max_output_tokens)
     return dropped
 
