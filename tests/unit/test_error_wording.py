@@ -104,8 +104,10 @@ def test_wording_examples() -> None:
     )
     exc = _error(_req(max_output_tokens=1.5), False)
     assert exc is not None and "expected an integer or null, but got a number instead" in exc.message
-    exc = _error(_req(store={}), False)
-    assert exc is not None and "expected a boolean, but got an object instead" in exc.message
+    exc = _error(_req(store={}), False)  # null is store's default (the SDKs type it Optional[bool])
+    assert exc is not None and "expected a boolean or null, but got an object instead" in exc.message
+    exc = _error(_req(tools=[{"type": "function", "name": "f", "strict": "yes"}]), False)
+    assert exc is not None and exc.message == "Invalid type for 'tools[0].strict': expected a boolean or null, but got a string instead."
     exc = _error(_req(reasoning={"effort": LONG}), False)
     assert exc is not None and exc.message == f"Invalid value for 'reasoning.effort': '{'q' * 100}...' is not a supported value."
     exc = _error(_req(previous_response_id=LONG), False)
@@ -128,9 +130,10 @@ def test_websocket_frame_errors_are_json_worded() -> None:
         assert isinstance(action, SendError)
         msg = action.error.message
         assert not PYTHON_NAMES.search(msg) and len(msg) < 300, msg
-    (action,) = session.receive(json.dumps({"type": "response.create", "model": "m", "store": None}), 1.0)
+    # (store: null is its default, true: the SDKs type it Optional[bool])
+    (action,) = session.receive(json.dumps({"type": "response.create", "model": "m", "store": "yes"}), 1.0)
     assert isinstance(action, SendError) and action.error.param == "store"
-    assert action.error.message == "Invalid type for 'store': expected a boolean, but got null instead."
+    assert action.error.message == "Invalid type for 'store': expected a boolean or null, but got a string instead."
     (action,) = session.receive(json.dumps({"type": "response.create", "model": "m", "input": [{"role": "user", "content": None}]}), 1.0)
     assert isinstance(action, RunCreate)
     with pytest.raises(errors.InvalidType) as ei:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import msgspec
 
@@ -171,8 +171,15 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     input: Union[str, list[Any], None] = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    store: bool = True
-    stream: bool = False
+    # The SDKs type both as nullable (openai-python: ``store: Optional[bool]``, ``stream:
+    # Optional[Literal[False]]``); null means the default (__post_init__). Declared ``bool`` to
+    # the type checker: after decoding (or construction) they never hold None.
+    if TYPE_CHECKING:
+        store: bool = True
+        stream: bool = False
+    else:
+        store: bool | None = True
+        stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -200,12 +207,27 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     # The WebSocket frame's discriminator; absent on HTTP.
     type: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.store is None:
+            self.store = True
+        if self.stream is None:
+            self.stream = False
+
 
 class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
     parameters: dict[str, Any] | None = None
     description: str | None = None
-    strict: bool = True
+    # openai-python FunctionToolParam: ``strict: Required[Optional[bool]]``. Null means the
+    # Responses API's default, true (as omitted does); the type checker sees ``bool``.
+    if TYPE_CHECKING:
+        strict: bool = True
+    else:
+        strict: bool | None = True
+
+    def __post_init__(self) -> None:
+        if self.strict is None:
+            self.strict = True
 
 
 class Prepared(msgspec.Struct, kw_only=True):
@@ -259,8 +281,12 @@ def invalid_stream_id() -> errors.InvalidValue:
         code="invalid_stream_id",
     )
 TRUNCATION_VALUES = ("auto", "disabled")
-SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
-PROMPT_CACHE_RETENTIONS = ("in-memory", "24h")
+# openai-python 3.57 ServiceTier (``fast``, ``ultrafast`` added); chat backends pass on only
+# the tiers they know (hotloop.backends.chat.render.Dialect.service_tiers)
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale", "fast", "ultrafast")
+# "in_memory" is the API's spelling (openai-python 3.x); SDKs up to 2.32 wrote "in-memory": both
+# are accepted and echoed as sent
+PROMPT_CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
 
 _decoder = msgspec.json.Decoder(CreateRequest)
@@ -414,11 +440,17 @@ def decode_item(raw: Any, index: int, field: str = "input") -> Item:
         )
     kind = raw.get("type")
     if kind is None:
-        if "role" not in raw:
+        if "role" in raw:
+            kind = "message"  # EasyInputMessage: type optional
+        elif "id" in raw:
+            # ItemReference: ``type`` is optional and nullable in the SDKs (openai-python
+            # ``type: Optional[Literal["item_reference"]]``, openai-node ``type?: ... | null``)
+            raw = {k: v for k, v in raw.items() if k != "type"}
+            kind = "item_reference"
+        else:
             raise errors.MissingParameter(
                 f"Missing required parameter: '{where}.type'.", param=f"{where}.type"
             )
-        kind = "message"
     if not isinstance(kind, str):
         raise errors.InvalidType(f"Invalid type for '{where}.type': expected a string.", param=f"{where}.type")
     cls = _ITEM_TYPES.get(kind)
@@ -587,6 +619,14 @@ def _check_tool_choice(
                 "Invalid 'tool_choice': 'required' needs at least one tool in 'tools'.",
                 param="tool_choice",
             )
+        if choice == "required" and not fns:
+            # only function tools reach a backend: a call forced among the others is forcing
+            # their use (rejected, as a named hosted tool is), not a text answer
+            raise errors.UnsupportedParameter(
+                f"Invalid 'tool_choice': 'required' needs a function tool; tools of type "
+                f"{shown(_first_kind(tools))} are not supported by this server.",
+                param="tool_choice",
+            )
         return choice
     kind = choice.get("type")
     if kind == "function":
@@ -611,6 +651,7 @@ def _check_tool_choice(
                 "Invalid 'tool_choice.tools': expected a non-empty array of tools.",
                 param="tool_choice.tools",
             )
+        callable_ = False
         for j, t in enumerate(allowed):
             name = t.get("name") if isinstance(t, dict) else None
             if not isinstance(t, dict) or (t.get("type") == "function" and not (isinstance(name, str) and name in fns)):
@@ -618,6 +659,13 @@ def _check_tool_choice(
                     f"Invalid 'tool_choice.tools[{j}]': it names no function in 'tools'.",
                     param=f"tool_choice.tools[{j}]",
                 )
+            callable_ = callable_ or t.get("type") == "function"
+        if mode == "required" and not callable_:
+            # as "required" above (the chat backends refused it only once the response had started)
+            raise errors.UnsupportedParameter(
+                "Invalid 'tool_choice': the allowed tools name no function tool this server can call.",
+                param="tool_choice",
+            )
         return choice
     if isinstance(kind, str):
         # A hosted or custom tool: allowed only if such a tool was declared; even then no
@@ -627,6 +675,11 @@ def _check_tool_choice(
             param="tool_choice",
         )
     raise _missing_or_mistyped(kind, "tool_choice.type", "a string")
+
+
+def _first_kind(tools: list[dict[str, Any]]) -> Any:
+    """The type of the first tool that is not a function (checked to be a string)."""
+    return next((t.get("type") for t in tools if t.get("type") != "function"), None)
 
 
 def _missing_or_mistyped(value: Any, param: str, expected: str) -> errors.HotloopError:
@@ -682,7 +735,7 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
     if req.prompt_cache_retention is not None and req.prompt_cache_retention not in PROMPT_CACHE_RETENTIONS:
         raise errors.InvalidValue(
             f"Invalid value for 'prompt_cache_retention': {shown(req.prompt_cache_retention)}. Supported values "
-            "are: 'in-memory' and '24h'.",
+            "are: 'in_memory', 'in-memory' and '24h'.",
             param="prompt_cache_retention",
         )
     if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
