@@ -77,6 +77,13 @@ def test_unknown_service_tier_still_refused(server: Server) -> None:
     assert (err["param"], err["code"]) == ("service_tier", "invalid_value")
 
 
+def test_reasoning_effort_max_of_the_sdk_accepted_and_echoed(server: Server) -> None:
+    # openai-python 3.57 ReasoningEffort ends with "max"; a chat backend is asked for "high"
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    resp = client.responses.create(model=MODEL, input="hi", reasoning={"effort": "max"})
+    assert resp.status == "completed" and resp.reasoning is not None and resp.reasoning.effort == "max"
+
+
 # --- fields the SDKs type as nullable: null means the default -----------------------------------
 
 

@@ -309,6 +309,7 @@ def test_tools_and_settings() -> None:
     assert oc["max_tokens"] == 256 and "max_completion_tokens" not in oc
     assert "service_tier" not in oc
     assert render(request(reasoning_effort="xhigh"), CEREBRAS)["reasoning_effort"] == "high"
+    assert render(request(reasoning_effort="max"), CEREBRAS)["reasoning_effort"] == "high"
     assert render(request(reasoning_effort="medium"), CEREBRAS)["reasoning_effort"] == "medium"
     assert "service_tier" not in render(request(service_tier="scale"), CEREBRAS)
     bare = render(request(), CEREBRAS)

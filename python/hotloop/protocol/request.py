@@ -159,7 +159,7 @@ class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None  # openai-python 3.57 ReasoningEffort
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: str | None = None
 

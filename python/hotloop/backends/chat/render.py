@@ -77,7 +77,7 @@ OPENAI_COMPAT = Dialect(
 )
 
 # Responses efforts -> the chat-completions set (none|low|medium|high).
-_EFFORT = {"minimal": "low", "xhigh": "high"}
+_EFFORT = {"minimal": "low", "xhigh": "high", "max": "high"}  # Responses efforts a chat server has no word for
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
