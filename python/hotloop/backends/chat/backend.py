@@ -36,6 +36,11 @@ log = logging.getLogger("hotloop.backends")
 
 MAX_SSE_EVENT_BYTES = 4 * 1024 * 1024  # one SSE line / event from the backend
 MODELS_TTL = 60.0  # seconds a backend's model list is cached
+# seconds a backend's model list may take (at start-up, and for GET /v1/models): past it the
+# default model is offered, as when the listing fails, and the next call asks again. Without
+# it a backend that accepted the connection and never answered held start-up for the
+# backend timeout (300 s by default) before the server served anything.
+MODELS_TIMEOUT = 10.0
 # Push delivery reads plain deltas into events with SseDecoder.feed_lane when it is native (the
 # pure build pushes every chunk through the chunk sink: feed_lane's twin is slower than that).
 _LANES = BACKEND_NAMES["SseDecoder"] == "hotloop._native"
@@ -114,7 +119,12 @@ class ChatBackend:
         if now - self._models_at < MODELS_TTL:
             return self._models
         try:
-            raw = await self._get_models()
+            try:
+                async with asyncio.timeout(MODELS_TIMEOUT):
+                    raw = await self._get_models()
+            except TimeoutError:
+                log.warning("%s backend: the model list did not come within %g s", self.name, MODELS_TIMEOUT)
+                return self._fallback()  # not cached: the next call asks again
             listed = _models_decoder.decode(raw).data
             windows = {str(m["id"]): w for m in listed if isinstance(m.get("id"), str) and (w := reported_window(m))}
             if windows:
@@ -131,10 +141,14 @@ class ChatBackend:
         except (errors.HotloopError, msgspec.DecodeError, ValueError):
             log.warning("%s backend: could not list models; offering the default model", self.name)
             models = []
-        if not models and self.default_model:
-            models = [model_object(self.default_model, self.owned_by)]
+        if not models:
+            models = self._fallback()
         self._models, self._models_at = models, now
         return models
+
+    def _fallback(self) -> list[dict[str, Any]]:
+        """The model list without the backend's: the default model, if there is one."""
+        return [model_object(self.default_model, self.owned_by)] if self.default_model else []
 
     # -- streaming -----------------------------------------------------------------------------
 
