@@ -141,6 +141,23 @@ def test_websocket_chain_survives_its_replica(redis: Redis, tmp_path: Path) -> N
         assert texts == ["one", "two", "three", "four"]
 
 
+def test_a_delete_on_one_replica_reaches_the_other_s_websocket_connections(redis: Redis, tmp_path: Path) -> None:
+    """A response deleted through replica A is no longer continued by the WebSocket connection
+    on B that made it (from that connection's own cache), once B heard of the delete."""
+    with replicas(tmp_path, redis.url[:-1] + "8") as (a, b):
+        with ws_connect(b.ws + "/responses") as ws:
+            r = ws_turn(ws, input=user("forget this"), store=True)
+            time.sleep(VISIBILITY_BOUND)
+            assert httpx.delete(f"{a.v1}/responses/{r['id']}", timeout=10).status_code == 200
+            poll(lambda: httpx.get(f"{b.v1}/responses/{r['id']}", timeout=10).status_code == 404, "B to see the delete")
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "and now?", "previous_response_id": r["id"]}))
+            while True:
+                ev = json.loads(ws.recv(timeout=WAIT))
+                if ev["type"] in ("response.completed", "response.failed", "error"):
+                    break
+            assert ev["type"] == "error" and ev["error"]["code"] == "previous_response_not_found", ev
+
+
 def test_one_keys_limits_and_revocation_hold_across_replicas(redis: Redis, tmp_path: Path) -> None:
     url = redis.url[:-1] + "3"
     with replicas(tmp_path, url) as (a, b):

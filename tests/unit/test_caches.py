@@ -498,3 +498,28 @@ def test_a_size_walk_is_bounded_and_estimates_past_its_bound() -> None:
     parts = [InputText(text="\u00e9" * 3) for _ in range(3 * context.WALK_PARTS)]
     each = context.held_extra(Message(role="user", content=parts[:10])) // 10
     assert context.held_extra(Message(role="user", content=parts)) == each * len(parts)
+
+
+def test_a_connection_cache_does_not_serve_a_response_deleted_after_it_was_cached() -> None:
+    from hotloop.state.context import ConnectionCache, Deletions
+
+    deletions = Deletions(max_entries=2)
+    cache = ConnectionCache(max_entries=2, deletions=deletions)
+    a, b = _entry("resp_a"), _entry("resp_b")
+    cache.put(a)
+    cache.put(b, lane="side")
+    deletions.add("resp_other")
+    assert cache.get("resp_a") is a and cache.get("resp_b") is b  # another id's delete: still served
+    deletions.add("resp_a")
+    assert cache.get("resp_a") is None and len(cache) == 1  # dropped
+    assert cache.get("resp_b") is b
+    c = _entry("resp_c")
+    cache.put(c)  # cached after every delete so far
+    assert cache.get("resp_c") is c
+    deletions.add("resp_x")
+    deletions.add("resp_y")  # resp_a and resp_other let go: what was cached before them is unknown
+    assert cache.get("resp_b") is None  # cached before an id let go: taken as deleted (a miss)
+    assert cache.get("resp_c") is c  # cached after the ids let go were deleted
+    fresh = _entry("resp_d")
+    cache.put(fresh)
+    assert cache.get("resp_d") is fresh

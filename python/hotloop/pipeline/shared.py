@@ -135,6 +135,9 @@ class SharedPersistence(Persistence):
         # the process-wide cache's clear (its evict: Persistence.evict): deletes published while
         # the subscriber was away are not replayed
         self.forget: Callable[[], None] | None = None
+        # what another process's delete is told to (Engine.deleted: the WebSocket connections'
+        # caches too); Persistence.evict when unset
+        self.deleted: Callable[[str], None] | None = None
         self._listener: asyncio.Task[None] | None = None  # Redis: the delete subscriber; SQLite: the poller
         self._deletions: DeletionLog | None = None  # SQLite shared by --workers
         self._publishing: asyncio.Task[None] | None = None  # records pruned ids there (_pruned)
@@ -304,7 +307,7 @@ class SharedPersistence(Persistence):
                 await asyncio.sleep(DELETE_POLL_SECONDS)
                 continue
             failing = False
-            evict = self.evict
+            evict = self.deleted or self.evict
             for seq, response_id in rows:
                 if evict is not None:
                     evict(response_id)
@@ -344,7 +347,7 @@ class SharedPersistence(Persistence):
                     now = loop.time()
                     if msg is not None:
                         heard, pinged = now, False
-                        evict = self.evict
+                        evict = self.deleted or self.evict
                         if evict is not None and msg.get("type") == "message":
                             evict(msg["data"].decode())
                         continue

@@ -46,7 +46,7 @@ from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
-from hotloop.state.context import CachedResponse, ConnectionCache, ResponseCache, entry_nbytes
+from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache, Sent
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
@@ -81,6 +81,8 @@ class Engine:
             config.response_cache_entries, config.response_cache_items, config.response_cache_bytes,
             config.store_ttl_seconds, lambda: self.clock(),
         )
+        # Responses deleted, for the WebSocket connections' caches (hotloop.state.context.Deletions).
+        self.deletions = Deletions()
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
         # An agent's tool definitions, decoded and checked once per key (pipeline.settings).
@@ -154,6 +156,12 @@ class Engine:
             observe(run)
 
     # -- resolving the parent ------------------------------------------------------------------
+
+    def deleted(self, response_id: str) -> None:
+        """A response deleted (here, or by another process sharing the store): out of the
+        process-wide cache, and no longer served by any WebSocket connection's cache."""
+        self.responses.evict(response_id)
+        self.deletions.add(response_id)
 
     async def resolve(
         self, response_id: str | None, conn: ConnectionCache | None, scope: str | None = ANONYMOUS.id

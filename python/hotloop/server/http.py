@@ -433,7 +433,7 @@ class HttpTransport:
         # is written in the delete's own transaction (hotloop.pipeline.shared).
         if not await self.app.persistence.delete(response_id, scope) and not cached:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
-        self.app.engine.responses.evict(response_id)
+        self.app.engine.deleted(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
 
     async def _cancel(self, response_id: str, scope: str | None) -> None:

@@ -78,6 +78,7 @@ def make_app(config: Config) -> HotloopApp:
     persistence.evict = app.engine.responses.evict  # responses pruned, or deleted by other processes
     if isinstance(persistence, SharedPersistence):
         persistence.forget = app.engine.responses.clear  # ... while their news could be missed
+        persistence.deleted = app.engine.deleted  # deleted by other processes: connections' caches too
     return app
 
 

@@ -144,7 +144,7 @@ class Connection:
             check_steer=lambda items: guard.check(items, cfg.max_turn_input_items, cfg.max_turn_input_bytes),
             finishing=self._finishing,
         )
-        self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes)
+        self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes, deletions=self.app.engine.deletions)
         return self.session
 
     def _finishing(self, response_id: str) -> bool:

@@ -362,6 +362,42 @@ def entry_nbytes(entry: CachedResponse) -> int:
     return n
 
 
+class Deletions:
+    """Responses deleted (``DELETE /v1/responses/{id}`` here, or another process's delete heard
+    through the shared store), numbered, for the WebSocket connections' caches: a connection
+    that cached a response before its delete no longer serves it (:meth:`ConnectionCache.get`),
+    so a continuation gets ``previous_response_not_found`` as it does over HTTP and on any other
+    connection, and the deleted content is not stored again as a new response's input.
+
+    Responses pruned by this process's store bound are not deletions: a connection keeps
+    continuing its own. (Another process's prunes reach this one as deletions, which cannot be
+    told apart: a connection's response pruned by another worker is dropped from its cache too.)
+
+    Bounded: the latest ``max_entries`` ids (about 100 bytes each). An entry cached before the
+    oldest id let go is taken as deleted when asked about (the safe side: a miss, then the store)."""
+
+    def __init__(self, max_entries: int = GONE_ENTRIES) -> None:
+        self.max_entries = max(1, max_entries)
+        self.generation = 0
+        self._ids: OrderedDict[str, int] = OrderedDict()
+        self._forgotten = 0  # the generation of the newest id let go
+
+    def add(self, response_id: str) -> None:
+        self.generation += 1
+        ids = self._ids
+        ids[response_id] = self.generation
+        ids.move_to_end(response_id)
+        if len(ids) > self.max_entries:
+            self._forgotten = ids.popitem(last=False)[1]
+
+    def since(self, response_id: str, generation: int) -> bool:
+        """Whether ``response_id`` may have been deleted after ``generation`` was read."""
+        if generation == self.generation:
+            return False
+        g = self._ids.get(response_id)
+        return g > generation if g is not None else self._forgotten > generation
+
+
 class ConnectionCache:
     """The WebSocket connection's own cache of its most recent response(s), per lane.
 
@@ -373,14 +409,22 @@ class ConnectionCache:
     the oldest entries of any lane go first, and a response larger than ``max_bytes`` is not
     cached at all. A continuation of a response that is not cached here falls back to the
     process-wide cache and the store like any miss (so only a ``store: false`` response is lost).
+
+    ``deletions``: the process's :class:`Deletions`; a response deleted after it was cached here
+    is not served (and is dropped).
     """
 
-    def __init__(self, max_entries: int = 1, max_lanes: int = 32, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self, max_entries: int = 1, max_lanes: int = 32, max_bytes: int = 64 * 1024 * 1024,
+        deletions: Deletions | None = None,
+    ) -> None:
         self.max_entries = max(1, max_entries)
         self.max_lanes = max_lanes
         self.max_bytes = max_bytes
+        self.deletions = deletions
         self._lanes: dict[str | None, OrderedDict[str, CachedResponse]] = {None: OrderedDict()}
-        self._order: OrderedDict[str, tuple[str | None, int]] = OrderedDict()  # id -> (lane, bytes), oldest first
+        # id -> (lane, bytes, the deletions' generation when cached), oldest first
+        self._order: OrderedDict[str, tuple[str | None, int, int]] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -397,6 +441,10 @@ class ConnectionCache:
         for d in self._lanes.values():
             e = d.get(response_id)
             if e is not None:
+                deletions = self.deletions
+                if deletions is not None and deletions.since(response_id, self._order[response_id][2]):
+                    self._drop(response_id)  # deleted since it was cached
+                    return None
                 return e
         return None
 
@@ -411,7 +459,7 @@ class ConnectionCache:
         self._drop(rid)
         n = entry_nbytes(entry) if nbytes is None else nbytes
         d[rid] = entry
-        self._order[rid] = (lane, n)
+        self._order[rid] = (lane, n, self.deletions.generation if self.deletions is not None else 0)
         self._bytes += n
         while len(d) > self.max_entries:
             self._drop(next(iter(d)))
@@ -424,7 +472,7 @@ class ConnectionCache:
     def _drop(self, response_id: str) -> None:
         found = self._order.pop(response_id, None)
         if found is not None:
-            lane, n = found
+            lane, n, _ = found
             self._bytes -= n
             del self._lanes[lane][response_id]
 
