@@ -67,7 +67,7 @@ def test_text_sequence() -> None:
     assert final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"] == {
         "input_tokens": 7,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cache_write_tokens": 0, "cached_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 9,

@@ -50,12 +50,14 @@ def usage_object(
     input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0, truncated_items: int = 0
 ) -> dict[str, Any]:
     """The full usage object: every field present (openai-python and Codex require them).
-    ``truncated_items``: hotloop's own field (OpenAI's usage has none), the input items
+    ``input_tokens_details.cache_write_tokens`` is always 0: openai-python 3.x types it as a
+    required int (OpenAI sends 0 when nothing was written to its cache) and no backend reports
+    it. ``truncated_items``: hotloop's own field (OpenAI's usage has none), the input items
     ``truncation: "auto"`` dropped, present only when some were (clients' usage types keep or
     ignore a field they do not know)."""
     usage = {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cache_write_tokens": 0, "cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,

@@ -125,6 +125,7 @@ class Turn:
         self._open: _OpenItem | None = None
         self._output: list[dict[str, Any]] = response["output"]
         self._closed_calls: set[int] = set()
+        self._call_ids: set[str] = set()  # the call ids of this response's calls (_open_item)
         self._calls = 0
         self._dropped_calls: set[int] = set()
         self._usage: Usage | None = None
@@ -311,7 +312,15 @@ class Turn:
         else:
             assert call is not None
             item = _OpenItem(key, index, self.ids.new("fc"))
-            item.call_id = call.call_id or self.ids.new("call")
+            call_id = call.call_id
+            if not call_id or call_id in self._call_ids:
+                # A backend that gives two calls of one response the same id: the second gets its
+                # own, as a call without an id does. Clients tell a response's calls apart by
+                # call_id (openai-python's and openai-node's stream helpers raise on a repeated
+                # one) and answer each with a function_call_output naming it.
+                call_id = self.ids.new("call")
+            self._call_ids.add(call_id)
+            item.call_id = call_id
             item.name = call.name or ""
             self._calls += 1
             obj = {
