@@ -51,6 +51,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)  # SSE body (status 200)
     body: Any = None  # JSON body (errors)
+    raw: bytes | None = None  # a non-2xx body sent as these bytes, not as JSON (Reply.text)
+    hangup: bool = False  # close the connection without answering (Reply.hang_up)
 
     @classmethod
     def stream(cls, events: list[Event], *, done: bool = True, headers: dict[str, str] | None = None) -> "Reply":
@@ -60,6 +62,16 @@ class Reply:
     @classmethod
     def error(cls, status: int, body: Any, headers: dict[str, str] | None = None) -> "Reply":
         return cls(status=status, body=body, headers=dict(headers or {}))
+
+    @classmethod
+    def text(cls, status: int, raw: bytes, headers: dict[str, str] | None = None) -> "Reply":
+        """A non-2xx answer whose body is ``raw`` as is (an HTML error page, plain text)."""
+        return cls(status=status, raw=raw, headers={"content-type": "text/plain", **(headers or {})})
+
+    @classmethod
+    def hang_up(cls) -> "Reply":
+        """Read the request, then close the connection without a byte of answer."""
+        return cls(hangup=True)
 
 
 def chunk(
@@ -322,6 +334,15 @@ class MockChatServer:
     async def _reply(
         self, reply: Reply, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
+        if reply.hangup:
+            writer.transport.abort()
+            return False
+        if reply.raw is not None:
+            head = [f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Status')}", f"content-length: {len(reply.raw)}"]
+            head += [f"{k}: {v}" for k, v in reply.headers.items()]
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + reply.raw)
+            await writer.drain()
+            return True
         if reply.status != 200:
             await self._json(writer, reply.status, reply.body, reply.headers)
             return True

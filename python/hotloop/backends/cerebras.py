@@ -31,7 +31,7 @@ from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
-from hotloop.backends.chat.statuses import withhold
+from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -116,16 +116,21 @@ class CerebrasBackend(ChatBackend):
                 CHAT_PATH,
                 cast_to=httpx.Response,
                 content=b"".join(body),
-                options={"headers": {**_STREAM_HEADERS, "x-request-id": request_id} if request_id else _STREAM_HEADERS},
+                options={
+                    "headers": {**_STREAM_HEADERS, "x-request-id": request_id} if request_id else _STREAM_HEADERS,
+                    # a redirect is reported (as on the lean transport), never followed: the SDK's
+                    # client would re-send the conversation to wherever Location points
+                    "follow_redirects": False,
+                },
                 stream=True,
             )
         except APIStatusError as exc:
             raise self._status_error(exc, model) from None
-        except APITimeoutError:
-            raise errors.BackendTimeout("The model backend did not answer in time.") from None
-        except APIConnectionError:
-            log.warning("cerebras backend: connection failed")
-            raise errors.BackendUnavailable("Could not connect to the model backend.") from None
+        except APITimeoutError as exc:  # typed by its cause, as the lean transport types it
+            raise transport_failure(exc.__cause__, timed_out=True) from None
+        except APIConnectionError as exc:
+            log.warning("cerebras backend: request failed (%s)", type(exc.__cause__).__name__)
+            raise transport_failure(exc.__cause__) from None
         return HttpxBody(resp, self.name)
 
     async def _get_models(self) -> bytes:

@@ -23,7 +23,7 @@ from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
-from hotloop.backends.chat.statuses import withhold
+from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -99,11 +99,12 @@ class OpenAICompatBackend(ChatBackend):
     async def _send(self, request: httpx.Request) -> httpx.Response:
         try:
             return await self._require_client().send(request, stream=True)
-        except httpx.TimeoutException:
-            raise errors.BackendTimeout("The model backend did not answer in time.") from None
-        except httpx.HTTPError:
-            log.warning("openai-compat backend: connection to %s failed", redact_url(str(request.url)))
-            raise errors.BackendUnavailable("Could not connect to the model backend.") from None
+        except httpx.HTTPError as exc:
+            # typed as the lean transport types the same failure (a connect timeout is not a
+            # backend slow to answer; a connection closed before the answer is not one refused)
+            if not isinstance(exc, httpx.TimeoutException):
+                log.warning("openai-compat backend: request to %s failed (%s)", redact_url(str(request.url)), type(exc).__name__)
+            raise transport_failure(exc) from None
 
     async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:
         if self._pool is not None:
@@ -113,7 +114,9 @@ class OpenAICompatBackend(ChatBackend):
         client = self._require_client()
         headers = {**_POST_HEADERS, "x-request-id": request_id} if request_id else _POST_HEADERS
         resp = await self._send(client.build_request("POST", "chat/completions", content=b"".join(body), headers=headers))
-        if resp.status_code >= 400:
+        # a redirect (never followed: the request goes nowhere else) is an error, as on the lean
+        # transport; its body is not a stream
+        if resp.status_code >= 300:
             payload = await read_error_body(resp)
             raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=model)
         return HttpxBody(resp, self.name)

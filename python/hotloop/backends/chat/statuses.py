@@ -245,6 +245,32 @@ def status_error(
     return errors.BackendError(f"The model backend failed (HTTP {status}).")
 
 
+def transport_failure(exc: BaseException | None, *, timed_out: bool = False) -> errors.HotloopError:
+    """An httpx failure to send a request or to read its response head (the sdk transports), as
+    the lean transport (:mod:`hotloop.backends.chat.http1`) types the same failure: not
+    connected (refused, or the connect timed out) -> 503 "Could not connect"; every connection
+    busy -> 503; no answer in time -> 504; the connection closed before the answer -> 502,
+    retryable. ``exc``: the httpx exception (an SDK error's ``__cause__``); anything else is
+    ``timed_out`` (a 504) or not connected."""
+    import httpx
+
+    from hotloop.backends.chat import http1
+
+    if isinstance(exc, httpx.PoolTimeout):
+        return errors.BackendUnavailable("Too many connections to the model backend are busy.")
+    if isinstance(exc, (httpx.ConnectTimeout, httpx.ConnectError)):
+        return errors.BackendUnavailable(http1._UNAVAILABLE)
+    if isinstance(exc, httpx.TimeoutException):
+        return errors.BackendTimeout(http1._NO_ANSWER)
+    if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.CloseError)) or (
+        isinstance(exc, httpx.RemoteProtocolError) and "disconnected" in str(exc)
+    ):
+        return TransientBackendError(http1._BROKEN)
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return errors.BackendError(http1._NOT_HTTP)
+    return errors.BackendTimeout(http1._NO_ANSWER) if timed_out else errors.BackendUnavailable(http1._UNAVAILABLE)
+
+
 def retry_delay(exc: errors.HotloopError, attempt: int) -> float | None:
     """How long to wait before retrying after ``exc`` (``None``: do not retry)."""
     if isinstance(exc, errors.RateLimited):

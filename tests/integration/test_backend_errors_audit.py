@@ -1,0 +1,81 @@
+"""A chat backend's failures as a client sees them, the same on both transports.
+
+``hotloop serve`` (subprocess) with the cerebras and openai-compat backends, each over the
+``lean`` and the ``sdk`` transport, against :mod:`tests.mock_chat_server` on a real loopback
+socket; the client is plain httpx (HTTP JSON and SSE) or a WebSocket.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from tests.conftest import Server, raw_until_terminal, run_server
+from tests.mock_chat_server import MockChatServer, Reply, text_events
+
+BROKEN = "The model backend closed the connection mid-stream."
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mock(mock: MockChatServer) -> None:
+    mock.reset()
+
+
+@pytest.fixture(scope="module", params=["cerebras/lean", "cerebras/sdk", "compat/lean", "compat/sdk"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iterator[Server]:
+    kind, transport = str(request.param).split("/")
+    env = {"HOTLOOP_BACKEND_TRANSPORT": transport, "HOTLOOP_BACKEND_RETRIES": "0", "HOTLOOP_BACKEND_TIMEOUT": "10"}
+    if kind == "cerebras":
+        env.update({"CEREBRAS_API_KEY": "csk-audit-key-0123", "CEREBRAS_BASE_URL": mock.url})
+        args: tuple[str, ...] = ("--backend", "cerebras", "--model", "mock-model")
+    else:
+        env["HOTLOOP_BACKEND_API_KEY"] = "sk-audit-key-0123"
+        args = ("--backend", "openai-compat", "--base-url", mock.v1, "--model", "mock-model")
+    with run_server(tmp_path_factory.mktemp(kind + "-" + transport), *args, "--store", "memory", env=env) as s:
+        yield s
+
+
+def _post(server: Server, stream: bool) -> httpx.Response:
+    return httpx.post(server.v1 + "/responses", json={"model": "mock-model", "input": "x", "stream": stream}, timeout=30)
+
+
+def _ws_error(server: Server) -> dict[str, Any]:
+    with connect(server.ws + "/responses") as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "x", "store": False}))
+        events = raw_until_terminal(ws)
+    assert [e["type"] for e in events] == ["error"]
+    return events[0]
+
+
+def test_a_backend_that_hangs_up_without_answering_is_a_502_on_every_transport(server: Server, mock: MockChatServer) -> None:
+    """The backend accepts the connection, reads the request and closes it without a byte of
+    answer (a crashed worker, a proxy dropping it). The lean transport said 502 "closed the
+    connection mid-stream"; the sdk transports said 503 "Could not connect to the model
+    backend." (it had connected), so one failure had two statuses and two stories."""
+    for stream in (False, True):
+        mock.push(Reply.hang_up())
+        r = _post(server, stream)
+        assert r.status_code == 502, r.text
+        assert r.json()["error"] == {"message": BROKEN, "type": "server_error", "param": None, "code": "server_error"}
+    mock.push(Reply.hang_up())
+    frame = _ws_error(server)
+    assert frame["status"] == 502 and frame["error"]["message"] == BROKEN
+    assert len(mock.requests) == 3  # HOTLOOP_BACKEND_RETRIES=0: each was sent once
+
+
+def test_a_redirect_is_reported_not_followed_on_every_transport(server: Server, mock: MockChatServer) -> None:
+    """A backend (or a misconfigured base URL) answering 307: the lean transport reports it
+    (502 "The model backend failed (HTTP 307)."). Over the sdk transport the Cerebras SDK
+    followed it, re-sending the conversation to wherever Location pointed, and the
+    openai-compat backend read the redirect's body as an empty stream ("closed the stream
+    before finishing")."""
+    here = mock.v1 + "/chat/completions"  # followed, the mock would answer it with the next reply
+    mock.push(Reply.text(307, b"", {"location": here}), Reply.stream(text_events("followed")))
+    r = _post(server, False)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["message"] == "The model backend failed (HTTP 307)."
+    assert len(mock.requests) == 1  # never re-sent to the redirect's target
