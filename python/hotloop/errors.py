@@ -11,6 +11,7 @@ lives in :mod:`hotloop.protocol.events`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 MAX_ECHO = 100  # characters of a client's own input that an error message repeats
@@ -151,10 +152,12 @@ class RequestTimeout(HotloopError):
 
 
 def retry_headers(delay: float | None) -> dict[str, str]:
-    """A delay as clients read it: ``retry-after`` (seconds) and ``retry-after-ms``; none without one."""
-    if delay is None:
+    """A delay as clients read it: ``retry-after`` (whole seconds, rounded up: RFC 9110's
+    delta-seconds, which a fraction or ``1e+06`` is not) and ``retry-after-ms`` (the OpenAI SDKs
+    read it first); none without one."""
+    if delay is None or not 0 <= delay < float("inf"):
         return {}
-    return {"retry-after": f"{delay:g}", "retry-after-ms": str(int(delay * 1000))}
+    return {"retry-after": str(math.ceil(delay)), "retry-after-ms": str(math.ceil(delay * 1000))}
 
 
 def retrieved(fut: Any) -> None:

@@ -79,3 +79,19 @@ def test_a_redirect_is_reported_not_followed_on_every_transport(server: Server, 
     assert r.status_code == 502, r.text
     assert r.json()["error"]["message"] == "The model backend failed (HTTP 307)."
     assert len(mock.requests) == 1  # never re-sent to the redirect's target
+
+
+@pytest.mark.parametrize("status", [401, 403, 402])
+def test_a_backend_refusing_hotloop_s_own_account_is_not_retried_by_the_sdk(server: Server, mock: MockChatServer, status: int) -> None:
+    """A backend rejecting hotloop's credentials (401/403) or its account (402) answers every
+    retry the same: the 502 said ``x-should-retry: true`` (as every 5xx), so the openai SDK sent
+    the request three times for one call. It now says ``false``: one request."""
+    from openai import InternalServerError, OpenAI
+
+    for _ in range(3):
+        mock.push(Reply.error(status, {"error": {"message": "no", "type": "invalid_request_error"}}))
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=2)
+    with pytest.raises(InternalServerError) as ei:
+        client.responses.create(model="mock-model", input="x")
+    assert ei.value.status_code == 502 and ei.value.response.headers["x-should-retry"] == "false"
+    assert len(mock.requests) == 1

@@ -551,7 +551,9 @@ def test_status_errors() -> None:
     assert not [h for h in rl.headers if h.startswith("x-ratelimit-")]
     assert b"x-ratelimit" not in ws_error(rl)[1] and b'"retry-after":"2"' in ws_error(rl)[1]
     rl = err(429, {"message": "Too many tokens"}, {"x-ratelimit-reset-tokens-minute": "2.5", "x-ratelimit-remaining-tokens-minute": "0"})
-    assert rl.retry_after == 2.5 and rl.headers == {"retry-after": "2.5", "retry-after-ms": "2500"}
+    assert rl.retry_after == 2.5 and rl.headers == {"retry-after": "3", "retry-after-ms": "2500"}  # delta-seconds: whole
+    big = err(429, {}, {"retry-after": "2299690000"})
+    assert big.headers == {"retry-after": "2299690000", "retry-after-ms": "2299690000000"}  # not 2.29969e+09
     assert "x-request-id" not in rl.headers and "Too many tokens" not in rl.message
     ctx = err(400, {"message": "Please reduce the length of the messages or completion.", "type": "invalid_request_error", "code": "context_length_exceeded"})
     assert isinstance(ctx, errors.ContextLengthExceeded) and ctx.code == "context_length_exceeded" and ctx.status == 400

@@ -229,9 +229,9 @@ def status_error(
             return errors.ModelNotFound(
                 f"The model '{errors.clip(model)}' does not exist or is not served by the model backend.", param="model"
             )
-        return errors.BackendError("The model backend has no chat-completions endpoint at its configured URL.")
+        return _not_retried("The model backend has no chat-completions endpoint at its configured URL.")
     if status in (401, 403):
-        return errors.BackendError("The model backend rejected hotloop's credentials for it.")
+        return _not_retried("The model backend rejected hotloop's credentials for it.")
     if status in (408, 504):
         return errors.BackendTimeout("The model backend timed out.")
     if status == 503:
@@ -242,7 +242,14 @@ def status_error(
         )
     if status >= 500:
         return TransientBackendError(f"The model backend failed (HTTP {status}).")
-    return errors.BackendError(f"The model backend failed (HTTP {status}).")
+    return _not_retried(f"The model backend failed (HTTP {status}).")
+
+
+def _not_retried(message: str) -> errors.BackendError:
+    """A 502 for a backend answer that a retry gets again (hotloop's own configuration: its
+    credentials, its URL, its account; a redirect): ``x-should-retry: false``, or the OpenAI
+    SDKs, which retry every 5xx by default, send the request twice more for the same answer."""
+    return errors.BackendError(message, headers={"x-should-retry": "false"})
 
 
 def transport_failure(exc: BaseException | None, *, timed_out: bool = False) -> errors.HotloopError:
