@@ -95,3 +95,32 @@ def test_a_backend_refusing_hotloop_s_own_account_is_not_retried_by_the_sdk(serv
         client.responses.create(model="mock-model", input="x")
     assert ei.value.status_code == 502 and ei.value.response.headers["x-should-retry"] == "false"
     assert len(mock.requests) == 1
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_generation_the_backend_aborted_fails_instead_of_completing(server: Server, mock: MockChatServer, reason: str) -> None:
+    """vLLM and SGLang end an aborted generation with ``finish_reason: "abort"``: the response
+    was read as ``completed`` with the partial text, as if the model had finished."""
+    message = f"The model backend ended the response early (finish_reason '{reason}')."
+    mock.push(Reply.stream(text_events("half an ans", finish=reason)))
+    r = _post(server, False)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["message"] == message
+    mock.push(Reply.stream(text_events("half an ans", finish=reason)))
+    r = _post(server, True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    last = events[-1]
+    assert last["type"] == "response.failed", [e["type"] for e in events]
+    assert last["response"]["error"]["message"] == message
+    assert "response.completed" not in [e["type"] for e in events]
+
+
+def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server, mock: MockChatServer) -> None:
+    """``event: error`` whose data is the error object itself (``{"message", "code": 429}``):
+    its status was lost (read as an error object absent, so a 500, "The model backend failed
+    (HTTP 500)"); a 429 is a 429, and its message is the backend's."""
+    bare = 'event: error\ndata: {"message": "slow down", "code": 429}\n\n'
+    mock.push(Reply.stream([bare], done=False))
+    r = _post(server, False)
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"

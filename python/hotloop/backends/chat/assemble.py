@@ -88,6 +88,9 @@ _FINISH = {
     "function_call": "tool_calls",  # the legacy name
     "content_filter": "content_filter",
 }
+# finish reasons that say the generation did not end (vLLM's and SGLang's "abort": the request
+# was aborted in the engine; "error"): the response fails instead of completing with what came
+_FAILED = ("abort", "error")
 
 _TEXT, _REASONING = "text", "reasoning"
 _NEW, _LIVE, _SEALED, _DEFERRED = 0, 1, 2, 3  # tool call states
@@ -173,7 +176,11 @@ class ChunkAssembler:
                     for tc in d.tool_calls:
                         self._tool(tc, out)
             if choice.finish_reason:
-                self.finish_reason = _FINISH.get(choice.finish_reason, "stop")
+                if choice.finish_reason in _FAILED:
+                    raise errors.BackendError(
+                        f"The model backend ended the response early (finish_reason '{choice.finish_reason}')."
+                    )
+                self.finish_reason = _FINISH.get(choice.finish_reason, "stop")  # unknown ones: a normal end
         return out
 
     def lane(self) -> tuple[int, int, int, list[str] | None] | None:

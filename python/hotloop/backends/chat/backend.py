@@ -282,8 +282,13 @@ class ChatBackend:
                                     if not data.strip():
                                         continue
                                     raise errors.BackendError(_MALFORMED) from None
-                                status = chunk.status_code or _error_status(chunk.error)
-                                raise status_error(status, {}, {"error": chunk.error}, backend=self.name, model=model)
+                                error = chunk.error
+                                if error is None and event == "error":
+                                    # an error event whose data is the error object itself, with
+                                    # no "error" wrapper: its status and message are read there
+                                    error = msgspec.json.decode(data)
+                                status = chunk.status_code or _error_status(error)
+                                raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
                             fed = assembler.feed(chunk)
                             if pushes:
                                 alane = assembler.lane()
