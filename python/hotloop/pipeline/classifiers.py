@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import traceback
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -30,10 +31,13 @@ import msgspec
 
 from hotloop import errors
 from hotloop.pipeline.classify import (
+    ALLOW,
     KEY,
     SETTINGS,
+    Allow,
     Block,
     Classifier,
+    Finding,
     Flag,
     Redact,
     SecretsClassifier,
@@ -41,11 +45,12 @@ from hotloop.pipeline.classify import (
     Verdict,
     item_texts,
 )
-from hotloop.protocol.request import Item, OtherItem
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, ItemReference, Message, OtherItem, Reasoning
 
 log = logging.getLogger("hotloop.classify")
 
 __all__ = [
+    "ClassifierFailed",
     "ClassifierLoadError",
     "Frozen",
     "InputBlocked",
@@ -70,6 +75,22 @@ class InputBlocked(errors.InvalidRequest):
     """A classifier refused the turn's input (400; ``code`` from the :class:`Block`)."""
 
     code: str | None = "input_blocked"
+
+
+class ClassifierFailed(errors.HotloopError):
+    """A classifier raised, or returned something other than ``(verdict, state)`` with a
+    well-formed verdict: the turn is refused, not sent unclassified (a safety check that fails
+    must not let what it was to stop through), with a 500 ``server_error`` (code
+    ``classifier_error``) naming the classifier only; the log line says what went wrong. Like a
+    block it leaves the chain as it was (the engine keeps the parent cached:
+    ``engine._KEEPS_PARENT``), so the client can send the turn again."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = "classifier_error"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The input could not be classified (classifier {name} failed); it was not sent to the model.")
 
 
 class ClassifierLoadError(ValueError):
@@ -221,25 +242,75 @@ class Outcome(NamedTuple):
 def classify_turn(
     classifiers: Sequence[Classifier[Any]], items: list[Item], states: dict[str, Any] | None
 ) -> Outcome:
-    """Run ``classifiers`` in order over a turn's new ``items`` with the chain's ``states``."""
+    """Run ``classifiers`` in order over a turn's new ``items`` with the chain's ``states``.
+    Raises :class:`ClassifierFailed` when a user classifier raises or returns a malformed result
+    (logged, without the traceback: its type, message and innermost place)."""
     new_states = dict(states) if states else {}
     verdicts: list[tuple[str, Verdict]] = []
     for c in classifiers:
         state = new_states.get(c.name)
-        state = c.initial_state() if state is None else thaw(c, state)
-        verdict, state = c.classify(items, state)
+        if type(c) is SecretsClassifier:  # the built-in one: its results are well-formed
+            verdict, state = c.classify(items, c.initial_state() if state is None else thaw(c, state))
+        else:
+            verdict, state = _run_user(c, items, state)
         new_states[c.name] = state
         t = type(verdict)
         if t is Block:
             return Outcome(items, new_states, verdicts, (c.name, verdict))  # type: ignore[arg-type]
         if t is Redact:
-            redacted = list(verdict.items)  # type: ignore[union-attr]
-            if len(redacted) != len(items):
-                raise RuntimeError(f"classifier {c.name} redacted {len(items)} items into {len(redacted)}")
-            items = redacted
+            items = list(verdict.items)  # type: ignore[union-attr]
         if t is Flag or t is Redact:
             verdicts.append((c.name, verdict))
     return Outcome(items, new_states, verdicts, None)
+
+
+#: What a Redact verdict's items may be (hotloop.protocol.request.Item).
+_ITEM_TYPES = (Message, FunctionCall, FunctionCallOutput, Reasoning, ItemReference, OtherItem)
+
+
+def _run_user(c: Classifier[Any], items: list[Item], state: Any) -> tuple[Verdict, Any]:
+    """``c.classify`` on ``items`` with the chain's ``state`` (None: none yet), its result checked;
+    :class:`ClassifierFailed` when it raises or its result is malformed."""
+    try:
+        state = c.initial_state() if state is None else thaw(c, state)
+        result = c.classify(items, state)
+        problem = _malformed(result, len(items))
+    except Exception as exc:  # noqa: BLE001  the operator's code: the turn is refused, the log says why
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+        at = f" at {where.filename}:{where.lineno}" if where is not None else ""
+        log.error("classifier %s failed (%s: %s%s); the request is refused", c.name, type(exc).__name__,
+                  errors.clip(str(exc), 200), at)
+        raise ClassifierFailed(c.name) from None
+    if problem:
+        log.error("classifier %s failed (it returned %s); the request is refused", c.name, problem)
+        raise ClassifierFailed(c.name)
+    return result  # type: ignore[no-any-return]
+
+
+def _malformed(result: Any, n: int) -> str:
+    """What is wrong with a classifier's ``classify`` result for ``n`` items ("" when nothing)."""
+    if type(result) not in (tuple, list) or len(result) != 2:
+        return f"{type(result).__name__}, not a (verdict, state) tuple"
+    v = result[0]
+    if v is ALLOW or type(v) is Allow:
+        return ""
+    if type(v) not in (Flag, Redact, Block):
+        return f"a verdict of type {type(v).__name__}, not Allow, Flag, Redact or Block"
+    if type(v.labels) not in (tuple, list) or not all(type(x) is str for x in v.labels):
+        return f"{type(v).__name__}.labels that are not a tuple of str"
+    if type(v.findings) not in (tuple, list) or not all(type(f) is Finding for f in v.findings):
+        return f"{type(v).__name__}.findings that are not a tuple of Finding"
+    if type(v) is Block:
+        if type(v.reason) is not str or not v.reason:
+            return "a Block whose reason is not a non-empty str"
+        if type(v.code) is not str or not v.code:
+            return "a Block whose code is not a non-empty str"
+    elif type(v) is Redact:
+        if type(v.items) not in (tuple, list) or len(v.items) != n:
+            return f"a Redact of {len(v.items) if type(v.items) in (tuple, list) else '?'} items for {n}"
+        if not all(isinstance(it, _ITEM_TYPES) for it in v.items):
+            return "a Redact whose items are not input items (hotloop.protocol.request.Item)"
+    return ""
 
 
 def text_chars(items: Sequence[Item], limit: int) -> int:

@@ -305,7 +305,8 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
 
 def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
     """A copy of ``item`` with the text at each path of ``edits`` replaced (structs are immutable
-    values), built once: each list of parts is copied once, whatever the number of edits."""
+    values), built once: each list of parts is copied once, whatever the number of edits. An
+    output text whose text is replaced loses its ``logprobs`` (they spell the old text)."""
     if isinstance(item, OtherItem):
         return msgspec.structs.replace(item, data=set_leaves(item.data, edits))
     changes: dict[str, Any] = {}
@@ -324,7 +325,13 @@ def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
         if len(path) > 3:
             nested.setdefault((field, index, attr), []).append((path[3:], text))
             continue
-        parts[index] = msgspec.structs.replace(parts[index], **{attr: text})
+        part = parts[index]
+        if attr == "text" and getattr(part, "logprobs", None):
+            # an output text's logprobs spell its text token by token (and byte by byte): they
+            # would keep what was redacted, and no longer describe the text
+            parts[index] = msgspec.structs.replace(part, text=text, logprobs=[])
+        else:
+            parts[index] = msgspec.structs.replace(part, **{attr: text})
     for (field, index, attr), below in nested.items():
         parts = changes[field]
         parts[index] = msgspec.structs.replace(parts[index], **{attr: set_leaves(getattr(parts[index], attr), below)})

@@ -56,7 +56,9 @@ log = logging.getLogger("hotloop.engine")
 # Refusals that leave a continuation's chain as it was: the tenant's own limits, a classifier's
 # block, an input over the context window or over the size guard. A retry (smaller, without the
 # secret, later) must find the parent, so it is not evicted from the connection's cache.
-_KEEPS_PARENT = (LimitExceeded, classifiers.InputBlocked, window.WindowExceeded, guard.InputTooLarge)
+_KEEPS_PARENT = (
+    LimitExceeded, classifiers.InputBlocked, classifiers.ClassifierFailed, window.WindowExceeded, guard.InputTooLarge,
+)
 
 
 async def _warmup() -> AsyncIterator[Chunk]:
