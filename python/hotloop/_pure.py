@@ -674,7 +674,7 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
     ("jwt", r"eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}", _TOKEN, 0.0),
     # the password of scheme://user:password@host
     ("url_password",
-     r"""://[^ \t\r\n"'<>:@/\\]{1,128}:(?P<secret>[^ \t\r\n"'<>:@/\\]{3,128})@""", "",
+     r"""://[^ \t\r\n"'<>:@/\\]{0,128}:(?P<secret>[^ \t\r\n"'<>:@/\\]{3,128})@""", "",
      TOKEN_MIN_ENTROPY),
     ("authorization_header",
      _ci("authorization") + r"""\\?["']?[ \t]{0,8}[:=][ \t]{0,8}\\?["']?"""
