@@ -218,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":  # an argv that names it later (after "--")
         return _bench(args.args)
     if args.command in ("keys", "usage"):
+        try:  # a HOTLOOP_* value of the wrong type (the environment serve reads), no usable store: as argparse says it
+            Config.from_env(store=args.store, data_dir=args.data_dir, redis_url=args.redis_url).check_store()
+        except ValueError as exc:
+            print(f"hotloop {args.command}: error: {exc}", file=sys.stderr)
+            return 2
         return tenants_cli.run(args)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k != "command"}

@@ -74,7 +74,7 @@ class Config:
     redis_url: str = "redis://127.0.0.1:6379/0"  # --store redis (hotloop.state.redis_store)
     workers: int = 1  # server processes sharing the port (hotloop.server.workers)
     data_dir: str = field(default_factory=_default_data_dir)
-    store_ttl_seconds: float = 30 * 24 * 3600
+    store_ttl_seconds: float = 30 * 24 * 3600.0
     store_max_responses: int = 10_000
     # seconds a SQLite write waits for another connection's write lock (hotloop.state.store.BUSY_TIMEOUT);
     # a DELETE's or usage listing's bound (README, Crash safety); 0 < it <= MAX_STORE_BUSY_TIMEOUT
@@ -137,7 +137,18 @@ class Config:
         for k, v in overrides.items():
             if v is not None:
                 setattr(cfg, k, v)
+        for name in _PATHS:  # "~/..." as the shell would have it (systemd's and docker's env files, --flag=~/x, do not)
+            value = getattr(cfg, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(cfg, name, os.path.expanduser(value))
         return cfg
+
+    def check_store(self) -> None:
+        """ValueError for a store setting no command can use (``serve``, ``keys``, ``usage``)."""
+        if self.store not in CHOICES["store"]:
+            raise ValueError(f"{_flag('store')} must be one of {', '.join(CHOICES['store'])}; got {self.store!r}")
+        if self.store == "sqlite" and not self.data_dir.strip():  # (the working directory: the store and its key left there)
+            raise ValueError(f"{_flag('data_dir')} must not be empty")
 
     def check(self) -> None:
         """ValueError for a setting no server can run with (what the CLI's flags check, for the
@@ -166,6 +177,23 @@ class Config:
             )
         if not 0 <= self.sim_rate < float("inf"):
             raise ValueError(f"{_flag('sim_rate')} must be 0 (unpaced) or more tokens per second; got {self.sim_rate!r}")
+        for f in fields(self):  # every other count, size and duration (NaN and infinity too)
+            value = getattr(self, f.name)
+            if f.name in _RANGE_CHECKED or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{_flag(f.name)} must be 0 or more; got {value!r}")
+        if not self.host.strip():  # asyncio binds every interface for an empty host
+            raise ValueError(f"{_flag('host')} must not be empty")
+        self.check_store()
+        if self.api_key is not None:  # never echoed
+            if not self.api_key:  # the server would be open (no admin key), not closed
+                raise ValueError(f"{_flag('api_key')} must not be empty (unset it for no admin key)")
+            if self.api_key != self.api_key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in self.api_key):
+                # a bearer token is trimmed and holds no control character: no client could send it
+                raise ValueError(
+                    f"{_flag('api_key')} must not begin or end with whitespace nor hold a control character"
+                )
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -193,8 +221,29 @@ _POSITIVE_SECONDS = (
 )
 
 
+# The settings ``hotloop serve`` has a flag for (the others: only their HOTLOOP_* variable)
+FLAGS = frozenset({
+    "host", "port", "backend", "backend_transport", "model", "base_url", "model_limits", "log_level", "log_format",
+    "access_log", "metrics", "metrics_public", "metrics_per_key", "api_key", "store", "redis_url", "workers",
+    "store_sync", "store_max_lag", "store_commit_delay", "store_busy_timeout", "data_dir", "max_connections",
+    "request_read_timeout", "ws_ping_interval", "ws_ping_timeout", "flush_interval_ms", "backend_read_pause_ms",
+    "backend_read_pause_streams", "shutdown_grace", "max_turn_input_items", "max_turn_input_bytes", "secrets",
+    "classifiers", "sim_rate", "sim_ttft", "sim_output_tokens", "sim_seed", "sim_script",
+})
+_PATHS = ("data_dir", "model_limits", "sim_script")
+# numbers held to a range of their own: above, or when the application is made
+# (hotloop.server.runner.make_app); check() holds every other one to 0 or more
+_RANGE_CHECKED = frozenset({
+    "port", "sim_seed", "store_busy_timeout", "sim_rate", *_AT_LEAST_ONE, *_SECONDS_OR_ZERO, *_POSITIVE_SECONDS,
+    "flush_interval_ms", "backend_read_pause_ms", "backend_read_pause_streams", "store_commit_delay",
+    "max_turn_input_items", "max_turn_input_bytes",
+})
+
+
 def _flag(name: str) -> str:
     """How a setting is named in messages: its flag, or its variable when it has no flag."""
+    if name not in FLAGS:
+        return f"HOTLOOP_{name.upper()}"
     return f"--{name.replace('_', '-')} (HOTLOOP_{name.upper()})"
 
 

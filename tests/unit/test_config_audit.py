@@ -1,0 +1,74 @@
+"""Config: the settings a flag names, and the range every numeric setting is held to."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import fields
+
+import pytest
+
+from hotloop import config as config_mod
+from hotloop.cli import _parser
+from hotloop.config import Config
+
+
+def _serve_dests() -> set[str]:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices["serve"]._actions if a.option_strings and a.dest != "help"}
+
+
+def test_flags_are_the_serve_commands_options() -> None:
+    """What messages call a flag is one (and each setting with a flag is called by it)."""
+    assert set(config_mod.FLAGS) == _serve_dests()
+    assert set(config_mod.FLAGS) <= {f.name for f in fields(Config)}
+
+
+def test_a_setting_without_a_flag_is_named_by_its_variable() -> None:
+    assert config_mod._flag("backend_timeout") == "HOTLOOP_BACKEND_TIMEOUT"
+    assert config_mod._flag("port") == "--port (HOTLOOP_PORT)"
+
+
+NUMERIC = [
+    f.name for f in fields(Config)
+    if isinstance(getattr(Config(), f.name), (int, float)) and not isinstance(getattr(Config(), f.name), bool)
+]
+
+
+# checked when the application is made (hotloop.server.runner.make_app), with their own ranges
+CHECKED_BY_MAKE_APP = {
+    "flush_interval_ms", "backend_read_pause_ms", "backend_read_pause_streams", "store_commit_delay",
+    "max_turn_input_items", "max_turn_input_bytes",
+}
+
+
+@pytest.mark.parametrize("name", [n for n in NUMERIC if n != "sim_seed" and n not in CHECKED_BY_MAKE_APP])
+def test_every_numeric_setting_refuses_a_negative_value_and_nan(name: str) -> None:
+    kind = type(getattr(Config(), name))
+    for bad in (-1, math.nan, math.inf) if kind is float else (-1,):
+        cfg = Config()
+        setattr(cfg, name, kind(bad))
+        with pytest.raises(ValueError, match=re.escape("--port" if name == "port" else config_mod._flag(name))):
+            cfg.check()
+
+
+def test_the_defaults_pass() -> None:
+    Config().check()
+
+
+def test_a_variable_is_read_as_its_settings_declared_type() -> None:
+    """HOTLOOP_STORE_TTL_SECONDS=0.5 was refused ("expected an integer"): the default, an int,
+    decided how the variable was read, though the setting is seconds as a float."""
+    assert Config.from_env({"HOTLOOP_STORE_TTL_SECONDS": "0.5"}).store_ttl_seconds == 0.5
+    cfg = Config()
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if value is not None:
+            assert type(value).__name__ == f.type, (f.name, f.type, value)
+
+
+def test_an_empty_data_dir_matters_to_the_sqlite_store_alone() -> None:
+    with pytest.raises(ValueError, match=r"^--data-dir \(HOTLOOP_DATA_DIR\) must not be empty$"):
+        Config(data_dir="").check()
+    Config(data_dir="", store="memory").check()
