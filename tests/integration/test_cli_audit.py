@@ -112,3 +112,20 @@ def test_a_setting_without_a_flag_is_named_by_its_variable_alone(tmp_path) -> No
     p = run("serve", "--port", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path), "HOTLOOP_BACKEND_TIMEOUT": "0"})
     assert p.returncode == 3, p.stderr
     assert p.stderr == "hotloop: start-up failed: HOTLOOP_BACKEND_TIMEOUT must be a positive number of seconds; got 0.0\n"
+
+
+def test_an_unreachable_redis_store_is_named_without_its_password() -> None:
+    """``hotloop keys list --store redis`` printed the whole ``--redis-url``, password included."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for command in (["keys", "list"], ["usage"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hotloop", *command, "--store", "redis", "--redis-url", f"redis://:hunter2-pw@127.0.0.1:{port}/0"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert proc.returncode == 1, proc.stderr
+        assert "hunter2-pw" not in proc.stderr + proc.stdout
+        assert f"the store at redis://***@127.0.0.1:{port}/0 is unreachable" in proc.stderr

@@ -158,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
     except StoreUnavailable as exc:
         from hotloop.state.redis_store import RedisVersionError
 
-        why = exc.message if isinstance(exc, RedisVersionError) else f"the store at {config.redis_url} is unreachable"
+        from hotloop.backends.chat.http1 import redact_url
+
+        # (the URL's password is not printed: redis://:secret@host is the usual form)
+        why = exc.message if isinstance(exc, RedisVersionError) else f"the store at {redact_url(config.redis_url)} is unreachable"
         print(f"hotloop {args.command}: {why}", file=sys.stderr)
         return 1
     except (OSError, sqlite3.Error, ValueError) as exc:  # a data dir or database it cannot use, a malformed --redis-url
