@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,13 @@ def test_an_unreachable_redis_store_is_named_without_its_password() -> None:
         assert proc.returncode == 1, proc.stderr
         assert "hunter2-pw" not in proc.stderr + proc.stdout
         assert f"the store at redis://***@127.0.0.1:{port}/0 is unreachable" in proc.stderr
+
+
+def test_a_limit_that_is_not_a_number_is_said_so(tmp_path: Any) -> None:
+    """``hotloop keys create k --rpm abc`` said "invalid _positive value: 'abc'" (a function's name)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotloop", "keys", "create", "k", "--rpm", "abc", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "argument --rpm: 'abc' is not an integer" in proc.stderr and "_positive" not in proc.stderr

@@ -28,7 +28,10 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:  # (argparse would say "invalid _positive value")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if n <= 0 or n > 2**63 - 1:  # what the key stores hold (SQLite's INTEGER)
         raise argparse.ArgumentTypeError("must be a positive integer below 2**63")
     return n
