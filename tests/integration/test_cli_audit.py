@@ -140,3 +140,19 @@ def test_a_limit_that_is_not_a_number_is_said_so(tmp_path: Any) -> None:
     )
     assert proc.returncode == 2
     assert "argument --rpm: 'abc' is not an integer" in proc.stderr and "_positive" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["openai-compat", "cerebras"])
+def test_a_base_url_that_is_not_http_is_one_start_up_line(tmp_path: Any, backend: str) -> None:
+    """A base URL of another scheme was found once the application started: three error lines
+    (hotloop's, then uvicorn's twice). Now one line, before anything starts, without the
+    URL's password."""
+    env = {**os.environ, "HOTLOOP_DATA_DIR": str(tmp_path), "CEREBRAS_API_KEY": "csk-test"}
+    proc = subprocess.run(
+        [HOTLOOP, "serve", "--backend", backend, "--base-url", "ftp://u:pw-secret@host/v1", "--port", "0"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert proc.returncode == 3, proc.stderr
+    errors_ = [line for line in proc.stderr.splitlines() if "ERROR" in line or "start-up failed" in line]
+    assert len(errors_) == 1 and "is not an http(s) URL: 'ftp://***@host" in errors_[0], proc.stderr
+    assert "pw-secret" not in proc.stderr + proc.stdout and "Uvicorn running" not in proc.stderr

@@ -595,7 +595,9 @@ def test_the_openai_compat_backend_does_not_log_the_urls_credentials() -> None:
 def test_the_openai_compat_backend_refuses_a_malformed_url_without_its_password() -> None:
     """httpx's own error quoted the piece of the password after an unescaped "/" as the port."""
     backend = OpenAICompatBackend(Config(backend="openai-compat", base_url=f"http://alice:{SECRET}/x@example.com/v1", model="m"))
-    with pytest.raises(ValueError) as caught:
+    why = backend.missing()  # said at start-up, before the server starts (hotloop.backends.create)
+    assert why is not None and SECRET not in why and "alice" not in why
+    with pytest.raises((ValueError, RuntimeError)) as caught:
         asyncio.run(asyncio.wait_for(backend.start(), TIMEOUT))
     assert SECRET not in str(caught.value) and "alice" not in str(caught.value)
 

@@ -29,7 +29,7 @@ from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutErr
 
 from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
 from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
@@ -71,7 +71,8 @@ class CerebrasBackend(ChatBackend):
         """What this backend needs and was not given (said at start-up, before serving)."""
         if not self._api_key:
             return "The cerebras backend needs an API key: set CEREBRAS_API_KEY (or HOTLOOP_BACKEND_API_KEY)."
-        return None
+        problem = url_problem(self._base_url) if self._base_url else None  # (none: the SDK's own)
+        return None if problem is None else f"the base URL (--base-url, HOTLOOP_BASE_URL or CEREBRAS_BASE_URL) is {problem}"
 
     async def start(self) -> None:
         why = self.missing()

@@ -21,7 +21,7 @@ import httpx
 
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url
+from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
 from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
@@ -52,7 +52,8 @@ class OpenAICompatBackend(ChatBackend):
                 "The openai-compat backend needs --base-url (or HOTLOOP_BASE_URL), including the "
                 "API prefix, e.g. http://localhost:8000/v1."
             )
-        return None
+        problem = url_problem(self._base_url)  # said once, before the server starts
+        return None if problem is None else f"--base-url (HOTLOOP_BASE_URL) is {problem}"
 
     async def start(self) -> None:
         why = self.missing()

@@ -194,21 +194,31 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no backend URL hotloop can use (``None``: it is one), without its password."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # a ValueError when not a number (it may be part of a password)
+    except ValueError:
+        return f"not a valid http(s) URL: {redact_url(url)!r}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"not an http(s) URL: {redact_url(url)!r}"
+    return None
+
+
 class Origin:
     """Where requests go: scheme, host, port, the path prefix, and the TLS settings."""
 
     __slots__ = ("scheme", "host", "port", "prefix", "ssl", "host_header", "basic")
 
     def __init__(self, url: str, ssl_ctx: ssl.SSLContext | None = None) -> None:
-        try:
-            parts = urlsplit(url)
-            port = parts.port  # a ValueError when not a number (it may be part of a password)
-        except ValueError:
-            raise ValueError(f"not a valid http(s) URL: {redact_url(url)!r}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {redact_url(url)!r}")
+        problem = url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
+        parts = urlsplit(url)
+        port = parts.port
         self.scheme = parts.scheme
-        self.host = parts.hostname
+        self.host: str = parts.hostname or ""  # (never empty: url_problem)
         default = 443 if parts.scheme == "https" else 80
         self.port = port or default
         self.prefix = parts.path.rstrip("/")
