@@ -606,6 +606,10 @@ _ALNUM = _UPPER + _UPPER.lower() + "0123456789"
 _WORD = _ALNUM + "_"
 _TOKEN = _ALNUM + "_-"
 
+# A span ending so is not a secret: the placeholder keys of vendor documentation (AWS's
+# AKIAIOSFODNN7EXAMPLE and its secret ...EXAMPLEKEY), which docs quote and models write (the
+# Rust scanner's rule 1 too)
+_PLACEHOLDER_ENDS = ("EXAMPLE", "EXAMPLEKEY")
 TOKEN_MIN_ENTROPY = 3.0
 GENERIC_MIN_ENTROPY = 3.5
 
@@ -795,6 +799,8 @@ class SecretScanner:
             if edge and ((s > 0 and text[s - 1] in edge and not _escaped(text, s - 1)) or (e < n and text[e] in edge)):
                 continue
             if min_entropy > 0.0 and shannon_entropy(text[s:e]) < min_entropy:
+                continue
+            if text.endswith(_PLACEHOLDER_ENDS, s, e):  # vendor documentation's placeholder keys
                 continue
             yield (s, s - e, k, e)
 

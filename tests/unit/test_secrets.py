@@ -180,6 +180,10 @@ NEGATIVES: list[tuple[str, str]] = [
     ("generic_secret", "PASSWORD=$DB_PASSWORD_FROM_VAULT_2024"),  # shell references
     ("generic_secret", "--password=root_$MYSQL_ROOT_PASSWORD_VAR"),
     ("generic_secret", "secret=prefix_$CI_COMMIT_SHA_$CI_JOB_ID"),
+    # the placeholder keys of AWS's documentation (which docs quote and models write): a span
+    # ending with EXAMPLE or EXAMPLEKEY is not kept, whatever kind matched it
+    ("aws_access_key_id", "aws_access_key_id = " + "AK" + "IAIOSFODNN7" + "EXAMPLE" + "\n"),
+    ("aws_secret_access_key", "aws_secret_access_key = " + "wJalrXUtnFEMI/K7MDENG/bPxRfiCY" + "EXAMPLEKEY" + "\n"),
 ]
 
 
@@ -283,6 +287,14 @@ def test_a_pem_block_ends_at_the_next_dashes_of_the_text(scanner: Any) -> None:
     many = unit * 2000
     found = scanner.scan(many)
     assert len(found) == 2000 and all(many[a:b].startswith("-----" + "BEGIN") for _, a, b in found)
+
+
+def test_only_a_placeholder_s_end_spares_it(scanner: Any) -> None:
+    """EXAMPLE spares a span only at its end, in capitals: a key that merely holds it is found."""
+    key = "AK" + "IA" + "EXAMPLE" + rnd(UPPER + "234567", 9)
+    assert [k for k, _, _ in scanner.scan("aws_access_key_id = " + key + "\n")] == ["aws_access_key_id"]
+    secret = rnd(ALNUM + "+/", 33) + "example"
+    assert [k for k, _, _ in scanner.scan("aws_secret_access_key = " + secret + "\n")] == ["aws_secret_access_key"]
 
 
 def test_redaction(scanner: Any) -> None:

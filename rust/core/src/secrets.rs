@@ -16,7 +16,9 @@
 //!
 //! 1. each kind's regex finds its matches left to right, non-overlapping, leftmost-first (the
 //!    next search starts where the previous match ended, whether that match was kept or not);
-//!    a match is kept only if its span is non-empty, passes the edge check and the entropy check;
+//!    a match is kept only if its span is non-empty, passes the edge check and the entropy check,
+//!    and does not end with `EXAMPLE` or `EXAMPLEKEY` (the placeholder keys of vendor
+//!    documentation, such as AWS's `AKIAIOSFODNN7EXAMPLE`, which models write and docs quote);
 //! 2. the kept matches of all kinds are merged by span start; at the same start the longer span
 //!    wins, then the kind earlier in the table;
 //! 3. a span is reported when it starts at or after the end of the last reported span, so the
@@ -543,6 +545,9 @@ impl SecretScanner {
         if kind.min_entropy > 0.0 && entropy_wtf8(&original[s..e]) < kind.min_entropy {
             return false;
         }
+        if is_placeholder(&original[s..e]) {
+            return false;
+        }
         c.head = Some((s, e));
         true
     }
@@ -628,6 +633,11 @@ fn from_prefixes(kind: &Kind, anchored: &Regex, c: &mut Cursor, text: &str) -> A
         }
     }
     Anchored::Exhausted
+}
+
+/// Whether a span is a documentation placeholder (rule 1): it ends with `EXAMPLE` or `EXAMPLEKEY`.
+fn is_placeholder(span: &[u8]) -> bool {
+    span.ends_with(b"EXAMPLE") || span.ends_with(b"EXAMPLEKEY")
 }
 
 /// Shannon entropy of the characters of `s`, in bits per character (0.0 for an empty string).
@@ -824,6 +834,15 @@ mod tests {
     fn secret_group_and_entropy() {
         assert_eq!(scan("key=Ab3dE5gH9"), vec![("assign", 4, 13)]);
         assert_eq!(scan("key=aaaaaaaaaaaa"), vec![]);
+    }
+
+    #[test]
+    fn documentation_placeholders_are_not_kept() {
+        assert_eq!(scan("key=Ab3dE5gH9EXAMPLE"), vec![]);
+        assert_eq!(scan("key=Ab3dE5gH9EXAMPLEKEY"), vec![]);
+        // only at the end, and only in capitals
+        assert_eq!(scan("key=EXAMPLEAb3dE5gH9"), vec![("assign", 4, 20)]);
+        assert_eq!(scan("key=Ab3dE5gH9example"), vec![("assign", 4, 20)]);
     }
 
     #[test]
