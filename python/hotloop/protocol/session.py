@@ -101,6 +101,9 @@ class SendError(msgspec.Struct):
     error: errors.HotloopError
     stream_id: str | None = None
     evict: str | None = None  # the parent a failed continuation names: the cache drops it
+    # a refused create that waited behind its lane names this parent: the steering input the
+    # lane holds for it (``response.steer.pending``) comes back once the error is sent
+    unpend: str | None = None
 
 
 class SteerEvent(msgspec.Struct):
@@ -311,6 +314,15 @@ class Session:
     def receive(self, data: str | bytes, now: float) -> list[Action]:
         """Actions for one client frame (binary frames are rejected, as Codex expects text)."""
         if self.closing:
+            # nothing new starts, but a steer naming a response still running is answered
+            # (refused: _steer), not left without any reply
+            if isinstance(data, str) and ev.CLIENT_STEER in data:
+                try:
+                    frame = _decode(data)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    return []
+                if frame.get("type") == ev.CLIENT_STEER:
+                    return self._steer(frame)
             return []
         if isinstance(data, bytes):
             return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
@@ -367,11 +379,25 @@ class Session:
         steering input waits for) was refused before it became a response: the input comes back
         (``successor_creation_failed``) after the refusal, as when the request fails later."""
         st = self._lanes.get(stream_id)
-        if st is None or prev is None or st.pending_parent != prev or st.running or st.queue:
+        if st is None or prev is None:
+            return []
+        if st.running or st.queue:
+            # its error waits behind the lane (the last thing queued there), and the lane's
+            # running response may still leave input pending for ``prev``: decided once it is sent
+            last = st.queue[-1] if st.queue else None
+            if isinstance(last, SendError) and last.stream_id == stream_id:
+                last.unpend = prev
+            return []
+        return self._refused_pending(st, stream_id, prev)
+
+    def _refused_pending(self, st: _LaneState, lane: Lane, prev: str) -> list[Action]:
+        """The lane's pending steering input, back, if it waits for ``prev`` (whose continuation
+        was refused)."""
+        if st.pending_parent != prev:
             return []
         pending, st.pending_parent, st.pending = st.pending, None, []
         return [
-            _failed(s, "successor_creation_failed", "The request that was to commit this input was refused.", stream_id)
+            _failed(s, "successor_creation_failed", "The request that was to commit this input was refused.", lane)
             for s in pending
         ]
 
@@ -472,6 +498,8 @@ class Session:
             head = st.queue[0]
             if isinstance(head, SendError):
                 out.append(st.queue.popleft())
+                if head.unpend is not None:
+                    out.extend(self._refused_pending(st, head.stream_id, head.unpend))
                 continue
             if self.in_flight < self.max_in_flight:
                 st.queue.popleft()

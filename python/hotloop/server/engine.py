@@ -1015,6 +1015,12 @@ class Run:
                                 await self._settle()
                                 yield turn.fail(self._abort)
                                 break
+                            if self._steered and turn.steerable:
+                                # steered while its client took frames, at a safe boundary: it
+                                # stops now, not after the backend's next chunk
+                                await self._settle()
+                                yield turn.finish(STEERED)
+                                break
                             watchdog.since = loop.time()
                             try:
                                 chunk = await anext(it)
