@@ -115,7 +115,7 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
             fp(computed)
             computed += 1
         for p in (*group, *resent):
-            if p.covers(fps, n) and _same_ids(items, p.entry.context.items, n):  # type: ignore[arg-type]
+            if p.covers(fps, n) and _same_ids(items, p.entry.context.items, n) and not _clashes(p, n, items, n):  # type: ignore[arg-type]
                 return p
     return None
 
@@ -153,6 +153,23 @@ def _same_ids(items: list[Item], own: list[Item], n: int) -> bool:
     return True
 
 
+def _clashes(p: Prefix, n: int, items: list[Item], start: int = 0) -> bool:
+    """Whether an item of ``items[start:]`` (what follows a reuse of the first ``n`` items of
+    ``p``'s entry) carries the id of one of those ``n``, or names one (``item_reference``). From
+    scratch, a reference resolves to the item of the input itself that carries its id, an id sent
+    twice is refused, and an item sent without an id gets a new one; the cached items keep their
+    ids (sent then, or minted then), so reusing them would answer such a request otherwise: it
+    is not matched there. Only the suffix is scanned (the entry's ids are indexed once)."""
+    ctx = p.entry.context
+    for i in range(start, len(items)):
+        iid = item_id_of(items[i])  # (an item_reference's: the item it names)
+        if iid is not None:
+            pos = ctx.position(iid)
+            if pos is not None and pos < n:
+                return True
+    return False
+
+
 def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
     """``p`` extended over the leading ``items`` that continue its entry's context, and how many
     they are. A client that keeps its own history sends back the output of the response its
@@ -164,13 +181,21 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
     room = min(len(ctx.items) - p.n, len(items) - 1)
     own = ctx.items
     fps: list[bytes] = []
+    last: dict[str, int] = {}  # where an id is last carried or named (item_reference) in items
+    for j in range(len(items)):
+        iid = item_id_of(items[j])
+        if iid is not None:
+            last[iid] = j
     for j in range(max(0, room)):
         item = items[j]
         if type(item) is ItemReference:
             break
         iid = item_id_of(item)
-        if iid is not None and iid != item_id_of(own[p.n + j]):
+        mine = item_id_of(own[p.n + j])
+        if iid is not None and iid != mine:
             break  # another item than the entry's own, whatever its content (see _same_ids)
+        if mine is not None and last.get(mine, j) > j:
+            break  # carried or named again later: from scratch, this one is new input (_clashes)
         if item == own[p.n + j]:
             # the entry's own item, field for field (a client that sends back the output it was
             # given, as it was given): its fingerprint is the one the chain holds for it, so it
@@ -521,7 +546,7 @@ def _suffix(
     """A raw hit's request, whose ``input`` holds the items after the prefix, validated; or, when
     a longer registered input may exist, the whole request, to be matched by fingerprint."""
     p = validate(req)  # the suffix alone; an error is reported against the whole input below
-    if _longer(cache, owner, prefix.n, p.items):
+    if _longer(cache, owner, prefix.n, p.items) or _clashes(prefix, prefix.n, p.items):
         # matched by fingerprint in Engine.start, which finds the longest prefix
         return msgspec.structs.replace(req, input=msgspec.json.decode(raw_input.raw)), None, raw_input
     raw_input.prepared = p

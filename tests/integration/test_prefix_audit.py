@@ -1,0 +1,135 @@
+"""Prefix reuse (full-history clients) against a computation from scratch: the same request sent
+to a server with the prefix cache and to one without it (``HOTLOOP_PREFIX_CACHE_ENTRIES=0``), each
+with its own scripted chat backend, must get the same answer: status and error (``param``
+included), ``input_tokens``, the messages sent to the backend and the stored ``input_items`` (ids
+the server minted aside)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import Server, run_server
+from tests.mock_chat_server import MockChatServer, Reply, text_events
+
+ANSWER = "answer"
+LONG = "lorem ipsum dolor " * 30  # a first message of more than 256 bytes: matched by its bytes
+MINTED = re.compile(r"\b(msg|fc|rs|resp)_[0-9a-f]{16,}")
+
+
+class Pair:
+    def __init__(self, cached: Server, scratch: Server, mocks: tuple[MockChatServer, MockChatServer]) -> None:
+        self.servers = (cached, scratch)
+        self.mocks = mocks
+
+    def post(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """``body`` sent to both servers: what each answered (status, JSON, the backend's request,
+        the stored input items)."""
+        out = []
+        for server, mock in zip(self.servers, self.mocks):
+            n = len(mock.requests)
+            r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+            got: dict[str, Any] = {"status": r.status_code, "json": r.json()}
+            got["backend"] = mock.requests[n].json if len(mock.requests) > n else None
+            if r.status_code == 200 and body.get("store", True):
+                url = f"{server.v1}/responses/{got['json']['id']}/input_items"
+                got["items"] = httpx.get(url, params={"order": "asc", "limit": 100}, timeout=30).json()["data"]
+            out.append(got)
+        return out
+
+    def hits(self) -> int:
+        return int(httpx.get(self.servers[0].base + "/hotloop/stats", timeout=5).json()["prefix_cache"]["hits"])
+
+
+def _norm(value: Any) -> Any:
+    return json.loads(MINTED.sub(lambda m: m.group(1) + "_minted", json.dumps(value)))
+
+
+def assert_same(got: list[dict[str, Any]]) -> dict[str, Any]:
+    cached, scratch = got
+    assert cached["status"] == scratch["status"], (cached["json"], scratch["json"])
+    if cached["status"] != 200:
+        assert _norm(cached["json"]["error"]) == _norm(scratch["json"]["error"])
+        return cached
+    assert cached["json"]["usage"]["input_tokens"] == scratch["json"]["usage"]["input_tokens"]
+    assert _norm(cached["backend"]) == _norm(scratch["backend"])
+    return cached
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("prefixaudit")
+    with MockChatServer() as m1, MockChatServer() as m2:
+        for m in (m1, m2):  # no usage chunk: input_tokens is the server's own count
+            m.default_reply = lambda: Reply.stream(text_events(ANSWER)[:-1])
+        args = ("--backend", "openai-compat", "--model", "mock-model", "--store", "memory")
+        with run_server(tmp, *args, "--base-url", m1.v1) as s, run_server(
+            tmp, *args, "--base-url", m2.v1, env={"HOTLOOP_PREFIX_CACHE_ENTRIES": "0"}
+        ) as ref:
+            yield Pair(s, ref, (m1, m2))
+
+
+def _user(text: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": text, **extra}
+
+
+_ASSISTANT = {"role": "assistant", "content": ANSWER}
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("spelling", ["same bytes", "as parts"])
+def test_a_reference_to_an_item_of_the_reused_prefix_is_answered_as_from_scratch(pair: Pair, store: bool, spelling: str) -> None:
+    # the first item carries an id of the client's; a later item_reference names it. From scratch
+    # the reference resolves to that item of the input itself, which is then sent twice: 400
+    # "Duplicate item found". A prefix hit resolved it from the cached prefix instead (200).
+    tag = f"{int(store)}{spelling[0]}"
+    first = _user("first " + LONG, id=f"msg_audit_ref{tag}")
+    assert_same(pair.post({"model": "mock-model", "store": store, "input": [first]}))
+    if spelling == "as parts":  # other bytes: matched by fingerprint
+        first = {**first, "content": [{"type": "input_text", "text": first["content"]}]}
+    hits = pair.hits()
+    history = [first, _ASSISTANT, _user("again"), {"type": "item_reference", "id": first["id"]}]
+    got = assert_same(pair.post({"model": "mock-model", "store": store, "input": history}))
+    assert got["status"] == 400 and got["json"]["error"]["param"] == "input", got["json"]
+    assert "Duplicate item found" in got["json"]["error"]["message"]
+    # without the reference the same history reuses the prefix
+    assert_same(pair.post({"model": "mock-model", "store": store, "input": history[:3]}))
+    assert pair.hits() == hits + 1
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_ids_of_the_cached_twin_that_the_client_did_not_send_are_not_reused(pair: Pair, store: bool) -> None:
+    # a conversation registered with a client-chosen id on its first item; then the same first
+    # item sent without an id (matched by fingerprint), and that id named or carried later
+    tag = str(int(store))
+    first = _user("twin " + LONG, id=f"msg_audit_twin{tag}")
+    assert_same(pair.post({"model": "mock-model", "store": store, "input": [first]}))
+    bare = {k: v for k, v in first.items() if k != "id"}
+    ref = [bare, _ASSISTANT, _user("x"), {"type": "item_reference", "id": first["id"]}]
+    got = assert_same(pair.post({"model": "mock-model", "store": store, "input": ref}))
+    assert got["status"] == 400 and got["json"]["error"]["param"] == "input[3]", got["json"]  # not found
+    carried = [bare, _ASSISTANT, _user("y", id=first["id"])]
+    got = assert_same(pair.post({"model": "mock-model", "store": store, "input": carried}))
+    assert got["status"] == 200, got["json"]
+    if store:
+        assert [it.get("id") for it in got["items"]][2] == first["id"]
+
+
+def test_an_output_sent_back_and_then_referenced_is_answered_as_from_scratch(pair: Pair) -> None:
+    # a client that sends back the output it was given (with its id) and then an item_reference
+    # to it: from scratch a duplicate (400); the reuse of that output (continued) resolved it
+    opening = _user("output " + LONG)
+    first = pair.post({"model": "mock-model", "input": [opening]})
+    results = []
+    for (server, mock), answer in zip(zip(pair.servers, pair.mocks), first):
+        out = answer["json"]["output"][0]
+        body = {"model": "mock-model", "input": [opening, out, _user("q"), {"type": "item_reference", "id": out["id"]}]}
+        r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+        results.append({"status": r.status_code, "json": r.json(), "backend": None})
+    got = assert_same(results)
+    assert got["status"] == 400 and "Duplicate item found" in got["json"]["error"]["message"], got["json"]
