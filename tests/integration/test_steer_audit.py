@@ -88,7 +88,7 @@ def test_a_steer_after_the_connections_age_limit_is_refused_not_ignored(tmp_path
     env = {"HOTLOOP_WS_CONNECTION_MAX_AGE": "1"}
     with run_server(tmp_path, "--sim-rate", "40", "--store", "memory", env=env) as srv:
         with ws_connect(srv.ws + "/responses") as ws:
-            ws.send(create(input="write", stream_id="s", metadata={"sim": "text,tokens:400"}))  # ~10 s
+            ws.send(create(input="write", stream_id="s", metadata={"sim": "text,tokens:120"}))  # ~3 s
             rid = recv(ws)["response"]["id"]
             time.sleep(1.5)  # past the age limit: the response goes on
             ws.send(steer(rid, "late"))

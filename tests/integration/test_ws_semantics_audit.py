@@ -81,7 +81,9 @@ def test_a_warmup_mid_chain_keeps_the_chain(server) -> None:
 
 
 def test_a_response_whose_client_left_is_neither_stored_nor_continuable(server) -> None:
-    with ws_connect(server.ws + "/responses", open_timeout=10) as ws:
+    # close_timeout: the client leaves with a message unread (response.in_progress), which holds
+    # the sync client's reader, so it would wait its default 10 s for the server's close frame
+    with ws_connect(server.ws + "/responses", open_timeout=10, close_timeout=1) as ws:
         _create(ws, input="x", metadata={"sim": "stall:5"})
         created = json.loads(ws.recv(timeout=30))
         rid = created["response"]["id"]
