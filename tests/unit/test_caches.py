@@ -26,6 +26,7 @@ from hotloop.state.context import (
     ResponseCache,
     entry_nbytes,
     held_extra,
+    item_id_of,
     item_nbytes,
     response_nbytes,
 )
@@ -523,3 +524,51 @@ def test_a_connection_cache_does_not_serve_a_response_deleted_after_it_was_cache
     fresh = _entry("resp_d")
     cache.put(fresh)
     assert cache.get("resp_d") is fresh
+
+
+def _scan_position(items: list[Any], item_id: str) -> int | None:
+    """Context.position computed the plain way: the last item carrying the id."""
+    found = None
+    for i, it in enumerate(items):
+        if item_id_of(it) == item_id:
+            found = i
+    return found
+
+
+def test_the_id_index_is_carried_to_continuations_and_kept_exact() -> None:
+    """A context's id index is taken over by the contexts that continue it (a turn's context, a
+    prefix cut of it) and extended over what they and it append; every lookup on every context
+    answers as a scan of its own items does, whatever order lookups and appends come in,
+    ids repeated included."""
+    rng = random.Random(7)
+    for _ in range(200):
+        pool = [f"id_{k}" for k in range(6)]
+
+        def item() -> Any:
+            iid = rng.choice(pool + [None, None])
+            if rng.random() < 0.5:
+                return Message(role="assistant", content="t", id=iid)
+            return FunctionCall(call_id=f"c{rng.randrange(9)}", name="f", arguments="{}", id=iid)
+
+        root = Context([item() for _ in range(rng.randrange(5))])
+        live = [root]
+        for _ in range(12):
+            ctx = rng.choice(live)
+            step = rng.randrange(4)
+            if step == 0:  # a lookup (builds or extends the index)
+                pass
+            elif step == 1:  # the context grows (a response's output appended)
+                new = [item() for _ in range(rng.randrange(1, 3))]
+                ctx.items.extend(new)
+            elif step == 2:  # a continuation: its items begin with ctx's
+                live.append(Context(ctx.items + [item() for _ in range(rng.randrange(3))], ids_from=ctx))
+            else:  # a prefix of ctx reused
+                n = rng.randrange(len(ctx.items) + 1)
+                live.append(Context(ctx.items[:n], ids_from=ctx))
+            for c in live:
+                for iid in pool:
+                    if rng.random() < 0.3:
+                        assert c.position(iid) == _scan_position(c.items, iid)
+        for c in live:
+            for iid in pool:
+                assert c.position(iid) == _scan_position(c.items, iid)

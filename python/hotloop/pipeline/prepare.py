@@ -133,7 +133,7 @@ class Plan:
             self.pending_blobs = []
         base = self.parent.context if self.parent is not None else None
         ctx = (
-            Context(self.items, base.chain.copy(), set(base.call_ids), base.nbytes)
+            Context(self.items, base.chain.copy(), set(base.call_ids), base.nbytes, ids_from=base)
             if base is not None
             else Context(self.items)
         )

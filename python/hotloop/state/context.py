@@ -223,12 +223,24 @@ class Context:
     MAX_ITEMS = 100_000
 
     def __init__(
-        self, items: list[Item] | None = None, chain: Any = None, call_ids: set[str] | None = None, nbytes: int = 0
+        self,
+        items: list[Item] | None = None,
+        chain: Any = None,
+        call_ids: set[str] | None = None,
+        nbytes: int = 0,
+        ids_from: "Context | None" = None,
     ) -> None:
+        """``ids_from``: a context whose items begin ``items`` (the same objects, in the same
+        order, as far as its id index reaches): its index is taken over instead of rebuilt."""
         self.items: list[Item] = items if items is not None else []
         self.chain = chain if chain is not None else _accel.ItemChain(self.MAX_ITEMS)
         self.call_ids: set[str] = call_ids if call_ids is not None else set()
-        self._ids: dict[str, int] | None = None
+        # The id index (see position): where each id is last carried, over the first n items.
+        # Never changed once made (a longer one is a new dict), so that contexts continuing this
+        # one may share it until they extend it.
+        self._ids: tuple[dict[str, int], int] | None = None
+        if ids_from is not None and ids_from._ids is not None and ids_from._ids[1] <= len(self.items):
+            self._ids = ids_from._ids
         self.nbytes = nbytes
 
     def __len__(self) -> int:
@@ -253,7 +265,6 @@ class Context:
         for it in items:
             if type(it) is FunctionCall:
                 self.call_ids.add(it.call_id)
-        self._ids = None
 
     def find(self, item_id: str) -> Item | None:
         """The item with this id (for ``item_reference``), or ``None``."""
@@ -261,16 +272,22 @@ class Context:
         return None if pos is None else self.items[pos]
 
     def position(self, item_id: str) -> int | None:
-        """Where the (last) item with this id is, or ``None``."""
-        ids = self._ids
-        if ids is None:
-            ids = {}
-            for i, it in enumerate(self.items):
-                iid = item_id_of(it)
+        """Where the (last) item with this id is, or ``None``.
+
+        The index is made on first use and extended over items appended since; a context made
+        ``ids_from`` another starts from that one's index. A client resending its history asks
+        this of each turn's new context: rebuilt from scratch, that was a Python call per item
+        of the conversation (39 us at 180 items), now a dict copy and the turn's new items."""
+        held = self._ids
+        items = self.items
+        if held is None or held[1] != len(items):
+            ids, start = (dict(held[0]), held[1]) if held is not None else ({}, 0)
+            for i in range(start, len(items)):
+                iid = item_id_of(items[i])
                 if iid:
                     ids[iid] = i
-            self._ids = ids
-        return ids.get(item_id)
+            held = self._ids = (ids, len(items))
+        return held[0].get(item_id)
 
 
 def item_id_of(item: Item) -> str | None:

@@ -153,7 +153,7 @@ class Prefix:
             calls = set(self.calls)
         else:
             calls = {it.call_id for it in items if type(it) is FunctionCall}  # type: ignore[union-attr]
-        return Context(items, chain, calls, self.nbytes)
+        return Context(items, chain, calls, self.nbytes, ids_from=ctx)
 
     def supplied(self) -> frozenset[str]:
         """Ids among the reused items that a client chose (conservatively: every id of items the
