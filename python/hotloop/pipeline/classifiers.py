@@ -225,6 +225,8 @@ class Outcome(NamedTuple):
     def tally(self) -> dict[str, int]:
         """What the ledger records for the turn: per finding kind the number of spans (a verdict
         without findings counts 1 per label); at most ``MAX_TALLY_KINDS`` kinds."""
+        if not self.verdicts:
+            return {}  # every turn without a finding (a Counter is a dozen Python calls)
         counts: Counter[str] = Counter()
         for _, v in self.verdicts:
             if isinstance(v, (Flag, Redact)):
