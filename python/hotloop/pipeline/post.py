@@ -701,7 +701,11 @@ class Persistence:
             )
             return
         self._usage.append(rec)
-        if self._usage_timer is None:
+        if len(self._usage) >= self.USAGE_BATCH and not self._blocked and self._has_room(0):
+            # a batch is due and the writer has room: queued now, as submit() does (without
+            # waiting), so that only a writer that is behind lets the buffer grow to its bound
+            self._push(self._job("usage", self._take_usage(), 0))
+        elif self._usage_timer is None:
             self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
     # -- reads ---------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class HotloopApp:
             self.metrics = Metrics(self, per_key=config.metrics_per_key)
             self.engine.observers.append(self.metrics.turn)
             self.engine.on_flagged = self.metrics.classified
+            self.engine.on_charged = self.metrics.charged
         if config.log_format == "json":
             self.engine.observers.append(log_response)
 

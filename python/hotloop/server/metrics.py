@@ -181,6 +181,32 @@ class Metrics:
         if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
             self.backend_errors.labels(run.failure).inc()
 
+    def charged(
+        self, transport: str, model: str | None, tenant: str, usage: dict[str, Any], flags: dict[str, int] | None
+    ) -> None:
+        """A request charged without a response (its client left while the backend worked on
+        it, before its first chunk): the ledger counts it as a response with its input, so it
+        is counted here too, as ``disconnected`` with those tokens (no stage is observed)."""
+        model = self.model(model)
+        key = (transport, model, tenant) if self.per_key else (transport, model)
+        if flags:
+            self.classified(flags)
+        inp = int(usage["input_tokens"])
+        out = int(usage["output_tokens"])
+        cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        if self.multiprocess:
+            self.mp_responses.labels(DISCONNECTED, *key).inc()
+            for kind, n in (("input", inp), ("output", out), ("cached", cached)):
+                self.mp_tokens.labels(kind, *key).inc(n)
+            return
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = _Series()
+        s.statuses[DISCONNECTED] = s.statuses.get(DISCONNECTED, 0) + 1
+        s.tokens[0] += inp
+        s.tokens[1] += out
+        s.tokens[2] += cached
+
     def classified(self, flags: dict[str, int]) -> None:
         """A response whose input the classifiers flagged or redacted (or a request charged
         without one: its client left during prefill), its findings per kind."""
@@ -202,10 +228,14 @@ class Metrics:
 
 def _outcome(run: "Run") -> tuple[str, dict[str, Any] | None]:
     """A response's status label and usage; one cut short (its client left) is ``disconnected``
-    with what it is charged."""
+    with what it is charged. A response that failed before any output has no ``usage`` on the
+    wire, but the ledger charges it its input (``Run.spent``, Run.frames): so do the metrics."""
     turn = run.turn
     if turn.done:
-        return str(turn.response["status"]), turn.response.get("usage")
+        usage = turn.response.get("usage")
+        if usage is None and turn.response.get("status") == "failed":
+            usage = run.spent()
+        return str(turn.response["status"]), usage
     return DISCONNECTED, run.spent()
 
 
