@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import zlib
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeGuard
 
 import msgspec
 
 from hotloop import errors, tokenizer
 from hotloop.backends.base import BackendRequest, model_object
 from hotloop.protocol.chunks import Chunk, Failure, Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, Message
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, Message, Reasoning, TextFormat
 
 _WORDS = (
     "the loop keeps agents hot while each turn streams tokens from a fast model and the server "
@@ -67,7 +68,17 @@ class Directives(msgspec.Struct, kw_only=True):
 MAX_TOKENS = 100_000
 MAX_TOOLS = 64
 MAX_STALL = 600.0
+MIN_RATE = 1 / MAX_STALL  # a paced rate's gap between tokens is a silence too: at most MAX_STALL
 TICK = 0.0005  # the generator sleeps only longer than this: uvloop makes a timer of such delays only (see above)
+# an unpaced (or late) stream lets the event loop run after this many tokens without a sleep: a
+# consumer that never awaits (a JSON answer) would otherwise hold the server for a whole answer
+YIELD_EVERY = 256
+# characters of JSON the simulator builds for one call's arguments (a schema asking for more is a
+# 400): nested arrays' minItems multiply, and the arguments are built on the event loop
+MAX_ARGUMENT_CHARS = 100_000
+
+_FLAGS = ("text", "text+tool", "reasoning", "rate_limit")  # directives that take no value
+_KNOWN = "text, tools:N, text+tool, reasoning, tokens:N, rate:N, fail:CODE, error, disconnect, rate_limit, stall:S"
 
 
 def parse_directives(spec: str) -> Directives:
@@ -77,37 +88,55 @@ def parse_directives(spec: str) -> Directives:
         word = raw.strip()
         if not word:
             continue
-        name, _, arg = word.partition(":")
+        name, sep, arg = word.partition(":")
+        why = ""
         try:
+            if name in _FLAGS and sep:
+                why = f"'{name}' takes no value"
+                raise ValueError(word)
             if name == "text":
                 d.text = True
             elif name in ("tool", "tools"):
+                why = f"tools must be a whole number from 0 to {MAX_TOOLS}"
                 d.tools = int(arg) if arg else 1
             elif name == "text+tool":
                 d.text, d.tools = True, 1
             elif name == "reasoning":
                 d.reasoning = True
             elif name == "tokens":
+                why = f"tokens must be a whole number from 0 to {MAX_TOKENS}"
                 d.tokens = int(arg)
             elif name == "fail":
                 d.fail = arg or "server_error"
-            elif name in ("error", "disconnect"):
-                d.error = name if not arg else arg
+            elif name == "error":
+                why = "error takes no value, or 'server_error' or 'disconnect'"
+                if arg not in ("", "server_error", "disconnect"):
+                    raise ValueError(word)
+                d.error = "disconnect" if arg == "disconnect" else "error"
+            elif name == "disconnect":
+                why = "'disconnect' takes no value"
+                if sep:
+                    raise ValueError(word)
+                d.error = "disconnect"
             elif name == "rate_limit":
                 d.rate_limit = True
             elif name == "stall":
+                why = f"stall must be from 0 to {MAX_STALL:g} seconds"
                 d.stall = float(arg or "1")
             elif name == "rate":
+                why = f"rate must be 0 (unpaced) or at least {MIN_RATE:.6g} tokens/s (a token at least every {MAX_STALL:g} s)"
                 d.rate = float(arg)
             else:
+                why = f"expected {_KNOWN}"
                 raise ValueError(word)
             if not (0 <= (d.tokens or 0) <= MAX_TOKENS and 0 <= d.tools <= MAX_TOOLS and 0 <= d.stall <= MAX_STALL):
                 raise ValueError(word)
-            if d.rate is not None and not d.rate >= 0:
+            if d.rate is not None and not (d.rate == 0 or d.rate >= MIN_RATE):  # NaN too
                 raise ValueError(word)
         except ValueError:
             raise errors.InvalidValue(
-                f"Invalid simulator directive '{errors.clip(word)}' in metadata.sim.", param="metadata.sim"
+                f"Invalid simulator directive '{errors.clip(word)}' in metadata.sim" + (f": {why}." if why else "."),
+                param="metadata.sim",
             ) from None
     return d
 
@@ -123,15 +152,21 @@ class Script:
     def __init__(self, turns: list[str], repeat: bool = False) -> None:
         if not turns:
             raise ValueError("a simulator script needs at least one turn")
-        self.turns = [parse_directives(t) for t in turns]
+        self.turns = []
+        for i, t in enumerate(turns):
+            try:
+                self.turns.append(parse_directives(t))
+            except errors.InvalidValue as exc:  # said of the script, not of a request's metadata.sim
+                raise ValueError(f"simulator script turn {i}: {exc.message.replace(' in metadata.sim', '')}") from None
         self.repeat = repeat
 
     @classmethod
     def load(cls, path: str | Path) -> "Script":
         data = json.loads(Path(path).read_text())
-        if isinstance(data, list):
-            return cls([str(t) for t in data])
-        return cls([str(t) for t in data["turns"]], bool(data.get("repeat", False)))
+        turns = data if isinstance(data, list) else data.get("turns") if isinstance(data, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"simulator script {path}: expected a list of directive strings, or {{\"turns\": [...]}}")
+        return cls(turns, bool(data.get("repeat", False)) if isinstance(data, dict) else False)
 
     def at(self, turn: int) -> Directives:
         if self.repeat:
@@ -183,50 +218,201 @@ def _pieces(text: str) -> list[str]:
     return out
 
 
-def example_value(schema: dict[str, Any], name: str = "value", depth: int = 0) -> Any:
-    """A value valid for a (strict-mode style) JSON schema, deterministic."""
+class _TooLarge(ValueError):
+    """A schema asks for more arguments than :data:`MAX_ARGUMENT_CHARS`."""
+
+
+class _Budget:
+    __slots__ = ("left",)
+
+    def __init__(self, chars: int) -> None:
+        self.left = chars
+
+    def spend(self, chars: int) -> None:
+        self.left -= chars
+        if self.left < 0:
+            raise _TooLarge("the arguments would be too large")
+
+
+_FORMATS = {
+    "date": "2026-01-01",
+    "date-time": "2026-01-01T00:00:00Z",
+    "time": "00:00:00Z",
+    "duration": "P1D",
+    "email": "user@example.com",
+    "hostname": "example.com",
+    "ipv4": "192.0.2.1",
+    "ipv6": "2001:db8::1",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "uri": "https://example.com/",
+}
+
+
+def _number(x: Any) -> TypeGuard[float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _resolve(ref: Any, root: Any) -> Any:
+    """A local ``$ref`` (``#``, ``#/$defs/Name``...) in ``root``; anything else is unreadable."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise ValueError(f"unsupported $ref {ref!r}")
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _merged(schema: dict[str, Any], root: Any, depth: int) -> dict[str, Any]:
+    """``allOf``: its schemas' keys together (properties and required lists joined)."""
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    for sub in schema["allOf"]:
+        while isinstance(sub, dict) and "$ref" in sub and depth <= 8:
+            sub, depth = _resolve(sub["$ref"], root), depth + 1
+        for k, v in sub.items():
+            if k == "properties":
+                out["properties"] = {**out.get("properties", {}), **v}
+            elif k == "required":
+                out["required"] = [*out.get("required", []), *v]
+            else:
+                out.setdefault(k, v)
+    return out
+
+
+def _integer(schema: dict[str, Any]) -> int:
+    lo, xlo, hi, xhi = (schema.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
+    lower = None
+    if _number(lo):
+        lower = math.ceil(lo)
+    if _number(xlo):
+        lower = max(lower if lower is not None else math.floor(xlo) + 1, math.floor(xlo) + 1)
+    v = lower if lower is not None else 1
+    step = schema.get("multipleOf")
+    if _number(step) and step > 0 and step == int(step):
+        v = -(-v // int(step)) * int(step)
+    if _number(hi) and v > hi:
+        v = math.floor(hi)
+    if _number(xhi) and v >= xhi:
+        v = math.ceil(xhi) - 1
+    return v
+
+
+def _float(schema: dict[str, Any]) -> float:
+    lo, xlo, hi, xhi = (schema.get(k) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"))
+    lower = float(lo) if _number(lo) else float(xlo) + 0.5 if _number(xlo) else None
+    v = lower if lower is not None else 1.5
+    if _number(hi) and v > hi:
+        v = float(hi)
+    if _number(xhi) and v >= xhi:
+        v = (max(float(lo) if _number(lo) else float("-inf"), float(xlo) if _number(xlo) else float(xhi) - 2) + xhi) / 2
+    return v
+
+
+def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
+    fmt = schema.get("format")
+    text = _FORMATS.get(fmt, f"example {name}") if isinstance(fmt, str) else f"example {name}"
+    shortest, longest = schema.get("minLength"), schema.get("maxLength")
+    if _number(shortest) and len(text) < shortest:
+        budget.spend(int(shortest))
+        text += "x" * (int(shortest) - len(text))
+    if _number(longest) and len(text) > longest:
+        text = text[: max(0, int(longest))]
+    budget.spend(len(text) + 2)
+    return text
+
+
+def example_value(
+    schema: dict[str, Any], name: str = "value", depth: int = 0, *, root: Any = None, budget: _Budget | None = None
+) -> Any:
+    """A value valid for a (strict-mode style) JSON schema, deterministic.
+
+    Follows local ``$ref`` (``$defs``, as SDKs generate them) and ``allOf``, and keeps numbers,
+    strings and arrays within their bounds. At most :data:`MAX_ARGUMENT_CHARS` of JSON: a schema
+    that asks for more (nested arrays' ``minItems`` multiply) raises ``ValueError``.
+    """
+    if root is None:
+        root = schema
+    if budget is None:
+        budget = _Budget(MAX_ARGUMENT_CHARS)
     if depth > 8:
+        budget.spend(4)
         return None
+    if not isinstance(schema, dict):
+        raise TypeError("a schema must be an object")
+    if "$ref" in schema:
+        return example_value(_resolve(schema["$ref"], root), name, depth + 1, root=root, budget=budget)
+    if schema.get("allOf"):
+        return example_value(_merged(schema, root, depth), name, depth + 1, root=root, budget=budget)
     if "enum" in schema and schema["enum"]:
-        return schema["enum"][0]
+        value = schema["enum"][0]
+        budget.spend(len(json.dumps(value)))
+        return value
     if "const" in schema:
+        budget.spend(len(json.dumps(schema["const"])))
         return schema["const"]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return example_value(schema[key][0], name, depth + 1)
+            return example_value(schema[key][0], name, depth + 1, root=root, budget=budget)
     typ = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(typ, list):
         typ = next((t for t in typ if t != "null"), "null")
+    budget.spend(1)
     if typ == "object":
         props: dict[str, Any] = schema.get("properties", {})
         required = schema.get("required", list(props))
-        return {k: example_value(props[k], k, depth + 1) for k in props if k in required}
+        out = {}
+        for k in props:
+            if k in required:
+                budget.spend(len(k) + 3)
+                out[k] = example_value(props[k], k, depth + 1, root=root, budget=budget)
+        return out
     if typ == "array":
         items = schema.get("items", {"type": "string"})
-        n = min(16, max(1, int(schema.get("minItems", 1))))
-        return [example_value(items, name, depth + 1) for _ in range(n)]
+        least, most = schema.get("minItems"), schema.get("maxItems")
+        n = int(least) if _number(least) and least >= 1 else 0 if _number(most) and most < 1 else 1
+        if n * 2 > budget.left:  # every value costs a character or more (and its comma)
+            raise _TooLarge("the arguments would be too large")
+        return [example_value(items, name, depth + 1, root=root, budget=budget) for _ in range(n)]
     if typ == "integer":
-        return int(schema.get("minimum", 1))
+        return _integer(schema)
     if typ == "number":
-        return float(schema.get("minimum", 1.5))
+        return _float(schema)
     if typ == "boolean":
         return True
     if typ == "null":
         return None
-    if schema.get("format") == "date":
-        return "2026-01-01"
-    return f"example {name}"
+    return _string(schema, name, budget)
 
 
 def _example_arguments(tool: FunctionTool) -> str:
-    """JSON arguments valid for the tool's schema; a schema the simulator cannot read is a 400."""
+    """JSON arguments valid for the tool's schema; a schema the simulator cannot read, or that
+    asks for more than :data:`MAX_ARGUMENT_CHARS` of arguments, is a 400."""
     try:
         value = example_value(tool.parameters or {"type": "object", "properties": {}})
         return json.dumps(value, separators=(",", ":"))
+    except _TooLarge:
+        raise errors.InvalidValue(
+            f"The simulator cannot build arguments for tool '{errors.clip(tool.name)}': its parameters schema "
+            f"asks for more than {MAX_ARGUMENT_CHARS:,} characters of them.",
+            param="tools",
+        ) from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError):
+        raise errors.InvalidValue(
+            f"The simulator cannot build arguments from the parameters schema of tool '{errors.clip(tool.name)}'.",
+            param="tools",
+        ) from None
+
+
+def _example_document(fmt: TextFormat) -> str:
+    """The answer under ``text.format``: ``json_schema`` a JSON value valid for its schema,
+    ``json_object`` a small JSON object; a schema the simulator cannot read is a 400."""
+    if fmt.type == "json_object":
+        return json.dumps({"answer": "example answer"})
+    try:
+        return json.dumps(example_value(fmt.schema or {"type": "object", "properties": {}}))
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError):
         raise errors.InvalidValue(
-            f"The simulator cannot build arguments from the parameters schema of tool '{tool.name}'.",
-            param="tools",
+            "The simulator cannot build an answer from the schema of text.format.", param="text.format.schema"
         ) from None
 
 
@@ -265,19 +451,22 @@ class SimulatorBackend:
     # -- deciding what to answer ---------------------------------------------------------------
 
     def directives(self, req: BackendRequest) -> Directives:
+        """What to answer: a fresh :class:`Directives` (the caller may change it; a script's own
+        entries are never changed)."""
         spec = req.metadata.get("sim") if req.metadata else None
         if isinstance(spec, str):
             return parse_directives(spec)
-        turn = sum(1 for it in req.items if type(it) is FunctionCall or (type(it) is Message and it.role == "assistant"))
         if self.script is not None:
-            return self.script.at(turn)
+            return msgspec.structs.replace(self.script.at(_assistant_turns(req.items)))
         d = Directives()
         choice = req.tool_choice
-        if not req.tools or choice == "none":
+        if not _callable(req) or choice == "none":
             d.text = True
-        elif choice == "required" or isinstance(choice, dict):
+        elif choice == "required" or (
+            isinstance(choice, dict) and (choice.get("type") == "function" or choice.get("mode") == "required")
+        ):
             d.tools = 1
-        else:
+        else:  # "auto", or allowed tools in mode "auto"
             last = req.items[-1] if req.items else None
             if type(last) is FunctionCallOutput:
                 d.text = True
@@ -286,29 +475,22 @@ class SimulatorBackend:
         return d
 
     def _tool_for(self, req: BackendRequest, k: int) -> FunctionTool:
-        choice = req.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            for t in req.tools:
-                if t.name == choice["name"]:
-                    return t
-        if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-            allowed = [t.get("name") for t in choice.get("tools", ())]
-            tools = [t for t in req.tools if t.name in allowed] or req.tools
-            return tools[k % len(tools)]
-        return req.tools[k % len(req.tools)]
+        tools = _callable(req)
+        return tools[k % len(tools)]
 
     def _seed_for(self, req: BackendRequest) -> int:
         last = req.items[-1] if req.items else None
-        key = repr(msgspec.to_builtins(last)).encode() if last is not None else b""
+        key = repr(_content(last)).encode() if last is not None else b""
         return zlib.crc32(key, self.seed & 0xFFFFFFFF) ^ len(req.items)
 
     # -- streaming -----------------------------------------------------------------------------
 
     async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
         d = self.directives(req)
-        if d.tools and not req.tools:
+        if d.tools and not _callable(req):
             raise errors.InvalidRequest(
-                "The simulator was asked for a tool call but the request has no function tools.",
+                "The simulator was asked for a tool call but the request has no function tools "
+                "that its tool_choice allows.",
                 param="tools",
             )
         if not req.parallel_tool_calls:
@@ -331,7 +513,15 @@ class SimulatorBackend:
             for piece in _sentence(self._corpus.take(rng.randrange(1 << 16), max(4, n_answer // 2))):
                 plan.append(("r", piece))
         if d.text or not d.tools:
-            for piece in _sentence(self._corpus.take(rng.randrange(1 << 16), n_answer)):
+            start = rng.randrange(1 << 16)
+            fmt = req.text_format
+            if fmt is not None and fmt.type in ("json_schema", "json_object"):
+                # structured output: a JSON document valid for the schema, as a model under
+                # response_format writes it (tokens:N does not cut it; max_output_tokens does)
+                text_pieces = _pieces(_example_document(fmt))
+            else:
+                text_pieces = _sentence(self._corpus.take(start, n_answer))
+            for piece in text_pieces:
                 plan.append(("t", piece))
         for k in range(d.tools):
             tool = self._tool_for(req, k)
@@ -341,14 +531,27 @@ class SimulatorBackend:
             plan.append(("c", ToolCallDelta(index=k, call_id=call_id, name=tool.name)))
             for piece in pieces:
                 plan.append(("c", ToolCallDelta(index=k, arguments=piece)))
-        fail_at = len(plan) // 2 if (d.fail or d.error or d.stall) else -1
+        # A fault comes in the middle of what is streamed: of the plan up to where the output
+        # budget cuts it, so that max_output_tokens never hides it; with nothing to stream (tokens:0),
+        # before the end (index len(plan) stands for the end)
+        end = len(plan)
+        if budget is not None:
+            counted = 0
+            for i, (kind, payload) in enumerate(plan):
+                if counted >= budget:
+                    end = i
+                    break
+                if kind != "c" or payload.arguments:
+                    counted += 1
+        fail_at = end // 2 if (d.fail or d.error or d.stall) else -1
 
         loop = asyncio.get_running_loop()
         rate = self.rate if d.rate is None else d.rate
         interval = 1.0 / rate if rate > 0 else 0.0
         t0 = loop.time() + self.ttft
         emitted = reasoning = 0
-        for i, (kind, payload) in enumerate(plan):
+        awake = 0  # chunks since the generator last let the loop run
+        for i in range(len(plan) + 1):
             if i == fail_at:
                 if d.stall:
                     await asyncio.sleep(d.stall)
@@ -360,17 +563,26 @@ class SimulatorBackend:
                     raise errors.BackendError("The model backend closed the connection mid-stream.")
                 if d.error:
                     raise errors.BackendError("The model backend failed mid-stream.")
+            if i == len(plan):
+                break
+            kind, payload = plan[i]
             if budget is not None and emitted >= budget:
                 yield Usage(output_tokens=emitted, reasoning_tokens=reasoning)
                 yield Finish("length")
                 return
+            awake += 1
             if interval:
                 due = t0 + i * interval
                 now = loop.time()
                 if due - now > TICK:
                     await asyncio.sleep(due - now)
+                    awake = 0
             elif i == 0 and self.ttft:
                 await asyncio.sleep(self.ttft)
+                awake = 0
+            if awake >= YIELD_EVERY:  # unpaced, or late: the loop's other work runs too
+                await asyncio.sleep(0)
+                awake = 0
             if kind == "t":
                 yield TextDelta(payload)
             elif kind == "r":
@@ -382,3 +594,46 @@ class SimulatorBackend:
                 emitted += 1
         yield Usage(output_tokens=emitted, reasoning_tokens=reasoning)
         yield Finish("tool_calls" if d.tools else "stop")
+
+
+def _assistant_turns(items: list[Any]) -> int:
+    """Assistant turns in a conversation: runs of the model's own items (its messages, function
+    calls and reasoning), so that one turn's parallel calls, or its text and call, count once."""
+    turns = 0
+    inside = False
+    for it in items:
+        t = type(it)
+        own = t is FunctionCall or t is Reasoning or (t is Message and it.role == "assistant")
+        if own and not inside:
+            turns += 1
+        inside = own
+    return turns
+
+
+def _callable(req: BackendRequest) -> list[FunctionTool]:
+    """The function tools the request's ``tool_choice`` lets the model call (as the chat backends
+    send them: a named function alone, or the allowed tools that are functions)."""
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function":
+            return [t for t in req.tools if t.name == choice.get("name")]
+        if kind == "allowed_tools":
+            names = {
+                t.get("name") for t in choice.get("tools", ()) if isinstance(t, dict) and t.get("type") == "function"
+            }
+            return [t for t in req.tools if t.name in names]
+    return req.tools
+
+
+def _content(item: Any) -> Any:
+    """An item as the seed reads it: without the id and status the server may have given it (a
+    random id made the same request answer differently each time)."""
+    b = msgspec.to_builtins(item)
+    if isinstance(b, dict) and b.get("type") != "item_reference":
+        b.pop("id", None)
+        b.pop("status", None)
+        data = b.get("data")
+        if isinstance(data, dict) and "id" in data:
+            b["data"] = {k: v for k, v in data.items() if k != "id"}
+    return b
