@@ -62,7 +62,6 @@ class HotloopApp:
         if config.metrics:
             self.metrics = Metrics(self, per_key=config.metrics_per_key)
             self.engine.observers.append(self.metrics.turn)
-            self.engine.on_flagged = self.metrics.classified
             self.engine.on_charged = self.metrics.charged
         if config.log_format == "json":
             self.engine.observers.append(log_response)

@@ -127,11 +127,9 @@ class Engine:
         self.conn_misses = 0
         # Called once per finished response (hotloop.server.metrics and the response log line).
         self.observers: list[Callable[["Run"], None]] = []
-        # told what the classifiers flagged in a request charged without a response (its client
-        # left while the backend worked on it): the metrics count it as the ledger does
-        self.on_flagged: Callable[[dict[str, int]], None] | None = None
-        # told about such a request itself (transport, model, key name, the usage it is charged,
-        # its flags): the metrics count it, as the ledger does, as a response cut short
+        # told about a request charged without a response (its client left while the backend
+        # worked on it): transport, model, key name, the usage it is charged and what the
+        # classifiers flagged; the metrics count it as the ledger does, as a response cut short
         self.on_charged: Callable[[str, str | None, str, dict[str, Any], dict[str, int] | None], None] | None = None
         # A shared store's admission check for store: true (hotloop.pipeline.shared); None: always
         self._writable: Callable[[], bool] | None = getattr(persistence, "writable", None)
@@ -351,10 +349,8 @@ class Engine:
                 usage = {"input_tokens": charged, "output_tokens": 0, "total_tokens": charged,
                          "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
                 self.persistence.charge(usage_record({"model": model, "usage": usage}, tenant.id, plan.flags, tenant.name))
-                if self.on_charged is not None:  # (counts its flags too)
+                if self.on_charged is not None:
                     self.on_charged(transport, model, tenant.name, usage, plan.flags)
-                elif plan.flags and self.on_flagged is not None:
-                    self.on_flagged(plan.flags)
             if grant is not None:
                 grant.finish(charged)
             if not isinstance(exc, _KEEPS_PARENT):  # a retry must find the parent
