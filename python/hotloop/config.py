@@ -23,6 +23,12 @@ MAX_READ_PAUSE_MS = 100.0  # --backend-read-pause-ms at most (far below any idle
 # that long, and the writer's retries of a locked-out batch (60 s,
 # hotloop.pipeline.post.LOCKED_RETRY_SECONDS) still make two tries or more
 MAX_STORE_BUSY_TIMEOUT = 30.0
+# What the simulator may be asked for, by its flags or by a request's ``metadata.sim``
+# (hotloop.backends.simulator): an answer's length, and the longest silence (its first token's
+# delay, a stall, or a paced rate's gap between two tokens)
+SIM_MAX_TOKENS = 100_000
+SIM_MAX_STALL = 600.0
+SIM_MIN_RATE = 1 / SIM_MAX_STALL
 
 
 @dataclass
@@ -175,8 +181,15 @@ class Config:
                 f"{_flag('store_busy_timeout')} must be a positive number of seconds, at most "
                 f"{MAX_STORE_BUSY_TIMEOUT:g}; got {self.store_busy_timeout!r}"
             )
-        if not 0 <= self.sim_rate < float("inf"):
-            raise ValueError(f"{_flag('sim_rate')} must be 0 (unpaced) or more tokens per second; got {self.sim_rate!r}")
+        if not (self.sim_rate == 0 or SIM_MIN_RATE <= self.sim_rate < float("inf")):  # NaN too
+            raise ValueError(
+                f"{_flag('sim_rate')} must be 0 (unpaced) or at least {SIM_MIN_RATE:.6g} tokens per second "
+                f"(a token at least every {SIM_MAX_STALL:g} s); got {self.sim_rate!r}"
+            )
+        if not 1 <= self.sim_output_tokens <= SIM_MAX_TOKENS:
+            raise ValueError(f"{_flag('sim_output_tokens')} must be between 1 and {SIM_MAX_TOKENS}; got {self.sim_output_tokens}")
+        if not 0 <= self.sim_ttft <= SIM_MAX_STALL:  # NaN too
+            raise ValueError(f"{_flag('sim_ttft')} must be between 0 and {SIM_MAX_STALL:g} seconds; got {self.sim_ttft!r}")
         for f in fields(self):  # every other count, size and duration (NaN and infinity too)
             value = getattr(self, f.name)
             if f.name in _RANGE_CHECKED or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -212,9 +225,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 _AT_LEAST_ONE = (
     "workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight",
-    "sim_output_tokens",
 )
-_SECONDS_OR_ZERO = ("shutdown_grace", "store_max_lag", "sim_ttft")
+_SECONDS_OR_ZERO = ("shutdown_grace", "store_max_lag")
 _POSITIVE_SECONDS = (
     "request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age", "ws_ping_interval",
     "ws_ping_timeout",
@@ -234,7 +246,7 @@ _PATHS = ("data_dir", "model_limits", "sim_script")
 # numbers held to a range of their own: above, or when the application is made
 # (hotloop.server.runner.make_app); check() holds every other one to 0 or more
 _RANGE_CHECKED = frozenset({
-    "port", "sim_seed", "store_busy_timeout", "sim_rate", *_AT_LEAST_ONE, *_SECONDS_OR_ZERO, *_POSITIVE_SECONDS,
+    "port", "sim_seed", "store_busy_timeout", "sim_rate", "sim_output_tokens", "sim_ttft", *_AT_LEAST_ONE, *_SECONDS_OR_ZERO, *_POSITIVE_SECONDS,
     "flush_interval_ms", "backend_read_pause_ms", "backend_read_pause_streams", "store_commit_delay",
     "max_turn_input_items", "max_turn_input_bytes",
 })

@@ -94,10 +94,12 @@ def test_an_environment_value_of_the_wrong_type_is_refused_like_a_flag(tmp_path,
     (("--shutdown-grace", "-5"), {}, "--shutdown-grace (HOTLOOP_SHUTDOWN_GRACE) must be 0 or more seconds"),
     (("--store-max-lag", "-1"), {}, "--store-max-lag (HOTLOOP_STORE_MAX_LAG) must be 0 or more seconds"),
     ((), {"HOTLOOP_STORE_MAX_LAG": "nan"}, "--store-max-lag (HOTLOOP_STORE_MAX_LAG) must be 0 or more seconds"),
-    (("--sim-ttft", "-3"), {}, "--sim-ttft (HOTLOOP_SIM_TTFT) must be 0 or more seconds"),
-    (("--sim-rate", "-1"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or more"),
-    (("--sim-rate", "inf"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or more"),
-    (("--sim-output-tokens", "-5"), {}, "--sim-output-tokens (HOTLOOP_SIM_OUTPUT_TOKENS) must be 1 or more"),
+    (("--sim-ttft", "-3"), {}, "--sim-ttft (HOTLOOP_SIM_TTFT) must be between 0 and 600 seconds"),
+    (("--sim-rate", "-1"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or at least 0.00166667 tokens"),
+    (("--sim-rate", "inf"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or at least"),
+    (("--sim-rate", "1e-300"), {}, "--sim-rate (HOTLOOP_SIM_RATE) must be 0 (unpaced) or at least"),
+    (("--sim-output-tokens", "-5"), {}, "--sim-output-tokens (HOTLOOP_SIM_OUTPUT_TOKENS) must be between 1 and 100000"),
+    (("--sim-output-tokens", "100001"), {}, "--sim-output-tokens (HOTLOOP_SIM_OUTPUT_TOKENS) must be between 1 and 100000"),
 ])
 def test_settings_no_server_can_run_with_stop_start_up(tmp_path, args: tuple[str, ...], env: dict[str, str], says: str) -> None:
     p = run(HOTLOOP, "serve", "--port", "0", *args, env={"HOTLOOP_DATA_DIR": str(tmp_path), **env})

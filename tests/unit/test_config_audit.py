@@ -72,3 +72,34 @@ def test_an_empty_data_dir_matters_to_the_sqlite_store_alone() -> None:
     with pytest.raises(ValueError, match=r"^--data-dir \(HOTLOOP_DATA_DIR\) must not be empty$"):
         Config(data_dir="").check()
     Config(data_dir="", store="memory").check()
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "good"),
+    [
+        # a rate whose gap between two tokens is longer than the simulator's longest silence
+        ("sim_rate", config_mod.SIM_MIN_RATE / 2, config_mod.SIM_MIN_RATE),
+        ("sim_rate", 1e-300, 0.0),
+        ("sim_output_tokens", config_mod.SIM_MAX_TOKENS + 1, config_mod.SIM_MAX_TOKENS),
+        ("sim_output_tokens", 0, 1),
+        ("sim_ttft", config_mod.SIM_MAX_STALL * 2, config_mod.SIM_MAX_STALL),
+    ],
+)
+def test_the_simulators_flags_are_held_to_what_a_request_may_ask_of_it(name: str, bad: float, good: float) -> None:
+    """``--sim-rate``, ``--sim-output-tokens`` and ``--sim-ttft`` are held to the bounds a request's
+    ``metadata.sim`` is (a token at least every 600 s, 100,000 tokens an answer): past them one
+    flag made every answer a 100,000-token stream, or a first token due in a century."""
+    cfg = Config()
+    setattr(cfg, name, good)
+    cfg.check()
+    setattr(cfg, name, bad)
+    with pytest.raises(ValueError, match=re.escape(config_mod._flag(name))):
+        cfg.check()
+
+
+def test_the_simulators_request_bounds_are_the_flags_bounds() -> None:
+    from hotloop.backends import simulator
+
+    assert (simulator.MAX_TOKENS, simulator.MAX_STALL, simulator.MIN_RATE) == (
+        config_mod.SIM_MAX_TOKENS, config_mod.SIM_MAX_STALL, config_mod.SIM_MIN_RATE,
+    )

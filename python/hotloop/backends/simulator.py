@@ -37,6 +37,7 @@ import msgspec
 
 from hotloop import errors, tokenizer
 from hotloop.backends.base import BackendRequest, model_object
+from hotloop.config import SIM_MAX_STALL, SIM_MAX_TOKENS, SIM_MIN_RATE
 from hotloop.protocol.chunks import Chunk, Failure, Finish, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, Message, Reasoning, TextFormat
 
@@ -65,10 +66,10 @@ class Directives(msgspec.Struct, kw_only=True):
 
 
 # Bounds on what a request may ask of the simulator (a directive past them is a 400).
-MAX_TOKENS = 100_000
+MAX_TOKENS = SIM_MAX_TOKENS  # --sim-output-tokens is held to it too (hotloop.config)
 MAX_TOOLS = 64
-MAX_STALL = 600.0
-MIN_RATE = 1 / MAX_STALL  # a paced rate's gap between tokens is a silence too: at most MAX_STALL
+MAX_STALL = SIM_MAX_STALL  # --sim-ttft too
+MIN_RATE = SIM_MIN_RATE  # a paced rate's gap between tokens is a silence too: at most MAX_STALL (--sim-rate too)
 TICK = 0.0005  # the generator sleeps only longer than this: uvloop makes a timer of such delays only (see above)
 # an unpaced (or late) stream lets the event loop run after this many tokens without a sleep: a
 # consumer that never awaits (a JSON answer) would otherwise hold the server for a whole answer
