@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from hotloop.bench import _proc_cpu_seconds, process_cpu_ns
+from hotloop.bench import _proc_cpu_seconds, process_cpu_ns, process_switches
 
 
 def _burn(seconds: float) -> None:
@@ -27,3 +27,22 @@ def test_process_cpu_counts_every_thread_finer_than_a_clock_tick() -> None:
     spent = process_cpu_ns(pid) - before
     assert 3_000_000 <= spent < 9_000_000
     assert 0.003 <= _proc_cpu_seconds(pid) - seconds < 0.05
+
+
+def test_process_switches_counts_each_time_a_thread_of_the_process_slept() -> None:
+    """40 sleeps of 1 ms in another thread are 40 switches or more (each one goes idle and
+    wakes), counted while the thread lives; a process without them is not charged with any."""
+    pid = os.getpid()
+    counted: list[int] = []
+
+    def sleeper() -> None:
+        for _ in range(40):
+            time.sleep(0.001)
+        counted.append(process_switches(pid))  # before the thread ends: the count is the live threads'
+
+    before = process_switches(pid)
+    worker = threading.Thread(target=sleeper)
+    worker.start()
+    worker.join()
+    assert counted[0] - before >= 40
+    assert process_switches(2**22 + 12345) == 0  # no such process

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from hotloop.bench import _free_port, _pct, _text, mock_process, process_cpu_ns, server
+from hotloop.bench import _free_port, _pct, _text, mock_process, process_cpu_ns, process_switches, server
 from hotloop.protocol import events as ev
 
 TOOL = {
@@ -335,7 +335,7 @@ def _http(
             new = [out]
 
 
-def _summary(name: str, cpu_ns: list[int], walls: list[float], direct: list[float]) -> dict[str, Any]:
+def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, direct: list[float]) -> dict[str, Any]:
     cpu_ms = [c / 1e6 for c in cpu_ns]
     early = statistics.mean(cpu_ms[5:15]) if len(cpu_ms) >= 15 else statistics.mean(cpu_ms)
     late = statistics.mean(cpu_ms[-10:])
@@ -348,15 +348,19 @@ def _summary(name: str, cpu_ns: list[int], walls: list[float], direct: list[floa
         "cpu_turns_6_15_ms": round(early, 3),
         "cpu_last_10_ms": round(late, 3),
         "last_over_early": round(late / early, 3) if early else None,
+        "switches_per_turn": round(switches / len(cpu_ms), 1),  # context switches: about its wake-ups
         "wall_per_turn_p50_ms": round(_pct(walls, 0.5) * 1e3, 2),
         "added_over_direct_p50_ms": round(_pct(added, 0.5) * 1e3, 3),
     }
 
 
-def _measure(base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int) -> tuple[list[int], list[float]]:
+def _measure(
+    base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int
+) -> tuple[list[int], list[float], int]:
     loop(base, model, 3, new_bytes, seed + 1, lambda sent: None)  # warm-up: connections, tokenizer
     cpu: list[int] = []
     walls: list[float] = []
+    switched = process_switches(pid)
     mark = [process_cpu_ns(pid)]
 
     def tick(sent: float) -> None:
@@ -366,7 +370,7 @@ def _measure(base: str, pid: int, loop: Callable[..., None], model: str, turns: 
         mark[0] = now_cpu
 
     loop(base, model, turns, new_bytes, seed, tick)
-    return cpu, walls
+    return cpu, walls, process_switches(pid) - switched
 
 
 AGENT_TRANSPORTS = ("ws-prev", "http-full", "http-prev")  # what agent-turns measures unless told
