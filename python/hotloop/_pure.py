@@ -461,6 +461,8 @@ def plain_delta(data: str) -> tuple[int, int, str] | None:
     if type(delta) is not dict:
         return None
     pieces = [_opt_str(delta, k) for k in ("content", "reasoning", "reasoning_content", "refusal")]
+    # a refusal piece is never plain: the general path makes it a message's refusal part
+    # (response.refusal.*), which has no lane
     if not all(ok for ok, _ in pieces) or pieces[3][1]:
         return None
     content, reasoning = pieces[0][1], pieces[1][1] or pieces[2][1]

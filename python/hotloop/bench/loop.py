@@ -124,7 +124,8 @@ class StreamCheck:
         elif kind.endswith(".delta"):
             if (ev.OUTPUT_ITEM_ADDED[: -len(".added")], oi, None) not in self.open:
                 self._bad(f"{kind} outside an open output item ({oi})")
-            if kind == ev.OUTPUT_TEXT_DELTA and (ev.CONTENT_PART_ADDED[: -len(".added")], oi, part) not in self.open:
+            in_part = (ev.CONTENT_PART_ADDED[: -len(".added")], oi, part) in self.open
+            if kind in (ev.OUTPUT_TEXT_DELTA, ev.REFUSAL_DELTA) and not in_part:
                 self._bad(f"{kind} outside an open content part ({oi}, {part})")
             self.acc.setdefault((kind[: -len(".delta")], oi, part), []).append(str(e.get("delta", "")))
         elif kind.endswith(".done"):
@@ -135,7 +136,7 @@ class StreamCheck:
                     self.items[oi] = e.get("item") or {}
             else:
                 streamed = self.acc.pop((base, oi, part), None)
-                whole = e.get("text", e.get("arguments"))
+                whole = e.get("text", e.get("arguments", e.get("refusal")))
                 if streamed is None and whole:
                     self._bad(f"{kind} without deltas ({oi}, {part})")
                 elif streamed is not None and whole is not None and "".join(streamed) != whole:

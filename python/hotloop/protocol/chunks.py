@@ -17,6 +17,13 @@ class TextDelta(msgspec.Struct, frozen=True, gc=False):
     text: str
 
 
+class RefusalDelta(msgspec.Struct, frozen=True, gc=False):
+    """A piece of the assistant's refusal (chat ``delta.refusal``): a ``refusal`` content part of
+    the message, never output text."""
+
+    text: str
+
+
 class ReasoningDelta(msgspec.Struct, frozen=True, gc=False):
     """A piece of raw reasoning text (``reasoning_text`` content)."""
 
@@ -62,4 +69,4 @@ class Failure(msgspec.Struct, frozen=True, gc=False):
     message: str = "The model failed to generate a response."
 
 
-Chunk = Union[TextDelta, ReasoningDelta, ToolCallDelta, Usage, Finish, Failure]
+Chunk = Union[TextDelta, RefusalDelta, ReasoningDelta, ToolCallDelta, Usage, Finish, Failure]

@@ -30,13 +30,15 @@ CONTENT_PART_ADDED = "response.content_part.added"
 CONTENT_PART_DONE = "response.content_part.done"
 OUTPUT_TEXT_DELTA = "response.output_text.delta"
 OUTPUT_TEXT_DONE = "response.output_text.done"
+REFUSAL_DELTA = "response.refusal.delta"
+REFUSAL_DONE = "response.refusal.done"
 REASONING_TEXT_DELTA = "response.reasoning_text.delta"
 REASONING_TEXT_DONE = "response.reasoning_text.done"
 FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
 # The events --flush-interval-ms may hold back (a batch of nothing else: only_deltas)
-DELTAS = frozenset((OUTPUT_TEXT_DELTA, REASONING_TEXT_DELTA, FUNCTION_CALL_ARGUMENTS_DELTA))
+DELTAS = frozenset((OUTPUT_TEXT_DELTA, REFUSAL_DELTA, REASONING_TEXT_DELTA, FUNCTION_CALL_ARGUMENTS_DELTA))
 # WebSocket-only steering replies (beta)
 STEER_ACCEPTED = "response.steer.accepted"
 STEER_PENDING = "response.steer.pending"
@@ -96,6 +98,11 @@ def text_delta(seq: int, item_id: str, output_index: int, content_index: int, de
     return OUTPUT_TEXT_DELTA, _encode_delta(
         OUTPUT_TEXT_DELTA, seq, item_id, output_index, content_index, delta, True
     )
+
+
+def refusal_delta(seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> Frame:
+    """``response.refusal.delta``: ``item_id, output_index, content_index, delta`` (no logprobs)."""
+    return REFUSAL_DELTA, _encode_delta(REFUSAL_DELTA, seq, item_id, output_index, content_index, delta, False)
 
 
 def reasoning_delta(seq: int, item_id: str, output_index: int, content_index: int, delta: str) -> Frame:

@@ -9,9 +9,16 @@ Item life cycle, as a table (DESIGN principle 2). The open item is one of ``None
 (``.done`` events) and opens its own (``.added`` events):
 
     chunk           target
-    TextDelta       message
+    TextDelta       message (an ``output_text`` part)
+    RefusalDelta    refusal (a ``refusal`` part of a message)
     ReasoningDelta  reasoning
     ToolCallDelta   call:<index>
+
+``message`` and ``refusal`` are the same kind of output item, a message, with a different content
+part open: going from one to the other keeps the message open and closes its part
+(``output_text.done``/``refusal.done``, ``content_part.done``) and adds the next part at the next
+``content_index`` (a chat message may carry content and a refusal). A refusal never goes into
+output text: clients' ``output_text`` leaves it out, as OpenAI's does.
 
 Terminal outcomes: ``finish()`` -> ``response.completed``, or ``response.incomplete`` when the
 backend stopped for ``length``/``content_filter`` or the response was steered (``finish("steered")``
@@ -31,6 +38,7 @@ from hotloop.protocol.chunks import (
     Failure,
     Finish,
     ReasoningDelta,
+    RefusalDelta,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -42,6 +50,8 @@ _MESSAGE = "message"
 STEERED = "steered"  # finish() reason and incomplete_details.reason of a steered response
 _text_delta = ev.text_delta
 _REASONING = "reasoning"
+_REFUSAL = "refusal"  # a message whose open content part is a refusal
+_PARTS = (_MESSAGE, _REFUSAL)  # the keys of a message: its open part's kind
 
 
 class _Quiet:
@@ -54,7 +64,7 @@ class _Quiet:
     def event(*_args: Any, **_kwargs: Any) -> Frame:
         return _Quiet.NO_FRAME
 
-    text_delta = reasoning_delta = arguments_delta = sse_error = response_event = event
+    text_delta = refusal_delta = reasoning_delta = arguments_delta = sse_error = response_event = event
 
 
 _quiet_text_delta = _Quiet.text_delta
@@ -69,18 +79,27 @@ _LEGAL = {
 }
 
 
+def _empty_part(key: str) -> dict[str, Any]:
+    """The content part ``content_part.added`` announces for a message part of kind ``key``."""
+    if key == _REFUSAL:
+        return {"type": "refusal", "refusal": ""}
+    return {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+
+
 class TurnStateError(RuntimeError):
     """A programming error: a call the turn's phase does not allow."""
 
 
 class _OpenItem:
-    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane")
+    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane", "content_index", "content")
 
     def __init__(self, key: str, output_index: int, item_id: str) -> None:
         self.key = key
         self.output_index = output_index
         self.item_id = item_id
-        self.parts: list[str] = []
+        self.parts: list[str] = []  # the open content part's pieces (a call's: its arguments)
+        self.content_index = 0  # the open content part's (a message may have several)
+        self.content: list[dict[str, Any]] = []  # a message's closed content parts
         self.call_id = ""
         self.name = ""
         self.lane: DeltaLane | None = None  # Turn.lane
@@ -201,12 +220,14 @@ class Turn:
                 self._output_tokens_seen += 1
                 seq = self._seq
                 self._seq = seq + 1
-                return [self._text_delta(seq, item.item_id, item.output_index, 0, text)]
+                return [self._text_delta(seq, item.item_id, item.output_index, item.content_index, text)]
             return self._delta(_MESSAGE, text)
         if kind is ToolCallDelta:
             return self._call_delta(chunk)  # type: ignore[arg-type]
         if kind is ReasoningDelta:
             return self._delta(_REASONING, chunk.text)  # type: ignore[union-attr]
+        if kind is RefusalDelta:
+            return self._delta(_REFUSAL, chunk.text)  # type: ignore[union-attr]
         if kind is Usage:
             self._usage = chunk  # type: ignore[assignment]
             return []
@@ -226,7 +247,8 @@ class Turn:
         first takes back what the lane read since (``taken``, ``seq``); call this again after
         any of them before reading into the lane again. None when no item is open. A quiet
         turn has lanes too: their events are encoded (natively, cheaper than the general path
-        that skips them) and not sent."""
+        that skips them) and not sent. A message's refusal part has none (``plain_delta`` never
+        reads a refusal piece as plain: each one comes as a chunk)."""
         self._sync()
         item = self._open
         if item is None or self._phase is not _STREAMING:
@@ -235,7 +257,11 @@ class Turn:
         if lane is None:
             key = item.key
             if key == _MESSAGE:
-                lane = DeltaLane(PLAIN_TEXT, 0, ev.OUTPUT_TEXT_DELTA, item.item_id, item.output_index, 0, True, item.parts)
+                lane = DeltaLane(PLAIN_TEXT, 0, ev.OUTPUT_TEXT_DELTA, item.item_id, item.output_index,
+                                 item.content_index, True, item.parts)
+            elif key == _REFUSAL:
+                self._lane = None
+                return None
             elif key == _REASONING:
                 lane = DeltaLane(PLAIN_REASONING, 0, ev.REASONING_TEXT_DELTA, item.item_id, item.output_index, 0, False,
                                  item.parts)
@@ -260,13 +286,20 @@ class Turn:
         out: list[Frame] = []
         item = self._open
         if item is None or item.key != key:
-            item = self._open_item(key, out)
+            if item is not None and item.key in _PARTS and key in _PARTS:
+                if not text:
+                    return out  # nothing to say: no empty part
+                self._next_part(item, key, out)  # text <-> refusal: the same message, its next part
+            else:
+                item = self._open_item(key, out)
         if not text:
             return out
         item.parts.append(text)
         self._output_tokens_seen += 1
         if key == _MESSAGE:
-            out.append(self._ev.text_delta(self._next(), item.item_id, item.output_index, 0, text))
+            out.append(self._ev.text_delta(self._next(), item.item_id, item.output_index, item.content_index, text))
+        elif key == _REFUSAL:
+            out.append(self._ev.refusal_delta(self._next(), item.item_id, item.output_index, item.content_index, text))
         else:
             out.append(self._ev.reasoning_delta(self._next(), item.item_id, item.output_index, 0, text))
         return out
@@ -295,7 +328,7 @@ class Turn:
         if self._open is not None:
             self._close_item("completed", out)
         index = len(self._output)
-        if key == _MESSAGE:
+        if key in _PARTS:
             item = _OpenItem(key, index, self.ids.new("msg"))
             obj: dict[str, Any] = {
                 "id": item.item_id,
@@ -304,7 +337,7 @@ class Turn:
                 "content": [],
                 "role": "assistant",
             }
-            part: dict[str, Any] | None = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+            part: dict[str, Any] | None = _empty_part(key)
         elif key == _REASONING:
             item = _OpenItem(key, index, self.ids.new("rs"))
             obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": []}
@@ -348,11 +381,41 @@ class Turn:
             )
         return item
 
-    def _close_content(self, item: _OpenItem, done: str, part: dict[str, Any], out: list[Frame], **extra: Any) -> None:
-        """The ``*.done`` event of the item's one content part, then ``content_part.done``."""
-        ids = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
-        out.append(self._ev.event(done, self._next(), **ids, text=part["text"], **extra))
+    def _close_part(self, item: _OpenItem, out: list[Frame]) -> dict[str, Any]:
+        """The ``*.done`` event of the item's open content part, then ``content_part.done``;
+        returns the part."""
+        text = "".join(item.parts)
+        ids = {"item_id": item.item_id, "output_index": item.output_index, "content_index": item.content_index}
+        key = item.key
+        if key == _MESSAGE:
+            part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+            out.append(self._ev.event(ev.OUTPUT_TEXT_DONE, self._next(), **ids, text=text, logprobs=[]))
+        elif key == _REFUSAL:
+            part = {"type": "refusal", "refusal": text}
+            out.append(self._ev.event(ev.REFUSAL_DONE, self._next(), **ids, refusal=text))
+        else:
+            part = {"type": "reasoning_text", "text": text}
+            out.append(self._ev.event(ev.REASONING_TEXT_DONE, self._next(), **ids, text=text))
         out.append(self._ev.event(ev.CONTENT_PART_DONE, self._next(), **ids, part=part))
+        return part
+
+    def _next_part(self, item: _OpenItem, key: str, out: list[Frame]) -> None:
+        """Close the open message's content part and add one of kind ``key`` after it."""
+        item.content.append(self._close_part(item, out))
+        self._lane = item.lane = None  # the closed part's lane reads no more
+        item.key = key
+        item.parts = []
+        item.content_index += 1
+        out.append(
+            self._ev.event(
+                ev.CONTENT_PART_ADDED,
+                self._next(),
+                item_id=item.item_id,
+                output_index=item.output_index,
+                content_index=item.content_index,
+                part=_empty_part(key),
+            )
+        )
 
     def _close_item(self, status: str, out: list[Frame]) -> None:
         item = self._open
@@ -360,23 +423,20 @@ class Turn:
             return
         self._open = None
         self._lane = None
-        text = "".join(item.parts)
         idx = item.output_index
-        if item.key == _MESSAGE:
-            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-            self._close_content(item, ev.OUTPUT_TEXT_DONE, part, out, logprobs=[])
+        if item.key in _PARTS:
+            item.content.append(self._close_part(item, out))
             obj = {
                 "id": item.item_id,
                 "type": "message",
                 "status": status,
-                "content": [part],
+                "content": item.content,
                 "role": "assistant",
             }
         elif item.key == _REASONING:
-            part = {"type": "reasoning_text", "text": text}
-            self._close_content(item, ev.REASONING_TEXT_DONE, part, out)
-            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [part]}
+            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [self._close_part(item, out)]}
         else:
+            text = "".join(item.parts)
             index = int(item.key[5:])
             self._closed_calls.add(index)
             if not text and status == "completed":

@@ -17,6 +17,7 @@ from hotloop.protocol.chunks import (
     Chunk,
     Finish,
     ReasoningDelta,
+    RefusalDelta,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -44,7 +45,7 @@ class _Delta(msgspec.Struct):
     content: str | None = None
     reasoning: str | None = None  # Cerebras, Ollama, newer vLLM
     reasoning_content: str | None = None  # llama.cpp, SGLang, older vLLM
-    refusal: str | None = None
+    refusal: str | None = None  # OpenAI (safety and structured-output refusals), and servers proxying it
     tool_calls: list[_ToolCall] | None = None
 
 
@@ -92,7 +93,13 @@ _FINISH = {
 # was aborted in the engine; "error"): the response fails instead of completing with what came
 _FAILED = ("abort", "error")
 
-_TEXT, _REASONING = "text", "reasoning"
+_TEXT, _REASONING, _REFUSAL = "text", "reasoning", "refusal"
+# a piece's chunk by its kind
+_DELTA: dict[str, type[TextDelta | ReasoningDelta | RefusalDelta]] = {
+    _TEXT: TextDelta,
+    _REASONING: ReasoningDelta,
+    _REFUSAL: RefusalDelta,
+}
 _NEW, _LIVE, _SEALED, _DEFERRED = 0, 1, 2, 3  # tool call states
 
 
@@ -146,7 +153,7 @@ class ChunkAssembler:
 
     def __init__(self) -> None:
         self._calls: dict[int, _Call] = {}
-        self._open: Union[str, _Call, None] = None  # _TEXT, _REASONING, a live call, or None
+        self._open: Union[str, _Call, None] = None  # _TEXT, _REASONING, _REFUSAL, a live call, or None
         self._deferred: list[Union[tuple[str, str], _Call]] = []
         self._buffered = 0
         self._next_index = 0
@@ -171,7 +178,8 @@ class ChunkAssembler:
                 if d.content:
                     self._piece(_TEXT, d.content, out)
                 if d.refusal:
-                    self._piece(_TEXT, d.refusal, out)
+                    # a refusal part of the message (response.refusal.*), never output text
+                    self._piece(_REFUSAL, d.refusal, out)
                 if d.tool_calls:
                     for tc in d.tool_calls:
                         self._tool(tc, out)
@@ -188,7 +196,8 @@ class ChunkAssembler:
         0, None)``, ``(PLAIN_REASONING, 0, 0, None)``, or for the open call ``(PLAIN_ARGUMENTS,
         index, key, args)``: its index in the response, the index the server gives it, and the
         list its arguments are kept in (pieces read by ``feed_lane`` are appended to it). None
-        when nothing is open."""
+        when nothing is open, or a refusal is (its pieces are never plain deltas: ``plain_delta``
+        refuses an event with a refusal, so the general path reads each one)."""
         cur = self._open
         if cur is _TEXT:
             return PLAIN_TEXT, 0, 0, None
@@ -221,7 +230,7 @@ class ChunkAssembler:
             self._deferred.append((kind, text))
             return
         self._open = kind
-        out.append(TextDelta(text) if kind is _TEXT else ReasoningDelta(text))
+        out.append(_DELTA[kind](text))
 
     def _tool(self, tc: _ToolCall, out: list[Chunk]) -> None:
         key = tc.index if tc.index is not None else self._key_without_index(tc.id)
@@ -296,7 +305,7 @@ class ChunkAssembler:
             else:
                 kind, text = entry
                 self._open = kind
-                out.append(TextDelta(text) if kind is _TEXT else ReasoningDelta(text))
+                out.append(_DELTA[kind](text))
         self._deferred = []
         if self.usage is not None:
             out.append(self.usage)

@@ -131,6 +131,12 @@ def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> s
         if kind is InputText or kind is OutputText:
             out.append(p.text)
         elif kind is Refusal:
+            # A refusal the assistant gave (a ``refusal`` part of an output message, sent back as
+            # input or through previous_response_id) goes back as the assistant's content text,
+            # not as OpenAI's assistant-message ``refusal`` field: every chat server reads content,
+            # while ``refusal`` is OpenAI's own (a server that does not know it may drop it, and
+            # the model would not see what it said, or reject the request), and the model reads
+            # its own words either way. Parts are joined as they were streamed (no separator).
             out.append(p.refusal)
         elif kind is InputImage or kind is InputFile or kind is InputAudio:
             raise _unsupported(f"Images, files and audio in {what}", dialect)
