@@ -197,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-script", dest="sim_script", help="simulator scenario file (JSON)")
     b = sub.add_parser("bench", help="agent-loop benchmarks against a server it starts (see hotloop bench -h)", add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
-    tenants_cli.add_commands(sub)  # keys create|list|revoke, usage
+    tenants_cli.add_commands(sub)  # keys create|list|revoke|rotate, usage
     return p
 
 

@@ -21,7 +21,8 @@ Callers are :class:`Tenant` objects:
 Keys are cached in memory by the SHA-256 of their secret. The key table is re-read when an
 unknown secret arrives (one query, shared by concurrent misses) and checked for changes every
 ``REFRESH_SECONDS`` (1 s) by a background task, so a key created by ``hotloop keys create``
-works at once and a revoked key fails within about a second (``REFRESH_SECONDS`` plus one
+(or the new secret of ``hotloop keys rotate``) works at once and a revoked key (or a rotated
+key's old secret) fails within about a second (``REFRESH_SECONDS`` plus one
 query). In open mode only ``hl-`` secrets trigger that re-read (so a server that just got its
 first key does not treat that key's caller as anonymous), other tokens are ignored.
 """
@@ -120,7 +121,6 @@ class Tenancy:
         self.limiter: Limiter = limiter if limiter is not None else MemoryLimiter()
         self.output_reserve = output_reserve
         self._by_hash: dict[bytes, Tenant] = {}
-        self._active: set[str] = set()  # ids of keys that are not revoked
         self._version: tuple[int, int, int] | None = None
         self._closed = False  # latched once a key was seen: never back to open mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-keys")
@@ -196,7 +196,6 @@ class Tenancy:
             if r.active:
                 by_hash[r.hash] = Tenant(r.id, r.name, r.limits, r.hash)
         self._by_hash = by_hash
-        self._active = {t.id for t in by_hash.values()}
         old, self._version = self._version, version
         if old is not None and version[0] < old[0]:
             log.warning(
@@ -287,7 +286,10 @@ class Tenancy:
     def verify(self, tenant: Tenant) -> None:
         """The tenant's key is still valid (revocation is seen within ``REFRESH_SECONDS``)."""
         if tenant.key_hash:
-            if tenant.id not in self._active:
+            # by its secret's hash, not only its id: a rotated key (hotloop keys rotate) keeps its
+            # id, and a connection opened with the old secret must not outlive it
+            current = self._by_hash.get(tenant.key_hash)
+            if current is None or current.id != tenant.id:
                 raise errors.AuthenticationFailed(_REVOKED)
         elif tenant is ANONYMOUS and not self.open:
             raise errors.AuthenticationFailed(_BAD_KEY)
@@ -309,7 +311,17 @@ class Tenancy:
         limits = tenant.limits
         if limits.tpm is None and limits.max_concurrent is None:
             return None
-        reserve = max_output_tokens if max_output_tokens is not None else self.output_reserve
+        if max_output_tokens is not None:
+            reserve = max_output_tokens
+        else:
+            # the default is the server's estimate, not what the client asked for: at most a
+            # quarter of the key's TPM and what it leaves after the input, so a key whose TPM is
+            # below the default is neither refused "too large" for a reservation it never made
+            # nor made to wait for a full bucket for each response (the correction at the end
+            # charges the real usage, here and in the ledger)
+            reserve = self.output_reserve
+            if limits.tpm is not None:
+                reserve = max(0, min(reserve, limits.tpm // 4, limits.tpm - input_tokens))
         return self.limiter.admit(tenant.id, limits, input_tokens + reserve)
 
     def headers(self, tenant: Tenant) -> list[tuple[bytes, bytes]]:

@@ -1,9 +1,10 @@
-"""``hotloop keys create|list|revoke`` and ``hotloop usage``: on the configured store directly.
+"""``hotloop keys create|list|revoke|rotate`` and ``hotloop usage``: on the configured store directly.
 
 They read the same ``--store``/``--data-dir`` flags and ``HOTLOOP_*`` environment as ``serve`` and
 work whether or not a server is running (SQLite in WAL mode; a running server sees a new key at
-once and a revocation within about a second). ``keys create`` prints the new secret alone on
-stdout (shown once); everything else a command says goes to stderr, except the tables.
+once and a revocation within about a second). ``keys create`` and ``keys rotate`` print the new
+secret alone on stdout (shown once); everything else a command says goes to stderr, except the
+tables.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _positive(text: str) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register ``keys`` and ``usage`` on the ``hotloop`` command's subparsers."""
-    k = sub.add_parser("keys", help="API keys: create, list, revoke (on the configured store)")
+    k = sub.add_parser("keys", help="API keys: create, list, revoke, rotate (on the configured store)")
     ks = k.add_subparsers(dest="keys_command", required=True)
     c = ks.add_parser("create", help="create a key and print its secret (shown once)")
     c.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
@@ -52,6 +53,13 @@ def add_commands(sub: Any) -> None:
     r = ks.add_parser("revoke", help="revoke a key (its next request fails with 401)")
     r.add_argument("name")
     _store_flags(r)
+    ro = ks.add_parser(
+        "rotate",
+        help="give a key a new secret (printed once) and retire the old one; the key stays the same "
+        "tenant: its stored responses, usage and limits",
+    )
+    ro.add_argument("name")
+    _store_flags(ro)
     u = sub.add_parser("usage", help="the usage ledger: responses and tokens per day, model and key")
     u.add_argument(
         "--key", help="only the keys of this name (every key that had it: a revoked key's name may be given to a new key) or this key id"
@@ -104,6 +112,18 @@ def _keys(args: argparse.Namespace, keys: KeyStore) -> int:
             print(f"hotloop keys: no active key named {args.name!r}", file=sys.stderr)
             return 1
         print(f"revoked key {args.name!r}", file=sys.stderr)
+        return 0
+    if cmd == "rotate":
+        rotated = keys.rotate(args.name)
+        if rotated is None:
+            print(f"hotloop keys: no active key named {args.name!r}", file=sys.stderr)
+            return 1
+        print(rotated)
+        print(
+            f"rotated key {args.name!r}; the secret above is shown only once, and the old one is refused "
+            "within about a second (open WebSocket connections too, on their next response.create)",
+            file=sys.stderr,
+        )
         return 0
     return 2
 

@@ -7,6 +7,10 @@ SHA-256 is stored; the secret is shown once, when the key is created. A key has 
 optional limits, its creation time, the last time it was used (recorded at most once a minute)
 and, once revoked, its revocation time. Revoked keys stay listed.
 
+Rotating a key (:meth:`KeyStore.rotate`) gives it a new secret and retires the old one: the key
+keeps its id, so it stays the same tenant (its stored responses, conversations, usage and limit
+buckets), unlike a revoked key's name given to a new key.
+
 :class:`KeyStore` is the interface; :class:`SQLiteKeyStore` keeps the keys in the server's SQLite
 file (table ``api_keys``, WAL mode, so ``hotloop keys`` and a running server share it) and
 :class:`MemoryKeyStore` in memory (``--store memory``: only the admin key, or open mode).
@@ -29,6 +33,7 @@ from hotloop.state import create_private
 
 SECRET_PREFIX = "hl-"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ID_RE = re.compile(r"key_[0-9a-f]{16}")  # a key's id (_new_id), never a key's name
 RESERVED_NAMES = frozenset({"admin", "anonymous"})  # the admin key's and open mode's tenants
 # How long a key store statement waits for another connection's write lock on the SQLite file (a
 # server's store writer, another `hotloop keys`, a backup) before "database is locked"
@@ -89,6 +94,10 @@ def check_name(name: str) -> None:
         raise InvalidKeyName(f"invalid key name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     if name in RESERVED_NAMES:
         raise InvalidKeyName(f"the key name {name!r} is reserved")
+    if ID_RE.fullmatch(name):
+        # `hotloop usage --key X` lists the key whose id is X and the keys named X: a key named
+        # like another's id would have its usage listed (and summed) with that key's
+        raise InvalidKeyName(f"the key name {name!r} is reserved: it has the form of a key id (key_ and 16 hex digits)")
 
 
 class KeyStore(Protocol):
@@ -101,6 +110,12 @@ class KeyStore(Protocol):
 
     def revoke(self, name: str) -> bool:
         """Revoke the active key of this name; ``False`` if there is none."""
+        ...
+
+    def rotate(self, name: str) -> str | None:
+        """A new secret for the active key of this name, which keeps its id (the same tenant),
+        name and limits; its old secret stops working (and :meth:`version` changes). ``None``
+        if there is no such key."""
         ...
 
     def list(self) -> list[KeyRecord]:
@@ -127,6 +142,7 @@ class MemoryKeyStore:
 
     def __init__(self) -> None:
         self._keys: list[KeyRecord] = []
+        self._rotated = 0
         self._lock = threading.Lock()
 
     def create(self, name: str, limits: Limits = UNLIMITED) -> tuple[KeyRecord, str]:
@@ -147,13 +163,23 @@ class MemoryKeyStore:
                     return True
         return False
 
+    def rotate(self, name: str) -> str | None:
+        secret = new_secret()
+        with self._lock:
+            for i, k in enumerate(self._keys):
+                if k.name == name and k.active:
+                    self._keys[i] = replace(k, hash=hash_secret(secret))
+                    self._rotated += 1
+                    return secret
+        return None
+
     def list(self) -> list[KeyRecord]:
         with self._lock:
             return list(self._keys)
 
     def version(self) -> tuple[int, int, int]:
         with self._lock:
-            return len(self._keys), sum(not k.active for k in self._keys), len(self._keys)
+            return len(self._keys), sum(not k.active for k in self._keys), len(self._keys) + self._rotated
 
     def touch(self, used: dict[str, float]) -> None:
         with self._lock:
@@ -219,6 +245,18 @@ class SQLiteKeyStore:
                 "UPDATE api_keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL", (time.time(), name)
             )
         return cur.rowcount > 0
+
+    def rotate(self, name: str) -> str | None:
+        secret = new_secret()
+        with self._lock:
+            # a new rowid too (one past the largest): version() sees the change, as every server
+            # watching the table must (their cache still holds the old hash)
+            cur = self._db.execute(
+                "UPDATE api_keys SET hash = ?, rowid = (SELECT MAX(rowid) + 1 FROM api_keys) "
+                "WHERE name = ? AND revoked_at IS NULL",
+                (hash_secret(secret), name),
+            )
+        return secret if cur.rowcount > 0 else None
 
     def list(self) -> list[KeyRecord]:
         with self._lock:

@@ -230,6 +230,10 @@ class MemoryLimiter:
         b.level -= 1
 
     def admit(self, key_id: str, limits: Limits, tokens: int) -> Grant:
+        if limits.tpm is not None and tokens > limits.tpm:
+            # first, as the Redis limiter does: waiting cannot help (a key at its concurrency
+            # limit would otherwise be told to retry in 1 s, to a certain refusal)
+            raise too_large(limits.tpm, tokens)
         now = self.clock()
         st = self._state(key_id, limits, now)
         if limits.max_concurrent is not None and st.inflight >= limits.max_concurrent:

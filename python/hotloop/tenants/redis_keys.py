@@ -6,13 +6,16 @@ Key layout (``P`` is ``hotloop:``)::
                                (empty: unlimited), created_at, last_used, revoked_at (empty: active)
     P k:ids            ZSET    every key id, scored by creation time (listing order)
     P k:name:{name}    STRING  the id of the active key of this name (uniqueness among active keys)
-    P k:version        HASH    created, revoked (counters) and epoch (random, set by the table's
-                               first create): what :meth:`version` returns
+    P k:version        HASH    created, revoked (counters: a rotation counts as a revocation, of
+                               the old secret, so that every replica, of any version, sees it)
+                               and epoch (random, set by the table's first create): what
+                               :meth:`version` returns
 
-Create and revoke are Lua scripts (atomic: a name is never given to two active keys). Like the
-SQLite key store this is synchronous; :class:`~hotloop.tenants.auth.Tenancy` calls it from its
-own thread, re-reading the keys when the version changes (so a key revoked through one replica
-is refused by every replica within ``Tenancy.REFRESH_SECONDS`` plus one query). Unreachable
+Create, revoke and rotate are Lua scripts (atomic: a name is never given to two active keys).
+Like the SQLite key store this is synchronous; :class:`~hotloop.tenants.auth.Tenancy` calls it
+from its own thread, re-reading the keys when the version changes (so a key revoked or rotated
+through one replica is refused by every replica within ``Tenancy.REFRESH_SECONDS`` plus one
+query). Unreachable
 Redis raises :class:`~hotloop.errors.StoreUnavailable` (a 503 for a request that needs a key
 not yet known to this process; keys already loaded keep working).
 """
@@ -50,6 +53,16 @@ return 1
 """
 
 
+_ROTATE = """
+local P, name = ARGV[1], ARGV[2]
+local id = redis.call('GET', P .. 'k:name:' .. name)
+if not id then return 0 end
+redis.call('HSET', P .. 'k:' .. id, 'hash', ARGV[3])
+redis.call('HINCRBY', P .. 'k:version', 'revoked', 1)
+return 1
+"""
+
+
 def _opt_int(v: bytes | None) -> int | None:
     return int(v) if v else None
 
@@ -71,6 +84,7 @@ class RedisKeyStore:
         self.breaker = Breaker()
         self._create = self.r.register_script(_CREATE)
         self._revoke = self.r.register_script(_REVOKE)
+        self._rotate = self.r.register_script(_ROTATE)
 
     def _call(self, fn: Callable[[], T]) -> T:
         return once(self.breaker, fn)
@@ -89,6 +103,11 @@ class RedisKeyStore:
 
     def revoke(self, name: str) -> bool:
         return bool(self._call(lambda: self._revoke(args=[self.prefix, name, repr(time.time())])))
+
+    def rotate(self, name: str) -> str | None:
+        secret = new_secret()
+        done = self._call(lambda: self._rotate(args=[self.prefix, name, hash_secret(secret)]))
+        return secret if done else None
 
     def list(self) -> list[KeyRecord]:
         def read() -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -112,10 +131,10 @@ class RedisKeyStore:
         return out
 
     def version(self) -> tuple[int, int, int]:
-        """(keys created, keys revoked, the table's epoch). The counters alone cannot tell a table
-        emptied (Redis restarted without its data, a FLUSHDB) and refilled with as many keys from
-        the one before: a deleted key would go on working, a new one be refused. The epoch,
-        drawn by the first create of a table, can."""
+        """(keys created, secrets revoked (keys revoked and rotated), the table's epoch). The
+        counters alone cannot tell a table emptied (Redis restarted without its data, a FLUSHDB)
+        and refilled with as many keys from the one before: a deleted key would go on working, a
+        new one be refused. The epoch, drawn by the first create of a table, can."""
         h = self._call(lambda: self.r.hmget(self.prefix + "k:version", "created", "revoked", "epoch"))
         return int(h[0] or 0), int(h[1] or 0), int(h[2] or 0)
 
