@@ -671,17 +671,22 @@ class Persistence:
         rec = usage_record(entry.response, key, findings, name) if ledger else None
         if rec is not None:
             self._usage.append(rec)
+            if self._usage_timer is None:  # (a batch taken below cancels it)
+                self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
+        if entry.store:
+            # Queued (its job numbered: a DELETE's flush waits for it) before anything here may
+            # suspend. After a ledger batch that waited for room (USAGE_BUFFER records while the
+            # writer is behind), a DELETE that came meanwhile found nothing to delete, and the
+            # response was stored after it.
+            snap = snapshot(entry)
+            self.pending[entry.id] = entry
+            await self._enqueue("put", snap, approx_nbytes(snap.own))
+        if rec is not None:
             n = len(self._usage)
             if n >= self.USAGE_BATCH and (n >= self.USAGE_BUFFER or (not self._blocked and self._has_room(0))):
                 # a batch is due; while the writer is behind, the buffer grows (to USAGE_BUFFER)
                 # rather than make this turn wait for a ledger write
                 await self._enqueue("usage", self._take_usage(), 0)
-            elif self._usage_timer is None:
-                self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
-        if entry.store:
-            snap = snapshot(entry)
-            self.pending[entry.id] = entry
-            await self._enqueue("put", snap, approx_nbytes(snap.own))
 
     def charge(self, rec: UsageRecord | None) -> None:
         """A ledger record for a response that ended without ``submit`` (cut short, or failed),

@@ -32,17 +32,25 @@ from hotloop.protocol.request import decode_body, item_to_dict, listed_item, val
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from hotloop.state.context import item_id_of
 from hotloop.state.prefix import Prefix
-from hotloop.state.store import UsageRow, page_items
+from hotloop.state.store import UsageRow, page_items, visible
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
     from hotloop.server.app import HotloopApp
+    from hotloop.server.engine import Run
 
 log = logging.getLogger("hotloop.server")
 
 _PUBLIC = ("/healthz", "/health")  # routes that need no API key
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}  # a boolean in a query string
+
+#: How long ``DELETE /v1/responses/{id}`` of a stored response still being generated waits for it
+#: to end (then it deletes it); past this, a 409 ``response_in_progress`` to retry (seconds).
+IN_FLIGHT_DELETE_WAIT = 10.0
+_IN_FLIGHT_POLL = 0.02  # how often that wait looks
+_IN_FLIGHT_GRACE = 1.0  # ... and how long it waits for the bookkeeping of a run that has left
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -405,7 +413,19 @@ class HttpTransport:
                 f"Invalid 'stream': '{errors.clip(stream)}'. Expected 'true' or 'false'.", param="stream"
             )
         hit = self.app.engine.responses.get(response_id, scope)
-        response = hit.response if hit is not None else await self.app.persistence.get_response(response_id, scope)
+        response = hit.response if hit is not None else None
+        if response is None:
+            # A stored response still being generated (streamed over SSE or WebSocket, or a JSON
+            # request not answered yet) is the Response as it is so far, as OpenAI answers:
+            # ``status: "in_progress"``, ``usage: null``, the output items begun (those finished
+            # in their final form, the open one as its ``response.output_item.added`` showed it).
+            # Before, it was a 404 until its end, for a response the client had seen created.
+            # ``store: false`` and another tenant's stay a 404 (_in_flight).
+            run = self._in_flight(response_id, scope)
+            if run is not None:
+                response = run.turn.response
+        if response is None:
+            response = await self.app.persistence.get_response(response_id, scope)
         if response is None:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         if _BOOLS[stream]:
@@ -421,7 +441,49 @@ class HttpTransport:
             )
         await respond(200, encode(response))
 
+    def _in_flight(self, response_id: str, scope: str | None) -> "Run | None":
+        """The stored (``store: true``) response ``response_id`` still being generated, if
+        ``scope`` may see it (another tenant's, or one not stored, is None: a 404 as for any
+        unknown id). A scan of the responses in flight (as many as the server runs at once)."""
+        for run in self.app.engine.runs:
+            r = run.turn.response
+            if r.get("id") == response_id:
+                return run if r.get("store", True) and visible(run.tenant.id, scope) else None
+        return None
+
+    async def _finished(self, run: "Run") -> None:
+        """Wait for a response in flight to end and be handed to the store (``Run.ended`` is set
+        once ``Engine.complete`` has cached and submitted it), at most ``IN_FLIGHT_DELETE_WAIT``;
+        still running then: a 409 to retry, nothing deleted. (A run whose end was itself cut
+        short, its task cancelled while it submitted, never sets ``ended``: once out of the
+        engine's runs for ``_IN_FLIGHT_GRACE``, the delete goes on with what was submitted.)"""
+        runs = self.app.engine.runs
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + IN_FLIGHT_DELETE_WAIT
+        left: float | None = None  # when it left the engine's runs
+        while run in runs or not run.ended:
+            now = loop.time()
+            if run not in runs:
+                left = now if left is None else left
+                if now - left >= _IN_FLIGHT_GRACE:
+                    return
+            if now >= deadline:
+                raise _InProgress(
+                    f"Response with id '{errors.clip(str(run.turn.response.get('id')))}' is still being generated; "
+                    "it can be deleted once it has finished. Please retry shortly.",
+                    headers={"retry-after": "1"},
+                )
+            await asyncio.sleep(_IN_FLIGHT_POLL)
+
     async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
+        # A stored response still being generated (GET shows it in_progress) is deleted once it
+        # has ended: deleting it now would be undone by its end, which caches and stores it
+        # (before, such a DELETE was a 404, and the response was stored after all). Its stream
+        # is not cut short (its client may be another process); the DELETE waits for it, within
+        # a bound (_finished). One that ends without being stored (its client left) is a 404.
+        run = self._in_flight(response_id, scope)
+        if run is not None:
+            await self._finished(run)
         # a response the store already pruned may still be cached here: it answered GET, so it
         # is deleted too (evicted), not a 404
         cached = self.app.engine.responses.get(response_id, scope) is not None
@@ -437,8 +499,11 @@ class HttpTransport:
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
 
     async def _cancel(self, response_id: str, scope: str | None) -> None:
-        known = self.app.engine.responses.get(response_id, scope) is not None or (
-            await self.app.persistence.get_response(response_id, scope) is not None
+        # (one still being generated is known too: GET shows it; it is not background either)
+        known = (
+            self.app.engine.responses.get(response_id, scope) is not None
+            or self._in_flight(response_id, scope) is not None
+            or await self.app.persistence.get_response(response_id, scope) is not None
         )
         if not known:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
@@ -463,10 +528,14 @@ class HttpTransport:
         if not 1 <= limit <= 100:
             raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
         hit = self.app.engine.responses.get(response_id, owner)
+        # a stored response still being generated lists the input it will list once done (_retrieve)
+        live = _live_input(self._in_flight(response_id, owner)) if hit is None else None
         if before is not None:
             # every item (the persistence pages without ``before``), then the page from them
             if hit is not None:
                 every: Any = ([item_to_dict(i) for i in hit.input_items], False)
+            elif live is not None:
+                every = (live, False)
             else:
                 every = await self.app.persistence.input_items(response_id, None, sys.maxsize, "asc", owner)
             if every is None or every is False:
@@ -475,8 +544,10 @@ class HttpTransport:
                 raise errors.InvalidValue(f"Invalid 'before': no item with id '{errors.clip(before)}'.", param="before")
             page = page_items(every[0], after, limit, order, before)  # None: after names no item
             result: Any = False if page is None else page
-        elif hit is not None:
-            page = page_items([item_to_dict(i) for i in hit.input_items], after, limit, order)
+        elif hit is not None or live is not None:
+            every_ = [item_to_dict(i) for i in hit.input_items] if hit is not None else live
+            assert every_ is not None
+            page = page_items(every_, after, limit, order)
             result = False if page is None else page
         else:
             result = await self.app.persistence.input_items(response_id, after, limit, order, owner)
@@ -522,6 +593,29 @@ class HttpTransport:
 
 class _ClientGone(Exception):
     """The HTTP client disconnected; there is nobody to answer."""
+
+
+class _InProgress(errors.HotloopError):
+    """``DELETE`` of a stored response still being generated past ``IN_FLIGHT_DELETE_WAIT``:
+    nothing deleted; retry once it has finished (openai-python retries a 409 by itself)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "response_in_progress"
+
+
+def _live_input(run: "Run | None") -> list[dict[str, Any]] | None:
+    """The effective input of a response in flight, as ``input_items`` lists it. Its plan's
+    items are its input until the response is finished (``finished()`` then appends its output
+    to the same list: those items, named by the output's ids, are left out)."""
+    if run is None:
+        return None
+    items = run.plan.items
+    out_ids = {o.get("id") for o in run.turn.response.get("output") or ()}
+    n = len(items)
+    while n and out_ids and item_id_of(items[n - 1]) in out_ids:
+        n -= 1
+    return [item_to_dict(i) for i in items[:n]]
 
 
 class _Tracked:
