@@ -257,7 +257,7 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
     connection is aborted and the response cancelled."""
     import os
 
-    args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "200000", "--ws-ping-interval", "0.5",
+    args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "100000", "--ws-ping-interval", "0.5",
             "--ws-ping-timeout", "0.5")
     with run_server(tmp_path, *args) as server:
         s, _ = _raw_websocket(server.port, rcvbuf=4096)  # no autotuning

@@ -484,6 +484,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self._body_read()
                 continue
             if self._upgraded or self._stopped or self.parser is None or self.transport.is_closing():
+                if self._upgraded and start < stop and not self.transport.is_closing():
+                    # What the client sent in the same write as its handshake (its first frames,
+                    # ahead of the 101) belongs to the WebSocket protocol the connection now has:
+                    # dropped, the client waited for an answer to a request never read.
+                    ws = self.transport.get_protocol()
+                    if ws is not self and isinstance(ws, asyncio.Protocol):
+                        ws.data_received(bytes(view[start:stop]))
                 return  # upgraded, or refused or closing: the rest is not this protocol's
             skip = self._skip
             if skip:  # the body of a request read through the parser: no head in it

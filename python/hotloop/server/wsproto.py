@@ -309,6 +309,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._pong = b""  # the pong of the latest ping, held while the client does not read (handle_ping)
         self.close_timeout = CLOSE_TIMEOUT
         self._abort_timer: asyncio.TimerHandle | None = None  # a closing transport's bound (_closing)
+        self._early = b""  # bytes that came after the handshake's request, before the 101 (data_received)
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
@@ -401,6 +402,16 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     # -- receiving ------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.handshake_initiated and not self.handshake_complete:
+            # Bytes after the handshake's request and before the 101 (a client that sends its
+            # first frames without waiting, or in the same write as the request): parsed then,
+            # websockets would answer a ping or a close ahead of the 101 and a close would leave
+            # the handshake unfinished. Held, unparsed, until the application accepts (reading
+            # paused meanwhile: at most one read is held), then read as if they came after it;
+            # dropped if it refuses.
+            self._early += data
+            self.transport.pause_reading()
+            return
         payload = self._text_frame(data) if self.handshake_complete and self.fast_text else None
         if payload is None:
             super().data_received(data)
@@ -451,6 +462,18 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
+
+    def _read_early(self) -> None:
+        """The 101 is written: the bytes held since the handshake's request (if any) are read
+        now, and reading resumes (unless a message they brought waits for the application)."""
+        early, self._early = self._early, b""
+        if not early or self.transport.is_closing():
+            return
+        if not self.handshake_complete or self.initial_response is not None or self.close_sent:
+            return  # refused: they are nobody's
+        self.data_received(early)
+        if not self.read_paused and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _text_frame(self, data: bytes) -> bytes | None:
         """The unmasked payload if ``data`` is exactly one complete, final, masked text frame
@@ -689,6 +712,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if message["type"] == "websocket.accept":
             self.response = None  # type: ignore[assignment]
+            self._read_early()
         elif self.close_timer is not None and message["type"] == "websocket.close":
             self.close_timer.cancel()  # uvicorn's only closes the transport: see _close_timed_out
             self.close_timer = self.loop.call_later(self.close_timeout, self._close_timed_out)
