@@ -12,47 +12,7 @@ from uvicorn.server import ServerState
 from websockets.frames import Close, Frame, Opcode
 
 from hotloop.server.wsproto import CorkedWebSocketProtocol
-
-HANDSHAKE = (
-    b"GET /v1/responses HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-)
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-        self.closing = False
-        self.reading = True
-
-    def write(self, data: bytes) -> None:
-        self.written.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
-
-
-def _masked(opcode: Any, data: bytes) -> bytes:
-    return Frame(opcode, data).serialize(mask=True)
-
+from tests.unit.test_ws_fast_text import HANDSHAKE, _masked, _Transport
 
 async def _early(reads: bytes, accept: bool = True) -> tuple[bytes, list[Any], _Transport]:
     """Feed the handshake, then ``reads`` before the application answers it; then let it
