@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -29,20 +31,26 @@ def test_process_cpu_counts_every_thread_finer_than_a_clock_tick() -> None:
     assert 0.003 <= _proc_cpu_seconds(pid) - seconds < 0.05
 
 
-def test_process_switches_counts_each_time_a_thread_of_the_process_slept() -> None:
-    """40 sleeps of 1 ms in another thread are 40 switches or more (each one goes idle and
-    wakes), counted while the thread lives; a process without them is not charged with any."""
-    pid = os.getpid()
-    counted: list[int] = []
-
-    def sleeper() -> None:
-        for _ in range(40):
-            time.sleep(0.001)
-        counted.append(process_switches(pid))  # before the thread ends: the count is the live threads'
-
-    before = process_switches(pid)
-    worker = threading.Thread(target=sleeper)
-    worker.start()
-    worker.join()
-    assert counted[0] - before >= 40
-    assert process_switches(2**22 + 12345) == 0  # no such process
+def test_process_switches_counts_each_time_the_process_slept() -> None:
+    """40 sleeps of 1 ms in a one-thread child process are 40 switches or more (each one goes
+    idle and wakes); a process that does not exist is charged none. (A child: the count is the
+    live threads', and threads of this process may end while it measures.)"""
+    code = (
+        "import sys, time\n"
+        "print('ready', flush=True); sys.stdin.readline()\n"
+        "for _ in range(40): time.sleep(0.001)\n"
+        "print('done', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == "ready\n"
+        before = process_switches(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        assert process_switches(child.pid) - before >= 40
+    finally:
+        child.kill()
+        child.wait(10)
+    assert process_switches(child.pid) == 0  # gone
