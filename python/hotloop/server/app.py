@@ -189,13 +189,25 @@ class HotloopApp:
             timeout,
         )
 
-    def stats(self) -> dict[str, Any]:
-        """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``)."""
+    def stats(self, full: bool = True) -> dict[str, Any]:
+        """Server-side counters and the per-response CPU ring (see ``Engine.turn_stats``).
+        ``full`` false: a tenant's key's view (``Tenancy.operator`` says who gets which), counts
+        only: no per-response figures, no cache sizes or hits."""
         eng = self.engine
-        return {
+        counts: dict[str, Any] = {
             "pid": os.getpid(),  # which process answered (one of --workers)
+            # the operators' (the admin key, open mode); "key": a tenant's key's
+            "view": "all" if full else "key",
             "active_responses": eng.active,
             "completed_responses": eng.completed,
+            "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
+            # the cyclic collector: objects frozen at start-up, and per generation its collections
+            "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
+        }
+        if not full:
+            return counts
+        return {
+            **counts,
             "token_cache": {"entries": len(eng.tokens), "hits": eng.tokens.hits, "misses": eng.tokens.misses},
             "response_cache": {
                 "entries": len(eng.responses), "items": eng.responses.items, "bytes": eng.responses.nbytes,
@@ -208,9 +220,6 @@ class HotloopApp:
                 "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },
             "tools_cache": {"entries": len(eng.tools), "bytes": eng.tools.nbytes, "hits": eng.tools.hits, "misses": eng.tools.misses},
-            "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
-            # the cyclic collector: objects frozen at start-up, and per generation its collections
-            "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
             "turns": [
                 {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}
                 for t, c, p, e, n in eng.turn_stats

@@ -162,7 +162,8 @@ class HttpTransport:
         scope_ = tenant.scope  # whose stored responses this caller may see (None: everyone's)
         if path == "/hotloop/stats":
             self._method(method, "GET")
-            return await respond(200, encode(self.app.stats()))
+            # in full for operators (the admin key, open mode); counts only for a tenant's key
+            return await respond(200, encode(self.app.stats(self.app.tenancy.operator(tenant))))
         if path == "/hotloop/usage":
             self._method(method, "GET")
             since, after, limit = _usage_query(scope)

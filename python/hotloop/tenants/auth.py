@@ -25,6 +25,18 @@ unknown secret arrives (one query, shared by concurrent misses) and checked for 
 key's old secret) fails within about a second (``REFRESH_SECONDS`` plus one
 query). In open mode only ``hl-`` secrets trigger that re-read (so a server that just got its
 first key does not treat that key's caller as anonymous), other tokens are ignored.
+
+Unknown secrets are remembered too (a negative cache, by SHA-256, per process, at most
+``NEGATIVE_ENTRIES`` = 1,024 of them, the oldest dropped first): a secret the re-read did not
+find is refused (401; anonymous in open mode) without another read for ``NEGATIVE_SECONDS``
+(10 s), so a client sending a bad key in a loop costs the key table one query per 10 s, not
+one per request. The whole cache is dropped whenever the key table changes (the background
+refresh reloads it), and a new key's or a rotated key's new secret was never refused before
+(32 random bytes), so it still works at once; a revoked key's secret stays refused. When the
+re-read fails (Redis unreachable, the SQLite file locked), a remembered secret is still
+refused with 401, however old its entry: it was unknown in the last table this process read,
+and nothing changed since as far as it knows. A secret never seen gets the 503 (it may be a
+key created since).
 """
 
 from __future__ import annotations
@@ -107,6 +119,10 @@ _REVOKED = "The API key used for this connection has been revoked."
 class Tenancy:
     REFRESH_SECONDS = 1.0
     TOUCH_SECONDS = 60.0  # last-used times are written at most this often
+    # an unknown secret is refused without re-reading the key table for this long (seconds)...
+    NEGATIVE_SECONDS = 10.0
+    # ... and so are at most this many secrets (by hash; the oldest entry is dropped first)
+    NEGATIVE_ENTRIES = 1024
 
     def __init__(
         self,
@@ -121,6 +137,9 @@ class Tenancy:
         self.limiter: Limiter = limiter if limiter is not None else MemoryLimiter()
         self.output_reserve = output_reserve
         self._by_hash: dict[bytes, Tenant] = {}
+        # secrets' hashes the key table did not hold when last read -> when that was found
+        # (monotonic); emptied whenever the table is reloaded (see the module docstring)
+        self._unknown: dict[bytes, float] = {}
         self._version: tuple[int, int, int] | None = None
         self._closed = False  # latched once a key was seen: never back to open mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-keys")
@@ -196,6 +215,7 @@ class Tenancy:
             if r.active:
                 by_hash[r.hash] = Tenant(r.id, r.name, r.limits, r.hash)
         self._by_hash = by_hash
+        self._unknown = {}  # what was unknown may be in the new table (a restored backup)
         old, self._version = self._version, version
         if old is not None and version[0] < old[0]:
             log.warning(
@@ -274,14 +294,36 @@ class Tenancy:
                 return ADMIN
             t = self._by_hash.get(h)
             if t is None:
-                await self.refresh()  # a key created since the last look
-                t = self._by_hash.get(h)
+                t = await self._look_up(h)
             if t is not None and hmac.compare_digest(t.key_hash, h):
                 self._used[t.id] = time.time()
                 return t
             if self.open:
                 return ANONYMOUS
         raise errors.AuthenticationFailed(_BAD_KEY)
+
+    async def _look_up(self, h: bytes) -> Tenant | None:
+        """The tenant of a secret's hash not among the loaded keys: re-read the key table (a key
+        created since the last look) unless the secret was found unknown recently (and the table
+        has not been reloaded since); ``None`` for an unknown secret, which is then remembered."""
+        seen = self._unknown.get(h)
+        if seen is not None and time.monotonic() - seen < self.NEGATIVE_SECONDS:
+            return None
+        try:
+            await self.refresh()
+        except errors.StoreUnavailable:  # Redis unreachable, or the SQLite file locked (StoreBusy)
+            t = self._by_hash.get(h)  # (another look may have loaded it meanwhile)
+            if t is None and h not in self._unknown:
+                raise  # never seen: it may be a key created since; a 503 to retry, not a 401
+            return t  # unknown in the last table read, and no change seen since: refused
+        t = self._by_hash.get(h)
+        if t is None:
+            unknown = self._unknown
+            unknown.pop(h, None)  # re-inserted last: the newest
+            if len(unknown) >= self.NEGATIVE_ENTRIES:
+                del unknown[next(iter(unknown))]
+            unknown[h] = time.monotonic()
+        return t
 
     def verify(self, tenant: Tenant) -> None:
         """The tenant's key is still valid (revocation is seen within ``REFRESH_SECONDS``)."""
@@ -293,6 +335,20 @@ class Tenancy:
                 raise errors.AuthenticationFailed(_REVOKED)
         elif tenant is ANONYMOUS and not self.open:
             raise errors.AuthenticationFailed(_BAD_KEY)
+
+    def operator(self, tenant: Tenant) -> bool:
+        """Whether this caller sees the whole server's activity (``/hotloop/stats`` in full: the
+        per-response ring, cache sizes and hit counts): the admin key, and every caller in open
+        mode (one tenant: nobody else to hide it from). A tenant's key gets only counts (which
+        process answered, responses in flight and done, the store queue, the collector): the
+        full view moves with each of another tenant's responses (its CPU, event and context
+        sizes, what it reused), a side channel between tenants on a shared server; no content,
+        but nothing a tenant needs either (its usage: ``/hotloop/usage``; its limits: the
+        ``x-ratelimit-*`` headers). The counts kept tell how busy the server is, no more than
+        ``/healthz`` tells anyone (``active_responses``); refusing the route (403) instead
+        would break what tenants' clients use it for (which worker answered, ``pid``; waiting
+        for the store queue to drain, ``store.pending``)."""
+        return tenant.admin or (tenant is ANONYMOUS and self.open)
 
     def admit(self, tenant: Tenant) -> Awaitable[None] | None:
         """One request (an HTTP request or a ``response.create``): revocation and the RPM bucket.

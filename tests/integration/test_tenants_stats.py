@@ -1,0 +1,86 @@
+"""``/hotloop/stats`` is the operators' view: the admin key, and every caller in open mode, see it
+all (the per-response ring, cache sizes and hit counts); a tenant's key sees only counts of the
+server's activity (no per-response figures, no cache sizes or hits: those move with each of
+another tenant's responses, a side channel between tenants). Real server processes.
+
+Relies on /tmp/w/patches/tenants2-stats.patch (server/http.py and server/app.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import Server, run_server
+from tests.integration.test_tenants import ADMIN_KEY, create_key, send_create
+from websockets.sync.client import connect as ws_connect
+
+# What a tenant's key sees: which process answered, and counts of what it is doing
+TENANT_VIEW = {"pid", "view", "active_responses", "completed_responses", "store", "gc"}
+# Fields that must never reach a tenant's key (per response, or moving with each response's size/reuse)
+PRIVATE = {"turns", "token_cache", "response_cache", "prefix_cache", "tools_cache"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, str]]]:
+    tmp = tmp_path_factory.mktemp("stats")
+    data = tmp / "data"
+    keys = {name: create_key(data, name) for name in ("alice", "bob")}
+    keys["admin"] = ADMIN_KEY
+    env = {"HOTLOOP_DATA_DIR": str(data), "HOTLOOP_API_KEY": ADMIN_KEY}
+    with run_server(tmp, "--sim-rate", "0", env=env) as srv:
+        yield srv, keys
+
+
+def stats(s: Server, secret: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    return httpx.get(s.base + "/hotloop/stats", headers=headers, timeout=10)
+
+
+def test_a_tenants_key_sees_counts_and_no_other_tenants_turns(keyed: tuple[Server, dict[str, str]]) -> None:
+    s, keys = keyed
+    # alice works: over HTTP and over WebSocket
+    r = httpx.post(
+        s.v1 + "/responses", json={"model": "hotloop-sim", "input": "alice's long conversation " * 50},
+        headers={"Authorization": f"Bearer {keys['alice']}"}, timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    with ws_connect(s.ws + "/responses", open_timeout=10, additional_headers={"Authorization": f"Bearer {keys['alice']}"}) as ws:
+        assert send_create(ws, input="and more")[-1]["type"] == "response.completed"
+    for name in ("bob", "alice"):  # bob's view, and alice's own: the same reduced one
+        resp = stats(s, keys[name])
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert set(body) == TENANT_VIEW, sorted(body)
+        assert not PRIVATE & set(body)
+        assert body["view"] == "key"
+        assert body["completed_responses"] >= 2 and body["active_responses"] >= 0
+        assert set(body["store"]) == {"pending", "written", "failed"}
+        assert "context_items" not in resp.text and "cpu_us" not in resp.text and "hits" not in resp.text
+    # the operator sees it all, alice's turns included
+    full = stats(s, keys["admin"])
+    assert full.status_code == 200
+    body = full.json()
+    assert PRIVATE <= set(body) and body["view"] == "all"
+    transports = [t["transport"] for t in body["turns"]]
+    assert len(transports) >= 2 and {"json", "ws"} <= set(transports), transports
+
+
+def test_bad_keys_are_still_refused(keyed: tuple[Server, dict[str, str]]) -> None:
+    s, _ = keyed
+    for secret in (None, "hl-" + "x" * 43, "sk-nope"):
+        r = stats(s, secret)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key" and "Traceback" not in r.text
+
+
+def test_open_mode_sees_everything_without_a_key(tmp_path: Path) -> None:
+    with run_server(tmp_path, "--sim-rate", "0", env={"HOTLOOP_DATA_DIR": str(tmp_path / "open")}) as s:
+        r = httpx.post(s.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=30)
+        assert r.status_code == 200, r.text
+        for secret in (None, "sk-anything", "hl-" + "z" * 43):  # open mode: everyone is anonymous
+            body = stats(s, secret).json()
+            assert PRIVATE <= set(body) and body["view"] == "all", sorted(body)
+            assert len(body["turns"]) >= 1 and body["token_cache"]["misses"] >= 1
