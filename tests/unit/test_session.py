@@ -243,8 +243,11 @@ def test_expiry_waits_for_every_running_lane() -> None:
     [b] = sess.receive(create("b"), 1)
     assert sess.receive(create("a"), 2) == []
     assert sess.expire() == []
-    assert sess.queued == 2 and sess.backlog == 0  # the waiting one was dropped
-    assert sess.lane_done("a", Ended("resp_a", "completed"), a) == []
+    # the waiting one will not start: its refusal waits behind lane a's running response
+    assert sess.queued == 2 and sess.backlog == 1 and sess.queued_bytes == 0
+    [refused] = sess.lane_done("a", Ended("resp_a", "completed"), a)
+    assert isinstance(refused, SendError) and refused.stream_id == "a"
+    assert refused.error.code == "websocket_connection_limit_reached"
     err, close = sess.lane_done("b", Ended("resp_b", "completed"), b)
     assert isinstance(err, SendError) and isinstance(close, Close) and close.code == 1001
 

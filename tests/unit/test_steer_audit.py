@@ -126,4 +126,10 @@ def test_a_steer_after_the_age_limit_is_answered() -> None:
     assert (f.code, f.stream_id, f.input, f.steer_id) == ("response_not_active", "s", "late", None)
     [g] = sess.receive(steer("resp_nope", "x"), 61)
     assert isinstance(g, SteerEvent) and g.code == "response_not_found"
-    assert sess.receive(create("s"), 61) == []  # a create still gets nothing (the close says why)
+    # a create is refused on its lane: lane s is busy, so after its running response
+    assert sess.receive(create("s"), 61) == []
+    refused, why, close = sess.lane_done("s", Ended("resp_1", "completed"), run)
+    assert isinstance(refused, SendError) and refused.stream_id == "s"
+    assert refused.error.code == "websocket_connection_limit_reached"
+    assert isinstance(why, SendError) and why.stream_id is None and why.error.code == refused.error.code
+    assert getattr(close, "code", None) == 1001

@@ -702,7 +702,9 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
     if not req.model.isprintable():
         # a tab, a line break, an escape: in no model id, and the ledger's and logs' keys
         raise errors.InvalidValue("Invalid 'model': the model name must not contain control characters.", param="model")
-    if req.input is None and req.previous_response_id is None and req.prompt is None:
+    if req.input is None and req.previous_response_id is None and req.prompt is None and req.generate is not False:
+        # A warm-up (``generate: false``) may prepare only tools and instructions: its input
+        # is then empty (wire reference 1.8: "the tools, instructions, and/or custom messages").
         raise errors.MissingParameter("Missing required parameter: 'input'.", param="input")
     if req.background:
         where = "over WebSocket" if websocket else "by this server"

@@ -241,7 +241,8 @@ class Session:
         self.queued = 0  # responses accepted and not finished (running or waiting)
         self.queued_bytes = 0  # bytes of the frames of waiting (not yet started) responses
         self.in_flight = 0
-        self.closing = False
+        self.closing = False  # past the age limit: nothing new starts
+        self.closed = False  # the close was said (the last action): nothing more to say
         self._lanes: dict[Lane, _LaneState] = {}
         self._ready: deque[Lane] = deque()  # idle lanes whose next response waits for a slot
         self._active: dict[str, Lane] = {}  # running response id -> lane
@@ -254,33 +255,67 @@ class Session:
 
     def expire(self) -> list[Action]:
         """The connection reached its age limit (the transport's timer says so, or a frame arrived
-        after it): nothing queued starts; once every running response is done, say why and close
-        with 1001."""
+        after it): nothing new starts. Every ``response.create`` not started yet is answered on
+        its lane (``websocket_connection_limit_reached``), as are those that arrive later: at
+        once on a lane with nothing running, else right after the lane's running response (in
+        order with the lane's other waiting errors, which are all sent). Running responses
+        finish; once the last is done the connection says why it closes (a limit error without
+        ``stream_id``) and closes with 1001."""
         if self.closing:
             return []
+        return self._close_if_idle(self._begin_closing())
+
+    def _begin_closing(self) -> list[Action]:
         self.closing = True
-        self._ready.clear()
+        self._ready.clear()  # lanes waiting for a slot: answered below, nothing more starts
         out: list[Action] = []
         for lane, st in self._lanes.items():
-            self._drop_queue(st)
             # steering input waiting for its continuation (``response.steer.pending``) will not
             # be committed by any response on this connection now: it comes back, as when its
             # continuation fails, before the connection says why it closes
             pending, st.pending_parent, st.pending = st.pending, None, []
             out += [_failed(x, "successor_creation_failed", "The connection is closing.", lane) for x in pending]
-        return out + self._close_if_idle()
+            self._refuse_queue(st, lane)
+            if not st.running:
+                out += self._flush(st)
+        return out
 
-    def _drop_queue(self, st: _LaneState) -> None:
-        for a in st.queue:
+    def _refuse_queue(self, st: _LaneState, lane: Lane) -> None:
+        """The lane's waiting creates become their refusals, in place (after its running
+        response, in order with its waiting errors)."""
+        for i, a in enumerate(st.queue):
             if isinstance(a, RunCreate):
                 self.queued -= 1
                 self.queued_bytes -= a.size
-        st.queue.clear()
+                st.queue[i] = SendError(self.limit_error(), lane)
 
-    def _close_if_idle(self) -> list[Action]:
-        if self.closing and self.in_flight == 0:
-            return [SendError(self.limit_error()), Close(1001, "connection limit reached")]
-        return []
+    def _flush(self, st: _LaneState) -> list[Action]:
+        """A closing connection's idle lane: everything that waited behind it, now."""
+        out: list[Action] = []
+        while st.queue:
+            a = st.queue.popleft()
+            if isinstance(a, RunCreate):  # (refused by _begin_closing: not expected here)
+                self.queued -= 1
+                self.queued_bytes -= a.size
+                a = SendError(self.limit_error(), a.lane)
+            out.append(a)
+        return out
+
+    def _close_if_idle(self, out: list[Action]) -> list[Action]:
+        """``out``, then (once nothing runs) why the connection closes and the close, once.
+        The reason is not repeated when ``out`` just said it on the default lane (the same
+        frame)."""
+        if self.closing and not self.closed and self.in_flight == 0:
+            self.closed = True
+            last = out[-1] if out else None
+            said = (
+                isinstance(last, SendError) and last.stream_id is None
+                and isinstance(last.error, errors.ConnectionLimitReached)
+            )
+            if not said:
+                out.append(SendError(self.limit_error()))
+            out.append(Close(1001, "connection limit reached"))
+        return out
 
     def limit_error(self) -> errors.HotloopError:
         minutes = self.max_age / 60
@@ -313,21 +348,14 @@ class Session:
 
     def receive(self, data: str | bytes, now: float) -> list[Action]:
         """Actions for one client frame (binary frames are rejected, as Codex expects text)."""
-        if self.closing:
-            # nothing new starts, but a steer naming a response still running is answered
-            # (refused: _steer), not left without any reply
-            if isinstance(data, str) and ev.CLIENT_STEER in data:
-                try:
-                    frame = _decode(data)
-                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                    return []
-                if frame.get("type") == ev.CLIENT_STEER:
-                    return self._steer(frame)
-            return []
+        if self.closed:
+            return []  # the close is on its way: nothing more is sent
+        # Past the age limit (closing) every frame is still answered as ever, except that a
+        # ``response.create`` is refused (_admit) on its lane instead of starting.
         if isinstance(data, bytes):
             return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
         fast = self.decode_create
-        if fast is not None and len(data) >= OFFERED_BYTES:
+        if fast is not None and len(data) >= OFFERED_BYTES and not self.closing:
             got = fast(data)
             if got is not None:
                 req, decoded = got
@@ -403,8 +431,12 @@ class Session:
 
     def _admit(self, stream_id: str | None, now: float) -> list[Action] | None:
         """What refuses one more response on lane ``stream_id`` now (``None``: nothing)."""
-        if self.expired(now):
-            return self.expire()
+        if self.closing or self.expired(now):
+            # past the age limit: refused on its lane (one with an invalid id: the default
+            # lane's), at once or after the lane's running response
+            out = [] if self.closing else self._begin_closing()
+            lane = stream_id if stream_id is not None and STREAM_ID_RE.match(stream_id) else None
+            return self._close_if_idle(out + self._error(self.limit_error(), lane))
         if stream_id is not None and not STREAM_ID_RE.match(stream_id):
             # An invalid id names no lane, so none is made for it: the error is the default
             # lane's, without the id (as in the guide's example), after that lane's running
@@ -587,7 +619,9 @@ class Session:
                 out.append(RunCreate(successor, steers=steers, successor_of=rid))
                 return out
         if self.closing:
-            return out + self._close_if_idle()
+            # what waited behind this response (its refusals and errors), then the close if
+            # nothing runs any more
+            return self._close_if_idle(out + self._flush(st))
         out.extend(self._fill())  # lanes already waiting for a slot go before this lane's next
         out.extend(self._advance(st))
         return out

@@ -100,6 +100,9 @@ class Connection:
         "_runs",
         "_reader",
         "_stopping",
+        "_finisher",
+        "_failed",
+        "_closed",
         "tenant",
     )
 
@@ -127,6 +130,9 @@ class Connection:
         self._runs: dict[str, Run] = {}
         self._reader: asyncio.Task[Any] | None = None
         self._stopping = False
+        self._finisher: asyncio.Task[None] | None = None  # Connection.expire's: kept, awaited at the end
+        self._failed = False  # an internal failure: the connection closes with 1011 (serve's end)
+        self._closed = False  # a websocket.close was sent
         self.tenant = tenant
 
     def _open(self) -> Session:
@@ -233,7 +239,7 @@ class Connection:
         except (_Disconnected, ClientDisconnected):
             pass
         except Exception as exc:
-            log.error("websocket connection task failed", exc_info=exc)
+            self._failure(exc, "reading frames")
         finally:
             self._stopping = True  # the reader is done: nothing new starts, lanes must not cancel it
             deadlines.remove(self)
@@ -244,8 +250,35 @@ class Connection:
                 for t in tasks:
                     with contextlib.suppress(BaseException):
                         await t
+            finisher = self._finisher
+            if finisher is not None:
+                if not finisher.done():
+                    finisher.cancel()
+                with contextlib.suppress(BaseException):
+                    await finisher  # (its outcome retrieved: _finish logs its own failures)
             if self.cache is not None:
                 self.cache.clear()
+            if self._failed and not self._closed:
+                # Internal error, nothing more: the details are in the server's log. Sent once
+                # every lane is done, so no frame follows the close.
+                with contextlib.suppress(Exception):
+                    await self._close(1011, "internal error")
+
+    def _failure(self, exc: BaseException, where: str) -> None:
+        """An unexpected exception ends the connection: one log record (the first failure's),
+        and a 1011 close when the reader ends (never ``str(exc)`` or a traceback to the client)."""
+        if not self._failed:
+            self._failed = True
+            log.error("websocket connection failed (%s): %s; closing it with 1011", where, type(exc).__name__, exc_info=exc)
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        """``_failure`` from a lane or the expiry task: the reader stops and closes (1011)."""
+        self._failure(exc, where)
+        self._stop()
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        self._closed = True
+        await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
     def _client_left(self) -> None:
         """The client went away (close frame, FIN or reset): cancel what runs for it, now."""
@@ -297,16 +330,24 @@ class Connection:
                 if run is not None:
                     run.steer()
             elif isinstance(action, Close):
-                await self._send({"type": "websocket.close", "code": action.code, "reason": action.reason})
+                await self._close(action.code, action.reason)
                 raise _Disconnected()
 
     def expire(self) -> None:
-        # The connection reached its age limit: the session drops what waits and says when to
-        # close (at once, or when the last running response is done).
-        session = self.session or self._open()
-        actions = session.expire()
+        """The connection reached its age limit: the session answers what waits and says when
+        to close (at once, or when the last running response is done). What it says now is sent
+        by a task the connection keeps (the event loop holds only a weak reference to a task)
+        and the reader awaits when it ends."""
+        if self._stopping:
+            return
+        try:
+            session = self.session or self._open()
+            actions = session.expire()  # [] once it expired (the session decides once)
+        except Exception as exc:  # (called from the app's one timer: other connections go on)
+            self._fail(exc, "at the connection's age limit")
+            return
         if actions:
-            asyncio.get_running_loop().create_task(self._finish(actions))
+            self._finisher = asyncio.get_running_loop().create_task(self._finish(actions))
 
     async def _finish(self, actions: list[Action]) -> None:
         try:
@@ -314,8 +355,7 @@ class Connection:
         except (_Disconnected, ClientDisconnected):
             self._stop()
         except Exception as exc:
-            log.error("websocket connection task failed", exc_info=exc)
-            self._stop()
+            self._fail(exc, "at the connection's age limit")
 
     async def _lane(self, action: RunCreate) -> None:
         """One lane's running response, then whatever the session says comes next."""
@@ -333,9 +373,8 @@ class Connection:
             self._lane_tasks.pop(lane, None)
             raise
         except Exception as exc:
-            log.error("websocket connection task failed", exc_info=exc)
             self._lane_tasks.pop(lane, None)
-            self._stop()
+            self._fail(exc, "running a response")
             return
         self._lane_tasks.pop(lane, None)
         try:
@@ -343,8 +382,7 @@ class Connection:
         except (_Disconnected, ClientDisconnected):
             self._stop()
         except Exception as exc:
-            log.error("websocket connection task failed", exc_info=exc)
-            self._stop()
+            self._fail(exc, "after a response")
         finally:
             if ended.response_id is not None:
                 self._runs.pop(ended.response_id, None)
@@ -364,7 +402,7 @@ class Connection:
                 await pending
         except errors.AuthenticationFailed as exc:
             await self.send_frame(ev.ws_error(exc, stream_id)[1])
-            await self._send({"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"})
+            await self._close(1008, "invalid_api_key")
             raise _Disconnected() from None
         except errors.HotloopError as exc:
             self._count_error(exc)
