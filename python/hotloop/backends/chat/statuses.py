@@ -232,16 +232,18 @@ def status_error(
         return _not_retried("The model backend has no chat-completions endpoint at its configured URL.")
     if status in (401, 403):
         return _not_retried("The model backend rejected hotloop's credentials for it.")
+    # A failure worth retrying (the statuses the backends' SDKs retry: 408, 409 and every 5xx)
+    # keeps the backend's own word on when to come back: hotloop's retry waits that long, and the
+    # client is told it. Its x-ratelimit-* headers describe hotloop's account, as for a 429, and
+    # are not passed on.
+    asked = errors.retry_headers(_asked_delay(headers))
     if status in (408, 504):
-        return errors.BackendTimeout("The model backend timed out.")
+        return errors.BackendTimeout("The model backend timed out.", headers=asked)
     if status == 503:
-        # An overloaded backend's own word on when to come back is passed on (its x-ratelimit-*
-        # headers describe hotloop's account, as for a 429, and are not).
-        return errors.BackendUnavailable(
-            "The model backend is unavailable. Please try again later.", headers=errors.retry_headers(_asked_delay(headers))
-        )
-    if status >= 500:
-        return TransientBackendError(f"The model backend failed (HTTP {status}).")
+        return errors.BackendUnavailable("The model backend is unavailable. Please try again later.", headers=asked)
+    if status >= 500 or status == 409:
+        # 409: a conflict the backend expects to clear (Cerebras' SDK and docs retry it)
+        return TransientBackendError(f"The model backend failed (HTTP {status}).", headers=asked)
     return _not_retried(f"The model backend failed (HTTP {status}).")
 
 
@@ -284,7 +286,7 @@ def retry_delay(exc: errors.HotloopError, attempt: int) -> float | None:
         delay = exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt
     elif isinstance(exc, (TransientBackendError, errors.BackendUnavailable, errors.BackendTimeout)):
         delay = min(0.25 * 2**attempt, 4.0)
-        asked = exc.headers.get("retry-after-ms")  # a 503's own delay (status_error)
+        asked = exc.headers.get("retry-after-ms")  # the delay the backend asked for (status_error)
         if asked is not None:
             delay = max(delay, int(asked) / 1000.0)
     else:
