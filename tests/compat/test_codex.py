@@ -97,6 +97,25 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def exec_codex(cmd: list[str], work: Path, env: dict[str, str], server: Server, timeout: float = RUN_TIMEOUT) -> tuple[int, str, str]:
+    """Run one ``codex exec`` in its own process group, killed (and the test failed, with the
+    server's log) past ``timeout``; its exit code, stdout and stderr."""
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        stdout, stderr = proc.communicate(timeout=10)
+        pytest.fail(f"codex exec hung for {timeout}s\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}\n"
+                    f"server log:\n{server.logs()[-4000:]}")  # fmt: skip
+    finally:
+        _kill_group(proc)  # anything Codex left behind in its process group
+    return proc.returncode, stdout, stderr
+
+
 def run_codex(codex: list[str], server: Server, tmp: Path, *, websockets: bool) -> dict[str, Any]:
     """One ``codex exec --json`` turn against ``server``; its exit code, JSONL events and stderr."""
     home = tmp / "codex-home"
@@ -122,24 +141,12 @@ def run_codex(codex: list[str], server: Server, tmp: Path, *, websockets: bool) 
         "--color", "never", "--json", "-o", str(last), "-C", str(work),
         "Reply with one short sentence.",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        stdout, stderr = proc.communicate(timeout=10)
-        pytest.fail(f"codex exec hung for {RUN_TIMEOUT}s\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}\n"
-                    f"server log:\n{server.logs()[-4000:]}")  # fmt: skip
-    finally:
-        _kill_group(proc)  # anything Codex left behind in its process group
+    returncode, stdout, stderr = exec_codex(cmd, work, env, server)
     context = (
-        f"exit {proc.returncode}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}\n"
+        f"exit {returncode}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}\n"
         f"server log:\n{server.logs()[-4000:]}"
     )
-    assert proc.returncode == 0, context
+    assert returncode == 0, context
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return {"events": events, "stderr": stderr, "last": last.read_text() if last.exists() else None, "context": context}
 

@@ -107,6 +107,56 @@ def test_script_by_turn(tmp_path: Path) -> None:
     assert sum(isinstance(c, TextDelta) for c in collect(sim, req(items=two_turns * 3))) == 3  # last entry repeats
 
 
+def test_script_calls_named_tools_with_exact_arguments(tmp_path: Path) -> None:
+    """A script entry object names the tool and gives its arguments (a JSON object, or a string
+    kept as it is); the next turn answers as scripted."""
+    path = tmp_path / "script.json"
+    calls = [{"name": "other", "arguments": {"cmd": "echo hotloop-ok", "n": [1, 2]}},
+             {"name": "edit_file", "arguments": '{"path": "a.txt"}'}]
+    path.write_text(json.dumps({"turns": [{"sim": "reasoning,tokens:4", "calls": calls}, "text,tokens:3"]}))
+    sim = SimulatorBackend(rate=0, script=Script.load(path))
+    user = Message(role="user", content=[InputText(text="go")])
+    chunks = collect(sim, req(items=[user], tools=[TOOL, FunctionTool(name="other")]))
+    kinds = [type(c).__name__ for c in chunks]
+    assert kinds.index("ReasoningDelta") < kinds.index("ToolCallDelta") and "TextDelta" not in kinds
+    deltas = [c for c in chunks if isinstance(c, ToolCallDelta)]
+    assert [c.name for c in deltas if c.name] == ["other", "edit_file"]
+    args = ["".join(c.arguments for c in deltas if c.index == k) for k in (0, 1)]
+    assert args == ['{"cmd":"echo hotloop-ok","n":[1,2]}', '{"path": "a.txt"}']
+    assert chunks[-1] == Finish("tool_calls")
+    # serial calls only: the first one
+    serial_req = req(items=[user], tools=[TOOL, FunctionTool(name="other")])
+    serial_req.parallel_tool_calls = False
+    serial = collect(sim, serial_req)
+    assert {c.index for c in serial if isinstance(c, ToolCallDelta)} == {0}
+    # a scripted call of a tool the request does not have (or does not allow) is a 400
+    with pytest.raises(errors.InvalidRequest):
+        collect(sim, req(items=[user], tools=[TOOL]))
+    with pytest.raises(errors.InvalidRequest):
+        collect(sim, req(items=[user], tools=[TOOL, FunctionTool(name="other")],
+                         choice={"type": "function", "name": "edit_file"}))
+    history = [user, FunctionCall(call_id="c1", name="other", arguments="{}"),
+               FunctionCallOutput(call_id="c1", output="hotloop-ok")]
+    assert sum(isinstance(c, TextDelta) for c in collect(sim, req(items=history, tools=[TOOL]))) == 3
+
+
+@pytest.mark.parametrize("entry", [
+    {"calls": []},
+    {"calls": [{"name": ""}]},
+    {"calls": [{"name": "x", "arguments": 3}]},
+    {"calls": [{"name": "x", "extra": 1}]},
+    {"calls": [{"name": "x"}], "sim": "tools:2"},
+    {"calls": [{"name": "x"}], "bogus": 1},
+    {"sim": 5},
+    {"sim": "bogus"},
+])
+def test_script_entry_objects_are_checked(tmp_path: Path, entry: dict) -> None:
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"turns": ["text", entry]}))
+    with pytest.raises(ValueError, match="turn 1"):
+        Script.load(path)
+
+
 def test_deterministic_under_seed() -> None:
     a = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))
     b = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))

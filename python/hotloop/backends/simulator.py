@@ -15,7 +15,8 @@ What it answers is decided per request, in this order:
 1. ``metadata["sim"]``: comma-separated directives (see :func:`parse_directives`), e.g.
    ``"reasoning,tools:2"``, ``"text,tokens:50"``, ``"fail:server_error"``, ``"rate_limit"``.
 2. A scripted scenario (``--sim-script FILE``, JSON): directives per turn, where the turn number
-   counts the assistant turns already in the conversation (see :class:`Script`).
+   counts the assistant turns already in the conversation (see :class:`Script`). A scripted turn
+   may also name the tools it calls and their exact arguments (``{"calls": [...]}``).
 3. The agent default: with tools available (and ``tool_choice`` not ``"none"``), a new user
    message gets a function call and a function-call output gets a text answer; without tools,
    text. ``tool_choice`` ``"required"`` or a named function always calls.
@@ -51,6 +52,13 @@ _WORDS = (
 DEFAULT_MODELS = ("hotloop-sim", "gpt-oss-120b")
 
 
+class Call(msgspec.Struct, frozen=True):
+    """One scripted function call: the tool's name and its arguments (JSON text), as given."""
+
+    name: str
+    arguments: str
+
+
 class Directives(msgspec.Struct, kw_only=True):
     """What one simulated response does."""
 
@@ -63,6 +71,7 @@ class Directives(msgspec.Struct, kw_only=True):
     rate_limit: bool = False  # 429 before the first token
     stall: float = 0.0  # seconds of silence mid-stream
     rate: float | None = None  # tokens/s for this response (overrides the server's --sim-rate)
+    calls: tuple[Call, ...] = ()  # scripted calls (name, exact arguments) instead of example ones
 
 
 # Bounds on what a request may ask of the simulator (a directive past them is a 400).
@@ -142,31 +151,76 @@ def parse_directives(spec: str) -> Directives:
     return d
 
 
+def _scripted_calls(i: int, calls: Any) -> tuple[Call, ...]:
+    """A script entry's ``calls``: ``[{"name": "exec_command", "arguments": {"cmd": "ls"}}]``
+    (``arguments`` a JSON object, or a string sent as it is)."""
+    if not isinstance(calls, list) or not calls or len(calls) > MAX_TOOLS:
+        raise ValueError(f"simulator script turn {i}: calls must be a list of 1 to {MAX_TOOLS} calls")
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or set(call) - {"name", "arguments"}:
+            raise ValueError(f"simulator script turn {i}: a call is {{\"name\": ..., \"arguments\": ...}}")
+        name, args = call.get("name"), call.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"simulator script turn {i}: a call needs the tool's name")
+        if isinstance(args, dict):
+            args = json.dumps(args, separators=(",", ":"))
+        elif not isinstance(args, str):
+            raise ValueError(f"simulator script turn {i}: a call's arguments are a JSON object or a string")
+        if len(args) > MAX_ARGUMENT_CHARS:
+            raise ValueError(f"simulator script turn {i}: a call's arguments are over {MAX_ARGUMENT_CHARS:,} characters")
+        out.append(Call(name=name, arguments=args))
+    return tuple(out)
+
+
 class Script:
     """Scripted scenario: ``{"turns": ["tools:1", "tools:2", "text"], "repeat": false}``.
 
     Turn *n* (the number of assistant turns already in the conversation) uses ``turns[n]``; past
     the end the last entry repeats (or the list cycles with ``"repeat": true``). Faults go in the
     same strings, e.g. ``"rate_limit"`` at turn 3.
+
+    An entry may instead be an object: ``{"sim": "reasoning", "calls": [{"name": "exec_command",
+    "arguments": {"cmd": "ls"}}]}`` calls the named function tools with exactly those arguments
+    (one call each, in order, streamed as the example ones are) after what ``sim`` asks for; a
+    request without a function tool of that name that its ``tool_choice`` allows is a 400.
     """
 
-    def __init__(self, turns: list[str], repeat: bool = False) -> None:
+    def __init__(self, turns: list[str | dict[str, Any]], repeat: bool = False) -> None:
         if not turns:
             raise ValueError("a simulator script needs at least one turn")
         self.turns = []
         for i, t in enumerate(turns):
+            calls = None
+            if isinstance(t, str):
+                spec = t
+            else:
+                if set(t) - {"sim", "calls"}:
+                    raise ValueError(f"simulator script turn {i}: an entry object has the keys 'sim' and 'calls'")
+                spec = t.get("sim", "")
+                if not isinstance(spec, str):
+                    raise ValueError(f"simulator script turn {i}: 'sim' is a string of directives")
+                calls = _scripted_calls(i, t["calls"]) if "calls" in t else None
             try:
-                self.turns.append(parse_directives(t))
+                d = parse_directives(spec)
             except errors.InvalidValue as exc:  # said of the script, not of a request's metadata.sim
                 raise ValueError(f"simulator script turn {i}: {exc.message.replace(' in metadata.sim', '')}") from None
+            if calls is not None:
+                if d.tools:
+                    raise ValueError(f"simulator script turn {i}: give either tools:N or calls, not both")
+                d.calls, d.tools = calls, len(calls)
+            self.turns.append(d)
         self.repeat = repeat
 
     @classmethod
     def load(cls, path: str | Path) -> "Script":
         data = json.loads(Path(path).read_text())
         turns = data if isinstance(data, list) else data.get("turns") if isinstance(data, dict) else None
-        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"simulator script {path}: expected a list of directive strings, or {{\"turns\": [...]}}")
+        if not isinstance(turns, list) or not all(isinstance(t, (str, dict)) for t in turns):
+            raise ValueError(
+                f"simulator script {path}: expected a list of directive strings (or entry objects), "
+                f"or {{\"turns\": [...]}}"
+            )
         return cls(turns, bool(data.get("repeat", False)) if isinstance(data, dict) else False)
 
     def at(self, turn: int) -> Directives:
@@ -494,6 +548,15 @@ class SimulatorBackend:
                 "that its tool_choice allows.",
                 param="tools",
             )
+        if d.calls:
+            allowed = {t.name for t in _callable(req)}
+            for call in d.calls:
+                if call.name not in allowed:
+                    raise errors.InvalidRequest(
+                        f"The simulator script calls tool '{errors.clip(call.name)}' but the request has no "
+                        "function tool of that name that its tool_choice allows.",
+                        param="tools",
+                    )
         if not req.parallel_tool_calls:
             d.tools = min(d.tools, 1)
         if d.rate_limit:
@@ -525,11 +588,14 @@ class SimulatorBackend:
             for piece in text_pieces:
                 plan.append(("t", piece))
         for k in range(d.tools):
-            tool = self._tool_for(req, k)
-            args = _example_arguments(tool)
+            if d.calls:
+                name, args = d.calls[k].name, d.calls[k].arguments
+            else:
+                tool = self._tool_for(req, k)
+                name, args = tool.name, _example_arguments(tool)
             call_id = f"call_{seed & 0xFFFFFFFF:08x}{k:02d}"
             pieces = _pieces(args)
-            plan.append(("c", ToolCallDelta(index=k, call_id=call_id, name=tool.name)))
+            plan.append(("c", ToolCallDelta(index=k, call_id=call_id, name=name)))
             for piece in pieces:
                 plan.append(("c", ToolCallDelta(index=k, arguments=piece)))
         # A fault comes in the middle of what is streamed: of the plan up to where the output
