@@ -316,6 +316,47 @@ def test_expiry_task_is_kept_and_its_failure_logged_once(monkeypatch: pytest.Mon
     assert_internal_close(peer, caplog)
 
 
+def test_what_the_limit_answers_goes_before_the_close_a_lane_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The age limit's answers (the refusals of the creates waiting for a slot) are sent by a
+    task of their own. When the running response ends before that task has written them (a
+    slow socket), the lane's close waits for them: it went first, the reader then cancelled
+    the task, and lane ``c``'s create got no answer at all."""
+    real = wsmod.Connection._dispatch
+    peers: list[Peer] = []
+
+    async def dispatch(self: Any, actions: list[Any]) -> None:
+        if asyncio.current_task() is self._finisher:  # its socket is slow: it writes after the response ended
+            for _ in range(400):
+                if any(b'"response.completed"' in f for f in peers[0].sent):
+                    break
+                await asyncio.sleep(0.005)
+        await real(self, actions)
+
+    monkeypatch.setattr(wsmod.Connection, "_dispatch", dispatch)
+
+    async def main() -> Peer:
+        app = make_app(Config(store="memory", sim_rate=400, ws_max_in_flight=1))
+        await app.startup()
+        try:
+            peer = Peer([frame(stream_id="a", metadata={"sim": "text,tokens:40"}), frame(stream_id="b"), frame(stream_id="c")])
+            peers.append(peer)
+            task = asyncio.ensure_future(app({**SCOPE, "extensions": peer.extensions}, peer.receive, peer.send))
+            await asyncio.sleep(0.03)  # a streams; b and c wait for the one slot
+            [conn] = app.ws_deadlines.connections()
+            conn.expire()
+            await asyncio.wait_for(task, 10)
+            return peer
+        finally:
+            await app.shutdown()
+
+    peer = asyncio.run(main())
+    events = peer.events()
+    refused = {e.get("stream_id") for e in events if e["type"] == "error" and e["error"]["code"] == LIMIT}
+    assert {"b", "c"} <= refused, events
+    assert any(e["type"] == "response.completed" and e.get("stream_id") == "a" for e in events)
+    assert peer.closed is not None and peer.closed[0] == 1001
+
+
 # -- warm-ups ---------------------------------------------------------------------------------
 
 

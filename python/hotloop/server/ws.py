@@ -304,7 +304,15 @@ class Connection:
             self._room.set_result(None)
 
     async def _dispatch(self, actions: list[Action]) -> None:
-        """Carry out the session's actions in order (raises ``_Disconnected`` on ``Close``)."""
+        """Carry out the session's actions in order (raises ``_Disconnected`` on ``Close``).
+
+        What the age limit said (``expire``: refusals of the creates that waited, failed
+        steers) goes first: a lane whose response ends meanwhile, or the reader, waits for it,
+        so that a lane's close cannot overtake it and cut it off (it was then cancelled with
+        the reader, and those creates went unanswered)."""
+        finisher = self._finisher
+        if finisher is not None and not finisher.done() and asyncio.current_task() is not finisher:
+            await asyncio.wait((finisher,))
         for action in actions:
             if isinstance(action, RunCreate):
                 if self._stopping:
