@@ -10,18 +10,25 @@ always uses httpx. The API key is ``--backend-api-key``/``HOTLOOP_BACKEND_API_KE
 
 The mapping and the stream parsing are shared with the Cerebras backend
 (:mod:`hotloop.backends.chat`, dialect ``OPENAI_COMPAT``).
+
+Every request asks for the usage chunk (``stream_options: {"include_usage": true}``). A server
+that rejects that field (Azure OpenAI's 400 "Unrecognized request argument supplied:
+stream_options", Mistral's 422 ``extra_forbidden``, Groq's and Databricks' 400s) is asked again
+at once without it; once that is answered, the field is not sent again for that model. The client
+never sees a 400 for a field it did not send; those answers carry no usage chunk.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import httpx
 
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
+from hotloop.backends.chat.http1 import lean_pool, post_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
 from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
@@ -30,6 +37,26 @@ log = logging.getLogger("hotloop.backends")
 
 _LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
 _POST_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+# How every rendered body ends (render() writes stream_options last, msgspec writes no spaces).
+_STREAM_OPTIONS_TAIL = b',"stream_options":{"include_usage":true}}'
+# models a server rejected stream_options for, at most this many (a LiteLLM proxy may route
+# models to servers that differ in this)
+_MAX_BARE_MODELS = 1024
+
+
+def _without_stream_options(body: list[bytes]) -> list[bytes] | None:
+    """``body`` without its ``stream_options``; None when it has none."""
+    if not body or not body[-1].endswith(_STREAM_OPTIONS_TAIL):
+        return None
+    return [*body[:-1], body[-1][: -len(_STREAM_OPTIONS_TAIL)] + b"}"]
+
+
+def _rejects_stream_options(status: int, payload: object) -> bool:
+    """Whether a non-2xx answer is a server refusing the ``stream_options`` field itself."""
+    if status not in (400, 422):
+        return False
+    text = payload if isinstance(payload, str) else repr(payload)
+    return "stream_options" in text or "include_usage" in text
 
 
 class OpenAICompatBackend(ChatBackend):
@@ -44,6 +71,8 @@ class OpenAICompatBackend(ChatBackend):
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)
         self._config = config
         self._client: httpx.AsyncClient | None = None
+        # models whose server rejected stream_options: their requests are sent without it
+        self._bare: set[str] = set()
 
     def missing(self) -> str | None:
         """What this backend needs and was not given (said at start-up, before serving)."""
@@ -108,19 +137,37 @@ class OpenAICompatBackend(ChatBackend):
             raise transport_failure(exc) from None
 
     async def _open(self, body: list[bytes], model: str, request_id: str | None = None) -> Body:
+        bare = _without_stream_options(body) if model in self._bare else None
+        status, headers, payload, resp = await self._post(bare or body, request_id)
+        if resp is None and bare is None and _rejects_stream_options(status, payload):
+            bare = _without_stream_options(body)
+            if bare is not None:
+                # the server refuses the usage chunk's option, not the client's request: ask
+                # again without it, and if that is answered, from now on for this model (a
+                # validation error that only quotes the body, as FastAPI's do, changes nothing)
+                status, headers, payload, resp = await self._post(bare, request_id)
+                if resp is not None and len(self._bare) < _MAX_BARE_MODELS:
+                    log.info("openai-compat backend: the server rejects stream_options for %s; sending none", model)
+                    self._bare.add(model)
+        if resp is None:
+            raise status_error(status, headers, payload, backend=self.name, model=model)
+        return resp
+
+    async def _post(self, body: list[bytes], request_id: str | None) -> tuple[int, Any, object, Body | None]:
+        """Send one streaming POST: ``(0, None, None, body)`` for a 2xx, else ``(status, headers,
+        error body, None)``. A redirect (never followed: the request goes nowhere else) is an
+        error, as its body is not a stream."""
         if self._pool is not None:
-            return await open_chat_stream(
-                self._pool, "/chat/completions", body, backend=self.name, model=model, request_id=request_id
-            )
+            lean, payload = await post_chat_stream(self._pool, "/chat/completions", body, request_id)
+            if lean.status >= 300:
+                return lean.status, lean.headers, payload, None
+            return 0, None, None, lean
         client = self._require_client()
         headers = {**_POST_HEADERS, "x-request-id": request_id} if request_id else _POST_HEADERS
         resp = await self._send(client.build_request("POST", "chat/completions", content=b"".join(body), headers=headers))
-        # a redirect (never followed: the request goes nowhere else) is an error, as on the lean
-        # transport; its body is not a stream
         if resp.status_code >= 300:
-            payload = await read_error_body(resp)
-            raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=model)
-        return HttpxBody(resp, self.name)
+            return resp.status_code, resp.headers, await read_error_body(resp), None
+        return 0, None, None, HttpxBody(resp, self.name)
 
     async def _get_models(self) -> bytes:
         client = self._require_client()

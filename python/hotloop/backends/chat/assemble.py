@@ -30,9 +30,11 @@ MAX_BUFFERED_BYTES = 16 * 1024 * 1024  # deferred tool-call arguments and text (
 # ---------------------------------------------------------------------------------------------
 
 
-class _Function(msgspec.Struct, gc=False):
+class _Function(msgspec.Struct, gc=False):  # (decoded JSON holds no reference cycle)
     name: str | None = None
-    arguments: str | None = None
+    # a JSON-encoded string, as OpenAI sends it; some servers send the JSON value itself
+    # (llama-server, ggml-org/llama.cpp#20198; TGI): read as its JSON text (_arguments)
+    arguments: Union[str, dict[str, Any], list[Any], None] = None
 
 
 class _ToolCall(msgspec.Struct):
@@ -251,7 +253,8 @@ class ChunkAssembler:
         if fn is not None:
             if fn.name and call.name is None:
                 call.name = fn.name  # servers that repeat the name in every delta: first one wins
-            args = fn.arguments or ""
+            a = fn.arguments
+            args = a if type(a) is str else _arguments(a)
         state = call.state
         if state == _LIVE:
             if args:
@@ -274,8 +277,8 @@ class ChunkAssembler:
 
     def _key_without_index(self, call_id: str | None) -> int:
         # Some servers omit ``index``: a known id continues its call, a new id starts one, no id
-        # continues the latest call.
-        if call_id is not None:
+        # continues the latest call. An empty id ("") is no id.
+        if call_id:
             for key, call in self._calls.items():
                 if call.call_id == call_id:
                     return key
@@ -311,6 +314,13 @@ class ChunkAssembler:
             out.append(self.usage)
         out.append(Finish(self.finish_reason or "stop"))
         return out
+
+
+def _arguments(value: object) -> str:
+    """A call's arguments sent as a JSON value instead of a JSON-encoded string: its JSON text."""
+    if value is None:
+        return ""
+    return msgspec.json.encode(value).decode()
 
 
 def _usage(u: _Usage) -> Usage:

@@ -1045,14 +1045,19 @@ class Pool:
 
 
 
+async def post_chat_stream(pool: Pool, path: str, body: Payload, request_id: str | None = None) -> tuple[Response, Any]:
+    """``POST`` a streaming chat-completions body (with ``x-request-id`` when given): the
+    response, and for a non-2xx answer its error body (read whole; ``None`` for a 2xx)."""
+    resp = await pool.stream("POST", path, body, f"x-request-id: {request_id}\r\n" if request_id else "")
+    return resp, (await pool.error_body(resp) if resp.status >= 300 else None)
+
+
 async def open_chat_stream(
     pool: Pool, path: str, body: Payload, *, backend: str, model: str, request_id: str | None = None
 ) -> Response:
-    """``POST`` a streaming chat-completions body (with ``x-request-id`` when given); a non-2xx
-    answer becomes its typed error."""
-    resp = await pool.stream("POST", path, body, f"x-request-id: {request_id}\r\n" if request_id else "")
+    """:func:`post_chat_stream`, a non-2xx answer raised as its typed error."""
+    resp, payload = await post_chat_stream(pool, path, body, request_id)
     if resp.status >= 300:
-        payload = await pool.error_body(resp)
         raise status_error(resp.status, resp.headers, payload, backend=backend, model=model)
     return resp
 
