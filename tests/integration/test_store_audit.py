@@ -144,6 +144,38 @@ def test_delete_while_streaming_is_not_undone_by_the_stream_end(env: Env) -> Non
     assert http.delete(f"/responses/{rid}").status_code == 404
 
 
+def test_a_delete_waiting_for_a_response_whose_client_leaves_answers_at_once(env: Env) -> None:
+    """A ``DELETE`` waiting for a response in flight whose client then leaves: the response is
+    cut short and never stored, so the wait ends with it (woken, not polled, nor held to its
+    10 s bound) and the answer is the 404 of any unknown id; other DELETEs of it, before and
+    after, answer alike."""
+    client = env.client()
+    answers: list[tuple[float, httpx.Response]] = []
+    threads: list[threading.Thread] = []
+
+    def delete(rid: str) -> None:
+        answers.append((time.monotonic(), env.http().delete(f"/responses/{rid}")))
+
+    with client.responses.create(model=MODEL, input="hello", stream=True, metadata=SLOW) as stream:
+        for e in stream:
+            if e.type == "response.created":
+                rid = e.response.id
+            elif e.type == "response.output_text.delta":
+                threads = [threading.Thread(target=delete, args=(rid,)) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                time.sleep(0.3)  # both DELETEs wait for it
+                break
+        left = time.monotonic()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(answers) == 2
+    for at, r in answers:
+        assert r.status_code == 404, r.text
+        assert at - left < 3.0  # the response's end woke them (it would have streamed ~2 s more)
+    assert env.http().delete(f"/responses/{rid}").status_code == 404
+
+
 def test_delete_while_streaming_over_websocket_drops_it_from_the_connection(env: Env) -> None:
     """The same over WebSocket: the connection that streamed the response does not continue
     it from its own cache after the delete."""

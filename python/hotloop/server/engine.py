@@ -822,6 +822,7 @@ class Run:
         # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
         self.marks: list[float] = []
         self.ended = 0.0  # perf_counter once cached and handed to the store
+        self.left: asyncio.Future[None] | None = None  # made by who waits for it to end (left())
         self.request_id: str | None = None
         self.failure: str | None = None  # why the backend failed it (hotloop_backend_errors_total)
         # Push delivery: the backend's slot for a synchronous chunk sink, and the client's
@@ -1087,6 +1088,9 @@ class Run:
                     self._watch = None
         finally:
             engine.runs.discard(self)
+            left = self.left
+            if left is not None and not left.done():
+                left.set_result(None)  # out of the engine's runs: cached and submitted, or cut short
             counts = self._counts
             if not turn.done and not self.plan.settled and counts is not None and counts.done():
                 # cut short (its client left): its input counted, for what it is charged, if the

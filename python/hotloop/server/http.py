@@ -49,8 +49,6 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}  # a boolean in a
 #: How long ``DELETE /v1/responses/{id}`` of a stored response still being generated waits for it
 #: to end (then it deletes it); past this, a 409 ``response_in_progress`` to retry (seconds).
 IN_FLIGHT_DELETE_WAIT = 10.0
-_IN_FLIGHT_POLL = 0.02  # how often that wait looks
-_IN_FLIGHT_GRACE = 1.0  # ... and how long it waits for the bookkeeping of a run that has left
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -453,28 +451,23 @@ class HttpTransport:
         return None
 
     async def _finished(self, run: "Run") -> None:
-        """Wait for a response in flight to end and be handed to the store (``Run.ended`` is set
-        once ``Engine.complete`` has cached and submitted it), at most ``IN_FLIGHT_DELETE_WAIT``;
-        still running then: a 409 to retry, nothing deleted. (A run whose end was itself cut
-        short, its task cancelled while it submitted, never sets ``ended``: once out of the
-        engine's runs for ``_IN_FLIGHT_GRACE``, the delete goes on with what was submitted.)"""
-        runs = self.app.engine.runs
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + IN_FLIGHT_DELETE_WAIT
-        left: float | None = None  # when it left the engine's runs
-        while run in runs or not run.ended:
-            now = loop.time()
-            if run not in runs:
-                left = now if left is None else left
-                if now - left >= _IN_FLIGHT_GRACE:
-                    return
-            if now >= deadline:
-                raise _InProgress(
-                    f"Response with id '{errors.clip(str(run.turn.response.get('id')))}' is still being generated; "
-                    "it can be deleted once it has finished. Please retry shortly.",
-                    headers={"retry-after": "1"},
-                )
-            await asyncio.sleep(_IN_FLIGHT_POLL)
+        """Wait for a response in flight to leave the engine's runs (by then ``Engine.complete``
+        has cached it and handed it to the store, or it was cut short), at most
+        ``IN_FLIGHT_DELETE_WAIT``; still running then: a 409 to retry, nothing deleted."""
+        if run not in self.app.engine.runs:
+            return
+        if run.left is None:
+            run.left = asyncio.get_running_loop().create_future()
+        try:
+            # shielded: a DELETE that gives up (or whose client leaves) does not cancel the
+            # future other DELETEs of the same response wait on
+            await asyncio.wait_for(asyncio.shield(run.left), IN_FLIGHT_DELETE_WAIT)
+        except TimeoutError:
+            raise _InProgress(
+                f"Response with id '{errors.clip(str(run.turn.response.get('id')))}' is still being generated; "
+                "it can be deleted once it has finished. Please retry shortly.",
+                headers={"retry-after": "1"},
+            ) from None
 
     async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
         # A stored response still being generated (GET shows it in_progress) is deleted once it
