@@ -822,7 +822,7 @@ class Run:
         # perf_counter at the start and at the end of each stage (hotloop.server.metrics.STAGES)
         self.marks: list[float] = []
         self.ended = 0.0  # perf_counter once cached and handed to the store
-        self.left: asyncio.Future[None] | None = None  # made by who waits for it to end (left())
+        self.left: asyncio.Future[None] | None = None  # resolved once out of the runs; made by who waits (a DELETE)
         self.request_id: str | None = None
         self.failure: str | None = None  # why the backend failed it (hotloop_backend_errors_total)
         # Push delivery: the backend's slot for a synchronous chunk sink, and the client's

@@ -118,41 +118,34 @@ class Metrics:
 
     def turn(self, run: "Run") -> None:
         """Observe one finished response (one call per response)."""
-        model = run.prepared.req.model
-        model = self.app.backend.default_model if model is None else model if model in self.models else OTHER
+        model = self.model(run.prepared.req.model)
         key = (run.turn.transport, model, run.tenant.name) if self.per_key else (run.turn.transport, model)
         flags = run.plan.flags
         if flags:
             self.classified(flags)
-        if self.multiprocess:
-            return self._turn_mp(run, key)
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = _Series()
+        status, usage = _outcome(run)
+        s = self._count(key, status, usage)
         m = run.marks
         n = len(m)
-        buckets, sums = s.stage_buckets, s.stage_sums
-        prev = m[0]
-        for i in range(1, n if n < 7 else 7):
-            d = m[i] - prev
-            prev = m[i]
-            buckets[i - 1][bisect_left(_LATENCY_BUCKETS, d)] += 1
-            sums[i - 1] += d
-        if n == 7 and run.ended:
-            d = run.ended - m[6]
-            buckets[6][bisect_left(_LATENCY_BUCKETS, d)] += 1
-            sums[6] += d
-        status, usage = _outcome(run)
-        st = s.statuses
-        st[status] = st.get(status, 0) + 1
-        if usage:
-            out = usage["output_tokens"]
-            tokens = s.tokens
-            tokens[0] += usage["input_tokens"]
-            tokens[1] += out
-            details = usage.get("input_tokens_details")
-            if details:
-                tokens[2] += details.get("cached_tokens") or 0
+        out = usage["output_tokens"] if usage else 0
+        if s is None:  # multiprocess
+            ends = m[1:7] + ([run.ended] if n == 7 and run.ended else [])
+            for name, prev, t in zip(STAGES, m, ends):
+                self.mp_stage.labels(name, *key).observe(t - prev)
+            if n == 7 and out > 0 and m[6] > m[5]:
+                self.mp_rate.labels(*key).observe(out / (m[6] - m[5]))
+        else:
+            buckets, sums = s.stage_buckets, s.stage_sums
+            prev = m[0]
+            for i in range(1, n if n < 7 else 7):
+                d = m[i] - prev
+                prev = m[i]
+                buckets[i - 1][bisect_left(_LATENCY_BUCKETS, d)] += 1
+                sums[i - 1] += d
+            if n == 7 and run.ended:
+                d = run.ended - m[6]
+                buckets[6][bisect_left(_LATENCY_BUCKETS, d)] += 1
+                sums[6] += d
             if n == 7 and out > 0:
                 gen = m[6] - m[5]
                 if gen > 0:
@@ -162,24 +155,29 @@ class Metrics:
         if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
             self.backend_errors.labels(run.failure).inc()
 
-    def _turn_mp(self, run: "Run", key: tuple[str, ...]) -> None:
-        m = run.marks
-        ends = m[1:7] + ([run.ended] if len(m) == 7 and run.ended else [])
-        for name, prev, t in zip(STAGES, m, ends):
-            self.mp_stage.labels(name, *key).observe(t - prev)
-        status, usage = _outcome(run)
-        self.mp_responses.labels(status, *key).inc()
+    def _count(self, key: tuple[str, ...], status: str, usage: dict[str, Any] | None) -> "_Series | None":
+        """One response of ``status`` and its tokens under ``key``; its series (``None`` when
+        multiprocess: the counters are prometheus_client's)."""
         if usage:
-            out = int(usage["output_tokens"])
-            self.mp_tokens.labels("input", *key).inc(int(usage["input_tokens"]))
-            self.mp_tokens.labels("output", *key).inc(out)
-            self.mp_tokens.labels("cached", *key).inc(
-                int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-            )
-            if len(m) == 7 and out > 0 and m[6] > m[5]:
-                self.mp_rate.labels(*key).observe(out / (m[6] - m[5]))
-        if run.failure is not None:  # the backend failed it (not a shutdown, not a failed store write)
-            self.backend_errors.labels(run.failure).inc()
+            inp, out = int(usage["input_tokens"]), int(usage["output_tokens"])
+            cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        if self.multiprocess:
+            self.mp_responses.labels(status, *key).inc()
+            if usage:
+                for kind, n in (("input", inp), ("output", out), ("cached", cached)):
+                    self.mp_tokens.labels(kind, *key).inc(n)
+            return None
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = _Series()
+        st = s.statuses
+        st[status] = st.get(status, 0) + 1
+        if usage:
+            tokens = s.tokens
+            tokens[0] += inp
+            tokens[1] += out
+            tokens[2] += cached
+        return s
 
     def charged(
         self, transport: str, model: str | None, tenant: str, usage: dict[str, Any], flags: dict[str, int] | None
@@ -191,21 +189,7 @@ class Metrics:
         key = (transport, model, tenant) if self.per_key else (transport, model)
         if flags:
             self.classified(flags)
-        inp = int(usage["input_tokens"])
-        out = int(usage["output_tokens"])
-        cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        if self.multiprocess:
-            self.mp_responses.labels(DISCONNECTED, *key).inc()
-            for kind, n in (("input", inp), ("output", out), ("cached", cached)):
-                self.mp_tokens.labels(kind, *key).inc(n)
-            return
-        s = self.series.get(key)
-        if s is None:
-            s = self.series[key] = _Series()
-        s.statuses[DISCONNECTED] = s.statuses.get(DISCONNECTED, 0) + 1
-        s.tokens[0] += inp
-        s.tokens[1] += out
-        s.tokens[2] += cached
+        self._count(key, DISCONNECTED, usage)
 
     def classified(self, flags: dict[str, int]) -> None:
         """A response whose input the classifiers flagged or redacted (or a request charged
