@@ -129,12 +129,15 @@ def test_script_calls_named_tools_with_exact_arguments(tmp_path: Path) -> None:
     serial_req.parallel_tool_calls = False
     serial = collect(sim, serial_req)
     assert {c.index for c in serial if isinstance(c, ToolCallDelta)} == {0}
-    # a scripted call of a tool the request does not have (or does not allow) is a 400
+    # a scripted call of a tool the request does not have is a 400
     with pytest.raises(errors.InvalidRequest):
         collect(sim, req(items=[user], tools=[TOOL]))
-    with pytest.raises(errors.InvalidRequest):
-        collect(sim, req(items=[user], tools=[TOOL, FunctionTool(name="other")],
-                         choice={"type": "function", "name": "edit_file"}))
+    # a named tool_choice wins, as over a model: only its scripted call (exact arguments) is made
+    # (tests/unit/test_sim_tool_choice.py)
+    forced = collect(sim, req(items=[user], tools=[TOOL, FunctionTool(name="other")],
+                              choice={"type": "function", "name": "edit_file"}))
+    assert [c.name for c in forced if isinstance(c, ToolCallDelta) and c.name] == ["edit_file"]
+    assert "".join(c.arguments for c in forced if isinstance(c, ToolCallDelta)) == '{"path": "a.txt"}'
     history = [user, FunctionCall(call_id="c1", name="other", arguments="{}"),
                FunctionCallOutput(call_id="c1", output="hotloop-ok")]
     assert sum(isinstance(c, TextDelta) for c in collect(sim, req(items=history, tools=[TOOL]))) == 3

@@ -21,6 +21,9 @@ What it answers is decided per request, in this order:
    message gets a function call and a function-call output gets a text answer; without tools,
    text. ``tool_choice`` ``"required"`` or a named function always calls.
 
+The request's ``tool_choice`` wins over 1 and 2 as it would over a model (see :func:`_under_choice`):
+``"none"`` never calls (the turn answers in text), a named function is the only one called.
+
 Deterministic: the same seed and the same conversation give the same output.
 """
 
@@ -183,7 +186,9 @@ class Script:
     An entry may instead be an object: ``{"sim": "reasoning", "calls": [{"name": "exec_command",
     "arguments": {"cmd": "ls"}}]}`` calls the named function tools with exactly those arguments
     (one call each, in order, streamed as the example ones are) after what ``sim`` asks for; a
-    request without a function tool of that name that its ``tool_choice`` allows is a 400.
+    request without a function tool of that name that its ``tool_choice`` allows is a 400, but
+    for the choices that decide the calls themselves (``"none"``, a named function: see
+    :func:`_under_choice`).
     """
 
     def __init__(self, turns: list[str | dict[str, Any]], repeat: bool = False) -> None:
@@ -510,9 +515,9 @@ class SimulatorBackend:
         entries are never changed)."""
         spec = req.metadata.get("sim") if req.metadata else None
         if isinstance(spec, str):
-            return parse_directives(spec)
+            return _under_choice(parse_directives(spec), req)
         if self.script is not None:
-            return msgspec.structs.replace(self.script.at(_assistant_turns(req.items)))
+            return _under_choice(msgspec.structs.replace(self.script.at(_assistant_turns(req.items))), req)
         d = Directives()
         choice = req.tool_choice
         if not _callable(req) or choice == "none":
@@ -661,6 +666,40 @@ class SimulatorBackend:
                 emitted += 1
         yield Usage(output_tokens=emitted, reasoning_tokens=reasoning)
         yield Finish("tool_calls" if d.tools else "stop")
+
+
+def _under_choice(d: Directives, req: BackendRequest) -> Directives:
+    """``d`` (a request's directives or a script's turn, a fresh copy: changed in place) as a
+    model under the request's ``tool_choice`` answers: the constraint wins over what was asked
+    for, as it would over the model (its constrained decoding), instead of a tool call the client
+    said may not happen or a 400 a model never answers.
+
+    - ``"none"``: no call. A turn that asked for calls (``tools:N``, ``text+tool``, scripted
+      ``calls``) answers in text instead: the text the ``text`` directive gives the same request
+      (the same seed, so deterministic; ``tokens:N`` is its length), after its reasoning, if any.
+      Faults (``fail``, ``rate_limit``, ...) stay.
+    - A named function ``{"type": "function", "name": X}``: the model must call X, and only X
+      (the chat backends send X alone, with a forced call), so the turn is a call of X, with no
+      text (``text`` and ``text+tool`` become one call): scripted calls of X keep their exact
+      arguments and order, scripted calls of other tools are not made, and a turn left with no
+      call of X calls it once with arguments made from its schema (as the agent default does);
+      ``tools:N`` calls X N times.
+    - ``"auto"``, ``"required"``, allowed tools: unchanged (a scripted call of a tool the request
+      does not have, or does not allow, is a 400 in ``stream``: the script and the request disagree).
+    """
+    choice = req.tool_choice
+    if choice == "none":
+        if d.tools:
+            d.tools, d.calls, d.text = 0, (), True
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        d.text = False
+        if d.calls:
+            d.calls = tuple(c for c in d.calls if c.name == name)
+            d.tools = len(d.calls) or 1  # none of X: one call of it, its arguments from its schema
+        else:
+            d.tools = max(d.tools, 1)
+    return d
 
 
 def _assistant_turns(items: list[Any]) -> int:

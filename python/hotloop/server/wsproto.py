@@ -38,9 +38,18 @@ connection (either side's close frame, a FIN, a protocol error, the server's shu
 client does not read what is still buffered is aborted ``CLOSE_TIMEOUT`` seconds after the close
 (a transport closes only once its buffer has drained, and keep-alive pings stop at the close).
 
+Refused handshakes. A refusal (the application's 401, 404, 429 or 403, websockets' 400, a 500)
+ends with a *lingering* close: the answer, then a FIN, and what the client still sends is read and
+dropped until it closes its side, at most ``LINGER_SECONDS``. Closed at once, the socket still held
+bytes the client had sent and the server had not read (frames sent without waiting for the 101,
+held with reading paused; the rest of a large one; frames sent while the answer was on its way),
+and a socket closed with unread bytes is reset: the client read ``connection reset`` where the
+answer's end should be, and a reset may discard what it had not read of the answer.
+
 Relies on ``WebSocketsSansIOProtocol`` internals (``conn``, ``transport``, ``writable``,
 ``queue``, ``handshake_complete``, ``close_sent``, ``initial_response``, ``request``,
-``response``, ``send_receive_event_to_app``, ``read_paused``) and on ``websockets.protocol.Protocol``
+``response``, ``send_receive_event_to_app``, ``read_paused``, ``close_timer``, ``send_500_response``,
+and the refusals its ``handle_connect`` and ``send`` write, mirrored in ``_refuse``) and on ``websockets.protocol.Protocol``
 attributes (``state``, ``extensions``, ``expect_continuation_frame``, ``debug``, ``parser``,
 ``reader``, ``parser_exc``, and the receiving message's size and limits, whose names changed in
 websockets 17: the fast path reads both spellings and leaves a connection it cannot read to
@@ -51,20 +60,23 @@ through this class, and the fast path's tests pass on websockets 15 and 17.
 from __future__ import annotations
 
 import asyncio
-import functools
+import email.utils
 import logging
+from http import HTTPStatus
 from typing import Any
 
-from uvicorn.protocols.utils import ClientDisconnected
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.protocols.utils import ClientDisconnected, get_client_addr, get_path_with_query_string
+from uvicorn.protocols.websockets.websockets_sansio_impl import STATUS_PHRASES, WebSocketsSansIOProtocol
+from websockets.datastructures import Headers
 from websockets.exceptions import InvalidState
 from websockets.frames import apply_mask
+from websockets.http11 import Response
 from websockets.protocol import State
 from websockets.streams import StreamReader
 
 from hotloop import errors
 from hotloop.protocol import events as ev
-from hotloop.server.httpproto import _peer, malformed_response
+from hotloop.server.httpproto import LINGER_SECONDS, _peer, malformed_response
 
 log = logging.getLogger("hotloop.server")
 
@@ -310,20 +322,89 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.close_timeout = CLOSE_TIMEOUT
         self._abort_timer: asyncio.TimerHandle | None = None  # a closing transport's bound (_closing)
         self._early = b""  # bytes that came after the handshake's request, before the 101 (data_received)
+        self._lingering = False  # a refused handshake's connection, closing (_linger)
 
     def _on_busy(self, busy: Any) -> None:
         self._busy = busy
 
     def handle_handshake_exception(self) -> None:
         # websockets could not parse the handshake request: uvicorn answers 400 in text (unless
-        # websockets queued its own 414/431 for a limit, kept), here in the OpenAI error shape
-        if not any(self.conn.writes):  # (websockets leaves the end of its output, b"", in it)
-            self.handshake_complete = True
-            self.close_sent = True
-            self.transport.write(malformed_response(*_REFUSALS[400]))
-            self.transport.close()
+        # websockets queued its own 414/431 for a limit, kept), here in the OpenAI error shape;
+        # closed lingering (_linger), not at once
+        self.handshake_complete = True
+        self.close_sent = True
+        output = b"".join(self.conn.data_to_send())  # (websockets leaves the end of its output, b"", in it)
+        self.transport.write(output or malformed_response(*_REFUSALS[400]))
+        self._linger()
+
+    # -- refusing the handshake -----------------------------------------------------------------
+
+    def _refuse(self, response: Response) -> None:
+        """Write ``response``, the handshake's refusal (not a 101), and close lingering. What
+        uvicorn does for each refusal (handle_connect, send), but for its ``transport.close()``."""
+        self.handshake_complete = True
+        self.close_sent = True
+        self.conn.send_response(response)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self._linger()
+
+    def _linger(self) -> None:
+        """A refused handshake's answer is written (it says ``connection: close``): a FIN
+        follows it, what the client sent or still sends is read and dropped (frames held since
+        the request among it), and the connection closes once the client closes its side, or
+        ``LINGER_SECONDS`` from now (a lingering close, as nginx's, and the HTTP protocol's after
+        a refused 100-continue). A socket closed with bytes it has not read is reset: the client
+        saw ``connection reset`` instead of the end of the answer, or lost the answer.
+
+        The timer is uvicorn's ``close_timer``: its ``run_asgi`` then leaves the transport open
+        when the application returns, ``shutdown`` and ``connection_lost`` cancel it."""
+        self._early = b""
+        self.frames = []
+        self.handshake_complete = True
+        self.close_sent = True
+        t = self.transport
+        if t.is_closing() or self._lingering:
             return
-        super().handle_handshake_exception()
+        self._lingering = True
+        can_write_eof = getattr(t, "can_write_eof", None)  # (not over TLS)
+        if can_write_eof is not None and can_write_eof():
+            t.write_eof()  # once what is buffered has left
+        self.read_paused = False
+        t.resume_reading()
+        linger = LINGER_SECONDS if self.limits is None else min(LINGER_SECONDS, self.limits.read_timeout)
+        if self.close_timer is not None:
+            self.close_timer.cancel()
+        self.close_timer = self.loop.call_later(linger, self._close_timed_out)
+
+    def send_500_response(self) -> None:
+        # the application failed (or returned) before answering the handshake: uvicorn's 500,
+        # then closed lingering (its run_asgi leaves the transport to the timer)
+        if self.initial_response or self.handshake_complete:
+            return
+        super().send_500_response()
+        self._linger()
+
+    def _refuse_for_app(self, message: Any) -> None:
+        """The application's refusal (uvicorn's ``send``: a ``websocket.close`` before the
+        accept, a 403; the final ``websocket.http.response.body`` of its own response), written
+        and closed lingering."""
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": 1006})
+        if message["type"] == "websocket.close":
+            self.logger.info(
+                '%s - "WebSocket %s" 403', get_client_addr(self.scope), get_path_with_query_string(self.scope)
+            )
+            self._refuse(self.conn.reject(HTTPStatus.FORBIDDEN, ""))
+            return
+        assert self.initial_response is not None
+        status, headers, body = self.initial_response
+        body += message["body"]
+        self.initial_response = (status, headers, body)
+        response_headers = Headers(headers)
+        response_headers.setdefault("Date", email.utils.formatdate(usegmt=True))
+        response_headers.setdefault("Connection", "close")
+        response_headers.setdefault("Content-Length", str(len(body)))
+        response_headers.setdefault("Content-Type", "text/plain; charset=utf-8")
+        self._refuse(Response(status, STATUS_PHRASES[status], response_headers, body))
 
     # -- pings ----------------------------------------------------------------------------------
 
@@ -383,6 +464,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             t.abort()
 
     def eof_received(self) -> None:
+        # (a lingering close ends here: the client has read the refusal and closed its side)
         # A FIN (half-close): the client is gone now (ON_CLIENT_GONE), not once the transport's
         # write buffer has drained, which a client that reads no more never lets happen (its
         # response went on, waiting to write, for good); the transport closes, bounded (_closing).
@@ -402,13 +484,15 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     # -- receiving ------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # a refused handshake's connection: read and dropped (_linger)
         if self.handshake_initiated and not self.handshake_complete:
             # Bytes after the handshake's request and before the 101 (a client that sends its
             # first frames without waiting, or in the same write as the request): parsed then,
             # websockets would answer a ping or a close ahead of the 101 and a close would leave
             # the handshake unfinished. Held, unparsed, until the application accepts (reading
             # paused meanwhile: at most one read is held), then read as if they came after it;
-            # dropped if it refuses.
+            # dropped if it refuses (reading resumes then, _linger).
             self._early += data
             self.transport.pause_reading()
             return
@@ -575,10 +659,14 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._closing()
 
     def handle_connect(self, event: Any) -> None:
-        self.conn.accept = functools.partial(_accept, self.conn.accept)  # type: ignore[method-assign]
-        super().handle_connect(event)
-        if self.handshake_complete:  # refused during the handshake: the transport is closing
+        response = _accept(self.conn.accept, event)
+        if response.status_code != 101:  # websockets refuses the request: uvicorn's refusal, lingering
+            self.handshake_initiated = True
+            self._refuse(response)
             return
+        self.conn.accept = lambda request: response  # type: ignore[method-assign]  # (uvicorn's asks)
+        super().handle_connect(event)
+        del self.conn.accept  # (it held the response, which the accept lets go: the lean idle state)
         self.request = None  # type: ignore[assignment]
         event.headers.clear()  # the scope holds its own copy; the parser's frame keeps the request
         extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
@@ -706,8 +794,22 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
                 raise ClientDisconnected() from None
             self._corked(self.conn.data_to_send())
             return
-        if message["type"] == "websocket.close":
+        kind = message["type"]
+        if kind == "websocket.close":
             self._app_closed = True
+        if not self.close_sent and (
+            (kind == "websocket.close" and not self.handshake_complete and self.initial_response is None)
+            or (
+                kind == "websocket.http.response.body"
+                and self.initial_response is not None
+                and not message.get("more_body", False)
+            )
+        ):  # the application refuses the handshake
+            await self.writable.wait()
+            if self.disconnected:
+                raise ClientDisconnected()
+            self._refuse_for_app(message)
+            return
         self._flush()
         await super().send(message)
         if message["type"] == "websocket.accept":
