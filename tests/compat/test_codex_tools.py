@@ -355,24 +355,59 @@ def test_codex_parallel_then_chained_calls(codex: list[str], tmp_path: Path, web
     assert len(messages) == 1 and set(messages[0].split()) <= set(_WORDS), ctx
 
 
-def test_codex_shows_hotloop_reasoning(codex: list[str], tmp_path: Path) -> None:  # noqa: F811
-    """Codex parses the reasoning hotloop streams (raw ``reasoning_text``, as models that expose
-    their reasoning give it; no summaries): with ``show_raw_agent_reasoning`` it prints both
-    turns' reasoning, in order, around the command and before the answer (``--json`` lists no
-    reasoning items for raw reasoning, so this run reads Codex's human-readable output)."""
+@pytest.mark.parametrize("raw", [False, True], ids=["default", "show_raw_agent_reasoning"])
+def test_codex_shows_hotloop_reasoning(codex: list[str], tmp_path: Path, raw: bool) -> None:  # noqa: F811
+    """Codex asks for reasoning summaries (``reasoning.summary: "auto"`` on every turn) and shows
+    those; hotloop has no summarizer and streams the model's reasoning verbatim as the summary
+    (``response.reasoning_summary_text.*``, no raw ``reasoning_text``), so Codex prints both
+    turns' reasoning, in order, around the command and before the answer, without
+    ``show_raw_agent_reasoning`` (and the same with it). This run reads Codex's human-readable
+    output."""
     nonce, command = _setup(tmp_path)
     script = _script(tmp_path, command, reasoning=True)
     with run_server(tmp_path, "--sim-rate", "0", "--sim-script", script) as server, Relay(server.port) as relay:
         run = run_codex_tool_turn(codex, server, relay, tmp_path, websockets=True, prompt=PROMPT, jsonl=False,
-                                  extra_config="show_raw_agent_reasoning = true")  # fmt: skip
+                                  extra_config="show_raw_agent_reasoning = true" if raw else "")  # fmt: skip
         _check_server_log(server, run["context"])
     ctx = run["context"]
     (conn,) = [c for c in run["conns"] if c["kind"] == "ws"]
-    thoughts = [e["text"] for e in conn["received"] if e["type"] == "response.reasoning_text.done"]
-    answer = [e["text"] for e in conn["received"] if e["type"] == "response.output_text.done"]
+    turns = [f for f in conn["sent"] if f["type"] == "response.create" and f.get("generate") is not False]
+    assert len(turns) == 2 and all((f.get("reasoning") or {}).get("summary") == "auto" for f in turns), ctx
+    received = conn["received"]
+    assert not [e for e in received if e["type"].startswith("response.reasoning_text.")], ctx
+    thoughts = [e["text"] for e in received if e["type"] == "response.reasoning_summary_text.done"]
+    answer = [e["text"] for e in received if e["type"] == "response.output_text.done"]
     assert len(thoughts) == 2 and all(thoughts) and len(answer) == 1, ctx
     err = run["stderr"]
     first, ran, second = err.find(thoughts[0]), err.find(f"echo {MARKER}"), err.find(thoughts[1])
     assert -1 < first < ran < second, ctx  # reasoning, the command, reasoning (then the answer)
     assert nonce in err and answer[0] in run["stdout"], ctx
     assert run["last"] is not None and run["last"].strip() == answer[0].strip(), ctx
+
+
+def test_codex_lists_reasoning_and_sends_it_back(codex: list[str], tmp_path: Path) -> None:  # noqa: F811
+    """Over HTTP SSE with ``--json``: Codex lists each turn's reasoning as a ``reasoning`` item
+    (what it shows), and sends the first turn's reasoning back in the next request (store:
+    false, the whole conversation) as the item with its summary, the model's reasoning verbatim:
+    what hotloop renders as reasoning history for a backend that takes it."""
+    nonce, command = _setup(tmp_path)
+    script = _script(tmp_path, command, reasoning=True)
+    with run_server(tmp_path, "--sim-rate", "0", "--sim-script", script) as server, Relay(server.port) as relay:
+        run = run_codex_tool_turn(codex, server, relay, tmp_path, websockets=False, prompt=PROMPT)
+        _check_server_log(server, run["context"])
+    ctx = run["context"]
+    _check_codex_side(run, nonce)
+    posts = [ex for c in run["conns"] if c["kind"] == "http" for ex in c["exchanges"]
+             if ex["method"] == "POST" and ex["path"] == "/v1/responses"]  # fmt: skip
+    assert len(posts) == 2, ctx
+    bodies = [json.loads(ex["body"]) for ex in posts]
+    assert all(b["reasoning"]["summary"] == "auto" for b in bodies), ctx
+    thoughts = [e["text"] for ex in posts for e in ex["events"] if e["type"] == "response.reasoning_summary_text.done"]
+    assert len(thoughts) == 2 and all(thoughts), ctx
+    shown = [e["item"]["text"] for e in run["events"] if e.get("type") == "item.completed"
+             and e["item"].get("type") == "reasoning"]  # fmt: skip
+    assert [t.strip() for t in shown] == [t.strip() for t in thoughts], ctx
+    ctx += "\nrequest inputs: " + json.dumps([b["input"] for b in bodies])[-6000:]
+    back = [i for i in bodies[1]["input"] if i["type"] == "reasoning"]
+    assert len(back) == 1 and [p["text"] for p in back[0]["summary"]] == [thoughts[0]], ctx
+    assert not back[0].get("content"), ctx  # hotloop's item had no raw content: the summary is it

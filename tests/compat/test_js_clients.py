@@ -1,5 +1,5 @@
 """Real JavaScript clients against a real server: openai-node (HTTP, SSE, ResponsesWS) and the
-Vercel AI SDK (streamText, a generateText tool loop).
+Vercel AI SDK (streamText, a generateText tool loop, reasoning summaries).
 
 The clients are pinned in ``package.json``/``package-lock.json`` and installed with ``npm ci`` on
 first use (the npm registry is reachable wherever the suite runs). Without a ``node`` executable
@@ -52,3 +52,16 @@ def test_vercel_ai_sdk(node_modules, server) -> None:
     assert out["tools"]["executed"] == "example city"
     assert out["tools"]["steps"] == 2 and out["tools"]["finalText"] and out["tools"]["finish"] == "stop"
     assert out["chat"] == {"first": True, "second": True, "grew": True}
+
+
+def test_vercel_ai_sdk_shows_reasoning(node_modules, server) -> None:
+    """The AI SDK reads reasoning only from summaries: with ``reasoningSummary: 'auto'`` it shows
+    the model's reasoning (hotloop streams it verbatim as the summary; before, the SDK showed an
+    empty reasoning part), the JSON answer's reasoning too, and the next turn refers to the
+    stored reasoning item by id (its summary is the history a chat backend then gets:
+    tests/integration/test_reasoning_summary_backends.py)."""
+    r = run_js("ai_sdk.mjs", server)["reasoning"]
+    assert r["requested"] == {"summary": "auto"}
+    assert r["streamed"] and r["text"] == r["streamed"] and r["answer"] is True
+    assert r["itemId"].startswith("rs_") and r["itemId"] in r["referenced"]
+    assert r["generated"] and r["finish"] == "stop"

@@ -52,6 +52,8 @@ CASES: dict[str, dict[str, Any]] = {
     "parallel_calls": _body("tools:2", tools=[WEATHER, TIME]),
     "text_then_call": _body("text+tool,tokens:4", tools=[WEATHER]),
     "reasoning_then_text": _body("reasoning,tokens:6"),
+    # reasoning.summary set: the reasoning streamed as the item's summary (verbatim: protocol.turn)
+    "reasoning_summary_then_text": _body("reasoning,tokens:6", reasoning={"summary": "auto"}),
     "incomplete": _body("tokens:10", max_output_tokens=4),
     "model_failure": _body("fail:server_error,tokens:6"),
     "backend_error": _body("error,tokens:6"),

@@ -67,6 +67,17 @@ from hotloop.protocol import events as ev
 TRANSPORTS = ("http-full", "http-prev", "ws-prev", "ws-full")
 TERMINAL = (ev.COMPLETED, ev.FAILED, ev.INCOMPLETE, ev.ERROR)
 DELTAS = (ev.OUTPUT_TEXT_DELTA, ev.FUNCTION_CALL_ARGUMENTS_DELTA)
+# a delta's part: the prefix of the part's .added/.done events (the delta's content_index or
+# summary_index names the part)
+_PART_OF = {
+    kind: prefix[: -len(".added")]
+    for kind, prefix in (
+        (ev.OUTPUT_TEXT_DELTA, ev.CONTENT_PART_ADDED),
+        (ev.REFUSAL_DELTA, ev.CONTENT_PART_ADDED),
+        (ev.REASONING_TEXT_DELTA, ev.CONTENT_PART_ADDED),
+        (ev.REASONING_SUMMARY_TEXT_DELTA, ev.REASONING_SUMMARY_PART_ADDED),
+    )
+}
 TURN_TIMEOUT = 120.0  # seconds one turn may take before it counts as failed
 MAX_VIOLATIONS = 200  # violations kept in the report (the count covers all of them)
 PROMPT = "Fix the failing test in the repository."
@@ -124,9 +135,10 @@ class StreamCheck:
         elif kind.endswith(".delta"):
             if (ev.OUTPUT_ITEM_ADDED[: -len(".added")], oi, None) not in self.open:
                 self._bad(f"{kind} outside an open output item ({oi})")
-            in_part = (ev.CONTENT_PART_ADDED[: -len(".added")], oi, part) in self.open
-            if kind in (ev.OUTPUT_TEXT_DELTA, ev.REFUSAL_DELTA) and not in_part:
-                self._bad(f"{kind} outside an open content part ({oi}, {part})")
+            if kind in _PART_OF:
+                container = _PART_OF[kind]
+                if (container, oi, part) not in self.open:
+                    self._bad(f"{kind} outside an open {container[len('response.'):]} ({oi}, {part})")
             self.acc.setdefault((kind[: -len(".delta")], oi, part), []).append(str(e.get("delta", "")))
         elif kind.endswith(".done"):
             base = kind[: -len(".done")]
@@ -163,7 +175,7 @@ class StreamCheck:
             else:
                 for i, item in enumerate(output):
                     done = self.items.get(i, {})
-                    for k in ("type", "id", "call_id", "arguments"):
+                    for k in ("type", "id", "call_id", "arguments", "content", "summary"):
                         if item.get(k) != done.get(k):
                             self._bad(f"output[{i}].{k} differs from its {ev.OUTPUT_ITEM_DONE}")
                             break

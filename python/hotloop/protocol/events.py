@@ -34,11 +34,19 @@ REFUSAL_DELTA = "response.refusal.delta"
 REFUSAL_DONE = "response.refusal.done"
 REASONING_TEXT_DELTA = "response.reasoning_text.delta"
 REASONING_TEXT_DONE = "response.reasoning_text.done"
+# a reasoning item streamed as its summary (``reasoning.summary`` set: protocol.turn)
+REASONING_SUMMARY_PART_ADDED = "response.reasoning_summary_part.added"
+REASONING_SUMMARY_PART_DONE = "response.reasoning_summary_part.done"
+REASONING_SUMMARY_TEXT_DELTA = "response.reasoning_summary_text.delta"
+REASONING_SUMMARY_TEXT_DONE = "response.reasoning_summary_text.done"
 FUNCTION_CALL_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 FUNCTION_CALL_ARGUMENTS_DONE = "response.function_call_arguments.done"
 ERROR = "error"
 # The events --flush-interval-ms may hold back (a batch of nothing else: only_deltas)
-DELTAS = frozenset((OUTPUT_TEXT_DELTA, REFUSAL_DELTA, REASONING_TEXT_DELTA, FUNCTION_CALL_ARGUMENTS_DELTA))
+DELTAS = frozenset(
+    (OUTPUT_TEXT_DELTA, REFUSAL_DELTA, REASONING_TEXT_DELTA, REASONING_SUMMARY_TEXT_DELTA,
+     FUNCTION_CALL_ARGUMENTS_DELTA)
+)
 # WebSocket-only steering replies (beta)
 STEER_ACCEPTED = "response.steer.accepted"
 STEER_PENDING = "response.steer.pending"
@@ -109,6 +117,24 @@ def reasoning_delta(seq: int, item_id: str, output_index: int, content_index: in
     return REASONING_TEXT_DELTA, _encode_delta(
         REASONING_TEXT_DELTA, seq, item_id, output_index, content_index, delta, False
     )
+
+
+_SUMMARY_DELTA_HEAD = b'{"type":"' + REASONING_SUMMARY_TEXT_DELTA.encode() + b'","sequence_number":'
+
+
+def summary_delta_fields(item_id: str, output_index: int, summary_index: int) -> bytes:
+    """The bytes of a summary part's deltas between the sequence number and the delta (the same
+    for every delta of the part): built once per part, for :func:`summary_delta`."""
+    tail = b',"output_index":%d,"summary_index":%d,"delta":' % (output_index, summary_index)
+    return b',"item_id":' + _encode(item_id) + tail
+
+
+def summary_delta(seq: int, fields: bytes, delta: str) -> Frame:
+    """``response.reasoning_summary_text.delta``: ``item_id, output_index, summary_index, delta``
+    (``fields``: :func:`summary_delta_fields` of the part). The native delta encoder writes a
+    ``content_index`` where this event has a ``summary_index``; this costs about the same (the
+    bytes built once per part, the sequence number and the delta's JSON string, joined)."""
+    return REASONING_SUMMARY_TEXT_DELTA, b"%s%d%s%s}" % (_SUMMARY_DELTA_HEAD, seq, fields, _encode(delta))
 
 
 def arguments_delta(seq: int, item_id: str, output_index: int, delta: str) -> Frame:

@@ -84,6 +84,16 @@ def _reasoning_object(p: Prepared) -> dict[str, Any]:
     return {"effort": r.effort, "summary": r.summary}
 
 
+def wants_summary(p: Prepared) -> bool:
+    """Whether the request asks for reasoning summaries: ``reasoning.summary`` ("auto",
+    "concise" or "detailed"; Codex sends "auto" on every turn), or the deprecated
+    ``generate_summary``. Its response's reasoning is then streamed as a summary
+    (:class:`~hotloop.protocol.turn.Turn`, ``reasoning_summary``); null or absent, as raw
+    ``reasoning_text``."""
+    r = p.req.reasoning
+    return r is not None and (r.summary is not None or r.generate_summary is not None)
+
+
 def response_object(
     p: Prepared,
     response_id: str,

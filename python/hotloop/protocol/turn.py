@@ -14,6 +14,25 @@ Item life cycle, as a table (DESIGN principle 2). The open item is one of ``None
     ReasoningDelta  reasoning
     ToolCallDelta   call:<index>
 
+A reasoning item is streamed in one of two shapes, chosen per response (``reasoning_summary``,
+from the request's ``reasoning.summary``: :func:`objects.wants_summary`):
+
+    raw (no summary asked for)   ``content: [reasoning_text]``, ``summary: []``;
+                                 ``content_part.added``, ``reasoning_text.delta|done``,
+                                 ``content_part.done``
+    summary                      ``summary: [summary_text]``, no ``content``;
+                                 ``reasoning_summary_part.added``, ``reasoning_summary_text.delta|done``,
+                                 ``reasoning_summary_part.done`` (``summary_index`` 0)
+
+hotloop has no summarizer model: the summary's text is the model's reasoning, verbatim (what
+the backend streamed as ``delta.reasoning``), in one summary part. Clients that only read
+summaries (the Vercel AI SDK, Codex without ``show_raw_agent_reasoning``, Goose, Zed) then show
+it; the item coming back (sent back with its summary, referred to by id, chained by
+``previous_response_id``) is rendered as reasoning history from its summary
+(``backends.chat.render``). The final item does not repeat it as raw ``content``: the same text twice would double
+the item's bytes in ``output_item.done``, ``response.completed``, the stored response and every
+input that sends the item back, for no reader (the summary is the reasoning).
+
 ``message`` and ``refusal`` are the same kind of output item, a message, with a different content
 part open: going from one to the other keeps the message open and closes its part
 (``output_text.done``/``refusal.done``, ``content_part.done``) and adds the next part at the next
@@ -64,10 +83,11 @@ class _Quiet:
     def event(*_args: Any, **_kwargs: Any) -> Frame:
         return _Quiet.NO_FRAME
 
-    text_delta = refusal_delta = reasoning_delta = arguments_delta = sse_error = response_event = event
+    text_delta = refusal_delta = reasoning_delta = summary_delta = arguments_delta = sse_error = response_event = event
 
 
 _quiet_text_delta = _Quiet.text_delta
+_SUMMARY_PART: dict[str, Any] = {"type": "summary_text", "text": ""}  # (encoded only: never mutated)
 
 # Phases of the whole response (a table: which calls are legal in which phase).
 _NEW, _STREAMING, _DONE = "new", "streaming", "done"
@@ -91,7 +111,8 @@ class TurnStateError(RuntimeError):
 
 
 class _OpenItem:
-    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane", "content_index", "content")
+    __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane", "content_index", "content",
+                 "summary_fields")
 
     def __init__(self, key: str, output_index: int, item_id: str) -> None:
         self.key = key
@@ -103,6 +124,7 @@ class _OpenItem:
         self.call_id = ""
         self.name = ""
         self.lane: DeltaLane | None = None  # Turn.lane
+        self.summary_fields = b""  # a reasoning summary's delta fields (events.summary_delta_fields)
 
 
 class Turn:
@@ -111,6 +133,8 @@ class Turn:
     ``response`` is the in-progress Response object (see :func:`objects.response_object`); the
     turn owns it from here on and fills ``output``, ``status``, ``usage``, ``completed_at``.
     ``transport`` is ``"sse"`` or ``"ws"``: it only changes how mid-stream errors are reported.
+    ``reasoning_summary``: stream reasoning as the item's summary (the request set
+    ``reasoning.summary``), else as raw ``reasoning_text`` (the module's docstring).
     """
 
     def __init__(
@@ -124,9 +148,11 @@ class Turn:
         max_tool_calls: int | None = None,
         clock: Callable[[], float],
         quiet: bool = False,
+        reasoning_summary: bool = False,
     ) -> None:
         # quiet: the frames are placeholders (a JSON response is built from ``response`` alone)
         self._ev: Any = _Quiet if quiet else ev
+        self.reasoning_summary = reasoning_summary
         self._encoded: list[Any] = [None, None]  # this response's long instructions, encoded once
         self._text_delta = _quiet_text_delta if quiet else _text_delta
         self.response = response
@@ -248,7 +274,9 @@ class Turn:
         any of them before reading into the lane again. None when no item is open. A quiet
         turn has lanes too: their events are encoded (natively, cheaper than the general path
         that skips them) and not sent. A message's refusal part has none (``plain_delta`` never
-        reads a refusal piece as plain: each one comes as a chunk)."""
+        reads a refusal piece as plain: each one comes as a chunk), nor does a reasoning summary
+        (the native lane writes a ``content_index``, a summary's delta a ``summary_index``): their
+        deltas come as chunks, through :meth:`feed`."""
         self._sync()
         item = self._open
         if item is None or self._phase is not _STREAMING:
@@ -259,7 +287,7 @@ class Turn:
             if key == _MESSAGE:
                 lane = DeltaLane(PLAIN_TEXT, 0, ev.OUTPUT_TEXT_DELTA, item.item_id, item.output_index,
                                  item.content_index, True, item.parts)
-            elif key == _REFUSAL:
+            elif key == _REFUSAL or (key == _REASONING and self.reasoning_summary):
                 self._lane = None
                 return None
             elif key == _REASONING:
@@ -300,6 +328,8 @@ class Turn:
             out.append(self._ev.text_delta(self._next(), item.item_id, item.output_index, item.content_index, text))
         elif key == _REFUSAL:
             out.append(self._ev.refusal_delta(self._next(), item.item_id, item.output_index, item.content_index, text))
+        elif self.reasoning_summary:
+            out.append(self._ev.summary_delta(self._next(), item.summary_fields, text))
         else:
             out.append(self._ev.reasoning_delta(self._next(), item.item_id, item.output_index, 0, text))
         return out
@@ -340,8 +370,15 @@ class Turn:
             part: dict[str, Any] | None = _empty_part(key)
         elif key == _REASONING:
             item = _OpenItem(key, index, self.ids.new("rs"))
-            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": []}
-            part = {"type": "reasoning_text", "text": ""}
+            if self.reasoning_summary:
+                # The summary is the model's reasoning verbatim (hotloop has no summarizer; see
+                # the module's docstring): one summary part, no raw content.
+                obj = {"id": item.item_id, "type": "reasoning", "summary": []}
+                part = _SUMMARY_PART
+                item.summary_fields = ev.summary_delta_fields(item.item_id, index, 0)
+            else:
+                obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": []}
+                part = {"type": "reasoning_text", "text": ""}
         else:
             assert call is not None
             item = _OpenItem(key, index, self.ids.new("fc"))
@@ -368,7 +405,18 @@ class Turn:
         self._open = item
         self._output.append(obj)
         out.append(self._ev.event(ev.OUTPUT_ITEM_ADDED, self._next(), output_index=index, item=obj))
-        if part is not None:
+        if part is _SUMMARY_PART:
+            out.append(
+                self._ev.event(
+                    ev.REASONING_SUMMARY_PART_ADDED,
+                    self._next(),
+                    item_id=item.item_id,
+                    output_index=index,
+                    summary_index=0,
+                    part=part,
+                )
+            )
+        elif part is not None:
             out.append(
                 self._ev.event(
                     ev.CONTENT_PART_ADDED,
@@ -397,6 +445,16 @@ class Turn:
             part = {"type": "reasoning_text", "text": text}
             out.append(self._ev.event(ev.REASONING_TEXT_DONE, self._next(), **ids, text=text))
         out.append(self._ev.event(ev.CONTENT_PART_DONE, self._next(), **ids, part=part))
+        return part
+
+    def _close_summary(self, item: _OpenItem, out: list[Frame]) -> dict[str, Any]:
+        """``reasoning_summary_text.done`` then ``reasoning_summary_part.done`` of a reasoning
+        item's summary (its one part); returns the part."""
+        text = "".join(item.parts)
+        ids = {"item_id": item.item_id, "output_index": item.output_index, "summary_index": 0}
+        part = {"type": "summary_text", "text": text}
+        out.append(self._ev.event(ev.REASONING_SUMMARY_TEXT_DONE, self._next(), **ids, text=text))
+        out.append(self._ev.event(ev.REASONING_SUMMARY_PART_DONE, self._next(), **ids, part=part))
         return part
 
     def _next_part(self, item: _OpenItem, key: str, out: list[Frame]) -> None:
@@ -434,7 +492,10 @@ class Turn:
                 "role": "assistant",
             }
         elif item.key == _REASONING:
-            obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [self._close_part(item, out)]}
+            if self.reasoning_summary:
+                obj = {"id": item.item_id, "type": "reasoning", "summary": [self._close_summary(item, out)]}
+            else:
+                obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [self._close_part(item, out)]}
         else:
             text = "".join(item.parts)
             index = int(item.key[5:])

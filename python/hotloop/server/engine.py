@@ -43,7 +43,7 @@ from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prep
 from hotloop.pipeline.settings import ToolsCache
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
-from hotloop.protocol.objects import IdGen, response_object
+from hotloop.protocol.objects import IdGen, response_object, wants_summary
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
@@ -391,6 +391,7 @@ class Engine:
             max_tool_calls=req.max_tool_calls,
             clock=self.clock,
             quiet=transport == "json",  # a non-streaming response: nobody reads its events
+            reasoning_summary=wants_summary(p),  # reasoning as its summary (verbatim: protocol.turn)
         )
         turn.truncated_items = plan.truncated  # (fit_window ran before)
         return turn, turn.start()

@@ -144,8 +144,20 @@ def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> s
 
 
 def _reasoning_text(item: Reasoning) -> str:
-    # Raw reasoning only: summaries are not what the model wrote, encrypted content is opaque.
-    return "".join(p.text for p in item.content) if item.content else ""
+    """The reasoning history of a reasoning item: its raw reasoning, else its summary (its
+    parts one a line, as ``pipeline.items.item_text`` counts them), else nothing (encrypted
+    content is opaque). A summary hotloop streamed is the model's reasoning verbatim
+    (``protocol.turn``: no summarizer, and no raw content besides), and it is all such an item
+    holds when it comes back: sent back by a client (Codex keeps the item it received),
+    referred to by id (the AI SDK's ``item_reference``) or chained by ``previous_response_id``.
+    Another server's summary is the closest thing to the model's reasoning the client has."""
+    if item.content:
+        raw = "".join(p.text for p in item.content)
+        if raw:
+            return raw
+    if item.summary:
+        return "\n".join(p.text for p in item.summary if p.text)
+    return ""
 
 
 def _render_items(
@@ -154,8 +166,8 @@ def _render_items(
     """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``).
 
     Messages already in the lists are never mutated (a merge replaces the last one), so a cached
-    rendering can be extended safely. Returns the raw reasoning still waiting for the assistant
-    message it preceded.
+    rendering can be extended safely. Returns the reasoning (:func:`_reasoning_text`) still
+    waiting for the assistant message it preceded.
     """
     enc = _encoder.encode
 
