@@ -16,9 +16,15 @@ server listens once it has started (uvicorn, on a socket it is given), so no con
 a replacement that is starting, or fails to. A bind that fails (the address taken by another
 program, no file descriptors left) is one log line, and is tried again after the slot's delay,
 which doubles as for a failed start. Connections the kernel had already queued on a socket the
-parent closes are reset (the client sees a connection error, which the openai SDKs retry), unless
-``net.ipv4.tcp_migrate_req`` is 1 (Linux 5.14+): then the kernel moves them to another socket of
-the group. The parent never closes the last socket that listens: while no slot has a worker that
+parent closes (accepted by the kernel, their requests sent, never accepted by a worker) are moved
+by the kernel to another socket of the group ("request migration", Linux 5.14+) when
+``net.ipv4.tcp_migrate_req`` is 1, or when the group has an eBPF program of type
+``BPF_SK_REUSEPORT_SELECT_OR_MIGRATE``: the parent attaches one to the group at start when it may
+(CAP_BPF; :func:`_migration_program`: two instructions that select no socket, so new connections
+are spread by their hash exactly as without it; a replacement's socket joins the group, program
+and all, as its worker listens). Otherwise they are reset (the client sees a connection error,
+which the openai SDKs retry), and the parent says so in one line at start.
+The parent never closes the last socket that listens: while no slot has a worker that
 serves, one dead slot's socket stays open and listening, so the port stays the server's (nothing
 else can bind it, so the replacements can) and new connections wait for a worker instead of being
 refused; it is closed once another slot's socket listens, or used by its slot's replacement.
@@ -61,21 +67,31 @@ responses within ``--shutdown-grace``, fail what still runs and cancel it ``ABOR
 and shut their stores down (the write queue's flush, the store's close, the key store's) within
 ``CLOSE_FLUSH_SECONDS`` in all (:meth:`hotloop.server.app.HotloopApp.shutdown`); workers still
 alive :func:`kill_after` seconds after the stop (all of that plus ``KILL_MARGIN``) are killed. The
-parent exits 0 after a requested stop.
+parent exits 0 after a requested stop; 1 when a worker still runs ``KILL_WAIT`` seconds after its
+SIGKILL (a process in uninterruptible sleep, named in the log): the stop is bounded, whatever the
+workers do. A supervisor that dies (SIGKILL, the OOM killer) cannot bound its workers' stop: each
+worker stops on the SIGTERM it then gets (``PR_SET_PDEATHSIG``), and kills itself if it still runs
+:func:`kill_after` seconds after (a thread blocked on a pipe only the supervisor can write to,
+which ends as the supervisor does: no wake-up until then). A fork that fails (EAGAIN, ENOMEM) is
+one log line, and the slot tries again after its delay, doubling as for a failed start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import logging.config
 import math
 import os
+import platform
 import select
 import shutil
 import signal
 import socket
+import struct
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -95,6 +111,7 @@ STAYED_UP = 10.0
 # when they come.
 IDLE_POLL = 1.0
 KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed (its backend's close, its exit)
+KILL_WAIT = 5.0  # seconds the supervisor waits for workers it killed (SIGKILL) before it stops without them
 STARTUP_FAILURE = 3
 
 
@@ -159,6 +176,113 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+MIGRATE_REQ = "/proc/sys/net/ipv4/tcp_migrate_req"
+_BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}  # __NR_bpf
+_BPF_PROG_LOAD = 5
+_BPF_PROG_TYPE_SK_REUSEPORT = 21
+_BPF_SK_REUSEPORT_SELECT_OR_MIGRATE = 40
+_SO_ATTACH_REUSEPORT_EBPF = 52
+# r0 = SK_PASS (1); exit. No socket selected: the kernel picks one by the connection's hash, as
+# with no program, and (the program's attach type) moves a closed socket's requests to another.
+_SELECT_OR_MIGRATE_BY_HASH = struct.pack("<BBhiBBhi", 0xB7, 0, 0, 1, 0x95, 0, 0, 0)
+
+
+def _migrate_req() -> int | None:
+    """``net.ipv4.tcp_migrate_req`` of this network namespace; ``None`` where there is none."""
+    try:
+        with open(MIGRATE_REQ) as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _migration_program() -> int | None:
+    """A file descriptor of the eBPF program that makes the kernel move the requests queued on a
+    closed socket of the ``SO_REUSEPORT`` group to another (``BPF_SK_REUSEPORT_SELECT_OR_MIGRATE``,
+    Linux 5.14+); ``None`` where it cannot be loaded (no CAP_BPF, a seccomp filter, another OS or
+    architecture, an older kernel). It selects no socket, so the kernel spreads new connections
+    by their hash exactly as without it."""
+    number = _BPF_SYSCALL.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        insns = ctypes.create_string_buffer(_SELECT_OR_MIGRATE_BY_HASH, len(_SELECT_OR_MIGRATE_BY_HASH))
+        licence = ctypes.create_string_buffer(b"Apache-2.0")
+        attr = ctypes.create_string_buffer(72)  # union bpf_attr, BPF_PROG_LOAD: up to expected_attach_type
+        struct.pack_into("<IIQQ", attr, 0, _BPF_PROG_TYPE_SK_REUSEPORT, 2, ctypes.addressof(insns), ctypes.addressof(licence))
+        struct.pack_into("<I", attr, 68, _BPF_SK_REUSEPORT_SELECT_OR_MIGRATE)
+        fd = int(libc.syscall(ctypes.c_long(number), ctypes.c_long(_BPF_PROG_LOAD), attr, ctypes.c_uint(len(attr))))
+        errno = ctypes.get_errno()
+    except Exception as exc:  # no libc.syscall: no program
+        log.debug("no eBPF program for request migration (%s: %s)", type(exc).__name__, exc)
+        return None
+    if fd < 0:
+        log.debug("no eBPF program for request migration (%s)", os.strerror(errno))
+        return None
+    return fd  # close-on-exec, as every bpf() descriptor
+
+
+def _attach(sock: socket.socket, prog: int | None) -> bool:
+    """Attach the migration program to the group of ``sock``, which listens. Never to a socket
+    that does not listen yet: that gives it a group of its own, and its ``listen()`` then fails
+    (EADDRINUSE). A socket that starts listening joins the group with its program: the
+    replacements' fresh sockets, which their workers listen on, need none of their own (the
+    group lives on: the parent never closes the last socket that listens)."""
+    if prog is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_REUSEPORT_EBPF, prog)
+    except OSError as exc:
+        log.debug("could not attach the request migration program (%s: %s)", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def _request_migration(socks: list[socket.socket]) -> int | None:
+    """At start, with the first sockets bound and listening: the migration program, attached to
+    them, unless ``tcp_migrate_req`` already has the kernel move requests, or the kernel cannot
+    (no such sysctl: before Linux 5.14, where the program would load and move nothing); one line
+    when nothing moves them (connections queued on a dead worker's socket are then reset)."""
+    req = _migrate_req()
+    if req == 1:
+        return None
+    prog = _migration_program() if req is not None else None
+    if prog is not None and not all([_attach(sock, prog) for sock in socks]):
+        os.close(prog)
+        prog = None
+    if prog is None:
+        how = (
+            "set net.ipv4.tcp_migrate_req=1, or give the server CAP_BPF, to have the kernel move them to the other workers"
+            if req is not None else "this kernel cannot move them to the other workers (Linux 5.14+ can)"
+        )
+        log.info("connections queued on the socket of a worker that dies are reset: %s", how)
+    return prog
+
+
+def _outlive_bound(lifeline: int, bound: float) -> None:
+    """In a worker, on a daemon thread: once its supervisor is gone (EOF on the pipe only the
+    supervisor holds the write end of), the worker stops on the SIGTERM the kernel sends it
+    (``PR_SET_PDEATHSIG``); if it still runs ``bound`` seconds later, it kills itself (SIGKILL),
+    as the supervisor would have. The line saying so is written by a thread of its own, waited
+    for 1 s: a main thread stuck holding the log's lock does not hold the kill back."""
+    try:
+        while os.read(lifeline, 64):
+            pass
+    except OSError:  # the descriptor is gone: nothing to watch
+        return
+    time.sleep(bound)
+    pid = os.getpid()
+    said = threading.Thread(
+        target=log.error, args=("worker %d did not stop within %g s of its supervisor's death; killing it", pid, bound),
+        daemon=True,
+    )
+    said.start()
+    said.join(1.0)
+    os.kill(pid, signal.SIGKILL)
+
+
 def _listening(sock: socket.socket) -> bool:
     """Whether ``sock`` listens: the parent's copy says so once the worker's server listens on it.
     A socket closed meanwhile does not (a stop's signal handler closes them all, between any two
@@ -220,8 +344,9 @@ def _drain(fd: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, config: Config, socks: list[socket.socket]) -> None:
+    def __init__(self, config: Config, socks: list[socket.socket], prog: int | None = None) -> None:
         self.config = config
+        self.prog = prog  # the request migration program (attached to the sockets' group), if any
         self.port = int(socks[0].getsockname()[1])
         # one per worker slot, listening; None while a slot without a worker has none (closed)
         self.socks: list[socket.socket | None] = list(socks)
@@ -230,11 +355,13 @@ class Supervisor:
         self.pipes: dict[int, int] = {}  # pid -> its readiness pipe's read end, until it says it is ready
         self.ready: dict[int, float] = {}  # pid -> when it said it was ready (monotonic)
         self.wake = self._wake_w = -1  # the wake-up pipe signals write to (run())
+        self._life_r = self._life_w = -1  # the lifeline: workers read it, only the supervisor writes (run())
         self.first: set[int] = set()  # pids of the first generation
         self.due: dict[int, float] = {}  # slot -> when its replacement starts (monotonic)
         self.delay = [RESTART_DELAY] * len(socks)  # per slot: the next replacement's delay
         self.stopping = False
         self.failed = False
+        self.abandoned = False  # a worker still ran KILL_WAIT after its SIGKILL: the stop left it
 
     def spawn(self, slot: int) -> None:
         # A stop (SIGTERM/SIGINT) that comes while a worker is forked waits until the worker is
@@ -251,7 +378,19 @@ class Supervisor:
             except OSError as exc:  # no file descriptors left: it starts, but its death counts as a failed start
                 log.warning("no readiness pipe for index %d (%s: %s)", slot, type(exc).__name__, exc)
                 ready_r = ready_w = -1
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # EAGAIN, ENOMEM: no process for now; the slot tries again later
+                for fd in (ready_r, ready_w):
+                    if fd >= 0:
+                        os.close(fd)
+                delay = self._back_off(slot)
+                self.due[slot] = time.monotonic() + delay
+                log.error(
+                    "could not start a worker for index %d (%s: %s); trying again in %g s",
+                    slot, type(exc).__name__, exc, delay,
+                )
+                return
             if pid == 0:  # the worker
                 code = 1
                 try:
@@ -263,9 +402,13 @@ class Supervisor:
                     for other in self.socks:  # only the parent may keep another slot's socket open
                         if other is not None and other is not sock:
                             other.close()
-                    for fd in (self.wake, self._wake_w, ready_r, *self.pipes.values()):  # the parent's pipes
+                    parents = (self.wake, self._wake_w, self._life_w, ready_r, *self.pipes.values())
+                    for fd in (*parents, self.prog if self.prog is not None else -1):  # the parent's
                         if fd >= 0:
                             os.close(fd)
+                    if self._life_r >= 0:  # bound its stop once the supervisor is gone
+                        bound = kill_after(self.config.shutdown_grace)
+                        threading.Thread(target=_outlive_bound, args=(self._life_r, bound), daemon=True).start()
                     code = _worker(self.config, sock, ready_w if ready_w >= 0 else None)
                 except BaseException:
                     logging.getLogger("hotloop.server").exception("worker %d failed", os.getpid())
@@ -376,7 +519,8 @@ class Supervisor:
                 try:
                     sock.listen(BACKLOG)
                 except OSError:  # closed by a stop that came meanwhile (its signal handler)
-                    pass
+                    continue
+                _attach(sock, self.prog)  # a group of its own, if no socket of the old one was left
 
     def _close_all(self) -> None:
         for i, sock in enumerate(self.socks):
@@ -425,6 +569,7 @@ class Supervisor:
         self.wake, self._wake_w = os.pipe()
         for fd in (self.wake, self._wake_w):
             os.set_blocking(fd, False)
+        self._life_r, self._life_w = os.pipe()  # ends (EOF in every worker) as the supervisor does
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_chld = signal.signal(signal.SIGCHLD, _woken)
         signal.signal(signal.SIGTERM, self.stop)
@@ -434,9 +579,9 @@ class Supervisor:
         finally:
             signal.signal(signal.SIGCHLD, old_chld if old_chld is not None else signal.SIG_DFL)
             signal.set_wakeup_fd(old_wakeup)
-            for fd in (self.wake, self._wake_w, *self.pipes.values()):
+            for fd in (self.wake, self._wake_w, self._life_r, self._life_w, *self.pipes.values()):
                 os.close(fd)
-            self.wake = self._wake_w = -1
+            self.wake = self._wake_w = self._life_r = self._life_w = -1
             self.pipes.clear()
 
     def _supervise(self) -> int:
@@ -446,6 +591,7 @@ class Supervisor:
             self.spawn(slot)
         self.first = set(self.workers)
         deadline: float | None = None
+        killed = False  # the workers still running at the deadline were killed (SIGKILL)
         while self.workers or (self.due and not self.stopping):
             if self.stopping and deadline is None:
                 self.due.clear()
@@ -465,10 +611,16 @@ class Supervisor:
                 self._close_idle()
             now = time.monotonic()
             if deadline is not None and now > deadline:
+                if killed:  # SIGKILL has not ended them (uninterruptible sleep): stop without them
+                    for p in self.workers:
+                        log.error("worker %d still running %g s after its SIGKILL; exiting without it", p, KILL_WAIT)
+                    self.abandoned = True
+                    break
                 for p in list(self.workers):
                     log.error("worker %d did not stop in time; killing it", p)
                     os.kill(p, signal.SIGKILL)
-                deadline = now + 5.0
+                killed = True
+                deadline = now + KILL_WAIT
             wait = IDLE_POLL
             if self.due and not self.stopping:
                 wait = min(wait, min(self.due.values()) - now)
@@ -476,7 +628,7 @@ class Supervisor:
                 wait = min(wait, deadline - now)
             self._wait(wait)
         self._close_all()
-        return STARTUP_FAILURE if self.failed else 0
+        return STARTUP_FAILURE if self.failed else 1 if self.abandoned else 0
 
 
 def serve_workers(config: Config) -> int:
@@ -505,9 +657,12 @@ def serve_workers(config: Config) -> int:
             log.error("start-up failed: %s: %s", type(exc).__name__, exc)
             return STARTUP_FAILURE
         log.info("serving on http://%s:%d with %d workers", config.host, port, config.workers)
+        prog = _request_migration(socks)
         try:
-            return Supervisor(config, socks).run()
+            return Supervisor(config, socks, prog).run()
         finally:  # its workers are gone: so are the limits they shared
+            if prog is not None:
+                os.close(prog)
             if config.store == "sqlite":
                 from hotloop.tenants import sqlite_limits
 
