@@ -57,7 +57,7 @@ def test_a_tenants_key_sees_counts_and_no_other_tenants_turns(keyed: tuple[Serve
         assert not PRIVATE & set(body)
         assert body["view"] == "key"
         assert body["completed_responses"] >= 2 and body["active_responses"] >= 0
-        assert set(body["store"]) == {"pending", "written", "failed"}
+        assert set(body["store"]) == {"pending", "written", "failed", "usage_written", "usage_failed"}
         assert "context_items" not in resp.text and "cpu_us" not in resp.text and "hits" not in resp.text
     # the operator sees it all, alice's turns included
     full = stats(s, keys["admin"])

@@ -39,6 +39,11 @@ the turn that completes a batch wait for the writer, and only then applies back-
 :meth:`Persistence.flush` is a barrier: every job gets a sequence number and ``flush`` waits until
 the writer has finished the jobs submitted before the call, however many arrive after it.
 
+At shutdown :meth:`Persistence.close` writes the queue out, what responses ending meanwhile
+submit or charge included; a usage record that comes once the store is closed cannot be written
+and is logged at ERROR with what the ledger would have counted (key, model, tokens, response id)
+and counted, never dropped silently (see there).
+
 Failed writes. A batch that waited out SQLite's busy timeout behind another connection's write
 lock ("database is locked": nothing of it was stored, :func:`hotloop.state.store.locked`) is
 tried again, whole and in order, ``LOCKED_RETRY_PAUSE`` seconds after each failed try (each try
@@ -47,8 +52,11 @@ its first try. Meanwhile it counts against
 ``max_lag`` like any write in progress, so new submissions wait (the queue stays within its
 bounds) and ``flush`` waits for it (with ``--store-sync full`` the terminal event waits). Any
 other failure (a full disk, an I/O error), and a batch still locked out at that bound, is final:
-the write is counted in ``failed`` (``hotloop_store_failed``, ``/hotloop/stats``) and remembered
-by id (:meth:`Persistence.lost`). Failures are logged in one line each, without a traceback (a
+the write is counted and a response's remembered by id (:meth:`Persistence.lost`). The counts
+have one unit each, so that a failure ratio compares like with like: responses in ``written`` and
+``failed`` (``hotloop_store_written``, ``hotloop_store_failed``, ``/hotloop/stats``), usage ledger
+records (one per charged response; a ledger batch holds hundreds) in ``usage_written`` and
+``usage_failed`` (``hotloop_store_usage_written``, ``hotloop_store_usage_failed``). Failures are logged in one line each, without a traceback (a
 bug, an error that is no storage failure, keeps its traceback): the first of each kind at once,
 then at most one line per kind every ``FAILURE_LOG_SECONDS`` saying how many more failed, and one
 line when writes succeed again. The writer keeps going: the next write is tried as usual.
@@ -260,7 +268,8 @@ class _FailureLog:
         if last is None:
             log.error(
                 "store write failed: %s; %d write(s) %s (further failures of this kind: at most one line "
-                "per %g s; counted in hotloop_store_failed)", text, n, what, self.interval,
+                "per %g s; counted in hotloop_store_failed, ledger records in hotloop_store_usage_failed)",
+                text, n, what, self.interval,
                 exc_info=None if expected else exc,
             )
         else:
@@ -336,10 +345,15 @@ class Persistence:
         self._gathering: asyncio.TimerHandle | None = None  # the end of a group commit's delay
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-store")
-        self.written = 0
-        self.failed = 0
+        # What became of the writes, in two units (never mixed in one ratio): responses (a stored
+        # response's record: hotloop_store_written / _failed, /hotloop/stats) and usage ledger
+        # records (one per charged response: hotloop_store_usage_written / _usage_failed)
+        self.written = 0  # responses stored
+        self.failed = 0  # responses not stored (a failed write, given up at shutdown, or submitted after close)
+        self.usage_written = 0  # ledger records written
+        self.usage_failed = 0  # ledger records not written: failed, dropped (buffer full), or unrecorded (close)
         self._failures = _FailureLog(FAILURE_LOG_SECONDS)  # bounded log lines about failed writes
-        self.usage_dropped = 0  # ledger records charge() dropped (its buffer full)
+        self.usage_dropped = 0  # ledger records charge() dropped (its buffer full; in usage_failed too)
         # ids of the last LOST_IDS responses whose write failed (--store-sync full reports them)
         self._lost: OrderedDict[str, None] = OrderedDict()
         # sequence numbers of the last LOST_IDS ledger batches whose write failed (ledger_lost)
@@ -349,6 +363,11 @@ class Persistence:
         self._writing_at: float | None = None
         self._writing = 0
         self.stuck = False  # close() gave up on a writer thread still inside the store
+        self._halt = False  # close(): the writer takes no new batch (close() writes what is left itself)
+        # close() has taken what was left to write: from here on nothing can be queued, and a
+        # charge or a submission (a response still running after the shutdown grace) is logged
+        # for reconciliation and counted instead (_late, _unrecorded)
+        self._stopped = False
         self._retry_wait = False  # the writer waits to write a locked-out batch again (not in the store)
         self._usage: list[UsageRecord] = []
         self._usage_timer: asyncio.TimerHandle | None = None
@@ -364,7 +383,7 @@ class Persistence:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and not self._stopped:  # (never again on a closed store)
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hotloop-writer")
 
     def lost(self, response_id: str) -> bool:
@@ -404,44 +423,99 @@ class Persistence:
 
     def _usage_due(self) -> None:
         self._usage_timer = None
-        if self._usage:
+        if self._usage and not self._stopped:
             if not self._blocked and self._has_room(0):
                 self._push(self._job("usage", self._take_usage(), 0))
             else:  # busy writer: try again later, the buffer stays bounded
                 self._usage_timer = asyncio.get_running_loop().call_later(self.USAGE_FLUSH_SECONDS, self._usage_due)
 
+    async def _drain(self) -> None:
+        """:meth:`flush` until nothing came while it waited: what a response ending during the
+        shutdown flush submits or charges is written with the rest (close())."""
+        while True:
+            await self.flush()
+            if not self._usage and not self._blocked and self._done >= self._seq:
+                return
+
     async def close(self, timeout: float = CLOSE_FLUSH_SECONDS) -> None:
         """Write everything queued, then close the store, within ``timeout`` seconds in all (the
         flush and the store's own close share the one deadline: a store that hangs cannot hold the
         process forever). A flush cut short is one log line with the writes not stored; a close
-        cut short is one line too, and its thread is left to the process's exit (``stuck``)."""
+        cut short is one line too, and its thread is left to the process's exit (``stuck``).
+
+        Late records. A response may still end while (or after) the store closes: one running
+        past the shutdown grace and the abort window charges what it used (:meth:`charge`) or
+        submits itself when its task ends. Usage records are billing data, so none is lost
+        silently:
+
+        * while the queue is written out, what arrives is written too (:meth:`_drain` waits for
+          it), and what arrives while the writer stops is written here, directly in the store's
+          thread, before the store's close and within the same deadline (the store is still open);
+        * once the store is closing or closed (or its writer gave up at the deadline) a record
+          cannot be written any more: it is not queued (no writer is started again on a closed
+          store, nothing waits, nothing raises to the response's task), but logged at ERROR, one
+          line per ledger row it would have added to, with its day, key id and name, model,
+          tokens, flags and the response's id when known, so that an operator can add it to the
+          ledger, and counted (``usage_failed``: ``hotloop_store_usage_failed``). A response
+          submitted then is not stored (logged, counted in ``failed``, :meth:`lost`).
+
+        What close() adds to the shutdown is bounded: the late records written here share its
+        deadline, and a late record after it costs one log line."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         late = False  # the flush was cut short (and said so): the close, if cut short too, is not told again
-        if self._task is not None:
+        task = self._task
+        if task is not None:
             try:
-                await asyncio.wait_for(self.flush(), timeout)
+                await asyncio.wait_for(self._drain(), timeout)
             except TimeoutError:
+                late = True
+            # the writer stops before its next batch (one that began after the drain: awaited)
+            self._halt = True
+            self._wake()
+            if not late:
+                await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+            if late or not task.done():
                 late = True
                 log.error(
                     "store flush at shutdown timed out after %g s: %d write(s) not stored",
-                    timeout, len(self._jobs) + len(self._blocked) + self._writing,
+                    timeout, len(self._jobs) + len(self._blocked) + self._writing + bool(self._usage),
                 )
                 self.stuck = self._writing_at is not None and not self._retry_wait
-            self._task.cancel()
+                task.cancel()
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
             self._task = None
+        # From here on nothing is queued (_stopped, in the same step as what is left is taken).
+        self._stopped = True
+        left = self._take_left()
+        if left and (late or self.stuck):  # no time left, or the store's thread is not free
+            self._account(left, [], "not written: the store's writer did not finish within the shutdown bound")
+            left = []
         if self.stuck:
             # the writer thread is still inside the store: closing it would wait behind that call
             # without a bound. Left to the process's exit (serve() does not join the thread).
+            self._release_barriers()
             self._pool.shutdown(wait=False, cancel_futures=True)
             return
-        self._failures.report("store closed")
+        # what came while the writer stopped: written before the store's close, on its thread
+        writing = loop.run_in_executor(self._pool, self._write_left, left) if left else None
         closing = loop.run_in_executor(self._pool, self.store.close)
         done, _ = await asyncio.wait({closing}, timeout=max(0.0, deadline - loop.time()))
+        if writing is not None:
+            if writing.done():
+                results = writing.result()
+                for err in results:
+                    if err is not None:
+                        self._failures.failed(err, 1, "not stored")
+                self._account(left, results, "its write failed at shutdown", detail=True)
+            else:  # (then the close did not finish either: reported below)
+                writing.add_done_callback(errors.retrieved)
+                self._account(left, [], "its write was still running at the shutdown bound: it may be recorded")
+        self._release_barriers()
+        self._failures.report("store closed")
         if not done:  # a close waiting on the store (a lock held by a thread inside it, say)
             if not late:
                 log.error("closing the store at shutdown did not finish within %g s: left to the process's exit", timeout)
@@ -451,6 +525,139 @@ class Persistence:
             return
         closing.result()  # a failing close raises, as it did when awaited directly
         self._pool.shutdown(wait=True)
+
+    def _take_left(self) -> list[_Job]:
+        """What is queued and not written, in order (close(), the writer stopped): the queue,
+        the submissions waiting for room (their callers stop waiting: no writer will make room)
+        and the ledger buffer."""
+        left = list(self._jobs)
+        self._jobs.clear()
+        self._jobs_bytes = 0
+        for job, fut in self._blocked:
+            left.append(job)
+            if not fut.done():
+                fut.set_result(None)
+        self._blocked.clear()
+        if self._usage:
+            left.append(self._job("usage", self._take_usage(), 0))
+        elif self._usage_timer is not None:
+            self._usage_timer.cancel()
+            self._usage_timer = None
+        return left
+
+    def _write_left(self, jobs: list[_Job]) -> list[BaseException | None]:
+        """What close() writes itself (the store's thread): each job's failure, never raised; in
+        one transaction when the store offers one, else one job at a time (no retry at shutdown)."""
+        if self._store_batch is None:
+            out: list[BaseException | None] = []
+            for job in jobs:
+                try:
+                    out.append(self._write_job(job))
+                except Exception as exc:  # (locked out)
+                    out.append(exc)
+            return out
+        try:
+            return self._write_jobs(jobs)
+        except Exception as exc:  # the batch failed as a whole (locked out: no retry at shutdown)
+            return [exc] * len(jobs)
+
+    def _release_barriers(self) -> None:
+        """close(): no :meth:`flush` waits any longer (what it waited for is accounted for:
+        :meth:`lost` and :meth:`ledger_lost` say what was not written)."""
+        barriers, self._barriers = self._barriers, deque()
+        for _, fut in barriers:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _account(self, jobs: list[_Job], done: list[BaseException | None], why: str, detail: bool = False) -> None:
+        """Count what became of ``jobs`` (``done``: each one's failure, ``None``: written; those
+        past its end never finished: close() gave up on them, ``why``). Responses count in
+        ``written``/``failed``, ledger records in ``usage_written``/``usage_failed``. Ledger
+        records that never finished (or failed, with ``detail``) are logged for reconciliation
+        (:meth:`_unrecorded`); other failed writes were logged by kind (:class:`_FailureLog`)."""
+        unrecorded: list[UsageRecord] = []
+        for i, job in enumerate(jobs):
+            finished = i < len(done)
+            ok = finished and done[i] is None
+            if job.kind == "put":
+                rid = job.payload.entry.id
+                self.pending.pop(rid, None)
+                if ok:
+                    self.written += 1
+                else:
+                    self.failed += 1
+                    self._lose(rid)
+            elif ok:
+                self.usage_written += len(job.payload)
+            else:
+                self._lost_usage.append(job.seq)
+                if finished and not detail:
+                    self.usage_failed += len(job.payload)
+                else:
+                    unrecorded.extend(job.payload)
+            self._finished(job.seq)
+        if unrecorded:
+            self._unrecorded(unrecorded, why)
+
+    def _lose(self, response_id: str) -> None:
+        self._lost[response_id] = None
+        if len(self._lost) > LOST_IDS:
+            self._lost.popitem(last=False)
+
+    def _unrecorded(self, recs: list[UsageRecord], why: str, response_id: str | None = None) -> None:
+        """Ledger records that cannot be written (close(): see there): counted in
+        ``usage_failed`` and logged at ERROR, one line per ledger row they add to (UTC day, model,
+        key id) with what it would count, so that an operator can add it to the ledger. Bounded
+        by the records close() had left (the queue's bounds) or by the responses still running
+        after it; names are quoted (a model name is a client's string)."""
+        self.usage_failed += len(recs)
+        rows: dict[tuple[str, str, str], list[Any]] = {}
+        for r in recs:
+            day = time.strftime("%Y-%m-%d", time.gmtime(r.at))
+            row = rows.get((day, r.model, r.key))
+            if row is None:
+                row = rows[day, r.model, r.key] = [r.name, 0, 0, 0, 0, 0, 0, {}]
+            row[1] += 1
+            row[2] += r.input_tokens
+            row[3] += r.output_tokens
+            row[4] += r.cached_tokens
+            row[5] += r.reasoning_tokens
+            if r.findings:
+                row[6] += 1
+                for kind, n in r.findings.items():
+                    row[7][kind] = row[7].get(kind, 0) + n
+        response = "" if response_id is None else f" response={response_id!r}"
+        for (day, model, key), (name, n, inp, out, cached, reasoning, flagged, found) in rows.items():
+            log.error(
+                "usage not recorded in the ledger (%s): day=%s key_id=%r key=%r model=%r responses=%d "
+                "input_tokens=%d output_tokens=%d cached_tokens=%d reasoning_tokens=%d flagged=%d findings=%r%s "
+                "(counted in hotloop_store_usage_failed; add it to the ledger to reconcile)",
+                why, day, key, name, model, n, inp, out, cached, reasoning, flagged, found, response,
+            )
+
+    def _late(self, entry: CachedResponse, key: str, findings: dict[str, int] | None, ledger: bool, name: str | None) -> None:
+        """:meth:`submit` after close() took what was left (see there): not stored, not queued."""
+        if entry.store:
+            self._late_put(entry.id)
+        rec = usage_record(entry.response, key, findings, name) if ledger else None
+        if rec is not None:
+            self._late_usage([rec], entry.id)
+
+    def _late_put(self, response_id: str) -> None:
+        """A response to store after close() took what was left: not stored, logged, counted."""
+        self.pending.pop(response_id, None)
+        self.failed += 1
+        self._lose(response_id)
+        log.error("response %s ended after the store closed at shutdown: not stored (counted in hotloop_store_failed)", response_id)
+
+    def _late_usage(self, recs: list[UsageRecord], response_id: str | None) -> None:
+        """Ledger records after close() took what was left: numbered as a job that failed
+        (:meth:`ledger_lost` tells a ``--store-sync full`` response its ledger entry was not
+        written), logged and counted (:meth:`_unrecorded`)."""
+        seq = self._job("usage", None, 0).seq
+        self._lost_usage.append(seq)
+        self._finished(seq)
+        self._unrecorded(recs, "charged after the store closed at shutdown", response_id)
 
     # -- the queue -----------------------------------------------------------------------------
 
@@ -512,6 +719,12 @@ class Persistence:
         does not take the job with it, and the job keeps its place in the order.
         """
         if self._task is None:
+            if self._stopped:  # a submission that waited for room while close() took what was left
+                if kind == "put":
+                    self._late_put(payload.entry.id)
+                else:
+                    self._late_usage(payload, None)
+                return
             self.start()
         job = self._job(kind, payload, nbytes)
         if not self._blocked and self._has_room(nbytes):
@@ -532,7 +745,7 @@ class Persistence:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._halt:
             if not self._jobs:
                 self._wakeup = loop.create_future()
                 await self._wakeup
@@ -550,6 +763,8 @@ class Persistence:
                     self._wakeup = None
                     self._gathering.cancel()
                     self._gathering = None
+                if self._halt:  # close(): it writes what is left itself
+                    return
             queue = self._jobs
             jobs = [queue.popleft() for _ in range(min(len(queue), self._batch))]
             self._jobs_bytes -= sum(job.nbytes for job in jobs)
@@ -560,21 +775,9 @@ class Persistence:
                 done = await self._write_batch(loop, jobs)
             finally:
                 self._writing_at, self._writing = None, 0
-                # (cancelled: close() gave up on the queue and logged how many were not stored)
-                for i, job in enumerate(jobs):
-                    ok = i < len(done) and done[i] is None
-                    if job.kind == "put":
-                        rid = job.payload.entry.id
-                        self.pending.pop(rid, None)
-                        self.written += ok
-                        if not ok:
-                            self._lost[rid] = None
-                            if len(self._lost) > LOST_IDS:
-                                self._lost.popitem(last=False)
-                    elif not ok:
-                        self._lost_usage.append(job.seq)
-                    self.failed += not ok
-                    self._finished(job.seq)
+                # (cancelled: close() gave up on the queue at its deadline and logged how many
+                # were not stored; the ledger records of this batch are logged one row a line)
+                self._account(jobs, done, "its write was cut short at the shutdown bound: it may be recorded")
             if self._take_pruned is not None:
                 pruned = self._take_pruned()
                 if pruned:
@@ -667,6 +870,9 @@ class Persistence:
         classifiers' ``findings`` per kind when it was flagged) unless ``ledger`` is false, the
         response if it is stored."""
         if self._task is None:
+            if self._stopped:  # (after close(): see there)
+                self._late(entry, key, findings, ledger, name)
+                return
             self.start()
         rec = usage_record(entry.response, key, findings, name) if ledger else None
         if rec is not None:
@@ -688,16 +894,23 @@ class Persistence:
                 # rather than make this turn wait for a ledger write
                 await self._enqueue("usage", self._take_usage(), 0)
 
-    def charge(self, rec: UsageRecord | None) -> None:
+    def charge(self, rec: UsageRecord | None, response_id: str | None = None) -> None:
         """A ledger record for a response that ended without ``submit`` (cut short, or failed),
         without waiting: it joins the buffer, written within ``USAGE_FLUSH_SECONDS``. Past
-        ``USAGE_BUFFER`` records (a writer long behind) it is dropped, and the log says so."""
+        ``USAGE_BUFFER`` records (a writer long behind) it is dropped, and the log says so
+        (counted in ``usage_dropped`` and ``usage_failed``). After :meth:`close` it cannot be
+        written: it is logged with its details (``response_id``, the response's, when known) and
+        counted (see close()). Never raises, never waits."""
         if rec is None:
             return
         if self._task is None:
+            if self._stopped:  # (after close(): see there)
+                self._late_usage([rec], response_id)
+                return
             self.start()
         if len(self._usage) >= self.USAGE_BUFFER:
             self.usage_dropped += 1
+            self.usage_failed += 1
             self._failures.note(
                 "ledger buffer full",
                 f"usage ledger buffer full ({self.USAGE_BUFFER} records): records are dropped, "

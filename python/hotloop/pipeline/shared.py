@@ -393,7 +393,8 @@ class SharedPersistence(Persistence):
             give_up_by(time.monotonic() + timeout)
         # the queue is written out from now on, while the rest stops (what a flush cancelled at
         # the deadline still waited for is counted below)
-        flushing = loop.create_task(self.flush()) if self._task is not None else None
+        # (_drain: what responses ending meanwhile submit or charge is written too, see Persistence.close)
+        flushing = loop.create_task(self._drain()) if self._task is not None else None
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.wait({self._listener}, timeout=left())
@@ -429,7 +430,13 @@ class SharedPersistence(Persistence):
         writing = self._writing_at is not None and not self._retry_wait
         self.stuck = writing or self._sending > 0 or reads > 0
         if self._task is not None:  # the writer: stopped here, so that Persistence.close only closes
-            self._task.cancel()
+            # (what it did not take is written by Persistence.close, before the store's close)
+            self._halt = True  # an idle writer stops before its next batch; one inside a batch is cancelled
+            self._wake()
+            if self._writing_at is None:  # idle (not inside a batch, nor waiting to retry one)
+                await asyncio.wait({self._task}, timeout=left())
+            if not self._task.done():
+                self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None

@@ -200,7 +200,12 @@ class HotloopApp:
             "view": "all" if full else "key",
             "active_responses": eng.active,
             "completed_responses": eng.completed,
-            "store": {"pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed},
+            # responses (pending, written, failed: as hotloop_store_written/_failed) and usage ledger
+            # records (as hotloop_store_usage_written/_usage_failed): one unit per pair
+            "store": {
+                "pending": len(self.persistence.pending), "written": self.persistence.written, "failed": self.persistence.failed,
+                "usage_written": self.persistence.usage_written, "usage_failed": self.persistence.usage_failed,
+            },
             # the cyclic collector: objects frozen at start-up, and per generation its collections
             "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
         }

@@ -1106,7 +1106,7 @@ class Run:
                 # budget, with what its classifiers flagged (complete() records the others, with
                 # the response)
                 record = usage_record({**turn.response, "usage": self.spent()}, self.tenant.id, self.plan.flags, self.tenant.name)
-                engine.persistence.charge(record)
+                engine.persistence.charge(record, turn.response.get("id"))  # (named in the log if it comes after close)
             if not turn.done:
                 engine.observe(self)  # the transports observe the others, after their last write
             # Once the terminal event exists the response is real: its caching and storage come

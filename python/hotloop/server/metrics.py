@@ -331,8 +331,22 @@ class _StateCollector:
         p = app.persistence
         yield GaugeMetricFamily("hotloop_store_queue_depth", "Store writes waiting.", value=len(p._jobs))
         yield GaugeMetricFamily("hotloop_store_pending_responses", "Responses not yet written to the store.", value=len(p.pending))
-        yield CounterMetricFamily("hotloop_store_written", "Store writes done.", value=p.written)
-        yield CounterMetricFamily("hotloop_store_failed", "Store writes failed.", value=p.failed)
+        # one unit per pair (a failure ratio never mixes a response with a ledger batch):
+        # responses (as /hotloop/stats' store counts), and usage ledger records
+        yield CounterMetricFamily("hotloop_store_written", "Responses written to the store.", value=p.written)
+        yield CounterMetricFamily(
+            "hotloop_store_failed", "Responses not stored: their write failed or was given up at shutdown.", value=p.failed
+        )
+        yield CounterMetricFamily(
+            "hotloop_store_usage_written", "Usage ledger records (one per charged response) written to the store.",
+            value=p.usage_written,
+        )
+        yield CounterMetricFamily(
+            "hotloop_store_usage_failed",
+            "Usage ledger records not written: their write failed, the ledger buffer was full, or they came after the "
+            "store closed at shutdown (logged).",
+            value=p.usage_failed,
+        )
         q = GaugeMetricFamily("hotloop_ws_queued_creates", "response.create frames queued on WebSocket connections.")
         q.add_metric([], app.ws_queued())
         yield q

@@ -81,7 +81,7 @@ fills and then applies back-pressure, and :attr:`available` is false so new ``st
 requests beyond the queue are refused with a 503 (:mod:`hotloop.pipeline.shared`). A write that
 still fails after ``write_retry_seconds`` (or, while the server stops, after
 the shutdown flush bound, ``hotloop.pipeline.post.CLOSE_FLUSH_SECONDS``) is logged and counted as failed
-(``hotloop_store_failed``), never dropped silently.
+(``hotloop_store_failed``: responses; ``hotloop_store_usage_failed``: ledger records), never dropped silently.
 """
 
 from __future__ import annotations

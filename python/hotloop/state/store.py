@@ -76,8 +76,9 @@ with nothing of it done.
 
 Opening a file another connection holds locked. Reads go on, so the store opens unless the file
 needs a schema change (a column, a table, fingerprints made under another key: those wait for
-the lock like any write). The move of an earlier version's ledger rows (it is made again before
-every listing) and the one-time collection of orphaned blobs are not needed to serve: at open
+the lock like any write). The move of an earlier version's ledger rows (the ledger before keys,
+the one by key name; made again before every listing) and the one-time collection of orphaned
+blobs are not needed to serve: at open
 each waits at most ``OPEN_WAIT`` seconds for the lock, and is otherwise left for later with one
 log line (a server started while ``hotloop keys``, a backup or another worker holds the file
 starts at once, instead of failing after the busy timeout).
@@ -701,14 +702,6 @@ CREATE TABLE IF NOT EXISTS meta (
 ) WITHOUT ROWID;
 """ + _LEDGER_USAGE.format(name="ledger_usage") + ";" + _LEDGER_FINDINGS.format(name="ledger_findings") + ";"
 _USAGE_COLUMNS = ", ".join(USAGE_FIELDS)
-# The ledger before it recorded key names (one row per day and model): moved into ledger_usage
-# under LEGACY_OWNER (open mode's tenant, whose id is its name), once.
-_MIGRATE_USAGE = f"""
-INSERT OR IGNORE INTO ledger_usage({_USAGE_COLUMNS})
-    SELECT day, model, '{LEGACY_OWNER}', '{LEGACY_OWNER}', responses, input_tokens, output_tokens, cached_tokens,
-        reasoning_tokens FROM usage;
-DROP TABLE usage;
-"""
 # The ledger before it recorded key ids: key_usage and key_findings keyed by (day, model, key
 # name). The ledger by key id is kept in other tables (ledger_usage, ledger_findings), so that a
 # process of an earlier version still running on the file (a package upgraded before its server
@@ -721,6 +714,15 @@ _LEGACY_ID_SQL = (
 )
 _COUNT_COLUMNS = "responses, input_tokens, output_tokens, cached_tokens, reasoning_tokens, flagged"
 _ADD_COUNTS = ", ".join(f"{c}={c}+excluded.{c}" for c in _COUNT_COLUMNS.split(", "))
+# The oldest ledger, before it recorded keys (``usage``: one row per day and model): moved into
+# ledger_usage under LEGACY_OWNER (open mode's tenant, whose id is its name), added to a row of
+# that id that exists, and dropped, in one transaction (SQLiteStore._move_oldest_ledger).
+_MOVE_OLDEST = (
+    f"INSERT INTO ledger_usage({_USAGE_COLUMNS}) SELECT day, model, '{LEGACY_OWNER}', '{LEGACY_OWNER}', responses,"
+    f" input_tokens, output_tokens, cached_tokens, reasoning_tokens FROM usage WHERE 1"
+    f" ON CONFLICT(day, model, key_id) DO UPDATE SET {_ADD_COUNTS}",
+    "DROP TABLE usage",
+)
 
 
 def _move_by_name(key_id: str, tables: set[str]) -> list[str]:
@@ -939,19 +941,13 @@ class SQLiteStore(_Pruned):
                         if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                             raise
             self._tidy_at_open(
-                "usage ledger rows an earlier version kept by key name are moved before the next usage listing",
-                self._move_ledger_by_name,
+                "usage ledger rows earlier versions kept (before keys, or by key name) are moved before the next usage listing",
+                self._move_earlier_ledgers,
             )
             self._migrate_fingerprints()
             self.call_id_key = self._call_id_key()
             self._db.executescript(_INDEXES)
             self._tidy_at_open("orphaned item bodies are collected at the next open", self._collect_orphans)
-            if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'").fetchone():
-                try:
-                    self._db.executescript("BEGIN;" + _MIGRATE_USAGE + "COMMIT;")
-                except sqlite3.OperationalError:  # another process migrated it first
-                    if self._db.in_transaction:
-                        self._db.execute("ROLLBACK")
 
     def _waiting(self, seconds: float) -> contextlib.AbstractContextManager[None]:
         """The connection's statements inside wait at most ``seconds`` (0: not at all) for
@@ -1021,6 +1017,41 @@ class SQLiteStore(_Pruned):
                 "outputs sent later)"
             )
         return key
+
+    def _move_earlier_ledgers(self) -> None:
+        """The moves of earlier versions' ledgers into the ledger by key id, oldest first (at
+        open within ``OPEN_WAIT``, and before every listing within the request's bound)."""
+        self._move_oldest_ledger()
+        self._move_ledger_by_name()
+
+    def _move_oldest_ledger(self) -> None:
+        """Move the oldest ledger (``usage``: one row per day and model, kept before the ledger
+        recorded keys) into the ledger by key id under ``LEGACY_OWNER``, and drop it, in one
+        transaction: once, whoever moves it (a process that finds it gone inside its transaction
+        moves nothing). A look-up when it is absent.
+
+        It used to be made at open only, with the connection's whole busy timeout: a file held
+        locked by another connection (``hotloop keys``, a backup, another worker) made the open
+        wait all of it, and then the rows were silently left out of every listing until a later
+        open. Now it is one of the tidy-ups of an open (:meth:`_tidy_at_open`: at most
+        ``OPEN_WAIT``, at once when the lock is free) and is made again before every listing, like
+        :meth:`_move_ledger_by_name`; locked out, it raises (nothing moved)."""
+        db = self._db
+        exists = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage'"
+        if not db.execute(exists).fetchone():
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            moved = db.execute(exists).fetchone() is not None  # (another process may have moved it meanwhile)
+            if moved:
+                for stmt in _MOVE_OLDEST:
+                    db.execute(stmt)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        if moved:
+            log.info("the usage ledger of %s kept before key names was moved under %s", self.path, LEGACY_OWNER)
 
     def _move_ledger_by_name(self) -> None:
         """Move the rows of a ledger keyed by key name (key_usage, key_findings: left by an
@@ -1448,7 +1479,7 @@ class SQLiteStore(_Pruned):
         wait: float | None = None,
     ) -> list[dict[str, Any]]:
         """See :meth:`ResponseStore.usage`; ``wait``: see :meth:`_request_write`. :raises
-        StoreBusy: the move of an earlier version's rows (``_move_ledger_by_name``) was locked
+        StoreBusy: the move of an earlier version's rows (``_move_earlier_ledgers``) was locked
         out (nothing moved)."""
         # Only the conditions given are in the query: a row-value comparison behind "?3 IS NULL OR"
         # is not used to seek the (day, model, key_id) key, and a late page then scans every row
@@ -1464,7 +1495,7 @@ class SQLiteStore(_Pruned):
             where.append("(day, model, key_id) > (?, ?, ?)")
             args.extend(after)
         with self._request_write("a usage listing", wait):  # (raises StoreBusy: nothing moved)
-            self._move_ledger_by_name()  # rows an earlier version's process wrote meanwhile
+            self._move_earlier_ledgers()  # rows an earlier version's process wrote meanwhile (or left at open)
             rows = self._db.execute(
                 f"SELECT {_USAGE_COLUMNS}, flagged FROM ledger_usage WHERE {' AND '.join(where)} "
                 "ORDER BY day, model, key_id LIMIT ?",
