@@ -20,6 +20,7 @@ import pytest
 
 from hotloop.protocol import events as ev
 from hotloop.server.http import _Held
+from hotloop.server.httpproto import LINGER_SECONDS
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 
 from .test_http_cork import Recorder, _connection, _post
@@ -369,8 +370,12 @@ def test_a_request_still_being_read_when_the_timer_fires_is_timed_out_at_its_own
             clock.advance(timeout)  # the timer fires: this request is due at 1.5 * timeout
             assert not transport.closed and clock.pending() == 1
             clock.advance(timeout * 1.5)
-            assert transport.closed
             assert transport.writes and transport.writes[-1].startswith(b"HTTP/1.1 408")
+            # closed lingering: what the client still sends is dropped, the close comes after
+            # the linger (at most the read timeout)
+            assert not transport.closed
+            clock.advance(timeout * 1.5 + min(LINGER_SECONDS, timeout))
+            assert transport.closed
 
     asyncio.run(main())
 
@@ -400,8 +405,10 @@ def test_a_read_timer_that_fires_early_times_out_without_spinning(tmp_path: Any)
             timeout = proto.limits.read_timeout
             proto.on_message_begin()  # a request's first byte at 0, never completed
             clock.advance(timeout - 0.0005)  # the timer fires, early
-            assert transport.closed and clock.created == 1
+            assert clock.created == 2  # the read timer, once, and the 408's lingering close
             assert transport.writes and transport.writes[-1].startswith(b"HTTP/1.1 408")
+            clock.advance(timeout + min(LINGER_SECONDS, timeout))
+            assert transport.closed and clock.created == 2
 
     asyncio.run(main())
 

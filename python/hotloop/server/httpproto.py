@@ -4,9 +4,9 @@ Connection limit. At most ``max_connections`` client connections are served at o
 WebSocket together: a connection keeps its place when it upgrades, and gives it back when it
 closes). A connection beyond the limit is not handed to the application: once its request head
 has arrived it is answered ``503`` with the OpenAI error envelope (``type: server_error``,
-``code: server_overloaded``, ``retry-after``) and closed, which for a WebSocket upgrade is the
-handshake's rejection. It is never counted, and it too must send its head within the read
-timeout.
+``code: server_overloaded``, ``retry-after``) and closed (lingering, see below), which for a
+WebSocket upgrade is the handshake's rejection. It is never counted, and it too must send its
+head within the read timeout.
 
 Read timeout. A request's head and body must arrive within ``read_timeout`` seconds of its first
 byte (of the connection's opening, for the first request): then the connection is closed, with a
@@ -15,6 +15,18 @@ while a request is being read: the idle time of a keep-alive connection between 
 counted (uvicorn's keep-alive timeout closes those), nor is the time the application takes to
 answer. A WebSocket handshake is a request head like any other; once upgraded, the connection
 belongs to :class:`~hotloop.server.wsproto.CorkedWebSocketProtocol`.
+
+Lingering close. An answer that ends the connection (a 400 for a malformed request or a
+pipelined WebSocket handshake, a 431, a 408, the 503 beyond the limit, a final answer to
+``Expect: 100-continue``, and a response on a connection that does not stay open, HTTP/1.0 or
+``Connection: close``, written before its request's body was read) is followed by a FIN; what
+the client still sends is read and dropped, and the connection closes when the client closes its
+side, at most ``LINGER_SECONDS`` (and the read timeout) later. Closed at once, a socket holding
+bytes the client sent and the server had not read (the rest of a body, frames behind a
+handshake) was reset, and the client read ``connection reset`` after the answer or instead of
+it. An admitted connection keeps its place under the limit while it lingers; at most
+``MAX_LINGERING_REJECTED`` connections beyond the limit linger at once (the others are closed at
+once, as before).
 
 Request bodies. A Content-Length body of up to ``BODY_BUFFER`` bytes is read by the kernel straight
 into the buffer the application receives (:class:`HttpReader`, ``get_buffer``); other bodies are
@@ -54,6 +66,11 @@ MAX_REJECTED_HEAD = 64 * 1024  # bytes read from a connection beyond the limit b
 # anyway (RFC 9110 10.1.1 lets it), and a close while it does could reset the connection before it
 # read the answer (a lingering close, as nginx's). The answer says connection: close.
 LINGER_SECONDS = 2.0
+# Connections beyond the limit (answered 503) that may linger at once, per server: beyond it, one
+# is closed at once (its client may read a reset). Such a connection is not counted under the
+# limit, so its linger is bounded here: a flood of them holds at most this many sockets for at
+# most LINGER_SECONDS each (a well-behaved client closes on the FIN, ending its linger at once).
+MAX_LINGERING_REJECTED = 64
 # Pipelined requests that may wait on one connection while the request before them runs. uvicorn
 # parsed every request head of a read (a 64 KiB read holds about 1,900 small ones) and queued
 # them all, each read after a response adding more, without a bound (one client pipelining
@@ -125,7 +142,9 @@ _HEAD_END = b"\r\n\r\n"
 class Limits:
     """One server's connection count and read timeout, shared by its protocol instances."""
 
-    __slots__ = ("max_connections", "read_timeout", "admitted", "rejected", "timed_out", "scratch", "direct_bytes")
+    __slots__ = (
+        "max_connections", "read_timeout", "admitted", "rejected", "timed_out", "scratch", "direct_bytes", "lingering",
+    )
 
     def __init__(self, max_connections: int, read_timeout: float) -> None:
         self.max_connections = max_connections
@@ -136,6 +155,7 @@ class Limits:
         # what the server's reads of request heads go into (its event loop reads one at a time)
         self.scratch = bytearray(READ_BUFFER)
         self.direct_bytes = 0  # the buffers of bodies being read directly (DIRECT_BODY_BYTES)
+        self.lingering = 0  # connections beyond the limit closing lingering (MAX_LINGERING_REJECTED)
 
     def admit(self, transport: Any) -> bool:
         if len(self.admitted) >= self.max_connections:
@@ -247,6 +267,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # how many of _HEAD_END's first bytes the head bytes fed so far end with (its blank line
         # split across reads: _feed)
         self._head_tail = 0
+        # a lingering close (_close_lingering): its timer, and whether it counts in Limits.lingering
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._lingers_rejected = False
 
     # -- connection limit -----------------------------------------------------------------------
 
@@ -263,6 +286,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._stop_idle()
         self._drop_into()  # a body cut short
         self.limits.release(self.transport)
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+            if self._lingers_rejected:
+                self._lingers_rejected = False
+                self.limits.lingering -= 1
         if not self._admitted:
             return
         super().connection_lost(exc)
@@ -325,6 +354,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             app = self.app
         existing = self.cycle
+        keep_alive = http_version != "1.0" and parser.should_keep_alive()
         cycle = self.cycle = RequestResponseCycle(
             scope=scope,  # type: ignore[arg-type]
             transport=self.transport,
@@ -335,9 +365,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             default_headers=self.server_state.default_headers,
             message_event=asyncio.Event(),
             expect_100_continue=self.expect_100_continue,
-            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+            keep_alive=keep_alive,
             on_response=self.on_response_complete,
         )
+        if not keep_alive:  # (HTTP/1.0, Connection: close) its response's close may linger
+            cycle.transport = _ClosesLingering(cycle, self)  # type: ignore[assignment]
         extensions: dict[str, Any] = {
             ON_DISCONNECT: functools.partial(self._on_disconnect, cycle),
             SEND_NOW: functools.partial(_send_now, cycle),
@@ -395,10 +427,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self.transport.write(answer)
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.close()
+            self._close_lingering()
         elif (cycle is None or cycle.response_complete) and not self.pipeline:
             self.transport.write(answer)
-            self.transport.close()
+            self._close_lingering()
         else:
             self._refusal = answer  # on_response_complete writes it once they are written
 
@@ -416,15 +448,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._admitted:
             self._feed(data, 0, len(data))
             return
-        # beyond the limit: wait for the head, answer 503, close (nothing reaches the app)
-        if self.transport.is_closing():
+        # beyond the limit: wait for the head, answer 503, close lingering (nothing reaches the app)
+        if self._stopped or self.transport.is_closing():
             return
         self._rejected_head += data
         if b"\r\n\r\n" in self._rejected_head:
             self._disarm()
+            self._rejected_head = b""
             self.limits.rejected += 1
             self.transport.write(overloaded_response())
-            self.transport.close()
+            self._close_lingering()
         elif len(self._rejected_head) > MAX_REJECTED_HEAD:
             self._disarm()
             self.transport.close()
@@ -457,7 +490,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         scratch = self.limits.scratch
         if self._admitted:
             self._feed(scratch, 0, nbytes)
-        else:
+        elif not self._stopped:  # (a connection beyond the limit, answered: dropped)
             self.data_received(bytes(memoryview(scratch)[:nbytes]))
 
     def _feed(self, data: bytes | bytearray, start: int, stop: int) -> None:
@@ -600,14 +633,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_message and not self.pipeline and self._awaits_continue(self.cycle):
             # the response (connection: close) is the newest request's, whose body the client may
             # or may not send (what it sends next would be read as it): nothing more is parsed,
-            # what comes is dropped, and the connection closes once the client does or
-            # LINGER_SECONDS later (after the response: its cork's, if held)
-            self._stopped = True
-            self._disarm()  # no 408 for a body nobody waits for
-            self._into = None  # (reads go to the scratch buffer, and nowhere)
-            self.flow.held = False
-            self.flow.resume_reading()
-            self.loop.call_later(min(LINGER_SECONDS, self.limits.read_timeout), self.cycle.transport.close)
+            # what comes is dropped, and the connection closes lingering (no 408 for a body
+            # nobody waits for; its FIN after the response: its cork's, if held)
+            self._close_lingering()
             return
         started = bool(self.pipeline)
         if started:
@@ -646,7 +674,69 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         refusal, self._refusal = self._refusal, None
         if refusal is not None and not self.transport.is_closing():
             self.transport.write(refusal)
+            self._close_lingering()
+
+    # -- lingering close --------------------------------------------------------------------------
+
+    # An answer that ends the connection (a refusal, a 503 beyond the limit, a 408, a response on
+    # a connection that does not stay open) may leave bytes the client sent unread: the rest of a
+    # body, frames behind a handshake, whatever came while reading was paused, or what the client
+    # sends while the answer is on its way. A socket closed with unread bytes is reset (Linux),
+    # and the client reads ``connection reset`` after the answer, or instead of it. So the answer
+    # is followed by a FIN, what comes is read and dropped, and the connection closes once the
+    # client closes its side (eof_received: the transport closes itself) or LINGER_SECONDS later
+    # (at most the read timeout), as nginx's lingering close. An admitted connection keeps its
+    # place under the limit meanwhile; one beyond it lingers only while fewer than
+    # MAX_LINGERING_REJECTED do (else it is closed at once).
+
+    def _close_lingering(self) -> None:
+        """Close the connection, lingering, after an answer just written (it says
+        ``connection: close``): nothing more is parsed or answered."""
+        t = self.transport
+        if self._linger_timer is not None or t.is_closing():
+            return
+        limits = self.limits
+        if not self._admitted:
+            if limits.lingering >= MAX_LINGERING_REJECTED:
+                t.close()
+                return
+            limits.lingering += 1
+            self._lingers_rejected = True
+        self._stopped = True  # what comes is read into the scratch buffer and dropped (_feed)
+        self._disarm(cancel=True)
+        self._stop_idle()
+        self._drop_into()
+        self._held = b""
+        self._refusal = None
+        self.pipeline.clear()  # requests that never ran
+        self._linger_timer = self.loop.call_later(min(LINGER_SECONDS, limits.read_timeout), t.close)
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.waiting_for_100_continue = False  # (its receive() writes no 100 after the FIN)
+            if type(cycle.transport) is _Corked:  # the response its sender has not uncorked yet
+                cycle.transport.flush()  # goes first (the cork stays, empty: nothing follows)
+        try:
+            eof = t.can_write_eof()  # (not over TLS: then the linger alone)
+        except NotImplementedError:
+            eof = False
+        if eof:
+            t.write_eof()  # once what is buffered has been written
+        self.flow.held = False
+        self.flow.resume_reading()
+
+    def _closing_response(self, cycle: Any) -> None:
+        """The response of ``cycle``, on a connection that does not stay open, is complete:
+        close lingering if the client sent bytes that were not read or answered (the request's
+        body, which the application answered without reading; requests after it), else at
+        once."""
+        if self._in_message or self.pipeline or self._held:
+            cycle.on_response = self._response_counted  # (nothing runs after it)
+            self._close_lingering()
+        else:
             self.transport.close()
+
+    def _response_counted(self) -> None:
+        self.server_state.total_requests += 1
 
     def _unset_keepalive_if_required(self) -> None:
         # uvicorn calls this on every read: bytes that begin no request (an empty line, which a
@@ -767,7 +857,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
             cycle.message_event.set()
-        transport.close()
+        self._close_lingering()
 
 
 def _later(due: float, set_for: float, now: float) -> bool:
@@ -982,6 +1072,30 @@ async def _receive(cycle: Any) -> dict[str, Any]:
     body = cycle.body
     cycle.body = b""
     return {"type": "http.request", "body": body, "more_body": cycle.more_body}
+
+
+class _ClosesLingering:
+    """The transport of a request's response on a connection that does not stay open after it
+    (HTTP/1.0, ``Connection: close``): its ``close`` (uvicorn's, or :data:`RESPOND`'s, at the
+    response's end) closes lingering when the client sent bytes not read
+    (``BoundedHttpToolsProtocol._closing_response``); everything else is the transport's."""
+
+    __slots__ = ("transport", "cycle", "http")
+
+    def __init__(self, cycle: Any, http: BoundedHttpToolsProtocol) -> None:
+        self.transport = cycle.transport
+        self.cycle = cycle
+        self.http = http
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def close(self) -> None:
+        if not self.transport.is_closing():
+            self.http._closing_response(self.cycle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 class _Corked:
