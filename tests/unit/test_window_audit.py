@@ -6,7 +6,7 @@ a truncation that could not make the input fit; the tokenizer of provider-prefix
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
@@ -77,10 +77,24 @@ def test_chained_truncation_is_truncation_from_scratch(
     turn keeps the items, counts the tokens and (summed over the chain) drops the items a
     request holding the whole history drops, and refuses exactly when that request is refused
     (with the same message). ``reload``: each parent comes back from its stored record."""
-    items = [it for i, (kind, size) in enumerate(events) for it in _event(kind, size, i)]
+    n = len(history_of(events))
+    cuts = data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1), label="cuts") if n > 1 else set()
+    chain_as_scratch(history_of(events), cuts, win, instructions, mot, reload)
+
+
+def history_of(events: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [it for i, (kind, size) in enumerate(events) for it in _event(kind, size, i)]
+
+
+def chain_as_scratch(
+    items: list[dict[str, Any]], cuts: set[int], win: int, instructions: bool, mot: int | None, reload: bool,
+    say: Callable[[str], None] = note,
+) -> int:
+    """The property of :func:`test_chained_truncation_is_truncation_from_scratch` for one
+    history split at ``cuts``; the number of turns the chain took (it stops at a refusal).
+    ``say``: where each turn's outcome goes (hypothesis' ``note``)."""
     n = len(items)
-    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1), label="cuts")) if n > 1 else []
-    bounds = [0, *cuts, n]
+    bounds = [0, *sorted(cuts), n]
     extra: dict[str, Any] = {"instructions": "Be brief."} if instructions else {}
     if mot is not None:
         extra["max_output_tokens"] = mot
@@ -96,14 +110,14 @@ def test_chained_truncation_is_truncation_from_scratch(
         whole = scratch.input_tokens
         d1, e1 = _fit(chained, lim, mot)
         d2, e2 = _fit(scratch, lim, mot)
-        note(f"turn {j}: items {lo}:{hi}, whole {whole}, chained {d1} {e1}, scratch {d2} {e2}")
+        say(f"turn {j}: items {lo}:{hi}, whole {whole}, chained {d1} {e1}, scratch {d2} {e2}")
         if e2 is not None:
             # a chain refuses what a request of the whole history refuses; its message counts
             # what it was given (the chain so far plus the turn), not what dropping left of it
             assert e1 is not None
             if dropped_so_far == 0:
                 assert e1 == e2
-            return
+            return j + 1
         assert e1 is None and d1 is not None and d2 is not None
         dropped_so_far += d1
         assert [_key(x) for x in chained.items] == [_key(x) for x in scratch.items]
@@ -111,6 +125,7 @@ def test_chained_truncation_is_truncation_from_scratch(
         assert dropped_so_far == d2
         entry = finish(chained, f"resp_{j}", [])
         parent = from_record(to_record(entry)) if reload else entry
+    return len(bounds) - 1
 
 
 # -- call ids used again -------------------------------------------------------------------

@@ -12,6 +12,7 @@ import msgspec
 
 from hotloop import errors, tokenizer
 from hotloop.pipeline import items as itemlib
+from hotloop.pipeline import window
 from hotloop.protocol.objects import IdGen
 from hotloop.protocol.request import (
     FunctionCall,
@@ -25,7 +26,7 @@ from hotloop.protocol.request import (
     checked_tools,
     item_from_dict,
 )
-from hotloop.state.context import CachedResponse, Context, item_id_of
+from hotloop.state.context import DROPPED_CALLS_STATE, CachedResponse, Context, DroppedCalls, item_id_of
 from hotloop.state.store import LEGACY_OWNER
 
 _ID_PREFIX = {Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco", Reasoning: "rs"}
@@ -133,7 +134,7 @@ class Plan:
             self.pending_blobs = []
         base = self.parent.context if self.parent is not None else None
         ctx = (
-            Context(self.items, base.chain.copy(), set(base.call_ids), base.nbytes, ids_from=base)
+            Context(self.items, base.chain.copy(), set(base.call_ids), base.nbytes, ids_from=base, dropped=base.dropped)
             if base is not None
             else Context(self.items)
         )
@@ -257,6 +258,8 @@ def prepare(
     by the caller, which does the I/O; see :func:`unresolved_references`).
     """
     base = parent.context if parent is not None else None
+    if base is not None and base.dropped is None and parent.store and parent.states:  # type: ignore[union-attr]
+        _restore_dropped(parent)  # type: ignore[arg-type]
     new: list[Item] = []
     known_calls = base.call_ids if base is not None else set()
     pending_calls: set[str] = set()
@@ -280,10 +283,16 @@ def prepare(
         elif t is FunctionCallOutput:
             cid = item.call_id  # type: ignore[union-attr]
             if cid not in known_calls and cid not in pending_calls:
-                raise errors.InvalidRequest(
-                    f"No tool call found for function call output with call_id {errors.clip(cid)}.",
-                    param=f"input[{i}].call_id",
-                )
+                dropped = base.dropped if base is not None else None
+                if dropped is None or cid not in dropped.calls:
+                    raise errors.InvalidRequest(
+                        f"No tool call found for function call output with call_id {errors.clip(cid)}.",
+                        param=f"input[{i}].call_id",
+                    )
+                # the output of a call truncation dropped: "auto" drops it too (window.truncate),
+                # as it would from the whole history
+                if p.req.truncation != "auto":
+                    raise window.orphaned_output(cid, i)
         given = item_id_of(item)
         if given is not None:
             if given in supplied or (not referenced and base is not None and base.position(given) is not None):
@@ -329,6 +338,28 @@ def prepare(
     return plan
 
 
+def _restore_dropped(parent: CachedResponse) -> None:
+    """A parent loaded from the store: the calls truncation dropped from its conversation come
+    back from its chain states (see :func:`finished`), once. Not for a stand-in holding a reused
+    prefix (``store`` false, :func:`hotloop.pipeline.reuse.parent_of`): from the full history
+    its client sent, nothing was dropped."""
+    raw = parent.states.get(DROPPED_CALLS_STATE)  # type: ignore[union-attr]
+    if raw is not None:
+        parent.context.dropped = DroppedCalls.from_json(raw)
+
+
+def _with_dropped(states: dict[str, Any] | None, dropped: DroppedCalls | None) -> dict[str, Any] | None:
+    """``states`` holding ``dropped`` (stored with them; ``None``: without it). A new dict only
+    when that changes."""
+    if dropped is not None:
+        value = dropped.to_json()
+        if states is None or states.get(DROPPED_CALLS_STATE) is not value:
+            return {**(states or {}), DROPPED_CALLS_STATE: value}
+    elif states and DROPPED_CALLS_STATE in states:
+        return {k: v for k, v in states.items() if k != DROPPED_CALLS_STATE} or None
+    return states
+
+
 def unresolved_references(p: Prepared, parent: CachedResponse | None) -> list[str]:
     """Ids of ``item_reference`` items that neither the chain nor the request itself holds."""
     base = parent.context if parent is not None else None
@@ -361,6 +392,9 @@ def finished(
     if outs:
         fps, toks, sizes = itemlib.analyze(outs, cache)
         ctx.extend(outs, fps, toks, sizes)
+    states = plan.states
+    if ctx.dropped is not None or (states and DROPPED_CALLS_STATE in states):
+        states = _with_dropped(states, ctx.dropped)  # (only after a truncation)
     parent = plan.parent
     return CachedResponse(
         response,
@@ -371,6 +405,6 @@ def finished(
         (len(parent.context) if plan.base_kept is None else plan.base_kept) if parent is not None else 0,
         owner,
         plan.supplied,
-        plan.states,
+        states,
         (plan.tools_json, plan._settings) if plan.tools_json is not None else None,
     )

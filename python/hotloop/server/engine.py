@@ -406,10 +406,10 @@ class Engine:
         unless it truncates. The number of items dropped."""
         limits = self.limits(req.model)
         allowed = window.budget(limits, req.max_output_tokens)
-        if allowed is None:
-            return 0
+        if allowed is None and not window.pending_cut(plan):
+            return 0  # (an item of a call an earlier truncation dropped goes with it: window.fit)
         if not plan.settled:
-            if window.upper_bound(plan) <= allowed:
+            if allowed is not None and window.upper_bound(plan) <= allowed:
                 return 0  # fits whatever the pending texts count
             await self.count_input(plan)
         before = plan.input_tokens

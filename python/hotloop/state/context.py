@@ -210,15 +210,127 @@ def response_nbytes(response: dict[str, Any]) -> int:
         return 0
 
 
+#: Verbatim item types that pair by another key than ``call_id``: an MCP approval request (its id)
+#: and its response.
+PAIRED_BY = {"mcp_approval_request": "id", "mcp_approval_response": "approval_request_id"}
+
+
+def pairing(it: Item) -> tuple[str, bool] | None:
+    """The key a call or its output pairs by, and whether ``it`` is the output (``None``:
+    neither): function calls and outputs by ``call_id``, and the item types kept verbatim that
+    carry one (custom tools, shell, apply_patch, computer use; an MCP approval request by its
+    ``id``, its response by ``approval_request_id``)."""
+    t = type(it)
+    if t is FunctionCall:
+        return it.call_id, False  # type: ignore[union-attr]
+    if t is FunctionCallOutput:
+        return it.call_id, True  # type: ignore[union-attr]
+    if t is OtherItem:
+        data = it.data  # type: ignore[union-attr]
+        kind = str(data.get("type"))
+        cid = data.get(PAIRED_BY.get(kind, "call_id"))
+        if type(cid) is not str:
+            return None
+        return cid, kind.endswith("_output") or kind == "mcp_approval_response"
+    return None
+
+
+# Call ids a truncated conversation remembers (DroppedCalls), newest kept: at most this many, and
+# at most this many bytes of ids, so that the stored form stays well under a chain state's bound
+# (hotloop.pipeline.classifiers.MAX_STATE_BYTES, 64 KiB).
+DROPPED_CALLS = 1024
+DROPPED_CALLS_BYTES = 32 * 1024
+#: The key of DroppedCalls in a response's chain states (stored with them; see
+#: hotloop.pipeline.prepare.finished). Not a classifier's name: classifiers carry it along.
+DROPPED_CALLS_STATE = "hotloop.window.dropped_calls"
+
+
+class DroppedCalls:
+    """What a truncated conversation remembers of the calls ``truncation: "auto"`` dropped, so
+    that it goes on as a request holding its whole history would (:mod:`hotloop.pipeline.window`).
+
+    ``calls``: for each call id whose latest call truncation dropped (with every output it had
+    then), whether it was answered (an output went with it); newest last. An item that comes
+    later with one of these ids belongs to that dropped call as it would in the whole history
+    (an output; a call with that id while it was unanswered), and is dropped with it by the next
+    truncation, which ``forced`` then demands even when the input fits; a call with the id of an
+    answered one starts afresh (pairing by call id: :func:`hotloop.pipeline.window._scan`).
+
+    Never changed once made: the contexts continuing one another share it, as they share items;
+    a truncation makes the next one. Bounded: ``DROPPED_CALLS`` ids and ``DROPPED_CALLS_BYTES``
+    of them, the newest kept (an output of a call forgotten this way is the 400 of an unknown
+    call id); counted in the context's ``nbytes``.
+    """
+
+    __slots__ = ("calls", "forced", "nbytes", "_json")
+
+    def __init__(self, calls: dict[str, bool], forced: bool = False) -> None:
+        self.calls = calls
+        self.forced = forced
+        self.nbytes = sum(len(c) for c in calls) + 100 * len(calls)  # the dict's entry and str headers
+        self._json: dict[str, Any] | None = None
+
+    @classmethod
+    def bounded(cls, calls: list[tuple[str, bool]]) -> "DroppedCalls | None":
+        """The newest of ``calls`` (oldest first) within the bounds (``None``: none)."""
+        kept: list[tuple[str, bool]] = []
+        size = 0
+        for cid, answered in reversed(calls):
+            size += len(cid) if cid.isascii() else len(cid.encode("utf-8", "surrogatepass"))
+            if len(kept) == DROPPED_CALLS or size > DROPPED_CALLS_BYTES:
+                break
+            kept.append((cid, answered))
+        return cls(dict(reversed(kept))) if kept else None
+
+    def hits(self, items: list[Item]) -> bool:
+        """Whether one of ``items`` has one of these call ids."""
+        calls = self.calls
+        for it in items:
+            key = pairing(it)
+            if key is not None and key[0] in calls:
+                return True
+        return False
+
+    def forcing(self) -> "DroppedCalls":
+        return self if self.forced else DroppedCalls(self.calls, True)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a chain state (JSON values; made once)."""
+        if self._json is None:
+            self._json = {"calls": [[c, a] for c, a in self.calls.items()], "forced": self.forced}
+        return self._json
+
+    @classmethod
+    def from_json(cls, value: Any) -> "DroppedCalls | None":
+        """From :meth:`to_json`'s value, as stored (``None``: none, or not that shape)."""
+        if type(value) is not dict:
+            value = getattr(value, "value", None)  # a reloaded state (classifiers.Frozen)
+        if type(value) is not dict:
+            return None
+        calls, forced = value.get("calls"), value.get("forced")
+        if type(calls) is not list or type(forced) is not bool:
+            return None
+        pairs: list[tuple[str, bool]] = []
+        for pair in calls:
+            if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or type(pair[1]) is not bool:
+                return None
+            pairs.append((pair[0], pair[1]))
+        found = cls.bounded(pairs)
+        return found.forcing() if found is not None and forced else found
+
+
 class Context:
     """Effective items plus their native chain (fingerprints and token counts) and call ids.
 
     ``nbytes`` approximates the bytes of all items (content plus ``ITEM_OVERHEAD`` each). It is
     kept incrementally: a continuation starts from its parent's ``nbytes`` (it shares the
     parent's item objects) and adds only its new items' sizes.
+
+    ``dropped``: the calls truncation dropped from the conversation before these items
+    (:class:`DroppedCalls`; ``None``: none, the usual case, which costs nothing).
     """
 
-    __slots__ = ("items", "chain", "call_ids", "_ids", "nbytes")
+    __slots__ = ("items", "chain", "call_ids", "_ids", "nbytes", "dropped")
 
     MAX_ITEMS = 100_000
 
@@ -229,9 +341,11 @@ class Context:
         call_ids: set[str] | None = None,
         nbytes: int = 0,
         ids_from: "Context | None" = None,
+        dropped: DroppedCalls | None = None,
     ) -> None:
         """``ids_from``: a context whose items begin ``items`` (the same objects, in the same
-        order, as far as its id index reaches): its index is taken over instead of rebuilt."""
+        order, as far as its id index reaches): its index is taken over instead of rebuilt.
+        ``dropped``: the calls truncation dropped before ``items`` (a continuation's: its parent's)."""
         self.items: list[Item] = items if items is not None else []
         self.chain = chain if chain is not None else _accel.ItemChain(self.MAX_ITEMS)
         self.call_ids: set[str] = call_ids if call_ids is not None else set()
@@ -242,6 +356,7 @@ class Context:
         if ids_from is not None and ids_from._ids is not None and ids_from._ids[1] <= len(self.items):
             self._ids = ids_from._ids
         self.nbytes = nbytes
+        self.dropped = dropped
 
     def __len__(self) -> int:
         return len(self.items)
@@ -265,6 +380,9 @@ class Context:
         for it in items:
             if type(it) is FunctionCall:
                 self.call_ids.add(it.call_id)
+        dropped = self.dropped
+        if dropped is not None and not dropped.forced and dropped.hits(items):
+            self.dropped = dropped.forcing()  # (only after a truncation)
 
     def find(self, item_id: str) -> Item | None:
         """The item with this id (for ``item_reference``), or ``None``."""
