@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         help="server processes sharing the port, restarted if they die (env HOTLOOP_WORKERS, default 1)",
     )
     s.add_argument(
+        "--worker-start-timeout",
+        dest="worker_start_timeout",
+        type=float,
+        help="seconds a --workers worker may take to start listening; then it is stopped (SIGTERM, SIGKILL 5 s "
+        "later) and replaced after the slot's back-off (env HOTLOOP_WORKER_START_TIMEOUT, default 60)",
+    )
+    s.add_argument(
         "--store-sync",
         dest="store_sync",
         choices=["normal", "full"],

@@ -79,6 +79,9 @@ class Config:
     store_sync: str = "normal"
     redis_url: str = "redis://127.0.0.1:6379/0"  # --store redis (hotloop.state.redis_store)
     workers: int = 1  # server processes sharing the port (hotloop.server.workers)
+    # seconds a --workers worker may take to start listening, then it is stopped and replaced
+    # (hotloop.server.workers.STARTUP_TIMEOUT, the default: why 60)
+    worker_start_timeout: float = 60.0
     data_dir: str = field(default_factory=_default_data_dir)
     store_ttl_seconds: float = 30 * 24 * 3600.0
     store_max_responses: int = 10_000
@@ -229,7 +232,7 @@ _AT_LEAST_ONE = (
 _SECONDS_OR_ZERO = ("shutdown_grace", "store_max_lag")
 _POSITIVE_SECONDS = (
     "request_read_timeout", "backend_timeout", "backend_idle_timeout", "ws_connection_max_age", "ws_ping_interval",
-    "ws_ping_timeout",
+    "ws_ping_timeout", "worker_start_timeout",
 )
 
 
@@ -237,6 +240,7 @@ _POSITIVE_SECONDS = (
 FLAGS = frozenset({
     "host", "port", "backend", "backend_transport", "model", "base_url", "model_limits", "log_level", "log_format",
     "access_log", "metrics", "metrics_public", "metrics_per_key", "api_key", "store", "redis_url", "workers",
+    "worker_start_timeout",
     "store_sync", "store_max_lag", "store_commit_delay", "store_busy_timeout", "data_dir", "max_connections",
     "request_read_timeout", "ws_ping_interval", "ws_ping_timeout", "flush_interval_ms", "backend_read_pause_ms",
     "backend_read_pause_streams", "shutdown_grace", "max_turn_input_items", "max_turn_input_bytes", "secrets",

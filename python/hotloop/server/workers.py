@@ -58,11 +58,20 @@ stop the healthy workers: it is replaced after a delay that doubles from ``RESTA
 ``RESTART_DELAY_MAX`` while its slot keeps failing, so a slot whose workers never start costs one
 start-up per ``RESTART_DELAY_MAX`` instead of a busy core. A worker that dies after it was ready
 and stayed up ``STAYED_UP`` seconds (exit code 3 aside) is replaced after ``RESTART_DELAY``, and
-its slot's delay starts again from there. The parent sleeps while nothing happens (up to
-``IDLE_POLL``, 1 s), and wakes at once when a worker dies (SIGCHLD, through
-``signal.set_wakeup_fd``: the dead worker's socket is closed before more connections queue on it),
-says it is ready, or a stop comes; each worker resets those signal handlers as it starts.
-SIGTERM or SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their
+its slot's delay starts again from there. A start is bounded: a worker that has not started
+listening ``STARTUP_TIMEOUT`` seconds (60; the configuration's ``worker_start_timeout`` where it
+has one) after its fork (a start that hangs: a user classifier's set-up waiting on a service, a
+file on a hung network mount, a lookup without a bound) is named in one line (pid, index, how
+long), gets SIGTERM, and SIGKILL ``STARTUP_TERM_WAIT`` seconds later if it is still there; its
+death is a failed start, whatever its exit code (the first generation's too: the settings may be
+right, a service slow), and its slot backs off as above. A worker that SIGKILL does not end
+(uninterruptible sleep) is named once more ``KILL_WAIT`` seconds later, its socket stops
+listening (shut down: the stuck worker holds a copy; unless it is the last that listens), and its
+slot waits for it: a replacement could only hang the same way, and such processes would pile
+up. The parent sleeps while nothing happens (up to ``IDLE_POLL``, 1 s), and wakes at once when a
+worker dies (SIGCHLD, through ``signal.set_wakeup_fd``: the dead worker's socket is closed before
+more connections queue on it), says it is ready, or a stop comes; each worker resets those
+signal handlers as it starts. SIGTERM or SIGINT to the parent is forwarded (SIGTERM) to every worker, which finish their
 responses within ``--shutdown-grace``, fail what still runs and cancel it ``ABORT_WINDOW`` later,
 and shut their stores down (the write queue's flush, the store's close, the key store's) within
 ``CLOSE_FLUSH_SECONDS`` in all (:meth:`hotloop.server.app.HotloopApp.shutdown`); workers still
@@ -110,6 +119,21 @@ STAYED_UP = 10.0
 # (its pipe), a stop (SIGTERM/SIGINT) wake it at once, and a replacement due or the kill deadline
 # when they come.
 IDLE_POLL = 1.0
+# A worker that has not started listening this long after its fork is stopped: SIGTERM, then
+# SIGKILL ``STARTUP_TERM_WAIT`` seconds later if it is still there; its death is a failed start (the
+# slot backs off). A healthy start takes about 1 s (imports, the vocabulary, the store, uvicorn's
+# start); the longest wait a start may legitimately sit through is bounded elsewhere and shorter:
+# a locked SQLite file (--store-busy-timeout, at most 30 s), Redis (1 s to connect, 5 s a command),
+# the backend's model list (10 s). Twice the longest, so a slow but healthy start on a loaded host
+# is never cut short, and a start that hangs (a user classifier's set-up waiting on a service, a
+# file on a hung network mount, a lookup without a bound) costs its slot a minute, not for good.
+# A start that needs longer (a user classifier loading a large model) needs a larger bound: the
+# configuration's ``worker_start_timeout``, where it has one, replaces this default.
+STARTUP_TIMEOUT = 60.0
+# Seconds between the SIGTERM and the SIGKILL of a worker whose start ran out of time: a worker
+# still building its application dies on SIGTERM at once; one in uvicorn's start-up only notes it
+# (uvicorn's handler), so a start that hangs there ends by the SIGKILL.
+STARTUP_TERM_WAIT = 5.0
 KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed (its backend's close, its exit)
 KILL_WAIT = 5.0  # seconds the supervisor waits for workers it killed (SIGKILL) before it stops without them
 STARTUP_FAILURE = 3
@@ -329,6 +353,13 @@ def _worker(config: Config, sock: socket.socket, ready: int | None) -> int:
     return serve(config, sock, ready)
 
 
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # gone (a child not waited for yet is still there: a safeguard)
+        pass
+
+
 def _woken(signum: int, frame: Any) -> None:
     """SIGCHLD's handler in the supervisor: nothing, but with it the signal writes to the wake-up
     pipe (``signal.set_wakeup_fd``), so the supervisor's wait ends as a worker dies."""
@@ -354,6 +385,11 @@ class Supervisor:
         self.born: dict[int, float] = {}  # pid -> when it was forked (monotonic)
         self.pipes: dict[int, int] = {}  # pid -> its readiness pipe's read end, until it says it is ready
         self.ready: dict[int, float] = {}  # pid -> when it said it was ready (monotonic)
+        # pid -> (the signal last sent, when, the next step's time) of a worker whose start ran
+        # out of time (_bound_starts); 0: nothing left to send (it outlived its SIGKILL: logged)
+        self.late: dict[int, tuple[int, float, float]] = {}
+        # the bound on a worker's start: the setting, where the configuration has one
+        self.startup_timeout = float(getattr(config, "worker_start_timeout", None) or STARTUP_TIMEOUT)
         self.wake = self._wake_w = -1  # the wake-up pipe signals write to (run())
         self._life_r = self._life_w = -1  # the lifeline: workers read it, only the supervisor writes (run())
         self.first: set[int] = set()  # pids of the first generation
@@ -441,6 +477,78 @@ class Supervisor:
             return True
         return False
 
+    def _listens(self, pid: int) -> bool:
+        """Whether worker ``pid`` has started listening: the byte on its readiness pipe (read now,
+        if it came since the last wait). Its slot's socket cannot tell: the first generation's
+        listen from the start, and so does a socket kept while no other listened, which the
+        replacement is given. A worker without a pipe (the parent had no descriptor left for one)
+        counts as listening: nothing tells when it does, so its start is not bounded."""
+        if pid in self.ready:
+            return True
+        if pid in self.pipes:
+            return self._readiness(pid)
+        return True
+
+    def _bound_starts(self, now: float) -> float:
+        """Stop each worker that has not started listening (:meth:`_listens`) ``STARTUP_TIMEOUT``
+        seconds after its fork: one line, SIGTERM, and SIGKILL ``STARTUP_TERM_WAIT`` seconds
+        later if it is still there (unless it listens by then: a server stopping on its SIGTERM,
+        whose responses get their grace, killed as at a stop); its death is a failed start
+        (reap). One that SIGKILL has not ended ``KILL_WAIT`` seconds later (uninterruptible
+        sleep) is named once, and its socket stops listening (:meth:`_unlisten`); its slot waits
+        for it (a replacement could only hang the same way, and such processes would pile up).
+        The time of the next step (``math.inf``: none)."""
+        nxt = math.inf
+        for pid, slot in list(self.workers.items()):
+            late = self.late.get(pid)
+            if late is None:
+                if pid in self.ready:
+                    continue
+                due = self.born.get(pid, now) + self.startup_timeout
+                if now < due:
+                    nxt = min(nxt, due)
+                    continue
+                if self._listens(pid):
+                    continue
+                log.error(
+                    "worker %d (index %d) has not started listening %.1f s after its start; stopping it "
+                    "(SIGTERM, SIGKILL %g s later)", pid, slot, now - self.born.get(pid, now), STARTUP_TERM_WAIT,
+                )
+                late = (signal.SIGTERM, now, now + STARTUP_TERM_WAIT)
+                _kill(pid, signal.SIGTERM)
+            elif late[0] and now >= late[2]:
+                sent, at, _ = late
+                stopped = at + kill_after(self.config.shutdown_grace)
+                if sent == signal.SIGTERM and self._listens(pid) and now < stopped:
+                    late = (sent, at, stopped)  # it serves, and stops as any server does on SIGTERM
+                elif sent == signal.SIGTERM:
+                    late = (signal.SIGKILL, now, now + KILL_WAIT)
+                    _kill(pid, signal.SIGKILL)
+                else:
+                    log.error(
+                        "worker %d (index %d) still running %g s after its SIGKILL; its slot waits for it", pid, slot, KILL_WAIT
+                    )
+                    self._unlisten(slot)
+                    late = (0, now, math.inf)
+            self.late[pid] = late
+            nxt = min(nxt, late[2])
+        return nxt
+
+    def _unlisten(self, slot: int) -> None:
+        """Stop the socket of ``slot``, whose worker outlived its SIGKILL, from listening (a first
+        generation's socket listens from the start): shut down, not closed, as the stuck worker
+        holds a copy of it that nobody accepts on. New connections then go to the sockets of the
+        workers that serve; those queued on it are moved or reset as at a worker's death. Not the
+        last socket that listens (the module's docstring)."""
+        sock = self.socks[slot]
+        if sock is None or not _listening(sock):
+            return
+        if any(other is not None and other is not sock and _listening(other) for other in self.socks):
+            try:
+                sock.shutdown(socket.SHUT_RD)
+            except OSError:  # closed by a stop meanwhile
+                pass
+
     def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         first, self.stopping = not self.stopping, True
         if first:
@@ -460,11 +568,12 @@ class Supervisor:
         now = time.monotonic()
         up = now - self.born.pop(pid, now)
         ready = self.ready.pop(pid, None)
+        late = self.late.pop(pid, None) is not None
         fd = self.pipes.pop(pid, -1)
         if fd >= 0:
             os.close(fd)
         try:
-            self._replace(pid, slot, os.waitstatus_to_exitcode(status), up, ready, now)
+            self._replace(pid, slot, os.waitstatus_to_exitcode(status), up, ready, now, late)
         finally:  # after its socket is dealt with (the first time imports prometheus-client)
             _free_slots(self.config, pid)  # before any replacement is forked: its pid is not reused yet
             try:
@@ -474,19 +583,21 @@ class Supervisor:
             except Exception:  # its files stay; counters are meant to
                 pass
 
-    def _replace(self, pid: int, slot: int, code: int, up: float, ready: float | None, now: float) -> None:
-        """Schedule the replacement of the worker ``pid`` that ended with ``code`` (or stop)."""
+    def _replace(self, pid: int, slot: int, code: int, up: float, ready: float | None, now: float, late: bool = False) -> None:
+        """Schedule the replacement of the worker ``pid`` that ended with ``code`` (or stop).
+        ``late``: it was stopped because its start ran out of time (a failed start, whatever its
+        code: not a reason to stop the server, even in the first generation)."""
         first = pid in self.first
         self.first.discard(pid)
         if self.stopping:
             return
-        if code == STARTUP_FAILURE and first:
+        if code == STARTUP_FAILURE and first and not late:
             log.error("worker %d failed to start (index %d, exit code %d); stopping", pid, slot, code)
             self.failed = True
             self.stop()
             return
         how = f"exit code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
-        if code == STARTUP_FAILURE or ready is None or now - ready < STAYED_UP:  # it never served, or barely: back off
+        if late or code == STARTUP_FAILURE or ready is None or now - ready < STAYED_UP:  # it never served, or barely: back off
             delay = self._back_off(slot)
             level = logging.ERROR
         else:  # it had stayed up: the slot's failures, if any, are over
@@ -494,7 +605,7 @@ class Supervisor:
             level = logging.WARNING
         self.due[slot] = time.monotonic() + delay
         self._close_idle()  # its socket first: new connections go to the sockets that are served
-        ended = "failed to start" if code == STARTUP_FAILURE else "exited"
+        ended = "failed to start" if code == STARTUP_FAILURE or late else "exited"
         log.log(level, "worker %d %s (index %d, %s, up %.1f s); starting another in %g s", pid, ended, slot, how, up, delay)
 
     def _back_off(self, slot: int) -> float:
@@ -610,6 +721,7 @@ class Supervisor:
             if not self.stopping:
                 self._close_idle()
             now = time.monotonic()
+            starts = self._bound_starts(now) if not self.stopping else math.inf
             if deadline is not None and now > deadline:
                 if killed:  # SIGKILL has not ended them (uninterruptible sleep): stop without them
                     for p in self.workers:
@@ -626,7 +738,7 @@ class Supervisor:
                 wait = min(wait, min(self.due.values()) - now)
             if deadline is not None:
                 wait = min(wait, deadline - now)
-            self._wait(wait)
+            self._wait(min(wait, starts - now))
         self._close_all()
         return STARTUP_FAILURE if self.failed else 1 if self.abandoned else 0
 
