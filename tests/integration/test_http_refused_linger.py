@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, run_server
+from tests.integration.test_ws_refused_held import _settled, _sockets
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -161,25 +162,6 @@ def _post(path: bytes, length: int, extra: bytes = b"", version: bytes = b"1.1")
 
 HEALTH = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 SLOW = _post(b"/v1/responses", 47) + b'{"model": "hotloop-sim", "input": "hi", "x": 1}'
-
-
-def _sockets(pid: int) -> int:
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
-
-def _settled(server: Server, baseline: int, within: float) -> int:
-    deadline = time.monotonic() + within
-    n = _sockets(server.proc.pid)
-    while n > baseline and time.monotonic() < deadline:
-        time.sleep(0.05)
-        n = _sockets(server.proc.pid)
-    return n
 
 
 @pytest.fixture
