@@ -93,3 +93,41 @@ def test_the_program_leaves_new_connections_spread_by_their_hash() -> None:
         for s in socks:
             s.close()
         os.close(prog)
+
+
+def test_seccomp_filtered_reads_the_process_status(tmp_path: "os.PathLike[str]") -> None:
+    status = os.path.join(tmp_path, "status")
+    for field, filtered in (("0", False), ("2", True), ("1", True)):
+        with open(status, "w") as fh:
+            fh.write(f"Name:\tpython\nSeccomp:\t{field}\nSeccomp_filters:\t{int(field == '2')}\n")
+        assert w._seccomp_filtered(status) is filtered
+    assert w._seccomp_filtered(os.path.join(tmp_path, "missing")) is True  # unknown: not tried
+
+
+_TRAP_BPF = r"""
+import ctypes, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+# classic BPF: load the syscall number; bpf (321 on x86_64) -> SECCOMP_RET_TRAP, else allow
+prog = b"".join([struct.pack("<HBBI", 0x20, 0, 0, 0), struct.pack("<HBBI", 0x15, 0, 1, 321),
+                 struct.pack("<HBBI", 0x06, 0, 0, 0x00030000), struct.pack("<HBBI", 0x06, 0, 0, 0x7FFF0000)])
+buf = ctypes.create_string_buffer(prog, len(prog))
+fprog = ctypes.create_string_buffer(struct.pack("<HxxxxxxQ", 4, ctypes.addressof(buf)), 16)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+import hotloop.server.workers as w
+w._migrate_req = lambda: 0  # as on a host with the sysctl at its default
+print("program", w._migration_program(), "filtered", w._seccomp_filtered(), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or not os.path.exists("/proc/self/status"), reason="x86_64 Linux")
+def test_under_a_seccomp_filter_that_kills_for_bpf_the_program_is_not_tried() -> None:
+    """systemd's ``SystemCallFilter=`` without ``SystemCallErrorNumber=`` answers a syscall it
+    does not allow with SIGSYS, not an error: the supervisor died at start when it tried bpf()."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TRAP_BPF], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "program None filtered True" in done.stdout

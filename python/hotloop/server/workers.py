@@ -20,7 +20,7 @@ parent closes (accepted by the kernel, their requests sent, never accepted by a 
 by the kernel to another socket of the group ("request migration", Linux 5.14+) when
 ``net.ipv4.tcp_migrate_req`` is 1, or when the group has an eBPF program of type
 ``BPF_SK_REUSEPORT_SELECT_OR_MIGRATE``: the parent attaches one to the group at start when it may
-(CAP_BPF; :func:`_migration_program`: two instructions that select no socket, so new connections
+(CAP_BPF and no seccomp filter; :func:`_migration_program`: two instructions that select no socket, so new connections
 are spread by their hash exactly as without it; a replacement's socket joins the group, program
 and all, as its worker listens). Otherwise they are reset (the client sees a connection error,
 which the openai SDKs retry), and the parent says so in one line at start.
@@ -220,14 +220,33 @@ def _migrate_req() -> int | None:
         return None
 
 
+def _seccomp_filtered(status: str = "/proc/self/status") -> bool:
+    """Whether this process runs under a seccomp filter (``Seccomp: 2``; 1 is strict mode, which
+    would not have let it get this far); unknown counts as filtered."""
+    try:
+        with open(status) as fh:
+            for line in fh:
+                if line.startswith("Seccomp:"):
+                    return line.split()[1] != "0"
+    except (OSError, IndexError):
+        pass
+    return True
+
+
 def _migration_program() -> int | None:
     """A file descriptor of the eBPF program that makes the kernel move the requests queued on a
     closed socket of the ``SO_REUSEPORT`` group to another (``BPF_SK_REUSEPORT_SELECT_OR_MIGRATE``,
-    Linux 5.14+); ``None`` where it cannot be loaded (no CAP_BPF, a seccomp filter, another OS or
-    architecture, an older kernel). It selects no socket, so the kernel spreads new connections
+    Linux 5.14+); ``None`` where it cannot be loaded (no CAP_BPF, another OS or architecture, an
+    older kernel) or where trying could kill the process (any seccomp filter: :func:`_seccomp_filtered`). It selects no socket, so the kernel spreads new connections
     by their hash exactly as without it."""
     number = _BPF_SYSCALL.get(platform.machine())
     if not sys.platform.startswith("linux") or number is None:
+        return None
+    if _seccomp_filtered():
+        # A seccomp filter may answer bpf() by killing the process (SIGSYS: systemd's
+        # SystemCallFilter= without SystemCallErrorNumber=, where bpf is not in @system-service),
+        # not with an error: the call is not tried under any filter.
+        log.debug("no eBPF program for request migration (a seccomp filter is in place)")
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -278,7 +297,8 @@ def _request_migration(socks: list[socket.socket]) -> int | None:
         prog = None
     if prog is None:
         how = (
-            "set net.ipv4.tcp_migrate_req=1, or give the server CAP_BPF, to have the kernel move them to the other workers"
+            "set net.ipv4.tcp_migrate_req=1, or give the server CAP_BPF (and no seccomp filter), to have the kernel "
+            "move them to the other workers"
             if req is not None else "this kernel cannot move them to the other workers (Linux 5.14+ can)"
         )
         log.info("connections queued on the socket of a worker that dies are reset: %s", how)
