@@ -1,15 +1,18 @@
 """SharedPersistence.close (``--workers``, Redis) writes out what responses ending during its flush
 submit or charge (Persistence._drain), and stops an idle writer instead of cancelling it (see
-Persistence.close, "Late records"). Needs /tmp/w/patches/persist-edge-shared-close-drain.patch."""
+Persistence.close, "Late records"); a writer busy with what arrived after its flush (while close()
+waits for a read or for publishing) is waited for within the deadline, not cancelled."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from tests.unit.test_persist_edge_close import _rec
-from tests.unit.test_persistence import _entry, _used
+from tests.unit.test_persistence import GatedStore, _entry, _used
 
 
 def test_what_the_writer_left_when_a_subclass_stopped_it_is_written_by_close(tmp_path: Path) -> None:
@@ -41,3 +44,94 @@ def test_what_the_writer_left_when_a_subclass_stopped_it_is_written_by_close(tmp
     assert stored == {f"resp_during{i}" for i in range(3)}, stored
     assert sum(r["responses"] for r in store.usage("key_during")) == 4
     assert p.failed == 0 and p.usage_failed == 0 and p.usage_written == 4
+
+
+class _ReadGatedStore(GatedStore):
+    """A GatedStore whose reads (``get_response``) wait for ``read_gate``, and whose close is seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_gate = threading.Event()
+        self.read_entered = threading.Event()
+        self.closed = False
+
+    def get_response(self, rid: str, scope: str | None = None) -> Any:
+        self.read_entered.set()
+        self.read_gate.wait(30)
+        return super().get_response(rid, scope)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+async def _late_during_a_read(store: _ReadGatedStore, timeout: float) -> tuple[Any, asyncio.Future[None], asyncio.Future[Any]]:
+    """close(timeout) started while a read is in flight (its flush done); then a response ends
+    (stored, charged) and the writer enters its put; then the read ends. Returns the persistence,
+    close()'s future and the read's."""
+    from hotloop.pipeline.shared import SharedPersistence
+
+    p = SharedPersistence(store, commit_delay=0.0)
+    store.gates["resp_late"] = threading.Event()
+    await p.submit(_used(_entry("resp_first")), "key_a")
+    await asyncio.wait_for(p.flush(), 5)
+    read = asyncio.ensure_future(p.get_response("resp_unknown"))  # a GET in flight
+    assert await asyncio.to_thread(store.read_entered.wait, 5)
+    closing = asyncio.ensure_future(p.close(timeout=timeout))
+    await asyncio.sleep(0.1)  # close(): its flush done, it waits for the read
+    assert not closing.done()
+    await asyncio.wait_for(p.submit(_used(_entry("resp_late")), "key_late"), 5)  # a response ending now
+    assert await asyncio.to_thread(store.entered.setdefault("resp_late", threading.Event()).wait, 5)
+    store.read_gate.set()  # the read ends: close() goes on, the writer inside its batch
+    return p, closing, read
+
+
+def test_a_writer_busy_with_what_came_during_a_read_is_waited_for_not_cancelled() -> None:
+    """A response ending while close() waits for a read in flight is picked up by the writer;
+    close() then waits for that batch within its deadline (the writer was not stuck: 10 s
+    remained), writes the ledger record still buffered, and closes the store. (It cancelled the
+    writer: the response, written by its thread all the same, was reported lost, its ledger record
+    logged as not written "within the shutdown bound", and the store was left unclosed.)"""
+    store = _ReadGatedStore()
+
+    async def main() -> tuple[Any, bool]:
+        p, closing, read = await _late_during_a_read(store, timeout=10)
+        try:
+            await asyncio.sleep(0.3)
+            waited = not closing.done()  # close() waits for the writer's batch
+        finally:
+            store.gates["resp_late"].set()  # the put finishes
+        await asyncio.wait_for(closing, 15)
+        await asyncio.wait_for(asyncio.gather(read, return_exceptions=True), 5)
+        return p, waited
+
+    p, waited = asyncio.run(main())
+    assert store.get_response("resp_late") is not None
+    assert (p.failed, p.lost("resp_late"), p.usage_failed, p.stuck) == (0, False, 0, False)
+    assert (p.written, p.usage_written) == (2, 2)
+    assert sum(r["responses"] for r in store.usage("key_late")) == 1
+    assert store.closed
+    assert waited
+
+
+def test_a_writer_busy_past_the_deadline_is_given_up_within_the_bound() -> None:
+    """The same writer still inside the store at close()'s deadline: close() returns within its
+    bound, the store stuck (not closed under the thread), the response and its ledger record
+    counted as not written."""
+    store = _ReadGatedStore()
+
+    async def main() -> tuple[Any, float]:
+        p, closing, read = await _late_during_a_read(store, timeout=1.0)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(closing, 5)
+        finally:
+            store.gates["resp_late"].set()
+        elapsed = time.monotonic() - started
+        await asyncio.wait_for(asyncio.gather(read, return_exceptions=True), 5)
+        return p, elapsed
+
+    p, elapsed = asyncio.run(main())
+    assert elapsed < 1.5, elapsed
+    assert p.stuck and not store.closed
+    assert (p.failed, p.lost("resp_late"), p.usage_failed) == (1, True, 1)

@@ -405,13 +405,27 @@ class SharedPersistence(Persistence):
             await asyncio.wait(reading, timeout=left())
         if flushing is not None:
             await asyncio.wait({flushing}, timeout=left())
+        task = self._task
+        if task is not None:  # the writer: stopped here, so that Persistence.close only closes
+            # An idle writer stops before its next batch. One inside a batch (a response that
+            # ended after the flush, while the reads ran) is waited for with the time left, as
+            # Persistence.close does: only at the deadline is it cancelled (and stuck, below).
+            # What it does not take is written by Persistence.close (_take_left, _write_left),
+            # before the store's close.
+            self._halt = True
+            self._wake()
+            await asyncio.wait({task}, timeout=left())
+        # (after the writer: the pruned ids of its last batch too)
         publishing = self._publishing
         if publishing is not None:  # pruned ids on their way to the other workers (the last writes' too)
             await asyncio.wait({publishing}, timeout=left())
         unwritten = 0
+        cut = False
         if flushing is not None and not flushing.done():
             flushing.cancel()
-            unwritten = len(self._jobs) + len(self._blocked) + self._writing
+            cut = True
+        if cut or (task is not None and not task.done()):  # (the writer busy at the deadline)
+            unwritten = len(self._jobs) + len(self._blocked) + self._writing + bool(self._usage)
         unsent = 0
         if publishing is not None and not publishing.done():
             publishing.cancel()
@@ -429,16 +443,11 @@ class SharedPersistence(Persistence):
         # (a writer waiting to retry a locked-out batch is not inside the store)
         writing = self._writing_at is not None and not self._retry_wait
         self.stuck = writing or self._sending > 0 or reads > 0
-        if self._task is not None:  # the writer: stopped here, so that Persistence.close only closes
-            # (what it did not take is written by Persistence.close, before the store's close)
-            self._halt = True  # an idle writer stops before its next batch; one inside a batch is cancelled
-            self._wake()
-            if self._writing_at is None:  # idle (not inside a batch, nor waiting to retry one)
-                await asyncio.wait({self._task}, timeout=left())
-            if not self._task.done():
-                self._task.cancel()
+        if task is not None:
+            if not task.done():  # past the deadline
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
             self._task = None
         if self._deletions is not None and not self.stuck:
             self._deletions.close()
