@@ -8,11 +8,13 @@ import json
 import sys
 from typing import Any
 
+import msgspec
 import pytest
 
 from hotloop import errors
 from hotloop.models import ModelLimits
 from hotloop.pipeline import window
+from hotloop.pipeline.classifiers import MAX_STATE_BYTES, Frozen, freeze
 from hotloop.pipeline.post import from_record, to_record
 from hotloop.pipeline.prepare import Plan
 from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Message
@@ -139,9 +141,10 @@ def test_an_output_of_a_dropped_call_goes_with_it_even_when_the_input_fits(reloa
     scratch, scratch_dropped = _scratch([U0, A, B, U1, *new], win)
     assert _shape(scratch) == ["last"] and scratch_dropped == 2 + 4
     assert plan.input_tokens == scratch.input_tokens
-    # what is remembered now: both calls, answered; the flag went with the cut
-    assert plan.context.dropped is not None
-    assert plan.context.dropped.calls == {"a": True, "b": True} and not plan.context.dropped.forced
+    # both calls dropped now have their outputs: nothing left to remember (nor to store), the
+    # flag went with the cut
+    assert plan.context.dropped is None
+    assert DROPPED_CALLS_STATE not in (finish(plan, "resp_2", []).states or {})
 
 
 @pytest.mark.parametrize("mode", ["disabled", None])
@@ -198,23 +201,83 @@ def test_outputs_arriving_across_turns(reload: bool) -> None:
 
 
 def test_a_call_id_used_again_is_a_new_call() -> None:
-    """A dropped call that was answered: a new call with its id starts afresh (pairs with the
-    outputs after it); the id is forgotten then, so later turns cost nothing more."""
+    """A dropped call that was answered is not remembered: a new call with its id is a new call
+    (pairs with the outputs after it), as from scratch, and nothing is stored."""
     first = [_call("call_1"), _out("call_1", "result " * 60)]
     again = [_call("call_1", 5), _out("call_1"), _user("next")]
     big = _user("more " * 30)
     win = _tokens(first) + 5
     parent, dropped = _turns([first, [big]], win)
-    assert dropped == 2 and parent.context.dropped is not None
-    assert parent.context.dropped.calls == {"call_1": True}
+    assert dropped == 2 and parent.context.dropped is None
+    assert DROPPED_CALLS_STATE not in (parent.states or {})
     plan = plan_for(_body(again, parent), parent)
-    assert plan.context.dropped is not None and plan.context.dropped.forced  # (a look is due)
+    assert plan.context.dropped is None
     assert window.fit(plan, ModelLimits(win), None, "auto") == 0
     assert _shape(plan) == [big["content"], "call call_1", "out call_1", "next"]
-    assert plan.context.dropped is None
     entry = finish(plan, "resp_x", [])
     assert DROPPED_CALLS_STATE not in (entry.states or {})
     assert chain_as_scratch([*first, big, *again], {2, 3}, win, True, None, False, _quiet) == 3
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_duplicate_output_of_an_answered_dropped_call_is_the_400(reload: bool) -> None:
+    """An answered dropped call is forgotten: one more output with its id is the 400 of an
+    unknown call id, as before any truncation (from scratch it would go with the call)."""
+    first = [_call("call_1"), _out("call_1", "result " * 60)]
+    big = _user("more " * 30)
+    win = _tokens(first) + 5
+    parent, dropped = _turns([first, [big]], win)
+    assert dropped == 2 and parent.context.dropped is None
+    if reload:
+        parent = from_record(to_record(parent))
+    with pytest.raises(errors.InvalidRequest) as ei:
+        plan_for(_body([_out("call_1"), U2], parent), parent)
+    assert not isinstance(ei.value, errors.ContextLengthExceeded)
+    assert ei.value.message == "No tool call found for function call output with call_id call_1."
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_two_calls_with_one_id_and_one_output_are_remembered_until_the_second(reload: bool) -> None:
+    """Two calls with one id before an output are one group: dropped with one output, it still
+    awaits one (remembered, answered, owed 1); the second output goes with it, as from scratch,
+    and then nothing is left to remember. A new call with the id instead starts afresh."""
+    twin = [_call("tw"), _call("tw", 5), _out("tw", "result " * 60)]
+    big = _user("more " * 30)
+    win = _tokens(twin) + 5
+    parent, dropped = _turns([twin, [big]], win)
+    assert dropped == 3 and parent.context.dropped is not None
+    assert parent.context.dropped.calls == {"tw": True} and parent.context.dropped.owing("tw") == 1
+    if reload:
+        parent = from_record(to_record(parent))
+    plan = plan_for(_body([_out("tw"), U2], parent), parent)
+    assert plan.context.dropped is not None and plan.context.dropped.forced
+    assert window.fit(plan, ModelLimits(win), None, "auto") == 2  # big, the second output
+    assert _shape(plan) == ["last"] and plan.context.dropped is None
+    assert DROPPED_CALLS_STATE not in (finish(plan, "resp_2", []).states or {})
+    for last in ([_out("tw"), U2], [_call("tw"), _out("tw"), U2]):
+        assert chain_as_scratch([*twin, big, *last], {3, 4}, win, True, None, reload, _quiet) == 3
+    # three calls, one output: owed 2, stored as such
+    triple = [_call("tr"), _call("tr", 5), _call("tr", 6), _out("tr", "result " * 60)]
+    parent, _ = _turns([triple, [_user("more " * 40)]], _tokens(triple) + 5)
+    assert parent.context.dropped is not None and parent.context.dropped.owing("tr") == 2
+    assert parent.states is not None and parent.states[DROPPED_CALLS_STATE].value["calls"] == [["tr", True, 2]]
+    again = from_record(to_record(parent))
+    plan_for(_body([U2], again), again)
+    assert again.context.dropped is not None and again.context.dropped.owing("tr") == 2
+
+
+def test_an_agent_session_remembers_nothing() -> None:
+    """Each call answered in the next turn, truncating again and again: every call dropped has
+    its output, so the memory stays empty and no turn stores it."""
+    win, parent, pending, truncated = 400, None, None, 0
+    for t in range(40):
+        items = [_user("go on " * 5)] if pending is None else [_out(pending, "result " * 30)]
+        plan = plan_for(_body(items, parent), parent)
+        truncated += bool(window.fit(plan, ModelLimits(win), None, "auto"))
+        pending = f"call_{t:024x}"
+        parent = finish(plan, f"resp_{t}", [_call(pending, 10)])
+        assert parent.context.dropped is None and DROPPED_CALLS_STATE not in (parent.states or {})
+    assert truncated > 20
 
 
 @pytest.mark.parametrize("reload", [False, True])
@@ -245,7 +308,7 @@ def test_a_model_call_with_a_dropped_id_marks_the_context() -> None:
     assert window.fit(plan, ModelLimits(win), None, "auto") == 0
     entry = finish(plan, "resp_2", [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"}])
     assert entry.context.dropped is not None and entry.context.dropped.forced
-    assert entry.states is not None and entry.states[DROPPED_CALLS_STATE]["forced"] is True
+    assert entry.states is not None and entry.states[DROPPED_CALLS_STATE].value["forced"] is True
 
 
 # -- what it costs and where it lives ----------------------------------------------------------
@@ -277,11 +340,21 @@ def test_the_stored_record_keeps_them() -> None:
     win = _win()
     parent, _ = _turns([[U0, A], [B, U1]], win)
     assert parent.states is not None
-    assert parent.states[DROPPED_CALLS_STATE] == {"calls": [["a", False]], "forced": False}
+    state = parent.states[DROPPED_CALLS_STATE]
+    assert type(state) is Frozen and state.value == {"calls": [["a", False]], "forced": False}
+    assert freeze(parent.states) == {DROPPED_CALLS_STATE: state.value}
+    # a turn that keeps its parent's memory stores it again as the same object (nothing made anew)
+    plan = plan_for(_body([U2], parent), parent)
+    assert window.fit(plan, ModelLimits(win), None, "auto") == 0
+    assert finish(plan, "resp_2", []).states is parent.states
     again = from_record(to_record(parent))
     assert again.context.dropped is None  # restored when continued
-    plan_for(_body([U2], again), again)
+    plan = plan_for(_body([U2], again), again)
     assert again.context.dropped is not None and again.context.dropped.calls == {"a": False}
+    assert window.fit(plan, ModelLimits(win), None, "auto") == 0
+    states = finish(plan, "resp_3", []).states
+    assert states is again.states and states is not None  # the reloaded value, passed on
+    assert freeze(states)[DROPPED_CALLS_STATE] is again.states[DROPPED_CALLS_STATE].value  # type: ignore[index]
 
 
 def test_a_stand_in_parent_restores_nothing() -> None:
@@ -299,15 +372,24 @@ def test_a_stand_in_parent_restores_nothing() -> None:
 
 
 def test_bounded_newest_kept() -> None:
-    many = [(f"call_{i}", i % 2 == 0) for i in range(3 * DROPPED_CALLS)]
+    many = [(f"call_{i}", i % 2 == 0, 1 + i % 3) for i in range(3 * DROPPED_CALLS)]
     d = DroppedCalls.bounded(many)
-    assert d is not None and list(d.calls.items()) == many[-DROPPED_CALLS:]
-    long = [(f"{i:04d}" + "x" * 996, True) for i in range(100)]
+    assert d is not None and [(c, a, d.owing(c)) for c, a in d.calls.items()] == many[-DROPPED_CALLS:]
+    long = [(f"{i:04d}" + "x" * 996, True, 1) for i in range(100)]
     d = DroppedCalls.bounded(long)
-    assert d is not None and len(d.calls) == DROPPED_CALLS_BYTES // 1000 and "0099" + "x" * 996 in d.calls
+    assert d is not None and len(d.calls) == DROPPED_CALLS_BYTES // 1002 and "0099" + "x" * 996 in d.calls
     assert DroppedCalls.bounded([]) is None
-    assert DroppedCalls.from_json(d.to_json()).calls == d.calls  # type: ignore[union-attr]
-    bad: list[Any] = [None, [], {"calls": []}, {"calls": [["a"]], "forced": False}, {"calls": [["a", 1]], "forced": False}]
+    value = d.to_json()
+    again = DroppedCalls.from_json(value)
+    assert again is not None and again.calls == d.calls and again.to_json() is value
+    # ids counted as JSON strings: the stored form stays under a chain state's bound
+    quoted = [(f"{i:04d}" + '"' * 996, False, 100_000) for i in range(100)]
+    d = DroppedCalls.bounded(quoted)
+    assert d is not None and len(msgspec.json.encode(d.to_json())) < MAX_STATE_BYTES
+    big = DroppedCalls.bounded([(f"call_{i:024x}", False, 100_000) for i in range(5000)])
+    assert big is not None and len(msgspec.json.encode(big.to_json())) < MAX_STATE_BYTES
+    bad: list[Any] = [None, [], {"calls": []}, {"calls": [["a"]], "forced": False}, {"calls": [["a", 1]], "forced": False},
+                      {"calls": [["a", True, 0]], "forced": False}, {"calls": [["a", True, "2"]], "forced": False}]
     for value in bad:
         assert DroppedCalls.from_json(value) is None
 

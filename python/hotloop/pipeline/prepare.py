@@ -13,6 +13,7 @@ import msgspec
 from hotloop import errors, tokenizer
 from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import window
+from hotloop.pipeline.classifiers import Frozen
 from hotloop.protocol.objects import IdGen
 from hotloop.protocol.request import (
     FunctionCall,
@@ -350,11 +351,15 @@ def _restore_dropped(parent: CachedResponse) -> None:
 
 def _with_dropped(states: dict[str, Any] | None, dropped: DroppedCalls | None) -> dict[str, Any] | None:
     """``states`` holding ``dropped`` (stored with them; ``None``: without it). A new dict only
-    when that changes."""
+    when that changes: a turn that keeps its parent's memory passes its parent's states on (the
+    same objects). The value goes in as :class:`Frozen`, which the writer's freeze stores as it
+    is (no copy, no size check: DroppedCalls' bounds keep it under ``MAX_STATE_BYTES``); made
+    once per memory (:meth:`DroppedCalls.to_json`; a reloaded one's is the stored value)."""
     if dropped is not None:
         value = dropped.to_json()
-        if states is None or states.get(DROPPED_CALLS_STATE) is not value:
-            return {**(states or {}), DROPPED_CALLS_STATE: value}
+        held = states.get(DROPPED_CALLS_STATE) if states is not None else None
+        if type(held) is not Frozen or held.value is not value:
+            return {**(states or {}), DROPPED_CALLS_STATE: Frozen(value)}
     elif states and DROPPED_CALLS_STATE in states:
         return {k: v for k, v in states.items() if k != DROPPED_CALLS_STATE} or None
     return states

@@ -19,19 +19,23 @@ conversation uses again pairs each call with the outputs that follow it). When n
 droppable is left and the input still does not fit, the answer is the same 400 as with
 ``"disabled"``.
 
-Along a chain of ``previous_response_id`` turns, truncation decides as a request holding the
-whole history would. A cut may drop a call that has no output yet; its output, coming later,
-pairs with it in the whole history, where that cut would now split them. So a truncated
-conversation remembers the call ids it dropped (:class:`hotloop.state.context.DroppedCalls`,
-bounded, kept with the chain's states in the store), and an item that continues such a call (an
-output; a call with its id while it was unanswered) is dropped with it by the next ``"auto"``
-turn, with everything before it but the kept messages, even when the input fits; when no cut can
-do that (the item is the input's last, or a call and output that must stay together straddle
-it) the answer is a 400 ``context_length_exceeded``, as from scratch. Sent without ``"auto"``,
-the output of such a call is refused with the same code (:func:`orphaned_output`: the whole
-history, which holds the call, did not fit), and the parent stays cached for a retry with
-``"auto"``. A call id used again for a new call once the dropped one was answered is a new call.
-Until a truncation has dropped a call, none of this costs anything.
+Along a chain of ``previous_response_id`` turns, truncation decides as a request holding the whole
+history would. A cut may drop a call that has no output yet; its output, coming later, pairs with
+it in the whole history, where that cut would now split them. So a truncated conversation remembers
+the ids of the calls it dropped that still await an output
+(:class:`hotloop.state.context.DroppedCalls`, bounded, kept with the chain's states in the store;
+none in an agent session that answers each call in the next turn), and an item that continues such
+a call (an output; a call with its id while it was unanswered) is dropped with it by the next
+``"auto"`` turn, with everything before it but the kept messages, even when the input fits; when no
+cut can do that (the item is the input's last, or a call and output that must stay together
+straddle it) the answer is a 400 ``context_length_exceeded``, as from scratch. Sent without
+``"auto"``, the output of such a call is refused with the same code (:func:`orphaned_output`: the
+whole history, which holds the call, did not fit), and the parent stays cached for a retry with
+``"auto"``. A call id used again for a new call once the dropped one was answered is a new call. A
+dropped call with all its outputs is forgotten: one more output with its id (a duplicate, which
+from scratch would go with the call) is taken as before any truncation, a ``function_call_output``
+refused as the 400 of an unknown call id, an output kept verbatim passed on. Until a truncation has
+dropped a call that awaits an output, none of this costs anything.
 """
 
 from __future__ import annotations
@@ -109,11 +113,11 @@ def exceeded(tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: 
     return WindowExceeded(msg, param="input")
 
 
-def _scan(items: list[Item], seed: dict[str, bool] | None = None) -> tuple[list[list[Any]], dict[str, list[Any]]]:
-    """The call groups of ``items``, each ``[first, last, answered, call id]``, in order, and
-    each call id's latest group. ``seed``: the calls an earlier truncation dropped
-    (:attr:`DroppedCalls.calls`), as groups before ``items`` (first and last -1) that the items
-    continue as they would in the whole history.
+def _scan(items: list[Item], seed: DroppedCalls | None = None) -> tuple[list[list[Any]], dict[str, list[Any]]]:
+    """The call groups of ``items``, each ``[first, last, answered, call id, owed]`` (owed: its
+    calls less its outputs), in order, and each call id's latest group. ``seed``: the calls an
+    earlier truncation dropped (:class:`DroppedCalls`), as groups before ``items`` (first and
+    last -1) that the items continue as they would in the whole history.
 
     An output belongs to the latest call before it with its call id: a conversation that reuses
     a call id (a client numbering its calls per turn, a backend that does) pairs each call with
@@ -122,8 +126,8 @@ def _scan(items: list[Item], seed: dict[str, bool] | None = None) -> tuple[list[
     spans: list[list[Any]] = []
     open_: dict[str, list[Any]] = {}  # call id -> its latest group
     if seed:
-        for cid, answered in seed.items():
-            spans.append(open_.setdefault(cid, [-1, -1, int(answered), cid]))
+        for cid, answered in seed.calls.items():
+            spans.append(open_.setdefault(cid, [-1, -1, int(answered), cid, seed.owing(cid)]))
     for i, it in enumerate(items):
         t = type(it)
         if t is FunctionCall:
@@ -139,12 +143,15 @@ def _scan(items: list[Item], seed: dict[str, bool] | None = None) -> tuple[list[
             continue
         group = open_.get(cid)
         if group is None or (not output and group[2]):  # a new call (the last one was answered)
-            group = open_[cid] = [i, i, int(output), cid]
+            group = open_[cid] = [i, i, int(output), cid, -1 if output else 1]
             spans.append(group)
         else:
             group[1] = i
             if output:
                 group[2] = 1
+                group[4] -= 1
+            else:
+                group[4] += 1
     return spans, open_
 
 
@@ -155,8 +162,8 @@ def _forbidden_cuts(items: list[Item], spans: list[list[Any]] | None = None) -> 
     if spans is None:
         spans = _scan(items)[0]
     forbidden: set[int] = set()
-    for lo, hi, _, _ in spans:
-        forbidden.update(range(lo + 1, hi + 1))
+    for g in spans:
+        forbidden.update(range(g[0] + 1, g[1] + 1))
     return forbidden
 
 
@@ -164,17 +171,21 @@ def _floor(spans: list[list[Any]]) -> tuple[int, str | None]:
     """The least cut past every item that continues a dropped call's group, and that call's id
     (``0, None``: no item does)."""
     floor, cid = 0, None
-    for lo, hi, _, c in spans:
+    for lo, hi, _, c, _ in spans:
         if lo < 0 <= hi and hi >= floor:
             floor, cid = hi + 1, c
     return floor, cid
 
 
 def _remembered(latest: dict[str, list[Any]], cut: int) -> DroppedCalls | None:
-    """The calls dropped with ``items[:cut]`` (and before): every call id whose latest group
-    ends before the cut, in the order dropped."""
-    gone = sorted((g for g in latest.values() if g[1] < cut), key=lambda g: g[1])  # (stable: the seed's order first)
-    return DroppedCalls.bounded([(g[3], bool(g[2])) for g in gone])
+    """The calls dropped with ``items[:cut]`` (and before) that still await an output: every
+    call id whose latest group ends before the cut with more calls than outputs, in the order
+    dropped. A group with all its outputs is forgotten: only a duplicate output could continue it
+    (then taken as before any truncation: see the module's doc), and a call with its id is a
+    new call, with or without the memory; so in an agent session that answers each call in the
+    next turn the memory stays empty (``None``), and nothing is stored."""
+    gone = sorted((g for g in latest.values() if g[1] < cut and g[4] > 0), key=lambda g: g[1])  # (stable: seed first)
+    return DroppedCalls.bounded([(g[3], bool(g[2]), g[4]) for g in gone])
 
 
 def _kept(it: Item) -> bool:
@@ -236,7 +247,7 @@ def truncate(plan: "Plan", allowed: int | None) -> int:
     forced = memory is not None and memory.forced
     if not forced and (excess <= 0 or n < 2):
         return 0
-    spans, latest = _scan(items, memory.calls if memory is not None else None)
+    spans, latest = _scan(items, memory)
     floor, _ = _floor(spans)
     if forced and floor == 0:
         # no item continues a dropped call after all (its id was used again for a new call once
@@ -314,13 +325,13 @@ def _fit_dropped(
         dropped = truncate(plan, allowed)
         memory = plan.context.dropped
         if memory is not None and memory.forced and (allowed is None or tokens <= allowed):
-            raise _uncuttable(_floor(_scan(plan.context.items, memory.calls)[0])[1], limits)
+            raise _uncuttable(_floor(_scan(plan.context.items, memory)[0])[1], limits)
     else:
         dropped = 0
         ctx = plan.context
         memory = ctx.dropped
         assert memory is not None
-        spans, latest = _scan(ctx.items, memory.calls)
+        spans, latest = _scan(ctx.items, memory)
         if _floor(spans)[0] == 0:
             ctx.dropped = _remembered(latest, 0)
     if allowed is not None and plan.input_tokens > allowed:

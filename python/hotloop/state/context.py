@@ -236,8 +236,9 @@ def pairing(it: Item) -> tuple[str, bool] | None:
 
 
 # Call ids a truncated conversation remembers (DroppedCalls), newest kept: at most this many, and
-# at most this many bytes of ids, so that the stored form stays well under a chain state's bound
-# (hotloop.pipeline.classifiers.MAX_STATE_BYTES, 64 KiB).
+# at most this many bytes of ids (as JSON strings), so that the stored form stays well under a
+# chain state's bound (hotloop.pipeline.classifiers.MAX_STATE_BYTES, 64 KiB; it is stored without
+# that check: hotloop.pipeline.prepare._with_dropped).
 DROPPED_CALLS = 1024
 DROPPED_CALLS_BYTES = 32 * 1024
 #: The key of DroppedCalls in a response's chain states (stored with them; see
@@ -249,12 +250,17 @@ class DroppedCalls:
     """What a truncated conversation remembers of the calls ``truncation: "auto"`` dropped, so
     that it goes on as a request holding its whole history would (:mod:`hotloop.pipeline.window`).
 
-    ``calls``: for each call id whose latest call truncation dropped (with every output it had
-    then), whether it was answered (an output went with it); newest last. An item that comes
-    later with one of these ids belongs to that dropped call as it would in the whole history
-    (an output; a call with that id while it was unanswered), and is dropped with it by the next
-    truncation, which ``forced`` then demands even when the input fits; a call with the id of an
-    answered one starts afresh (pairing by call id: :func:`hotloop.pipeline.window._scan`).
+    ``calls``: for each call id whose latest call truncation dropped and that still awaits an
+    output, whether it was answered (an output went with it); newest last. ``owed``: how many
+    outputs each still awaits when not 1 (the calls with its id less the outputs that went with
+    them: calls with one id before an output are one group). A dropped call with all its outputs,
+    the usual case, is not remembered: an output that comes later with its id is a duplicate, the
+    400 of an unknown call id as before any truncation, and a call with its id starts afresh.
+
+    An item that comes later with one of these ids belongs to that dropped call as it would in the
+    whole history (an output; a call with that id while it was unanswered), and is dropped with it
+    by the next truncation, which ``forced`` then demands even when the input fits; a call with
+    the id of an answered one starts afresh (pairing by call id: :func:`hotloop.pipeline.window._scan`).
 
     Never changed once made: the contexts continuing one another share it, as they share items;
     a truncation makes the next one. Bounded: ``DROPPED_CALLS`` ids and ``DROPPED_CALLS_BYTES``
@@ -262,25 +268,36 @@ class DroppedCalls:
     call id); counted in the context's ``nbytes``.
     """
 
-    __slots__ = ("calls", "forced", "nbytes", "_json")
+    __slots__ = ("calls", "owed", "forced", "nbytes", "_json")
 
-    def __init__(self, calls: dict[str, bool], forced: bool = False) -> None:
+    def __init__(self, calls: dict[str, bool], forced: bool = False, owed: dict[str, int] | None = None) -> None:
         self.calls = calls
+        self.owed: dict[str, int] = owed if owed is not None else {}
         self.forced = forced
-        self.nbytes = sum(len(c) for c in calls) + 100 * len(calls)  # the dict's entry and str headers
+        self.nbytes = sum(len(c) for c in calls) + 100 * len(calls) + 100 * len(self.owed)  # entries, str headers
         self._json: dict[str, Any] | None = None
 
     @classmethod
-    def bounded(cls, calls: list[tuple[str, bool]]) -> "DroppedCalls | None":
-        """The newest of ``calls`` (oldest first) within the bounds (``None``: none)."""
-        kept: list[tuple[str, bool]] = []
+    def bounded(cls, calls: list[tuple[str, bool, int]]) -> "DroppedCalls | None":
+        """The newest of ``calls`` (oldest first: call id, answered, outputs owed) within the
+        bounds (``None``: none)."""
+        kept: list[tuple[str, bool, int]] = []
         size = 0
-        for cid, answered in reversed(calls):
-            size += len(cid) if cid.isascii() else len(cid.encode("utf-8", "surrogatepass"))
+        for entry in reversed(calls):
+            cid = entry[0]
+            plain = cid.isascii() and cid.isprintable() and '"' not in cid and "\\" not in cid
+            size += len(cid) + 2 if plain else len(msgspec.json.encode(cid))
             if len(kept) == DROPPED_CALLS or size > DROPPED_CALLS_BYTES:
                 break
-            kept.append((cid, answered))
-        return cls(dict(reversed(kept))) if kept else None
+            kept.append(entry)
+        if not kept:
+            return None
+        kept.reverse()
+        return cls({c: a for c, a, _ in kept}, False, {c: n for c, _, n in kept if n != 1})
+
+    def owing(self, call_id: str) -> int:
+        """The outputs the dropped call ``call_id`` (one of :attr:`calls`) still awaits."""
+        return self.owed.get(call_id, 1)
 
     def hits(self, items: list[Item]) -> bool:
         """Whether one of ``items`` has one of these call ids."""
@@ -292,17 +309,23 @@ class DroppedCalls:
         return False
 
     def forcing(self) -> "DroppedCalls":
-        return self if self.forced else DroppedCalls(self.calls, True)
+        return self if self.forced else DroppedCalls(self.calls, True, self.owed)
 
     def to_json(self) -> dict[str, Any]:
-        """As a chain state (JSON values; made once)."""
+        """As a chain state (JSON values; made once): ``calls`` as ``[id, answered]``, or
+        ``[id, answered, owed]`` when more than one output is owed."""
         if self._json is None:
-            self._json = {"calls": [[c, a] for c, a in self.calls.items()], "forced": self.forced}
+            owed = self.owed
+            self._json = {
+                "calls": [[c, a, owed[c]] if c in owed else [c, a] for c, a in self.calls.items()],
+                "forced": self.forced,
+            }
         return self._json
 
     @classmethod
     def from_json(cls, value: Any) -> "DroppedCalls | None":
-        """From :meth:`to_json`'s value, as stored (``None``: none, or not that shape)."""
+        """From :meth:`to_json`'s value, as stored (``None``: none, or not that shape). When it
+        holds all of it, its :meth:`to_json` is ``value`` itself (stored again as it was)."""
         if type(value) is not dict:
             value = getattr(value, "value", None)  # a reloaded state (classifiers.Frozen)
         if type(value) is not dict:
@@ -310,13 +333,22 @@ class DroppedCalls:
         calls, forced = value.get("calls"), value.get("forced")
         if type(calls) is not list or type(forced) is not bool:
             return None
-        pairs: list[tuple[str, bool]] = []
-        for pair in calls:
-            if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or type(pair[1]) is not bool:
+        entries: list[tuple[str, bool, int]] = []
+        for e in calls:
+            if type(e) is not list or len(e) not in (2, 3) or type(e[0]) is not str or type(e[1]) is not bool:
                 return None
-            pairs.append((pair[0], pair[1]))
-        found = cls.bounded(pairs)
-        return found.forcing() if found is not None and forced else found
+            n = e[2] if len(e) == 3 else 1
+            if type(n) is not int or n < 1:
+                return None
+            entries.append((e[0], e[1], n))
+        found = cls.bounded(entries)
+        if found is None:
+            return None
+        if forced:
+            found = found.forcing()
+        if len(found.calls) == len(entries) and len(value) == 2:
+            found._json = value
+        return found
 
 
 class Context:
