@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, run_server
-from tests.integration.test_ws_refused_held import _settled, _sockets
+from tests.integration.test_ws_refused_held import _settled, _sockets, read_to_end
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -115,21 +115,7 @@ def exchange(
     sender = threading.Thread(target=send, daemon=True)
     t0 = time.monotonic()
     sender.start()
-    data = b""
-    end = "TIMEOUT"
-    deadline = t0 + timeout
-    try:
-        while time.monotonic() < deadline:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                end = "FIN"
-                break
-            data += chunk
-    except ConnectionResetError:
-        end = "RST"
-    except socket.timeout:
-        pass
+    data, end = read_to_end(s, t0 + timeout)
     seconds = time.monotonic() - t0
     if not keep:
         s.close()

@@ -91,26 +91,30 @@ def _refused(
             s.sendall(then)
         except OSError:
             pass  # (reset: the end says so)
-    data = b""
-    end = "TIMEOUT"
     t0 = time.monotonic()
-    deadline = t0 + timeout
+    data, end = read_to_end(s, t0 + timeout)
+    seconds = time.monotonic() - t0
+    if not keep:
+        s.close()
+    return Answer(data, end, seconds, s)
+
+
+def read_to_end(s: socket.socket, deadline: float) -> tuple[bytes, str]:
+    """What the server sends until its FIN, a reset or ``deadline`` (``time.monotonic()``), and
+    which of the three ended it: ``"FIN"``, ``"RST"`` or ``"TIMEOUT"``."""
+    data = b""
     try:
         while time.monotonic() < deadline:
             s.settimeout(max(0.01, deadline - time.monotonic()))
             chunk = s.recv(1 << 16)
             if not chunk:
-                end = "FIN"
-                break
+                return data, "FIN"
             data += chunk
     except ConnectionResetError:
-        end = "RST"
+        return data, "RST"
     except socket.timeout:
         pass
-    seconds = time.monotonic() - t0
-    if not keep:
-        s.close()
-    return Answer(data, end, seconds, s)
+    return data, "TIMEOUT"
 
 
 def _sockets(pid: int) -> int:
