@@ -219,7 +219,11 @@ def test_ai_sdk_previous_response_id(node_modules, server) -> None:
 
 def test_ai_sdk_abort(node_modules, server) -> None:
     out = js("audit_ai_sdk.mjs", server, "abort")
-    assert out == {"n": 3, "during": 1, "after": 0, "next": "stop"}
+    # aborted at the third delta: a delta that came in the same read may still be yielded (held
+    # deltas go out together), none of the other ~490; the server cancels the response
+    n = out.pop("n")
+    assert 3 <= n <= 6, n
+    assert out == {"during": 1, "after": 0, "next": "stop"}
 
 
 def test_ai_sdk_finish_reasons_and_errors(node_modules, server) -> None:
