@@ -405,28 +405,12 @@ class Turn:
         self._open = item
         self._output.append(obj)
         out.append(self._ev.event(ev.OUTPUT_ITEM_ADDED, self._next(), output_index=index, item=obj))
-        if part is _SUMMARY_PART:
-            out.append(
-                self._ev.event(
-                    ev.REASONING_SUMMARY_PART_ADDED,
-                    self._next(),
-                    item_id=item.item_id,
-                    output_index=index,
-                    summary_index=0,
-                    part=part,
-                )
+        if part is not None:  # its first part: a reasoning summary's, or a content part
+            kind, place = (
+                (ev.REASONING_SUMMARY_PART_ADDED, "summary_index") if part is _SUMMARY_PART
+                else (ev.CONTENT_PART_ADDED, "content_index")
             )
-        elif part is not None:
-            out.append(
-                self._ev.event(
-                    ev.CONTENT_PART_ADDED,
-                    self._next(),
-                    item_id=item.item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            out.append(self._ev.event(kind, self._next(), item_id=item.item_id, output_index=index, **{place: 0}, part=part))
         return item
 
     def _close_part(self, item: _OpenItem, out: list[Frame]) -> dict[str, Any]:
