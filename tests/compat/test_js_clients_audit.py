@@ -219,10 +219,11 @@ def test_ai_sdk_previous_response_id(node_modules, server) -> None:
 
 def test_ai_sdk_abort(node_modules, server) -> None:
     out = js("audit_ai_sdk.mjs", server, "abort")
-    # aborted at the third delta: a delta that came in the same read may still be yielded (held
-    # deltas go out together), none of the other ~490; the server cancels the response
+    # aborted at the third delta (after a /healthz fetch, which under load can take a few of the
+    # 20 ms delta intervals): deltas that came meanwhile may still be yielded, not the other ~490
+    # (ten seconds at 50 a second); the server cancels the response
     n = out.pop("n")
-    assert 3 <= n <= 6, n
+    assert 3 <= n <= 50, n
     assert out == {"during": 1, "after": 0, "next": "stop"}
 
 

@@ -106,9 +106,9 @@ def test_a_response_its_client_left_is_counted(observed: Server) -> None:
     is charged (its input and the output streamed so far)."""
 
     def cut() -> dict[str, float]:
-        m = samples(observed)
-        out = {s.labels["transport"]: s.value for s in m["hotloop_responses_total"] if s.labels["status"] == "disconnected"}
-        out["tokens"] = sum(s.value for s in m["hotloop_tokens_total"] if s.labels["kind"] == "output")
+        m = samples(observed)  # (a labelled family has no samples before its first response)
+        out = {s.labels["transport"]: s.value for s in m.get("hotloop_responses_total", []) if s.labels["status"] == "disconnected"}
+        out["tokens"] = sum(s.value for s in m.get("hotloop_tokens_total", []) if s.labels["kind"] == "output")
         return out
 
     before = cut()
