@@ -58,14 +58,17 @@ class DeltaLane:
     ``kind`` (``PLAIN_TEXT``, ``PLAIN_REASONING`` or ``PLAIN_ARGUMENTS``), ``call`` (for
     arguments: the call's index in the response; ``feed_lane`` does not read it), the event's
     fields as ``hotloop._frames.encode_delta`` takes them, and ``parts``, the item's pieces so
-    far, which ``feed_lane`` appends to. ``seq`` is the sequence number of the next event and
+    far, which ``feed_lane`` appends to. With ``summary`` (a reasoning summary's part:
+    ``response.reasoning_summary_text.delta``), ``content_index`` is written as
+    ``"summary_index"``, in the same place and likewise left out when negative; the events are
+    otherwise ``encode_delta``'s. ``seq`` is the sequence number of the next event and
     ``taken`` counts the pieces taken (both start at 0; ``feed_lane`` adds to them, the owner
     sets them). ``emit`` is for the owner: a callable, or None, never called here.
     """
 
     def __new__(
         cls, kind: int, call: int, event_type: str, item_id: str, output_index: int,
-        content_index: int, logprobs: bool, parts: list[str],
+        content_index: int, logprobs: bool, parts: list[str], *, summary: bool = False,
     ) -> DeltaLane:
         """:raises TypeError: an argument of the wrong type.
         :raises OverflowError: an int that does not fit in a signed 64-bit integer."""
@@ -84,6 +87,8 @@ class DeltaLane:
     def content_index(self) -> int: ...
     @property
     def logprobs(self) -> bool: ...
+    @property
+    def summary(self) -> bool: ...
     @property
     def parts(self) -> list[str]: ...
     @property
@@ -250,7 +255,8 @@ class SseDecoder:
         kind (for arguments, of the call the server numbers ``index``), or ``PLAIN_NOTHING``,
         are taken in order until the first that is not. Each non-empty piece taken is appended
         to ``lane.parts`` (and to ``args`` unless None) and becomes one Responses event
-        ``(lane.event_type, json)`` (``encode_delta`` with the lane's fields) numbered from
+        ``(lane.event_type, json)`` (``encode_delta`` with the lane's fields; ``summary_index``
+        in place of ``content_index`` for a ``summary`` lane) numbered from
         ``lane.seq``; ``lane.seq`` and ``lane.taken`` advance by their count. Returns those
         events, and the events from the first one not taken exactly as ``feed`` returns them.
 

@@ -287,9 +287,9 @@ class SseDecoder:
                     if k != kind or (k == PLAIN_ARGUMENTS and i != index):
                         break
                     if text:
-                        frames.append((lane.event_type, encode_delta(
+                        frames.append((lane.event_type, _delta_event(
                             lane.event_type, seq + len(frames), lane.item_id, lane.output_index,
-                            lane.content_index, text, lane.logprobs,
+                            lane._index_key, lane.content_index, text, lane.logprobs,
                         )))
                         lane.parts.append(text)
                         if args is not None:
@@ -498,21 +498,24 @@ class DeltaLane:
     ``hotloop._native.DeltaLane``."""
 
     __slots__ = ("_kind", "_call", "_event_type", "_item_id", "_output_index", "_content_index", "_logprobs",
-                 "_parts", "_seq", "_taken", "emit")
+                 "_summary", "_index_key", "_parts", "_seq", "_taken", "emit")
 
     def __init__(self, kind: int, call: int, event_type: str, item_id: str, output_index: int,
-                 content_index: int, logprobs: bool, parts: list[str]) -> None:
+                 content_index: int, logprobs: bool, parts: list[str], *, summary: bool = False) -> None:
         for name, value in (("event_type", event_type), ("item_id", item_id)):
             if not isinstance(value, str):
                 raise TypeError(f"argument '{name}' must be str, not {type(value).__name__}")
-        if not isinstance(logprobs, bool):
-            raise TypeError(f"argument 'logprobs' must be bool, not {type(logprobs).__name__}")
+        for name, flag in (("logprobs", logprobs), ("summary", summary)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"argument '{name}' must be bool, not {type(flag).__name__}")
         if not isinstance(parts, list):
             raise TypeError(f"argument 'parts' must be list, not {type(parts).__name__}")
         self._kind, self._call = _i64(kind), _i64(call)
         self._event_type, self._item_id = event_type, item_id
         self._output_index, self._content_index = _i64(output_index), _i64(content_index)
         self._logprobs = logprobs
+        self._summary = summary
+        self._index_key = "summary_index" if summary else "content_index"  # the key the index is written as
         self._parts = parts
         self._seq = self._taken = 0
         self.emit: Any = None
@@ -524,6 +527,7 @@ class DeltaLane:
     output_index = property(lambda self: self._output_index)
     content_index = property(lambda self: self._content_index)
     logprobs = property(lambda self: self._logprobs)
+    summary = property(lambda self: self._summary, doc="the index is written as summary_index, not content_index")
     parts = property(lambda self: self._parts, doc="the item's pieces so far (appended to)")
 
     @property
@@ -560,14 +564,30 @@ def encode_delta(
     logprobs: bool,
 ) -> bytes:
     """``msgspec.json.encode`` of the delta event dict, keys in wire order."""
+    return _delta_event(event_type, sequence_number, item_id, output_index, "content_index", content_index, delta,
+                        logprobs)
+
+
+def _delta_event(
+    event_type: str,
+    sequence_number: int,
+    item_id: str,
+    output_index: int,
+    index_key: str,
+    index: int,
+    delta: str,
+    logprobs: bool,
+) -> bytes:
+    """``encode_delta`` with the part index written as ``index_key`` (``content_index``, or a
+    summary lane's ``summary_index``)."""
     d: dict[str, object] = {
         "type": event_type,
         "sequence_number": sequence_number,
         "item_id": item_id,
         "output_index": output_index,
     }
-    if content_index >= 0:
-        d["content_index"] = content_index
+    if index >= 0:
+        d[index_key] = index
     d["delta"] = delta
     if logprobs:
         d["logprobs"] = []

@@ -384,13 +384,17 @@ def _over(server: Server, client: str, body: dict[str, Any], pause: float = 0.0,
     return events
 
 
+@pytest.mark.parametrize("summary", [False, True], ids=["raw", "summary"])
 def test_pushed_events_match_the_task_path(
-    lean: Server, sdk: Server, held: Server, paused: Server, mock: MockChatServer
+    lean: Server, sdk: Server, held: Server, paused: Server, mock: MockChatServer, summary: bool
 ) -> None:
     """The same answer over WebSocket and SSE, pushed (lean transport), pushed and held
     (--flush-interval-ms), pushed with read pauses (--backend-read-pause-ms) and not pushed
-    (SDK transport): the same events."""
-    body = {"model": "mock-model", "input": "go", "store": False}
+    (SDK transport): the same events. With ``reasoning.summary`` the reasoning is streamed as
+    its summary (pushed through a summary lane)."""
+    body: dict[str, Any] = {"model": "mock-model", "input": "go", "store": False}
+    if summary:
+        body["reasoning"] = {"summary": "auto"}
     runs = {}
     for name, server in (("lean", lean), ("sdk", sdk), ("held", held), ("paused", paused)):
         for client in ("ws", "sse"):
@@ -402,6 +406,8 @@ def test_pushed_events_match_the_task_path(
     first = runs["sdk", "sse"]
     assert len(first) > 30
     assert all(r == first for r in runs.values())
+    kind = "response.reasoning_summary_text.delta" if summary else "response.reasoning_text.delta"
+    assert sum(f'"type": "{kind}"' in e for e in first) > 1
 
 
 def test_a_json_answer_is_the_same_taken_from_the_reads(lean: Server, sdk: Server, mock: MockChatServer) -> None:

@@ -368,9 +368,12 @@ def test_feed_lane(events: list[tuple[str, str]], kind: int, index: int, with_ar
     stream = "".join((f"event: {t}\n" if t else "") + f"data: {e}\n\n" for t, e in events).encode(
         "utf-8", "surrogatepass")  # invalid UTF-8 too
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    # the lane's own fields: a content or a summary index (or none), with or without logprobs
+    summary, part, logprobs = data.draw(st.booleans()), data.draw(st.sampled_from([-1, 0, 2])), data.draw(st.booleans())
     got = []
     for mod in (native, _pure):
-        lane = mod.DeltaLane(kind, 0, "response.function_call_arguments.delta", "fc_1", 1, -1, False, [])
+        lane = mod.DeltaLane(kind, 0, "response.function_call_arguments.delta", "fc_1", 1, part, logprobs, [],
+                             summary=summary)
         lane.seq = 3
         args: list[str] | None = [] if with_args else None
         decoder = mod.SseDecoder()
@@ -381,3 +384,22 @@ def test_feed_lane(events: list[tuple[str, str]], kind: int, index: int, with_ar
             prev = cut
         got.append((out, lane.parts, lane.seq, lane.taken, args))
     assert got[0] == got[1]
+
+
+@SETTINGS
+@given(st.lists(_valid_text.filter(bool), min_size=1, max_size=5), _valid_text, st.integers(0, 2**62),
+       st.integers(0, 2**62), st.booleans())
+def test_summary_lane_writes_the_summary_delta(pieces: list[str], item_id: str, output_index: int, seq: int,
+                                               ascii_only: bool) -> None:
+    """A summary lane's events, native and pure, are the Python path's summary deltas byte for
+    byte (``events.summary_delta``, what ``Turn.feed`` sends for a summary's reasoning)."""
+    from hotloop.protocol import events as ev
+
+    stream = "".join("data: " + json.dumps({"choices": [{"delta": {"reasoning": p}}]}, ensure_ascii=ascii_only) + "\n\n"
+                     for p in pieces).encode()
+    fields = ev.summary_delta_fields(item_id, output_index, 0)
+    want = [ev.summary_delta(seq + i, fields, p) for i, p in enumerate(pieces)]
+    for mod in (native, _pure):
+        lane = mod.DeltaLane(2, 0, ev.REASONING_SUMMARY_TEXT_DELTA, item_id, output_index, 0, False, [], summary=True)
+        lane.seq = seq
+        assert mod.SseDecoder().feed_lane(stream, lane, 0, None) == (want, [])

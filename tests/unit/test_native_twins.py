@@ -533,15 +533,30 @@ def _lane_stream(events: list[str]) -> bytes:
     return "".join(f"data: {e}\n\n" for e in events).encode()
 
 
-def _lane(impl: Impl, kind: int, seq: int = 10) -> Any:
-    lane = impl["DeltaLane"](kind, 4, "response.output_text.delta", "msg_1", 2, 0, True, ["x"])
+def _lane(impl: Impl, kind: int, seq: int = 10, summary: bool = False) -> Any:
+    lane = impl["DeltaLane"](kind, 4, "response.output_text.delta", "msg_1", 2, 0, True, ["x"], summary=summary)
     lane.seq = seq
     return lane
 
 
 def _lane_state(lane: Any) -> tuple[Any, ...]:
     return (lane.kind, lane.call, lane.event_type, lane.item_id, lane.output_index, lane.content_index, lane.logprobs,
-            lane.parts, lane.seq, lane.taken, lane.emit)
+            lane.parts, lane.seq, lane.taken, lane.emit, lane.summary)
+
+
+def _delta_json(ty: str, seq: int, item_id: str, output_index: int, index: int, delta: str, logprobs: bool,
+                summary: bool) -> bytes:
+    """A delta event as msgspec writes its dict: ``summary_index`` in place of ``content_index``
+    for a summary lane."""
+    if not summary:
+        return IMPLS["pure"]["encode_delta"](ty, seq, item_id, output_index, index, delta, logprobs)
+    d: dict[str, Any] = {"type": ty, "sequence_number": seq, "item_id": item_id, "output_index": output_index}
+    if index >= 0:
+        d["summary_index"] = index
+    d["delta"] = delta
+    if logprobs:
+        d["logprobs"] = []
+    return msgspec.json.encode(d)
 
 
 @pytest.mark.parametrize(
@@ -562,11 +577,12 @@ def _lane_state(lane: Any) -> tuple[Any, ...]:
     ],
 )
 @pytest.mark.parametrize("with_args", [False, True])
-def test_feed_lane_twins_agree(kind: int, index: int, events: list[str], with_args: bool) -> None:
+@pytest.mark.parametrize("summary", [False, True])
+def test_feed_lane_twins_agree(kind: int, index: int, events: list[str], with_args: bool, summary: bool) -> None:
     stream = _lane_stream(events) + b"event: error\ndata: x\n\ndata: {\xff}\n\n"
     results = []
     for impl in IMPLS.values():
-        lane = _lane(impl, kind)
+        lane = _lane(impl, kind, summary=summary)
         args: list[str] | None = ["y"] if with_args else None
         decoder = impl["SseDecoder"]()
         got = []
@@ -581,7 +597,34 @@ def test_feed_lane_twins_agree(kind: int, index: int, events: list[str], with_ar
     assert args is None or args[1:] == pieces
     for i, (ty, payload) in enumerate(frames):
         assert ty == "response.output_text.delta"
-        assert payload == IMPLS["pure"]["encode_delta"](ty, 10 + i, "msg_1", 2, 0, pieces[i], True)
+        assert payload == _delta_json(ty, 10 + i, "msg_1", 2, 0, pieces[i], True, summary)
+
+
+@pytest.mark.parametrize("index", [0, 3, -1])
+def test_a_summary_lane_writes_what_the_turn_writes(index: int) -> None:
+    """A summary lane's events, native and pure, are byte for byte the Python path's
+    ``reasoning_summary_text.delta`` (``events.summary_delta``): ``summary_index`` where a
+    content lane writes ``content_index``, in the same place, and no logprobs."""
+    from hotloop.protocol import events as ev
+
+    pieces = ["a", 'b"\\\n\u0001\u2028', "\u00e9\U0001f600", "</s>"]
+    stream = _lane_stream([json.dumps({"choices": [{"delta": {"reasoning": p}}]}) for p in pieces])
+    fields = ev.summary_delta_fields("rs_\u00e9", 5, index)
+    got = []
+    for impl in IMPLS.values():
+        lane = impl["DeltaLane"](_accel.PLAIN_REASONING, 0, ev.REASONING_SUMMARY_TEXT_DELTA, "rs_\u00e9", 5, index,
+                                 False, [], summary=True)
+        lane.seq = 7
+        frames, rest = impl["SseDecoder"]().feed_lane(stream, lane, 0, None)
+        assert rest == [] and lane.parts == pieces and lane.seq == 7 + len(pieces) and lane.taken == len(pieces)
+        if index >= 0:
+            assert frames == [ev.summary_delta(7 + i, fields, p) for i, p in enumerate(pieces)]
+        else:  # no index at all, as a content lane with a negative index
+            assert [json.loads(f[1]) for f in frames] == [
+                {"type": ev.REASONING_SUMMARY_TEXT_DELTA, "sequence_number": 7 + i, "item_id": "rs_\u00e9",
+                 "output_index": 5, "delta": p} for i, p in enumerate(pieces)]
+        got.append(frames)
+    assert got[0] == got[1]
 
 
 def test_feed_lane_takes_what_plain_delta_takes_and_feed_gives_the_rest() -> None:
@@ -614,11 +657,31 @@ def test_delta_lane_argument_errors_agree(args: tuple[Any, ...]) -> None:
     assert outcome(IMPLS["native"]["DeltaLane"], *args) == outcome(IMPLS["pure"]["DeltaLane"], *args)
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((1, 0, "t", "i", 0, 0, True, [], True), {}), ((1, 0, "t", "i", 0, 0, True, []), {"summary": 1}),
+     ((1, 0, "t", "i", 0, 0, True, []), {"summary": None}), ((1, 0, "t", "i", 0, 0, True, []), {"summary": "yes"}),
+     ((1, 0, "t", "i", 0, 0, True, []), {"summary": True, "x": 1}), ((1, 0, "t", "i", 0, 0, True, []), {"summary": True}),
+     ((1, 0, "t", "i", 0, 0, True, []), {"summary": False})],
+)
+def test_delta_lane_summary_argument_agrees(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``summary`` is keyword-only and a bool, in both."""
+    native, pure = (outcome(lambda: impl["DeltaLane"](*args, **kwargs)) for impl in IMPLS.values())
+    if native[0] == "err" or pure[0] == "err":
+        assert native == pure == ("err", TypeError)
+    else:
+        assert native[1].summary is pure[1].summary is kwargs["summary"]
+
+
 def test_delta_lane_fields() -> None:
     for impl in IMPLS.values():
         parts: list[str] = []
         lane = impl["DeltaLane"](1, 0, "t", "i", 0, 0, True, parts)
         assert lane.parts is parts and lane.seq == 0 and lane.taken == 0 and lane.emit is None
+        assert lane.summary is False  # a content lane unless asked
+        with pytest.raises(AttributeError):
+            lane.summary = True
+        assert impl["DeltaLane"](2, 0, "t", "i", 0, 0, False, parts, summary=True).summary is True
         lane.seq, lane.taken, lane.emit = 5, 2, print
         assert (lane.seq, lane.taken, lane.emit) == (5, 2, print)
         with pytest.raises(AttributeError):

@@ -186,18 +186,23 @@ def test_reasoning_before_a_call_and_a_second_reasoning_item() -> None:
     assert {(e["output_index"], e["summary_index"]) for e in summary_events} == {(0, 0), (2, 0)}
 
 
-def test_summary_mode_has_no_lane_for_reasoning() -> None:
-    """The native lane writes ``content_index``: a summary's deltas take the general path."""
+def test_summary_mode_has_a_summary_lane_for_reasoning() -> None:
+    """A summary's deltas have a lane too, one that writes ``summary_index`` (tests/unit/test_turn.py
+    reads through it)."""
     raw = make_turn(False)
     raw.start()
     raw.feed(ReasoningDelta("x"))
-    assert raw.lane() is not None
+    lane = raw.lane()
+    assert lane is not None and not lane.summary and lane.event_type == ev.REASONING_TEXT_DELTA
     summ = make_turn(True)
     summ.start()
     summ.feed(ReasoningDelta("x"))
-    assert summ.lane() is None
+    lane = summ.lane()
+    assert lane is not None and lane.summary and lane.event_type == ev.REASONING_SUMMARY_TEXT_DELTA
+    assert lane.content_index == 0 and lane.parts == ["x"]
     summ.feed(TextDelta("y"))  # the message after it has its lane as before
-    assert summ.lane() is not None
+    lane = summ.lane()
+    assert lane is not None and not lane.summary and lane.event_type == ev.OUTPUT_TEXT_DELTA
 
 
 def test_summary_deltas_may_be_held_back_as_deltas() -> None:

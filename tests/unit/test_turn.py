@@ -245,8 +245,13 @@ def _lane_read(lane, pieces: list[str]) -> list[tuple[str, bytes]]:
     these pieces into the item."""
     from hotloop import _accel
 
-    chunk = lambda p: {"choices": [{"index": 0, "delta": {"content": p}}]} if lane.kind == _accel.PLAIN_TEXT else {
-        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": lane.call, "function": {"arguments": p}}]}}]}
+    def chunk(p: str) -> dict:
+        if lane.kind == _accel.PLAIN_TEXT:
+            return {"choices": [{"index": 0, "delta": {"content": p}}]}
+        if lane.kind == _accel.PLAIN_REASONING:
+            return {"choices": [{"index": 0, "delta": {"reasoning": p}}]}
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": lane.call, "function": {"arguments": p}}]}}]}
+
     data = b"".join(b"data: " + json.dumps(chunk(p)).encode() + b"\n\n" for p in pieces)
     frames, rest = _accel.SseDecoder().feed_lane(data, lane, lane.call, None)
     assert rest == [] and len(frames) == len(pieces)
@@ -310,6 +315,46 @@ def test_a_quiet_turn_read_through_its_lanes_builds_the_same_response() -> None:
     turn.feed(Finish("tool_calls"))
     assert turn.response == fed.response and turn.events == fed.events
     assert turn.response["output"][0]["content"][0]["text"] == "abc" and turn.response["output"][1]["arguments"] == '{"x":1}'
+
+
+@pytest.mark.parametrize("summary", [True, False])
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_reasoning_item_reads_through_its_lane_like_feeding(summary: bool, quiet: bool) -> None:
+    """A reasoning item has a lane in both shapes: as its summary (``reasoning.summary`` asked
+    for: ``reasoning_summary_text.delta`` events with a ``summary_index``) and raw. Pieces read
+    through it give exactly the bytes, response and usage of feeding every chunk."""
+    from hotloop import _accel
+    from hotloop.protocol import events as ev
+
+    body = {"model": "m", "input": "hi", **({"reasoning": {"summary": "auto"}} if summary else {})}
+    thoughts = ["Let", " me", ' "think"\n', "\u00e9\U0001f600", "\u2028</s>"]
+    chunks = [*(ReasoningDelta(t) for t in thoughts), TextDelta("Hi"), TextDelta("!"), Usage(5, 9, None, 5), Finish()]
+    fed = make_turn(body, quiet=quiet, reasoning_summary=summary)
+    want = fed.start()
+    for c in chunks:
+        want += fed.feed(c)
+    turn = make_turn(body, quiet=quiet, reasoning_summary=summary)
+    frames = turn.start() + turn.feed(chunks[0])
+    lane = turn.lane()
+    assert lane is not None and lane.seq == turn._seq == 5  # created, in_progress, added, part added, a delta
+    assert (lane.kind, lane.call, lane.content_index, lane.logprobs, lane.summary) == (_accel.PLAIN_REASONING, 0, 0,
+                                                                                       False, summary)
+    assert lane.event_type == (ev.REASONING_SUMMARY_TEXT_DELTA if summary else ev.REASONING_TEXT_DELTA)
+    assert lane.item_id == turn.response["output"][0]["id"] and lane.output_index == 0
+    assert lane.parts == thoughts[:1]
+    frames += _lane_read(lane, thoughts[1:3])
+    assert turn.lane() is lane  # handed over again: nothing changed
+    frames += _lane_read(lane, thoughts[3:])
+    frames += turn.feed(chunks[-4])
+    frames += _lane_read(turn.lane(), ["!"])
+    frames += turn.feed(chunks[-2]) + turn.feed(chunks[-1])
+    assert turn.response == fed.response and turn.events == fed.events == len(frames)
+    if not quiet:
+        assert frames == want  # the same types and bytes
+        final = json.loads(frames[-1][1])["response"]["output"][0]
+        assert final[("summary" if summary else "content")] == [
+            {"type": "summary_text" if summary else "reasoning_text", "text": "".join(thoughts)}]
+        assert sum(t == lane.event_type for t, _ in frames) == len(thoughts)
 
 
 def test_no_lane_without_an_open_item() -> None:

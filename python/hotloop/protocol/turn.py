@@ -273,10 +273,11 @@ class Turn:
         first takes back what the lane read since (``taken``, ``seq``); call this again after
         any of them before reading into the lane again. None when no item is open. A quiet
         turn has lanes too: their events are encoded (natively, cheaper than the general path
-        that skips them) and not sent. A message's refusal part has none (``plain_delta`` never
-        reads a refusal piece as plain: each one comes as a chunk), nor does a reasoning summary
-        (the native lane writes a ``content_index``, a summary's delta a ``summary_index``): their
-        deltas come as chunks, through :meth:`feed`."""
+        that skips them) and not sent. A reasoning item streamed as its summary has a
+        ``summary`` lane (its deltas are ``reasoning_summary_text.delta`` events, ``summary_index``
+        0: the bytes of :func:`events.summary_delta`). A message's refusal part has none
+        (``plain_delta`` never reads a refusal piece as plain): its deltas come as chunks,
+        through :meth:`feed`."""
         self._sync()
         item = self._open
         if item is None or self._phase is not _STREAMING:
@@ -287,12 +288,14 @@ class Turn:
             if key == _MESSAGE:
                 lane = DeltaLane(PLAIN_TEXT, 0, ev.OUTPUT_TEXT_DELTA, item.item_id, item.output_index,
                                  item.content_index, True, item.parts)
-            elif key == _REFUSAL or (key == _REASONING and self.reasoning_summary):
+            elif key == _REFUSAL:
                 self._lane = None
                 return None
             elif key == _REASONING:
-                lane = DeltaLane(PLAIN_REASONING, 0, ev.REASONING_TEXT_DELTA, item.item_id, item.output_index, 0, False,
-                                 item.parts)
+                summary = self.reasoning_summary  # its one summary part (summary_index 0), or content part 0
+                kind = ev.REASONING_SUMMARY_TEXT_DELTA if summary else ev.REASONING_TEXT_DELTA
+                lane = DeltaLane(PLAIN_REASONING, 0, kind, item.item_id, item.output_index, 0, False, item.parts,
+                                 summary=summary)
             else:
                 lane = DeltaLane(PLAIN_ARGUMENTS, int(key[5:]), ev.FUNCTION_CALL_ARGUMENTS_DELTA, item.item_id,
                                  item.output_index, -1, False, item.parts)

@@ -443,6 +443,24 @@ fn json_int(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(&buf[i..]);
 }
 
+/// The part index a delta event carries after `output_index`: a content part's
+/// (`content_index`: message text, reasoning text) or a reasoning summary part's
+/// (`summary_index`: `response.reasoning_summary_text.delta`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartIndex {
+    Content,
+    Summary,
+}
+
+impl PartIndex {
+    fn key(self) -> &'static [u8] {
+        match self {
+            PartIndex::Content => b",\"content_index\":",
+            PartIndex::Summary => b",\"summary_index\":",
+        }
+    }
+}
+
 /// One delta event's JSON: `type`, `sequence_number`, `item_id`, `output_index`, then
 /// `content_index` when it is not negative, `delta`, and `"logprobs":[]` when asked for.
 #[allow(clippy::too_many_arguments)]
@@ -456,6 +474,34 @@ pub fn delta_event(
     delta: &str,
     logprobs: bool,
 ) {
+    part_delta_event(
+        out,
+        event_type,
+        sequence_number,
+        item_id,
+        output_index,
+        PartIndex::Content,
+        content_index,
+        delta,
+        logprobs,
+    );
+}
+
+/// [`delta_event`] with the part index named by `part`: `summary_index` in place of
+/// `content_index` for [`PartIndex::Summary`] (in the same place, and likewise left out when
+/// `index` is negative).
+#[allow(clippy::too_many_arguments)]
+pub fn part_delta_event(
+    out: &mut Vec<u8>,
+    event_type: &str,
+    sequence_number: i64,
+    item_id: &str,
+    output_index: i64,
+    part: PartIndex,
+    index: i64,
+    delta: &str,
+    logprobs: bool,
+) {
     out.extend_from_slice(b"{\"type\":");
     json_str(out, event_type);
     out.extend_from_slice(b",\"sequence_number\":");
@@ -464,9 +510,9 @@ pub fn delta_event(
     json_str(out, item_id);
     out.extend_from_slice(b",\"output_index\":");
     json_int(out, output_index);
-    if content_index >= 0 {
-        out.extend_from_slice(b",\"content_index\":");
-        json_int(out, content_index);
+    if index >= 0 {
+        out.extend_from_slice(part.key());
+        json_int(out, index);
     }
     out.extend_from_slice(b",\"delta\":");
     json_str(out, delta);
@@ -610,5 +656,46 @@ mod tests {
             String::from_utf8(out).unwrap(),
             "{\"type\":\"response.function_call_arguments.delta\",\"sequence_number\":-9223372036854775808,\"item_id\":\"fc\",\"output_index\":2,\"delta\":\"\"}"
         );
+    }
+
+    /// [`part_delta_event`]'s JSON, as a string.
+    fn summary_event(seq: i64, item_id: &str, index: i64, delta: &str, logprobs: bool) -> String {
+        let mut out = Vec::new();
+        let ty = "response.reasoning_summary_text.delta";
+        part_delta_event(
+            &mut out,
+            ty,
+            seq,
+            item_id,
+            3,
+            PartIndex::Summary,
+            index,
+            delta,
+            logprobs,
+        );
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn summary_delta_events() {
+        // what hotloop.protocol.events.summary_delta writes: summary_index where content_index is
+        assert_eq!(
+            summary_event(12, "rs_\u{e9}", 0, "a\"\\\n\u{1}\u{2028}😀", false),
+            "{\"type\":\"response.reasoning_summary_text.delta\",\"sequence_number\":12,\"item_id\":\"rs_\u{e9}\",\"output_index\":3,\"summary_index\":0,\"delta\":\"a\\\"\\\\\\n\\u0001\u{2028}😀\"}"
+        );
+        assert!(summary_event(0, "i", 4, "x", true)
+            .ends_with(",\"output_index\":3,\"summary_index\":4,\"delta\":\"x\",\"logprobs\":[]}"));
+        // a negative index is left out, as a content index is
+        assert!(
+            summary_event(0, "i", -1, "x", false).ends_with(",\"output_index\":3,\"delta\":\"x\"}")
+        );
+        // the content index, through either function, is the same bytes
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        part_delta_event(&mut a, "t", 5, "i", 1, PartIndex::Content, 2, "x", true);
+        delta_event(&mut b, "t", 5, "i", 1, 2, "x", true);
+        assert_eq!(a, b);
+        assert!(String::from_utf8(a)
+            .unwrap()
+            .contains(",\"content_index\":2,"));
     }
 }

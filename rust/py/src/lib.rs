@@ -3,6 +3,7 @@
 //! The stub `python/hotloop/_native.pyi` is the documented API; pure twins live in
 //! `hotloop._pure`.
 
+use hotloop_core::plain::{part_delta_event, PartIndex};
 use hotloop_core::secrets::{char_offsets, redact, Finding};
 use hotloop_core::{self as core, ChainError, FeedError, PatternSpec, Plain, SseError};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyTypeError, PyValueError};
@@ -282,12 +283,13 @@ impl SseDecoder {
                     Some(t) if t.is_empty() => return Ok(()),
                     Some(t) => {
                         buf.clear();
-                        core::delta_event(
+                        part_delta_event(
                             &mut buf,
                             &lane.event_type_str,
                             lane.seq + pieces.len() as i64,
                             &lane.item_id,
                             lane.output_index,
+                            lane.part,
                             lane.content_index,
                             &t,
                             lane.logprobs,
@@ -375,6 +377,10 @@ struct DeltaLane {
     content_index: i64,
     #[pyo3(get)]
     logprobs: bool,
+    /// Whether the events write ``content_index`` as ``summary_index`` (see the stub).
+    #[pyo3(get)]
+    summary: bool,
+    part: PartIndex,
     #[pyo3(get)]
     parts: Py<PyList>,
     #[pyo3(get, set)]
@@ -388,6 +394,9 @@ struct DeltaLane {
 #[pymethods]
 impl DeltaLane {
     #[new]
+    #[pyo3(signature = (
+        kind, call, event_type, item_id, output_index, content_index, logprobs, parts, *, summary = false
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         kind: i64,
@@ -398,6 +407,7 @@ impl DeltaLane {
         content_index: i64,
         logprobs: bool,
         parts: Bound<'_, PyList>,
+        summary: bool,
     ) -> PyResult<Self> {
         let event_type_str = event_type.to_str()?.to_owned();
         Ok(DeltaLane {
@@ -409,6 +419,12 @@ impl DeltaLane {
             output_index,
             content_index,
             logprobs,
+            summary,
+            part: if summary {
+                PartIndex::Summary
+            } else {
+                PartIndex::Content
+            },
             parts: parts.unbind(),
             seq: 0,
             taken: 0,
