@@ -26,6 +26,14 @@ def _parser() -> argparse.ArgumentParser:
         help="HTTP client for chat backends: lean (keep-alive HTTP/1.1 on asyncio) or sdk (cerebras-cloud-sdk / httpx); "
         "env HOTLOOP_BACKEND_TRANSPORT, default lean",
     )
+    s.add_argument(
+        "--think-tags",
+        dest="think_tags",
+        choices=["auto", "off"],
+        help="auto: a <think> block at the start of a chat backend's content (Qwen3, DeepSeek-R1 on servers that do "
+        "not split reasoning out) is streamed as reasoning, the rest as text; off: the content is text as it comes "
+        "(env HOTLOOP_THINK_TAGS, default auto)",
+    )
     s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
     s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")
     s.add_argument(

@@ -62,6 +62,10 @@ class Config:
     # chunk; each chunk, the response's end too, up to this much later); 0: never
     backend_read_pause_ms: float = 10.0
     backend_read_pause_streams: int = 16
+    # auto: a <think> block at the start of a chat backend's content (Qwen3, DeepSeek-R1 on a server
+    # that does not split reasoning out) is the response's reasoning (hotloop.backends.chat.assemble);
+    # off: the content is text as it comes
+    think_tags: str = "auto"
     model_limits: str = ""  # JSON file of per-model context windows and output limits (hotloop.models)
     # simulator
     sim_rate: float = 1000.0  # tokens per second (0 = as fast as possible)
@@ -225,6 +229,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "store": ("sqlite", "memory", "redis"),
     "store_sync": ("normal", "full"),
     "secrets": ("off", "flag", "redact", "block"),
+    "think_tags": ("auto", "off"),
 }
 _AT_LEAST_ONE = (
     "workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight",
@@ -243,7 +248,7 @@ FLAGS = frozenset({
     "worker_start_timeout",
     "store_sync", "store_max_lag", "store_commit_delay", "store_busy_timeout", "data_dir", "max_connections",
     "request_read_timeout", "ws_ping_interval", "ws_ping_timeout", "flush_interval_ms", "backend_read_pause_ms",
-    "backend_read_pause_streams", "shutdown_grace", "max_turn_input_items", "max_turn_input_bytes", "secrets",
+    "backend_read_pause_streams", "think_tags", "shutdown_grace", "max_turn_input_items", "max_turn_input_bytes", "secrets",
     "classifiers", "sim_rate", "sim_ttft", "sim_output_tokens", "sim_seed", "sim_script",
 })
 _PATHS = ("data_dir", "model_limits", "sim_script")

@@ -59,7 +59,9 @@ class CerebrasBackend(ChatBackend):
     owned_by = "cerebras"
 
     def __init__(self, config: Config) -> None:
-        super().__init__(model=config.model or DEFAULT_MODEL, retries=config.backend_retries)
+        super().__init__(
+            model=config.model or DEFAULT_MODEL, retries=config.backend_retries, think_tags=config.think_tags != "off"
+        )
         # hotloop's own settings win over the SDK's environment variables.
         self._api_key = config.backend_api_key or os.environ.get("CEREBRAS_API_KEY")
         self._base_url = sdk_base_url(config.base_url or os.environ.get("CEREBRAS_BASE_URL"))

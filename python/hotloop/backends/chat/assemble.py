@@ -2,7 +2,8 @@
 
 I/O-free. :data:`chunk_decoder` reads the few fields hotloop needs with msgspec (about 1-2 us per
 chunk, against ~10 us for an SDK's pydantic models); :class:`ChunkAssembler` honours the turn
-machine's contract for tool calls (see the class).
+machine's contract for tool calls (see the class), and reads a ``<think>`` block at the start of
+the content as reasoning (see its ``_think_content``).
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ _DELTA: dict[str, type[TextDelta | ReasoningDelta | RefusalDelta]] = {
 }
 _NEW, _LIVE, _SEALED, _DEFERRED = 0, 1, 2, 3  # tool call states
 
+# Reasoning in the content: Qwen3 and DeepSeek-R1-style models, served by a server that does not
+# split it out (vLLM without --reasoning-parser, llama.cpp, LM Studio, Ollama's OpenAI endpoint,
+# Cerebras' default reasoning_format for Qwen3), begin their content with it, in these tags.
+_OPEN_TAG, _CLOSE_TAG = "<think>", "</think>"
+# Where the content is in that respect (ChunkAssembler._think); _T_OFF is falsy: content is text.
+# _T_START: nothing but whitespace yet (held, with a possible beginning of the opening tag);
+# _T_LEAD: the block opened, nothing but whitespace in it yet (dropped); _T_IN: in the block
+# (held: whitespace and a possible beginning of the closing tag at its end); _T_AFTER: closed,
+# nothing but whitespace after it yet (dropped). _T_LEAD and above: a block is open.
+_T_OFF, _T_AFTER, _T_START, _T_LEAD, _T_IN = 0, 1, 2, 3, 4
+# The most whitespace held while waiting for what follows it (before a block: past it the content
+# is text; at the end of a block's text so far: past it it is reasoning). Models put a newline or
+# two there; the bound keeps a run of whitespace chunks from being copied over and over.
+MAX_THINK_HELD = 4096
+
 
 # Keys of calls whose server index another call took (ChunkAssembler._tool) count up from here,
 # far above any index a server gives (and within the native decoder's integer range).
@@ -149,17 +165,25 @@ class ChunkAssembler:
 
     Calls are renumbered 0, 1, ... in emission order. A call id the server omits is left to the
     turn machine to generate. Buffered data is bounded by ``MAX_BUFFERED_BYTES``.
+
+    A ``<think>`` block at the start of the content is reasoning (``think_tags``, the default;
+    see :meth:`_think_content`).
     """
 
-    __slots__ = ("_calls", "_open", "_deferred", "_buffered", "_next_index", "_retired", "finish_reason", "usage")
+    __slots__ = (
+        "_calls", "_open", "_deferred", "_buffered", "_next_index", "_retired", "_think", "_held", "finish_reason",
+        "usage",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, think_tags: bool = True) -> None:
         self._calls: dict[int, _Call] = {}
         self._open: Union[str, _Call, None] = None  # _TEXT, _REASONING, _REFUSAL, a live call, or None
         self._deferred: list[Union[tuple[str, str], _Call]] = []
         self._buffered = 0
         self._next_index = 0
         self._retired = RETIRED_KEYS  # the last key given to a call whose server index was reused
+        self._think = _T_START if think_tags else _T_OFF
+        self._held = ""  # the content held while it may be, or be in, a <think> block
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
 
@@ -178,7 +202,7 @@ class ChunkAssembler:
                 if r:
                     self._piece(_REASONING, r, out)
                 if d.content:
-                    self._piece(_TEXT, d.content, out)
+                    self._piece(_TEXT, d.content, out)  # (a <think> block: see _piece)
                 if d.refusal:
                     # a refusal part of the message (response.refusal.*), never output text
                     self._piece(_REFUSAL, d.refusal, out)
@@ -199,11 +223,18 @@ class ChunkAssembler:
         index, key, args)``: its index in the response, the index the server gives it, and the
         list its arguments are kept in (pieces read by ``feed_lane`` are appended to it). None
         when nothing is open, or a refusal is (its pieces are never plain deltas: ``plain_delta``
-        refuses an event with a refusal, so the general path reads each one)."""
+        refuses an event with a refusal, so the general path reads each one).
+
+        While the content may be, or be in, a ``<think>`` block, no lane takes content: text is
+        never open then (see :meth:`_piece`: the native decoder would make the block output
+        text), and the reasoning item's lane is not offered either (the block's reasoning comes
+        as content, which only the general path reads)."""
         cur = self._open
         if cur is _TEXT:
             return PLAIN_TEXT, 0, 0, None
         if cur is _REASONING:
+            if self._held or self._think > _T_START:
+                return None
             return PLAIN_REASONING, 0, 0, None
         if type(cur) is _Call and cur.state == _LIVE:
             return PLAIN_ARGUMENTS, cur.index, cur.key, cur.args
@@ -227,12 +258,104 @@ class ChunkAssembler:
         return True
 
     def _piece(self, kind: str, text: str, out: list[Chunk]) -> None:
-        if self._open is not kind and not self._may_switch():
-            self._hold(len(text))
-            self._deferred.append((kind, text))
-            return
+        if self._open is not kind:
+            if kind is _TEXT and self._think:
+                # content that may be, or be in, a <think> block. Text is never open then (it
+                # opens here once _think is _T_OFF, for good), so the text after the first
+                # content chunk of a response without a block costs nothing more.
+                self._think_content(text, out)
+                return
+            if not self._may_switch():
+                self._hold(len(text))
+                self._deferred.append((kind, text))
+                return
         self._open = kind
         out.append(_DELTA[kind](text))
+
+    # -- <think> blocks ------------------------------------------------------------------------
+
+    def _think_content(self, text: str, out: list[Chunk]) -> None:
+        """A content piece while the content may begin with a ``<think>`` block.
+
+        A content that begins, after whitespace, with ``<think>`` has the model's reasoning up to
+        the first ``</think>``: it goes out as reasoning (the chunks of a ``delta.reasoning``),
+        without the whitespace at its two ends, and the content after it, without the whitespace
+        that begins it, as text; tags split across pieces anywhere are read whole. Any other
+        content is text as it came, a ``<think>`` later in it too (what was held while it might
+        have been a tag goes out first). A block the stream never closes is reasoning up to the
+        end (:meth:`end`), what was held too; one with nothing but whitespace in it makes no
+        reasoning at all. Whitespace is held up to ``MAX_THINK_HELD`` characters (a content that
+        begins with more is text). A tool call ends a block, and ends the wait for one: what was
+        held goes out before it (:meth:`_settle`).
+
+        A server that sends both ``delta.reasoning`` and a block in the content: both are
+        reasoning, in the one reasoning item, in the order they come (in one chunk, the field's
+        first). None is known to send the same reasoning both ways; it would be shown twice.
+        """
+        state = self._think
+        if state == _T_START:
+            s = self._held + text
+            rest = s.lstrip()
+            if len(rest) < len(_OPEN_TAG) and _OPEN_TAG.startswith(rest) and len(s) <= MAX_THINK_HELD:
+                self._held = s  # whitespace and perhaps the tag's beginning: wait for more
+                return
+            self._held = ""
+            if not rest.startswith(_OPEN_TAG):
+                self._think = _T_OFF
+                self._piece(_TEXT, s, out)
+                return
+            text, state = rest[len(_OPEN_TAG) :], _T_LEAD
+        if state == _T_LEAD:
+            text = text.lstrip()
+            if not text:
+                self._think = _T_LEAD
+                return
+            state = _T_IN
+        if state == _T_IN:
+            self._think = _T_IN
+            if not self._held and "<" not in text and not text[-1].isspace():
+                self._piece(_REASONING, text, out)  # the usual piece: no tag in it, none begun
+                return
+            s = self._held + text
+            end = s.find(_CLOSE_TAG)
+            if end < 0:
+                # hold the end that may be the closing tag's beginning (it has one "<": the last
+                # within its length), and the whitespace before it, which may end the block
+                tag = s.rfind("<", max(len(s) - len(_CLOSE_TAG) + 1, 0))
+                tag = tag if tag >= 0 and _CLOSE_TAG.startswith(s[tag:]) else len(s)
+                cut = len(s[:tag].rstrip())
+                if tag - cut > MAX_THINK_HELD:
+                    cut = tag
+                if cut:
+                    self._piece(_REASONING, s[:cut], out)
+                self._held = s[cut:]
+                return
+            reasoning = s[:end].rstrip()
+            if reasoning:
+                self._piece(_REASONING, reasoning, out)
+            self._held = ""
+            text = s[end + len(_CLOSE_TAG) :]
+        text = text.lstrip()  # _T_AFTER
+        if text:
+            self._think = _T_OFF
+            self._piece(_TEXT, text, out)
+        else:
+            self._think = _T_AFTER
+
+    def _settle(self, out: list[Chunk]) -> None:
+        """The content's end, or a tool call: what was held goes out, as text before a block
+        (which then never opens) or as reasoning in one (which ends here)."""
+        held = self._held
+        self._held = ""
+        if self._think == _T_START:
+            self._think = _T_OFF
+            if held:
+                self._piece(_TEXT, held, out)
+            return
+        self._think = _T_AFTER
+        held = held.rstrip()  # whitespace at the block's end is dropped; before a tag's beginning it is inside
+        if held:
+            self._piece(_REASONING, held, out)
 
     def _tool(self, tc: _ToolCall, out: list[Chunk]) -> None:
         key = tc.index if tc.index is not None else self._key_without_index(tc.id)
@@ -269,6 +392,8 @@ class ChunkAssembler:
             self._hold(len(args))
             call.args.append(args)
         if state == _NEW and call.name is not None:
+            if self._held or self._think > _T_START:
+                self._settle(out)  # what the content held comes before the call; a block ends
             if self._may_switch():
                 self._open_call(call, out)
             else:
@@ -302,6 +427,8 @@ class ChunkAssembler:
         for call in self._calls.values():
             if call.name is None:
                 raise errors.BackendError("The model backend sent a tool call without a name.")
+        if self._think:
+            self._settle(out)  # what the content held (the content's end)
         for entry in self._deferred:
             if isinstance(entry, _Call):
                 self._open_call(entry, out)

@@ -84,9 +84,11 @@ class ChatBackend:
     dialect: Dialect = OPENAI_COMPAT
     owned_by = "backend"
 
-    def __init__(self, *, model: str, retries: int) -> None:
+    def __init__(self, *, model: str, retries: int, think_tags: bool = True) -> None:
         self.default_model = model
         self.retries = max(0, retries)
+        # a <think> block at the start of the content is reasoning (ChunkAssembler._think_content)
+        self.think_tags = think_tags
         self._models: list[dict[str, Any]] = []
         # context windows the backend's /models reported, by model id (vLLM: max_model_len)
         self.context_windows: dict[str, int] = {}
@@ -166,7 +168,7 @@ class ChatBackend:
                 resp = await self._open(body, model, req.request_id)
                 pushes = False
                 try:
-                    assembler = ChunkAssembler()
+                    assembler = ChunkAssembler(self.think_tags)
                     decoder = SseDecoder(MAX_SSE_EVENT_BYTES)
                     feed = decoder.feed
                     feed_lane = decoder.feed_lane if _LANES else None
