@@ -49,6 +49,38 @@ const cases = {
     const u = await next.usage;
     return { stored, forced, unstored, next: { finish: await next.finishReason, errs, inputTokens: u.inputTokens, text: (await next.text).length > 0 } };
   },
+  // store:false over two steps (a server scripted as for steps): what the SDK sends, captured by
+  // its fetch. It keeps a reasoning item for the next request only with its encrypted_content,
+  // read from output_item.done (without one it drops the item: "Reasoning parts without encrypted
+  // content are not supported when store is false"). It asks for it (include) only for a model it
+  // knows as a reasoning one (forceReasoning here); hotloop returns it whenever store is false.
+  async unstored_reasoning() {
+    const run = async (opts) => {
+      const sent = [];
+      const capturing = createOpenAI({ apiKey: 'sk-test', baseURL, fetch: async (url, init) => {
+        if (String(url).endsWith('/responses')) sent.push(JSON.parse(init.body));
+        return fetch(url, init);
+      } });
+      const warnings = [];
+      const s = streamText({ model: capturing.responses('hotloop-sim'), prompt: 'weather?', tools, stopWhen: stepCountIs(5), maxRetries: 0,
+        providerOptions: { openai: { store: false, ...opts } } });
+      for await (const p of s.fullStream) if (p.type === 'start-step') warnings.push(...(p.warnings ?? []).map((w) => w.message ?? String(w)));
+      const steps = await s.steps;
+      const reasoningOf = (body) => body.input.filter((i) => i.type === 'reasoning')
+        .map((i) => ({ id: i.id ?? null, summary: i.summary.length, sealed: typeof i.encrypted_content === 'string' ? i.encrypted_content.slice(0, 4) : null }));
+      const streamed = steps[0].content.filter((c) => c.type === 'reasoning');
+      return {
+        requests: sent.length, include: sent.map((b) => b.include ?? null), store: sent.map((b) => b.store),
+        second: sent.length > 1 ? reasoningOf(sent[1]) : null,
+        // the item the SDK kept from step 1 (its providerMetadata), as step 2 sent it back
+        kept: streamed.map((c) => (c.providerMetadata?.openai?.reasoningEncryptedContent ?? '').slice(0, 4)),
+        sameToken: sent.length > 1 && streamed.length > 0
+          && sent[1].input.some((i) => i.type === 'reasoning' && i.encrypted_content === streamed[0].providerMetadata?.openai?.reasoningEncryptedContent),
+        warnings: warnings.filter((w) => /reasoning/i.test(w)), finish: await s.finishReason, steps: steps.length,
+      };
+    };
+    return { plain: await run({}), forced: await run({ forceReasoning: true }) };
+  },
   // previousResponseId: context carried (input tokens grow); an unknown id is a typed 400
   async previous() {
     const t1 = await generateText({ model, prompt: 'hello there', maxRetries: 0 });

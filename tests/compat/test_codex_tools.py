@@ -411,3 +411,7 @@ def test_codex_lists_reasoning_and_sends_it_back(codex: list[str], tmp_path: Pat
     back = [i for i in bodies[1]["input"] if i["type"] == "reasoning"]
     assert len(back) == 1 and [p["text"] for p in back[0]["summary"]] == [thoughts[0]], ctx
     assert not back[0].get("content"), ctx  # hotloop's item had no raw content: the summary is it
+    # Codex asks for the encrypted content (include) and sends it back as it got it (protocol.sealed)
+    assert all("reasoning.encrypted_content" in b["include"] for b in bodies), ctx
+    done = [e["item"] for e in posts[0]["events"] if e["type"] == "response.output_item.done" and e["item"]["type"] == "reasoning"]
+    assert back[0]["encrypted_content"].startswith("hl1.") and back[0]["encrypted_content"] == done[0]["encrypted_content"], ctx

@@ -10,7 +10,8 @@ server ends the response; the same client goes on), ``ResponsesWS`` closed mid-r
 structured output (``responses.parse``).
 
 The AI SDK (``audit_ai_sdk.mjs``): ``streamText`` tool loops over several steps with parallel
-calls and reasoning (store true and false), ``previousResponseId``, abort, finish reasons,
+calls and reasoning (store true and false; with ``store: false`` the reasoning item goes back to
+the next step with its ``encrypted_content``), ``previousResponseId``, abort, finish reasons,
 errors, ``Output.object``.
 
 Each case is one ``node`` process (bounded well under 10 s) printing one JSON line.
@@ -205,6 +206,24 @@ def test_ai_sdk_multi_step_parallel_calls_reasoning(node_modules, scripted) -> N
     # the next turn continues the loop's last response: its whole history is the context
     assert out["next"]["finish"] == "stop" and out["next"]["errs"] == [] and out["next"]["text"] is True
     assert out["next"]["inputTokens"] > 100
+
+
+def test_ai_sdk_store_false_keeps_reasoning_between_steps(node_modules, scripted) -> None:
+    """With ``store: false`` the AI SDK sends a reasoning item back only with its
+    ``encrypted_content`` (it drops one without). hotloop returns it when the request asks
+    (``include``, which the SDK sends only for models it knows reason: ``forceReasoning``) and
+    whenever ``store`` is false (``plain``: a model name the SDK does not know, no ``include``);
+    the SDK reads it from ``output_item.done`` and sends the item back on the loop's next step."""
+    out = js("audit_ai_sdk.mjs", scripted, "unstored_reasoning")
+    for k, include in (("plain", None), ("forced", ["reasoning.encrypted_content"])):
+        got = out[k]
+        assert got["requests"] == 2 and got["steps"] == 2 and got["finish"] == "stop", (k, got)
+        assert got["include"] == [include, include] and got["store"] == [False, False], (k, got)
+        assert got["kept"] == ["hl1."], (k, got)  # read from the item's output_item.done
+        # the second step's request holds the first step's reasoning item, with its token
+        assert got["second"] == [{"id": got["second"][0]["id"], "summary": 0, "sealed": "hl1."}], (k, got)
+        assert got["second"][0]["id"].startswith("rs_") and got["sameToken"] is True, (k, got)
+        assert got["warnings"] == [], (k, got)  # no "Skipping reasoning parts"
 
 
 def test_ai_sdk_previous_response_id(node_modules, server) -> None:

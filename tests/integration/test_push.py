@@ -337,7 +337,8 @@ def held(tmp_path_factory: pytest.TempPathFactory, mock: MockChatServer) -> Iter
         yield s
 
 
-_VARYING = ("id", "item_id", "call_id", "created_at", "completed_at")
+# (encrypted_content: a store: false response's reasoning, sealed under each server's own key)
+_VARYING = ("id", "item_id", "call_id", "created_at", "completed_at", "encrypted_content")
 
 
 def _comparable(events: list[dict[str, Any]]) -> list[str]:

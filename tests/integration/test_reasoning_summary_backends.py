@@ -67,7 +67,10 @@ def test_streamed_as_summary_then_sent_back_stateless(server: Server, mock: Mock
     assert deltas == THOUGHT
     final = first[-1]["response"]
     rs, msg = final["output"]
-    assert rs == {"id": rs["id"], "type": "reasoning", "summary": [{"type": "summary_text", "text": THOUGHT}]}
+    # store: false: with the reasoning sealed, the one way such a client can send it back (protocol.sealed)
+    assert rs == {"id": rs["id"], "type": "reasoning", "encrypted_content": rs["encrypted_content"],
+                  "summary": [{"type": "summary_text", "text": THOUGHT}]}  # fmt: skip
+    assert rs["encrypted_content"].startswith("hl1.")
     assert msg["content"][0]["text"] == "Hello!"
     # a stateless follow-up (store: false) sending the item back with its summary only
     follow: Any = [

@@ -45,6 +45,7 @@ from hotloop.protocol.request import (
     SummaryText,
     model_view,
 )
+from hotloop.protocol.sealed import reasoning_text
 from hotloop.state import fpkey
 from hotloop.state.context import ITEM_OVERHEAD, held_extra
 from hotloop.state.store import LEGACY_OWNER
@@ -136,8 +137,9 @@ def item_text(item: Item) -> str:
     if t is FunctionCallOutput:
         return _content_text(item.output)  # type: ignore[union-attr]
     if t is Reasoning:
-        r: Reasoning = item  # type: ignore[assignment]
-        return "\n".join([c.text for c in r.content or ()] or [s.text for s in r.summary])
+        # exactly the text the backend is sent (backends.chat.render): raw content, else the
+        # text its encrypted_content seals (if this server sealed it), else its summary
+        return reasoning_text(item)  # type: ignore[arg-type]
     if t is OtherItem:
         return _canonical(model_view(item.data)).decode()  # type: ignore[union-attr]
     return ""

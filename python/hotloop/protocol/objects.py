@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from hotloop.protocol.events import RESPONSE_OBJECT
-from hotloop.protocol.request import Prepared
+from hotloop.protocol.request import ENCRYPTED_REASONING, Prepared
 
 
 class IdGen:
@@ -92,6 +92,21 @@ def wants_summary(p: Prepared) -> bool:
     ``reasoning_text``."""
     r = p.req.reasoning
     return r is not None and (r.summary is not None or r.generate_summary is not None)
+
+
+def wants_encrypted_reasoning(p: Prepared) -> bool:
+    """Whether the response's reasoning items carry ``encrypted_content``, the reasoning sealed
+    by this server (:mod:`hotloop.protocol.sealed`): when the request's ``include`` asks for
+    ``reasoning.encrypted_content`` (Codex does on every turn), and also whenever ``store`` is
+    false, asked or not. A client that keeps no state here can send reasoning back only in that
+    field, and the Vercel AI SDK drops every reasoning item without it from a ``store: false``
+    request ("Reasoning parts without encrypted content are not supported when store is false")
+    while asking for it only for model names it knows as OpenAI reasoning models (not
+    gpt-oss-120b on Cerebras): without it, its tool loops would lose the model's reasoning
+    between steps. A request that asks for neither gets no such field anywhere (its events are
+    byte for byte what they were)."""
+    req = p.req
+    return not req.store or (req.include is not None and ENCRYPTED_REASONING in req.include)
 
 
 def response_object(

@@ -288,6 +288,23 @@ SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale", "fast", "ultraf
 # are accepted and echoed as sent
 PROMPT_CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
+# ``include``: openai-python 3.57 ResponseIncludable. Only one has an effect: a reasoning item's
+# ``encrypted_content`` (protocol.sealed; objects.wants_encrypted_reasoning). The others name
+# output hotloop never makes (hosted tools' results, logprobs, input image URLs). A value outside
+# this set is accepted and ignored too, where OpenAI answers 400: the set grows with the API, and
+# a client that learns a new value (Codex sends ``include`` on every turn) must not have every
+# request refused by a server that predates it (the type, an array of strings, is checked).
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDABLE = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    ENCRYPTED_REASONING,
+    "message.output_text.logprobs",
+)
 
 _decoder = msgspec.json.Decoder(CreateRequest)
 _AT_RE = re.compile(r" - at `\$(.*)`$")

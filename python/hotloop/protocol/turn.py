@@ -33,6 +33,14 @@ it; the item coming back (sent back with its summary, referred to by id, chained
 the item's bytes in ``output_item.done``, ``response.completed``, the stored response and every
 input that sends the item back, for no reader (the summary is the reasoning).
 
+A reasoning item of a response that asked for it (``include`` ``reasoning.encrypted_content``,
+or ``store: false``: :func:`objects.wants_encrypted_reasoning`) also carries ``encrypted_content``,
+its text sealed (:mod:`hotloop.protocol.sealed`; the ``seal`` the turn is given), from its
+``output_item.done`` on (the final item, so the terminal event, the JSON answer and what is
+stored): once per item, when it closes. Not in ``output_item.added`` (where OpenAI's has it
+too): the reasoning streams as it comes, so its text is not known then; clients read it from
+the done event (the AI SDK, Codex). Any other response's events are unchanged.
+
 ``message`` and ``refusal`` are the same kind of output item, a message, with a different content
 part open: going from one to the other keeps the message open and closes its part
 (``output_text.done``/``refusal.done``, ``content_part.done``) and adds the next part at the next
@@ -135,6 +143,8 @@ class Turn:
     ``transport`` is ``"sse"`` or ``"ws"``: it only changes how mid-stream errors are reported.
     ``reasoning_summary``: stream reasoning as the item's summary (the request set
     ``reasoning.summary``), else as raw ``reasoning_text`` (the module's docstring).
+    ``seal``: text -> a reasoning item's ``encrypted_content`` (:func:`sealed.seal`), for a
+    response that asked for it; None: no such field.
     """
 
     def __init__(
@@ -149,10 +159,12 @@ class Turn:
         clock: Callable[[], float],
         quiet: bool = False,
         reasoning_summary: bool = False,
+        seal: Callable[[str], str] | None = None,
     ) -> None:
         # quiet: the frames are placeholders (a JSON response is built from ``response`` alone)
         self._ev: Any = _Quiet if quiet else ev
         self.reasoning_summary = reasoning_summary
+        self._seal = seal
         self._encoded: list[Any] = [None, None]  # this response's long instructions, encoded once
         self._text_delta = _quiet_text_delta if quiet else _text_delta
         self.response = response
@@ -479,10 +491,14 @@ class Turn:
                 "role": "assistant",
             }
         elif item.key == _REASONING:
+            obj = {"id": item.item_id, "type": "reasoning"}
+            if self._seal is not None:  # (in OpenAI's order: before the summary)
+                obj["encrypted_content"] = self._seal("".join(item.parts))
             if self.reasoning_summary:
-                obj = {"id": item.item_id, "type": "reasoning", "summary": [self._close_summary(item, out)]}
+                obj["summary"] = [self._close_summary(item, out)]
             else:
-                obj = {"id": item.item_id, "type": "reasoning", "summary": [], "content": [self._close_part(item, out)]}
+                obj["summary"] = []
+                obj["content"] = [self._close_part(item, out)]
         else:
             text = "".join(item.parts)
             index = int(item.key[5:])

@@ -41,11 +41,13 @@ from hotloop.pipeline.classify import ALLOW, Block, Flag, Redact, SecretsClassif
 from hotloop.pipeline.post import Persistence, usage_record
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.pipeline.settings import ToolsCache
+from hotloop.protocol import sealed
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
-from hotloop.protocol.objects import IdGen, response_object, wants_summary
+from hotloop.protocol.objects import IdGen, response_object, wants_encrypted_reasoning, wants_summary
 from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
+from hotloop.state import fpkey
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache, Sent
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
@@ -77,6 +79,9 @@ class Engine:
         self.ids = IdGen()
         # Fingerprints under the key the store keeps its fingerprints under (hotloop.state.fpkey).
         itemlib.use_key(persistence.store.fingerprint_key)
+        # Reasoning's encrypted_content sealed and opened under a key derived from it (its own
+        # label), so that it lives as that key does (hotloop.protocol.sealed).
+        sealed.use_key(fpkey.derive(persistence.store.fingerprint_key, sealed.KEY_LABEL))
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
         self.responses = ResponseCache(
@@ -392,6 +397,7 @@ class Engine:
             clock=self.clock,
             quiet=transport == "json",  # a non-streaming response: nobody reads its events
             reasoning_summary=wants_summary(p),  # reasoning as its summary (verbatim: protocol.turn)
+            seal=sealed.seal if wants_encrypted_reasoning(p) else None,  # include, or store: false
         )
         turn.truncated_items = plan.truncated  # (fit_window ran before)
         return turn, turn.start()

@@ -35,6 +35,14 @@ CALL_ID_PROCESS_KEY = secrets.token_bytes(KEY_LEN)
 SCHEME = b"hotloop item fingerprint v1: keyed BLAKE2b-128 of msgspec's sorted compact JSON"
 
 
+def derive(key: bytes, label: bytes) -> bytes:
+    """A ``KEY_LEN``-byte key for one purpose, named by ``label``, derived from the deployment's
+    ``key`` (keyed BLAKE2b of the label): another use of the secret never holds the key itself,
+    and keys derived under different labels are unrelated. It lives exactly as long as ``key``
+    (a file's, a Redis deployment's shared one, or ``PROCESS_KEY``: one process's)."""
+    return hashlib.blake2b(label, digest_size=KEY_LEN, key=key).digest()
+
+
 class KeyFileError(Exception):
     """The key file is unusable (its message names the file and the fix, never the key)."""
 

@@ -32,6 +32,7 @@ from hotloop.protocol.request import (
     Refusal,
     model_view,
 )
+from hotloop.protocol.sealed import reasoning_text
 
 # ---------------------------------------------------------------------------------------------
 # Dialects: what differs between the chat-completions servers we talk to
@@ -143,30 +144,13 @@ def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> s
     return "".join(out)
 
 
-def _reasoning_text(item: Reasoning) -> str:
-    """The reasoning history of a reasoning item: its raw reasoning, else its summary (its
-    parts one a line, as ``pipeline.items.item_text`` counts them), else nothing (encrypted
-    content is opaque). A summary hotloop streamed is the model's reasoning verbatim
-    (``protocol.turn``: no summarizer, and no raw content besides), and it is all such an item
-    holds when it comes back: sent back by a client (Codex keeps the item it received),
-    referred to by id (the AI SDK's ``item_reference``) or chained by ``previous_response_id``.
-    Another server's summary is the closest thing to the model's reasoning the client has."""
-    if item.content:
-        raw = "".join(p.text for p in item.content)
-        if raw:
-            return raw
-    if item.summary:
-        return "\n".join(p.text for p in item.summary if p.text)
-    return ""
-
-
 def _render_items(
     items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str
 ) -> str:
     """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``).
 
     Messages already in the lists are never mutated (a merge replaces the last one), so a cached
-    rendering can be extended safely. Returns the reasoning (:func:`_reasoning_text`) still
+    rendering can be extended safely. Returns the reasoning (:func:`reasoning_text`) still
     waiting for the assistant message it preceded.
     """
     enc = _encoder.encode
@@ -238,8 +222,15 @@ def _render_items(
             )
             reasoning = ""
         elif isinstance(item, Reasoning):
+            # Its raw reasoning, else the text its encrypted_content seals if this server sealed
+            # it (what the AI SDK and Codex send back with store: false; any other token, OpenAI's
+            # or another server's, is ignored), else its summary: protocol.sealed.reasoning_text,
+            # which its token count counts too. A summary hotloop streamed is the model's
+            # reasoning verbatim (protocol.turn: no summarizer), and all such an item holds when
+            # it comes back without a token (sent back, an item_reference, previous_response_id);
+            # another server's summary is the closest thing to the reasoning the client has.
             if dialect.reasoning_history:
-                reasoning += _reasoning_text(item)
+                reasoning += reasoning_text(item)
         elif isinstance(item, OtherItem):
             # Item types hotloop does not model (custom tool calls and their outputs, hosted tool
             # calls...) are rendered as text holding the item's JSON rather than dropped: the
