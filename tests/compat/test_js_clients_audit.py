@@ -159,7 +159,9 @@ def test_node_retrieve_delete_input_items_pagination(node_modules, server) -> No
 
 def test_node_abort_mid_stream(node_modules, server) -> None:
     out = js("audit_openai_node.mjs", server, "abort")
-    assert out["raw"]["n"] == 3 and out["raw"]["during"] == 1 and out["raw"]["after"] == 0
+    # aborted at the third delta, after a /healthz fetch: deltas already read meanwhile may still
+    # be iterated (as in test_ai_sdk_abort), not the other ~490; the server cancels the response
+    assert 3 <= out["raw"]["n"] <= 50 and out["raw"]["during"] == 1 and out["raw"]["after"] == 0, out["raw"]
     assert out["helper"] == {"err": "APIUserAbortError", "after": 0}
     assert out["json"] == {"err": "APIUserAbortError", "after": 0}
     assert out["next"] == {"status": "completed", "text": True}

@@ -30,6 +30,10 @@ from tests.conftest import Server, raw_until_terminal, run_server
 from tests.mock_chat_server import Event, MockChatServer, Reply, Sleep, chunk, text_events, tool_events, usage
 
 GAP = 0.004  # between scripted events: each arrives in a read of its own while the reader waits
+# ... usually: a reader descheduled for longer than GAP (tests in three processes on two CPUs)
+# reads two at once. A test whose point needs the paced shape runs again, up to this many times,
+# asserting the stream's correctness each time.
+READ_SHAPE_TRIES = 5
 
 
 @pytest.fixture(autouse=True)
@@ -200,12 +204,17 @@ def test_lane_events_then_chunks_are_the_stream(mock: MockChatServer, policy: st
     events = paced(answer(), burst_at=11) if shape == "answer" else paced(odd_shapes(), burst_at=11)
     plain, exc0, _ = run_stream(mock, events, None)
     assert exc0 is None
-    batches: list[int] = []
-    got, exc, _ = run_stream(mock, events, POLICIES[policy], batches)
-    assert exc is None
-    assert got == plain
-    if _accel.BACKEND_NAMES["SseDecoder"] == "hotloop._native":
-        assert len(batches) >= (10 if shape == "answer" else 3) and max(batches) >= 2  # the lane was used
+    native = _accel.BACKEND_NAMES["SseDecoder"] == "hotloop._native"
+    for _ in range(READ_SHAPE_TRIES):
+        batches: list[int] = []
+        got, exc, _ = run_stream(mock, events, POLICIES[policy], batches)
+        assert exc is None
+        assert got == plain
+        # the lane was used (when the reads came as paced: see READ_SHAPE_TRIES)
+        if not native or (len(batches) >= (10 if shape == "answer" else 3) and max(batches) >= 2):
+            break
+    else:
+        pytest.fail(f"the lane was not used in {READ_SHAPE_TRIES} runs: {batches}")
 
 
 @pytest.mark.parametrize("kind", ["ping", "error"])
@@ -250,9 +259,14 @@ def test_failures_mid_stream_surface_the_same_way(mock: MockChatServer, bad: str
     head = text_events("one two three four", pieces=4)[:-2]
     events = paced(head, burst_at=1) + [Sleep(GAP), bad]
     plain, exc0, _ = run_stream(mock, events, None)
-    got, exc, calls = run_stream(mock, events, len)
-    assert isinstance(exc0, error) and type(exc) is type(exc0) and str(exc) == str(exc0)
-    assert got == plain and calls >= 2  # the burst and the last delta (the role chunk makes none)
+    for _ in range(READ_SHAPE_TRIES):
+        got, exc, calls = run_stream(mock, events, len)
+        assert isinstance(exc0, error) and type(exc) is type(exc0) and str(exc) == str(exc0)
+        assert got == plain
+        if calls >= 2:  # the burst and the last delta (the role chunk makes none), in reads of their own
+            break
+    else:
+        pytest.fail(f"the reads were never apart in {READ_SHAPE_TRIES} runs")
 
 
 def test_a_read_pause_takes_what_arrived_meanwhile_in_one_read(mock: MockChatServer) -> None:
@@ -569,7 +583,16 @@ def test_a_responses_first_delta_and_its_items_are_never_held(held: Server, mock
     """--flush-interval-ms 40 over one WebSocket connection: the first delta of the next
     response goes out at once though the previous response wrote held deltas just before (the
     hold state belongs to the connection), and an item's start goes out at once, with what was
-    held, instead of waiting for the interval."""
+    held, instead of waiting for the interval. (Timed against 20-30 ms bounds: a run whose reads
+    a loaded machine delayed past them runs again, up to READ_SHAPE_TRIES times.)"""
+    for _ in range(READ_SHAPE_TRIES):
+        late = _first_delta_and_items_unheld(held, mock)
+        if late is None:
+            return
+    pytest.fail(late)
+
+
+def _first_delta_and_items_unheld(held: Server, mock: MockChatServer) -> str | None:
     role = chunk({"role": "assistant", "content": ""})
     one: list[Event] = [role, chunk({"content": "a"}), Sleep(0.03), chunk({"content": "b"})]
     one += [chunk({}, "stop"), chunk(usage=usage(5, 2), choices=False)]
@@ -596,10 +619,13 @@ def test_a_responses_first_delta_and_its_items_are_never_held(held: Server, mock
     # "b", response one's last delta, was written by the hold logic a few ms before "d", the
     # first delta pushed for response two ("c" comes with its first chunk, through the
     # response's task): held, "d" would wait until "b" is 40 ms old
-    assert at["d"] - created < 0.02, at["d"] - created
+    if not at["d"] - created < 0.02:
+        return f"d after {at['d'] - created}"
     # "e" is held (5 ms after "d"); the call's start, 5 ms later, takes it along at once
     # instead of both waiting for the interval
-    assert call - created < 0.03 and at["e"] <= call + 0.001, (call - created, at["e"] - call)
+    if not (call - created < 0.03 and at["e"] <= call + 0.001):
+        return f"call after {call - created}, e {at['e'] - call} after the call"
+    return None
 
 
 def test_an_items_start_is_never_held_over_sse(held: Server, mock: MockChatServer) -> None:

@@ -392,8 +392,8 @@ class ChunkAssembler:
             self._hold(len(args))
             call.args.append(args)
         if state == _NEW and call.name is not None:
-            if self._held or self._think > _T_START:
-                self._settle(out)  # what the content held comes before the call; a block ends
+            if self._think:
+                self._settle(out)  # what the content held comes before the call; a block, or the wait for one, ends
             if self._may_switch():
                 self._open_call(call, out)
             else:
