@@ -29,10 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--think-tags",
         dest="think_tags",
-        choices=["auto", "off"],
+        choices=["auto", "off", "open"],
         help="auto: a <think> block at the start of a chat backend's content (Qwen3, DeepSeek-R1 on servers that do "
-        "not split reasoning out) is streamed as reasoning, the rest as text; off: the content is text as it comes "
-        "(env HOTLOOP_THINK_TAGS, default auto)",
+        "not split reasoning out) is streamed as reasoning, the rest as text; open: the model's chat template opens "
+        "the block (DeepSeek-R1-0528, Qwen3 thinking-2507), so the content is reasoning up to its first </think>; "
+        "off: the content is text as it comes (env HOTLOOP_THINK_TAGS, default auto)",
     )
     s.add_argument("--model", help="default model id (env HOTLOOP_MODEL)")
     s.add_argument("--base-url", dest="base_url", help="backend base URL (env HOTLOOP_BASE_URL)")

@@ -64,7 +64,8 @@ class Config:
     backend_read_pause_streams: int = 16
     # auto: a <think> block at the start of a chat backend's content (Qwen3, DeepSeek-R1 on a server
     # that does not split reasoning out) is the response's reasoning (hotloop.backends.chat.assemble);
-    # off: the content is text as it comes
+    # off: the content is text as it comes; open: the model's chat template opens the block, so the
+    # content is reasoning up to its first </think> (DeepSeek-R1-0528, Qwen3 thinking-2507 models)
     think_tags: str = "auto"
     model_limits: str = ""  # JSON file of per-model context windows and output limits (hotloop.models)
     # simulator
@@ -229,7 +230,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "store": ("sqlite", "memory", "redis"),
     "store_sync": ("normal", "full"),
     "secrets": ("off", "flag", "redact", "block"),
-    "think_tags": ("auto", "off"),
+    "think_tags": ("auto", "off", "open"),
 }
 _AT_LEAST_ONE = (
     "workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight",

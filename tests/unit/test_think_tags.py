@@ -213,3 +213,80 @@ def test_whitespace_is_held_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> No
     assert out == [ReasoningDelta("a"), ReasoningDelta(" " * 10 + "b"), ReasoningDelta(" " * 11), TextDelta("c"), Finish("stop")]
     out = run(content_chunks(["<think>a", " " * 11 + "</thi", "nk>c"]))
     assert out == [ReasoningDelta("a"), ReasoningDelta(" " * 11), TextDelta("c"), Finish("stop")]
+
+
+# --think-tags open: the chat template opened the block; (content, its reasoning, its text)
+OPEN_SCRIPTS: list[tuple[str, str, str]] = [
+    ("plan</think>\n\nanswer", "plan", "answer"),
+    ("\nI should greet.\n\nThen answer.\n</think>\n\nHello <b>there</b>!\n", "I should greet.\n\nThen answer.", "Hello <b>there</b>!\n"),
+    ("<think>plan</think>answer", "plan", "answer"),  # the tag sent anyway: read as the tag
+    ("  <think>\nplan</think>answer", "plan", "answer"),
+    ("\n\n</think>\n\nHi", "", "Hi"),  # nothing thought: no reasoning item
+    ("</think>", "", ""),
+    ("a < b, </thin is not the end</think>done", "a < b, </thin is not the end", "done"),
+    ("<thinking>x</think>y", "<thinking>x", "y"),  # a false tag: reasoning, as it came
+    ("<th", "<th", ""),
+    ("r</think>a</think>b <think>c", "r", "a</think>b <think>c"),  # only the first closing tag
+    # a content that never closes the block is all reasoning
+    ("no closing tag here\n", "no closing tag here", ""),
+    ("ends in a tag prefix </thi", "ends in a tag prefix </thi", ""),
+    ("\n \n", "", ""),
+    ("", "", ""),
+]
+
+
+def opened() -> ChunkAssembler:
+    return ChunkAssembler(opened=True)
+
+
+@pytest.mark.parametrize(("content", "reasoning", "text"), OPEN_SCRIPTS)
+def test_opened_every_split_point(content: str, reasoning: str, text: str) -> None:
+    check(run(content_chunks([content]), opened()), reasoning, text)
+    for i in range(1, len(content)):
+        check(run(content_chunks([content[:i], content[i:]]), opened()), reasoning, text)
+    check(run(content_chunks(list(content)), opened()), reasoning, text)
+
+
+@SETTINGS
+@given(st.sampled_from(OPEN_SCRIPTS), st.lists(st.integers(min_value=1, max_value=80), max_size=12))
+def test_opened_any_chunking(script: tuple[str, str, str], cuts: list[int]) -> None:
+    content, reasoning, text = script
+    check(run(content_chunks(split(content, cuts)), opened()), reasoning, text)
+
+
+def test_opened_the_chunks_and_lanes() -> None:
+    a = opened()
+    assert a.lane() is None
+    assert a.feed(chunk({"role": "assistant", "content": ""})) == []
+    assert a.feed(chunk({"content": "\n"})) == []  # held: the tag may still come
+    assert a.feed(chunk({"content": "Let"})) == [ReasoningDelta("Let")]
+    assert a.lane() is None  # reasoning from the content: only the general path reads it
+    assert a.feed(chunk({"content": " me see.\n</th"})) == [ReasoningDelta(" me see.")]
+    assert a.feed(chunk({"content": "ink>\n\nDone"})) == [TextDelta("Done")]
+    assert a.lane() == (PLAIN_TEXT, 0, 0, None)
+    assert a.end() == [Finish("stop")]
+
+
+def test_opened_a_tool_call_ends_the_block() -> None:
+    call = chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "search", "arguments": "{}"}}]})
+    out = run([chunk({"content": "I need a search\n"}), call, chunk({}, "tool_calls")], opened())
+    assert out == [ReasoningDelta("I need a search"), ToolCallDelta(0, "{}", "call_1", "search"), Finish("tool_calls")]
+    assert [o["type"] for o in through_turn(out)["output"]] == ["reasoning", "function_call"]
+    # a call before any content: nothing held, no reasoning item
+    out = run([call, chunk({}, "tool_calls")], opened())
+    assert out == [ToolCallDelta(0, "{}", "call_1", "search"), Finish("tool_calls")]
+
+
+def test_opened_a_server_that_splits_reasoning_out_keeps_its_content_as_text() -> None:
+    # reasoning in its own field before any content: the server parsed the block out already,
+    # so the content is the answer (read as in auto: a <think> block at its start is still one)
+    out = run([chunk({"reasoning": "plan"}), chunk({"content": "\n\nanswer"}), chunk({}, "stop")], opened())
+    assert out == [ReasoningDelta("plan"), TextDelta("\n\nanswer"), Finish("stop")]
+    # content first: the block is open, a later reasoning field is reasoning too, in order
+    out = run([chunk({"content": "a"}), chunk({"reasoning": "b"}), chunk({"content": "c</think>d"}), chunk({}, "stop")], opened())
+    assert out == [ReasoningDelta("a"), ReasoningDelta("b"), ReasoningDelta("c"), TextDelta("d"), Finish("stop")]
+
+
+def test_opened_is_nothing_with_the_tags_off() -> None:
+    a = ChunkAssembler(think_tags=False, opened=True)
+    assert run(content_chunks(["plan</think>answer"]), a) == [TextDelta("plan</think>answer"), Finish("stop")]

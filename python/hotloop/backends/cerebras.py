@@ -60,7 +60,7 @@ class CerebrasBackend(ChatBackend):
 
     def __init__(self, config: Config) -> None:
         super().__init__(
-            model=config.model or DEFAULT_MODEL, retries=config.backend_retries, think_tags=config.think_tags != "off"
+            model=config.model or DEFAULT_MODEL, retries=config.backend_retries, think_tags=config.think_tags
         )
         # hotloop's own settings win over the SDK's environment variables.
         self._api_key = config.backend_api_key or os.environ.get("CEREBRAS_API_KEY")

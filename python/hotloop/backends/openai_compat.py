@@ -65,7 +65,7 @@ class OpenAICompatBackend(ChatBackend):
     owned_by = "openai-compat"
 
     def __init__(self, config: Config) -> None:
-        super().__init__(model=config.model or "", retries=config.backend_retries, think_tags=config.think_tags != "off")
+        super().__init__(model=config.model or "", retries=config.backend_retries, think_tags=config.think_tags)
         self._base_url = config.base_url
         self._api_key = config.backend_api_key or os.environ.get("OPENAI_API_KEY")
         self._timeout = http_timeout(config.backend_timeout, config.backend_idle_timeout)

@@ -167,15 +167,16 @@ class ChunkAssembler:
     turn machine to generate. Buffered data is bounded by ``MAX_BUFFERED_BYTES``.
 
     A ``<think>`` block at the start of the content is reasoning (``think_tags``, the default;
-    see :meth:`_think_content`).
+    see :meth:`_think_content`); with ``opened`` the content begins inside such a block, opening
+    tag or not.
     """
 
     __slots__ = (
-        "_calls", "_open", "_deferred", "_buffered", "_next_index", "_retired", "_think", "_held", "finish_reason",
-        "usage",
+        "_calls", "_open", "_deferred", "_buffered", "_next_index", "_retired", "_think", "_held", "_opened",
+        "finish_reason", "usage",
     )
 
-    def __init__(self, think_tags: bool = True) -> None:
+    def __init__(self, think_tags: bool = True, opened: bool = False) -> None:
         self._calls: dict[int, _Call] = {}
         self._open: Union[str, _Call, None] = None  # _TEXT, _REASONING, _REFUSAL, a live call, or None
         self._deferred: list[Union[tuple[str, str], _Call]] = []
@@ -184,6 +185,8 @@ class ChunkAssembler:
         self._retired = RETIRED_KEYS  # the last key given to a call whose server index was reused
         self._think = _T_START if think_tags else _T_OFF
         self._held = ""  # the content held while it may be, or be in, a <think> block
+        # the chat template opened the block (--think-tags open): the content begins inside it
+        self._opened = think_tags and opened
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
 
@@ -200,6 +203,10 @@ class ChunkAssembler:
             if d is not None:
                 r = d.reasoning or d.reasoning_content
                 if r:
+                    if self._opened and self._think == _T_START and not self._held:
+                        # reasoning in its own field before any content: this server splits it
+                        # out, so the content that follows is not inside a block (--think-tags open)
+                        self._opened = False
                     self._piece(_REASONING, r, out)
                 if d.content:
                     self._piece(_TEXT, d.content, out)  # (a <think> block: see _piece)
@@ -284,7 +291,15 @@ class ChunkAssembler:
         content is text as it came, a ``<think>`` later in it too (what was held while it might
         have been a tag goes out first). A block the stream never closes is reasoning up to the
         end (:meth:`end`), what was held too; one with nothing but whitespace in it makes no
-        reasoning at all. Whitespace is held up to ``MAX_THINK_HELD`` characters (a content that
+        reasoning at all.
+
+        ``opened`` (``--think-tags open``): the model's chat template ends the prompt with the
+        opening tag (DeepSeek-R1 since its 0528 release, Qwen3's thinking-only 2507 models), so
+        its content begins inside the block and has only the closing tag. Any content is then
+        reasoning up to the first ``</think>``, as if ``<think>`` came first (one that does come
+        first is read as the tag, not as reasoning); a content without ``</think>`` is all
+        reasoning. Nothing can tell such a content from text without the tag, which comes last:
+        hence a setting, for servers of such models only. Whitespace is held up to ``MAX_THINK_HELD`` characters (a content that
         begins with more is text). A tool call ends a block, and ends the wait for one: what was
         held goes out before it (:meth:`_settle`).
 
@@ -300,11 +315,15 @@ class ChunkAssembler:
                 self._held = s  # whitespace and perhaps the tag's beginning: wait for more
                 return
             self._held = ""
-            if not rest.startswith(_OPEN_TAG):
+            if rest.startswith(_OPEN_TAG):
+                text = rest[len(_OPEN_TAG) :]
+            elif self._opened:
+                text = rest  # the template opened the block: this is its beginning
+            else:
                 self._think = _T_OFF
                 self._piece(_TEXT, s, out)
                 return
-            text, state = rest[len(_OPEN_TAG) :], _T_LEAD
+            state = _T_LEAD
         if state == _T_LEAD:
             text = text.lstrip()
             if not text:
@@ -348,10 +367,12 @@ class ChunkAssembler:
         held = self._held
         self._held = ""
         if self._think == _T_START:
-            self._think = _T_OFF
-            if held:
-                self._piece(_TEXT, held, out)
-            return
+            if not self._opened:
+                self._think = _T_OFF
+                if held:
+                    self._piece(_TEXT, held, out)
+                return
+            held = held.lstrip()  # opened: the block's beginning (whitespace, a tag's first characters)
         self._think = _T_AFTER
         held = held.rstrip()  # whitespace at the block's end is dropped; before a tag's beginning it is inside
         if held:

@@ -84,11 +84,13 @@ class ChatBackend:
     dialect: Dialect = OPENAI_COMPAT
     owned_by = "backend"
 
-    def __init__(self, *, model: str, retries: int, think_tags: bool = True) -> None:
+    def __init__(self, *, model: str, retries: int, think_tags: str = "auto") -> None:
         self.default_model = model
         self.retries = max(0, retries)
-        # a <think> block at the start of the content is reasoning (ChunkAssembler._think_content)
-        self.think_tags = think_tags
+        # a <think> block at the start of the content is reasoning (ChunkAssembler._think_content);
+        # "open": the content begins inside one; "off": the content is text
+        self.think_tags = think_tags != "off"
+        self.think_opened = think_tags == "open"
         self._models: list[dict[str, Any]] = []
         # context windows the backend's /models reported, by model id (vLLM: max_model_len)
         self.context_windows: dict[str, int] = {}
@@ -168,7 +170,7 @@ class ChatBackend:
                 resp = await self._open(body, model, req.request_id)
                 pushes = False
                 try:
-                    assembler = ChunkAssembler(self.think_tags)
+                    assembler = ChunkAssembler(self.think_tags, self.think_opened)
                     decoder = SseDecoder(MAX_SSE_EVENT_BYTES)
                     feed = decoder.feed
                     feed_lane = decoder.feed_lane if _LANES else None
