@@ -48,6 +48,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+BIND_ATTEMPTS = 3
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on 127.0.0.1:``port`` (Linux ``/proc``)."""
+    inodes = set()
+    with contextlib.suppress(OSError), open("/proc/net/tcp") as fh:
+        for line in fh.readlines()[1:]:
+            f = line.split()
+            if f[1] == f"0100007F:{port:04X}" and f[3] == "0A":  # 127.0.0.1, LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return False
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+    return False
+
+
+def _lost_port(server: "Server") -> bool:
+    """Whether ``server`` exited at start-up because its port was taken. Waits until it listens
+    on its port or exits (another process holding the port would answer ``/healthz`` for it)."""
+    if not os.path.exists("/proc/net/tcp"):
+        return False
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        if _listens(server.proc.pid, server.port):
+            return False
+        time.sleep(0.02)
+    return server.proc.poll() is not None and "address already in use" in server.logs().lower()
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         self.proc = proc
@@ -67,16 +101,23 @@ def run_server(
 ) -> Iterator[Server]:
     """Start ``python -m hotloop serve`` with ``args``; wait for /healthz; stop it afterwards.
     ``entry``: what the interpreter runs instead of ``-m hotloop`` (a ``-c`` script that calls
-    ``hotloop.cli.main(sys.argv[1:])``, say, after shortening a bound a test cannot wait out)."""
-    port = free_port()
-    log = tmp / f"server-{port}.log"
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env.setdefault("HOTLOOP_DATA_DIR", str(tmp / f"data-{port}"))
-    cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, port, log)
+    ``hotloop.cli.main(sys.argv[1:])``, say, after shortening a bound a test cannot wait out).
+
+    The port is free when :func:`free_port` returns it, not always when the server binds it: a
+    client connection of a test running alongside may take it as its own port meanwhile. A server
+    that could not bind it is started again on another port (``BIND_ATTEMPTS`` in all)."""
+    for attempt in range(BIND_ATTEMPTS):
+        port = free_port()
+        log = tmp / f"server-{port}.log"
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("HOTLOOP_DATA_DIR", str(tmp / f"data-{port}"))
+        cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+        server = Server(proc, port, log)
+        if not _lost_port(server) or attempt == BIND_ATTEMPTS - 1:
+            break
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
