@@ -4,7 +4,7 @@ Import accelerated names from here, never from ``hotloop._native``, ``hotloop._f
 ``hotloop._pure`` directly::
 
     from hotloop._accel import Fingerprinter, ItemChain, SseDecoder, encode_delta
-    from hotloop._accel import SecretScanner, SECRET_PATTERNS
+    from hotloop._accel import SecretScanner, SECRET_PATTERNS, TokenCounter
 
 ``HOTLOOP_PURE_PYTHON=1`` (also ``true``/``yes``/``on``) forces the pure twins. Otherwise the
 compiled extensions are imported; if one fails to import, its names fall back to the twins and
@@ -37,6 +37,7 @@ __all__ = [
     "ItemChain",
     "SecretScanner",
     "SseDecoder",
+    "TokenCounter",
     "body_buffer",
     "encode_delta",
     "encode_sse",
@@ -56,7 +57,9 @@ PURE_REQUESTED: bool = pure_requested()
 
 # module providing each name -> the names it provides
 _PROVIDERS: dict[str, tuple[str, ...]] = {
-    "hotloop._native": ("Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner", "DeltaLane", "plain_delta"),
+    "hotloop._native": (
+        "Fingerprinter", "ItemChain", "SseDecoder", "SecretScanner", "DeltaLane", "plain_delta", "TokenCounter",
+    ),
     "hotloop._frames": ("encode_delta", "encode_sse", "body_buffer"),
 }
 
@@ -104,6 +107,7 @@ if TYPE_CHECKING:
     from hotloop._native import SecretScanner as SecretScanner
     from hotloop._native import DeltaLane as DeltaLane
     from hotloop._native import SseDecoder as SseDecoder
+    from hotloop._native import TokenCounter as TokenCounter
     from hotloop._native import plain_delta as plain_delta
 else:
     Fingerprinter = _IMPLS["Fingerprinter"]
@@ -115,6 +119,7 @@ else:
     body_buffer = _IMPLS["body_buffer"]
     DeltaLane = _IMPLS["DeltaLane"]
     plain_delta = _IMPLS["plain_delta"]
+    TokenCounter = _IMPLS["TokenCounter"]
 
 #: the one secret pattern table; both ``SecretScanner`` implementations are built from it
 SECRET_PATTERNS = _pure.SECRET_PATTERNS

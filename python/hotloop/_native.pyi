@@ -19,6 +19,7 @@ __all__ = [
     "ItemChain",
     "SecretScanner",
     "SseDecoder",
+    "TokenCounter",
     "plain_delta",
 ]
 
@@ -320,6 +321,34 @@ class SecretScanner:
     def redact(self, text: str) -> tuple[str, list[tuple[str, int, int]]]:
         """``text`` with every span ``scan`` reports replaced by ``[REDACTED:<kind>]``, and those
         spans (offsets into the original ``text``). Without spans, ``text`` itself is returned.
+
+        :raises TypeError: ``text`` is not a ``str``.
+        """
+
+@final
+class TokenCounter:
+    """Exact o200k_base token counts: ``count(text)`` equals
+    ``len(encoding.encode_ordinary(text))`` for the tiktoken encoding of ``hotloop.tokenizer``
+    (pattern ``O200K_PAT``, vocabulary ``ranks``), with no token list built and no regex engine
+    run: a hand-written pre-tokenizer finds the pattern's pieces (the rules are in
+    ``rust/core/src/tokens.rs``) and tiktoken's byte-pair merge counts each piece's tokens.
+    Special-token text is ordinary text. The vocabulary is copied into Rust at construction.
+    """
+
+    def __new__(cls, ranks: dict[bytes, int]) -> TokenCounter:
+        """A counter over ``ranks``, the mergeable ranks a ``tiktoken.Encoding`` is built from.
+
+        :raises TypeError: ``ranks`` is not a dict, a key is not ``bytes`` or a rank not an int.
+        :raises OverflowError: a rank does not fit in an unsigned 32-bit integer.
+        :raises ValueError: a single byte has no token, or two tokens share a rank (tiktoken
+            cannot encode such text, or refuses such a vocabulary).
+        """
+
+    def count(self, text: str) -> int:
+        """The tokens of ``text`` (0 for ``""``). Texts of 4 KiB (UTF-8) or more are counted
+        with the GIL released. A text with lone surrogates is counted as tiktoken encodes it:
+        round-tripped through UTF-16 (``surrogatepass`` in, ``replace`` out), which joins a high
+        and a low surrogate into one character and makes each other surrogate U+FFFD.
 
         :raises TypeError: ``text`` is not a ``str``.
         """

@@ -17,12 +17,16 @@ import json
 import math
 import operator
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from hashlib import blake2b
-from typing import Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import msgspec
+
+if TYPE_CHECKING:
+    import tiktoken
 
 __all__ = [
     "DEFAULT_MAX_BUFFER",
@@ -41,6 +45,7 @@ __all__ = [
     "SecretScanner",
     "DeltaLane",
     "SseDecoder",
+    "TokenCounter",
     "encode_delta",
     "encode_sse",
     "plain_delta",
@@ -855,3 +860,80 @@ class SecretScanner:
             at = e
         parts.append(text[at:])
         return "".join(parts), spans
+
+
+# -- TokenCounter ------------------------------------------------------------------------------
+
+# Longer texts are counted in pieces of about this many characters, so counting never builds a
+# list of all token ids at once (~40 bytes a token: 300 MB for a 32 MiB input).
+COUNT_CHUNK = 1 << 20
+
+
+def _seam(text: str, lo: int, hi: int) -> int:
+    """A cut in ``text[lo:hi]`` that no o200k piece crosses (0 if there is none): a single space
+    between two non-space characters. Such a space always begins a new piece (no pattern joins a
+    non-space character to the space after it, and the piece starting at the space does not
+    depend on what came before), so the counts of both sides add up to the count of the whole."""
+    while True:
+        p = text.rfind(" ", lo, hi)
+        if p <= lo:
+            return 0
+        if not text[p - 1].isspace() and not text[p + 1].isspace():
+            return p
+        hi = p
+
+
+class TokenCounter:
+    """o200k_base token counts by tiktoken itself; see ``hotloop._native.TokenCounter`` for the
+    contract. The encoding is built at the first count, as ``hotloop.tokenizer`` builds its own,
+    from ``ranks`` as it is then (the native counter copies it at once; nobody changes it)."""
+
+    __slots__ = ("_encoding", "_lock", "_ranks")
+
+    def __init__(self, ranks: dict[bytes, int]) -> None:
+        if not isinstance(ranks, dict):
+            raise TypeError(f"ranks must be a dict, not {type(ranks).__name__}")
+        seen: set[int] = set()
+        duplicate = False
+        for key, rank in ranks.items():
+            if not isinstance(key, bytes):
+                raise TypeError(f"a vocabulary key must be bytes, not {type(key).__name__}")
+            r = _u32(rank)
+            duplicate = duplicate or r in seen
+            seen.add(r)
+        for b in range(256):
+            if bytes((b,)) not in ranks:
+                raise ValueError(f"the vocabulary has no token for the single byte {b:#04x}")
+        if duplicate:
+            raise ValueError("the vocabulary has more than one token of a rank")
+        self._ranks = ranks
+        self._encoding: tiktoken.Encoding | None = None
+        self._lock = threading.Lock()
+
+    def _encode(self) -> Callable[[str], list[int]]:
+        enc = self._encoding
+        if enc is None:
+            with self._lock:
+                if self._encoding is None:
+                    from hotloop import tokenizer  # imports this module
+
+                    self._encoding = tokenizer.encoding_of(self._ranks)
+                enc = self._encoding
+        return enc.encode_ordinary
+
+    def count(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"count() argument must be str, not {type(text).__name__}")
+        if not text:
+            return 0
+        encode = self._encode()
+        chunk = COUNT_CHUNK
+        total = 0
+        start = 0
+        while len(text) - start > chunk:
+            cut = _seam(text, start + chunk // 2, start + chunk)
+            if not cut:
+                break  # no safe cut near here: count the rest at once
+            total += len(encode(text[start:cut]))
+            start = cut
+        return total + len(encode(text[start:] if start else text))

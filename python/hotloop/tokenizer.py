@@ -2,8 +2,12 @@
 
 tiktoken would download the vocabulary at first use, which fails on machines without network, so
 the file ships as package data (``data/o200k_base.tiktoken.gz``), is checked against its published
-sha256, and is turned into a :class:`tiktoken.Encoding` once per process (~0.5 s; call
-:func:`preload` at start-up, off the event loop).
+sha256 and read once per process (~0.3 s; call :func:`preload` at start-up, off the event loop).
+
+:func:`count` is the hot path: an ``_accel.TokenCounter`` gives exactly tiktoken's count without
+running tiktoken (its regex engine was most of the cost), from the same vocabulary. The
+:class:`tiktoken.Encoding` itself (:func:`encoding`, :func:`encode`) is built only when something
+asks for token ids.
 
 Token counts are cached *per item* by the pipeline: splitting text at arbitrary offsets changes
 tokens at the seam, while each chat item sits between special tokens, so per-item counts add up.
@@ -16,12 +20,16 @@ import gzip
 import hashlib
 import threading
 from importlib import resources
+from typing import Any, Callable
 
 import tiktoken
 
+from hotloop._accel import TokenCounter
+
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
-# The pattern of tiktoken_ext/openai_public.py for o200k_base.
+# The pattern of tiktoken_ext/openai_public.py for o200k_base. The native TokenCounter finds its
+# pieces with hand-written rules (rust/core/src/tokens.rs): a change here must be made there too.
 O200K_PAT = "|".join(
     [
         r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -41,84 +49,89 @@ TOKENS_PER_ITEM = 4
 TOKENS_PER_REQUEST = 3
 
 _lock = threading.Lock()
+_ranks: dict[bytes, int] | None = None
 _encoding: tiktoken.Encoding | None = None
+_counter: TokenCounter | None = None
 
 
 class VocabularyError(RuntimeError):
     """The shipped vocabulary is missing or corrupt (a broken installation)."""
 
 
-def _load() -> tiktoken.Encoding:
-    raw = gzip.decompress(resources.files("hotloop").joinpath("data/o200k_base.tiktoken.gz").read_bytes())
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != O200K_SHA256:
-        raise VocabularyError(f"o200k_base vocabulary checksum mismatch: {digest}")
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+def _vocabulary() -> dict[bytes, int]:
+    """The mergeable ranks, read on first use (under ``_lock``)."""
+    global _ranks
+    if _ranks is None:
+        raw = gzip.decompress(resources.files("hotloop").joinpath("data/o200k_base.tiktoken.gz").read_bytes())
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != O200K_SHA256:
+            raise VocabularyError(f"o200k_base vocabulary checksum mismatch: {digest}")
+        _ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+    return _ranks
+
+
+def encoding_of(ranks: dict[bytes, int]) -> tiktoken.Encoding:
+    """The o200k_base encoding over ``ranks`` (the pure ``TokenCounter`` builds its own so)."""
     return tiktoken.Encoding(
         name="o200k_base", pat_str=O200K_PAT, mergeable_ranks=ranks, special_tokens=SPECIAL_TOKENS
     )
 
 
-def encoding() -> tiktoken.Encoding:
-    """The process-wide encoding (built on first use)."""
-    global _encoding
-    enc = _encoding
-    if enc is None:
+def _built(name: str, build: Callable[[], Any]) -> Any:
+    """The module global ``name``, built by ``build`` on first use (once, under ``_lock``)."""
+    value = globals()[name]
+    if value is None:
         with _lock:
-            if _encoding is None:
-                _encoding = _load()
-            enc = _encoding
+            value = globals()[name]
+            if value is None:
+                value = globals()[name] = build()
+    return value
+
+
+def encoding() -> tiktoken.Encoding:
+    """The process-wide encoding (built on first use, ~0.2 s on top of the vocabulary)."""
+    enc: tiktoken.Encoding = _encoding or _built("_encoding", lambda: encoding_of(_vocabulary()))
     return enc
 
 
+def counter() -> TokenCounter:
+    """The process-wide counter (built on first use: the native one in 30-40 ms on top of the
+    vocabulary)."""
+    c: TokenCounter = _counter or _built("_counter", lambda: TokenCounter(_vocabulary()))
+    return c
+
+
 def preload() -> None:
-    encoding()
+    """Read the vocabulary and build the counter (start-up, off the event loop)."""
+    counter()
 
 
 def claim() -> None:
-    """Make the calling thread the tokenizer's fast thread: call it on the event loop's thread at
+    """Make the calling thread the counter's fast thread: call it on the event loop's thread at
     start-up, before any other thread counts. tiktoken shares its regex caches between threads
     through pools that serve only their first user without locking; every other thread takes a
     locked slow path on each match, which made counting 2 KB of text about 55% slower (42 against
-    65-70 us). Small inputs are counted on the event loop, which must be that first user; only
-    inputs of ``INLINE_TOKENIZE_CHARS`` and more are counted on the tokenizer thread."""
+    65-70 us). That matters to the pure ``TokenCounter``, which counts with tiktoken; the native
+    one runs no regex and shares nothing between threads (for it this only builds the counter).
+    Small inputs are counted on the event loop, which must be that first user; only inputs of
+    ``INLINE_TOKENIZE_CHARS`` and more are counted on the tokenizer thread."""
+    counter().count("hotloop")
+
+
+def claim_encoding() -> None:
+    """:func:`claim` for the encoding itself, for a caller that makes token ids on the event loop
+    (the simulator's answers): call it on that thread before any other thread encodes."""
     encoding().encode_ordinary("hotloop")
 
 
-# Longer texts are counted in pieces of about this many characters, so counting never builds a
-# list of all token ids at once (~40 bytes a token: 300 MB for a 32 MiB input).
-COUNT_CHUNK = 1 << 20
-
-
-def _seam(text: str, lo: int, hi: int) -> int:
-    """A cut in ``text[lo:hi]`` that no o200k piece crosses (0 if there is none): a single space
-    between two non-space characters. Such a space always begins a new piece (no pattern joins a
-    non-space character to the space after it, and the piece starting at the space does not
-    depend on what came before), so the counts of both sides add up to the count of the whole."""
-    while True:
-        p = text.rfind(" ", lo, hi)
-        if p <= lo:
-            return 0
-        if not text[p - 1].isspace() and not text[p + 1].isspace():
-            return p
-        hi = p
-
-
 def count(text: str) -> int:
-    """Tokens in ``text`` (special-token text counted as ordinary text, never rejected)."""
+    """Tokens in ``text`` (special-token text counted as ordinary text, never rejected): exactly
+    ``len(encoding().encode_ordinary(text))``. The native counter builds no list of token ids,
+    so a long text costs no memory to count; the pure one counts long texts in pieces cut where
+    no o200k piece crosses, for the same reason."""
     if not text:
         return 0
-    encode = encoding().encode_ordinary
-    chunk = COUNT_CHUNK
-    total = 0
-    start = 0
-    while len(text) - start > chunk:
-        cut = _seam(text, start + chunk // 2, start + chunk)
-        if not cut:
-            break  # no safe cut near here: count the rest at once
-        total += len(encode(text[start:cut]))
-        start = cut
-    return total + len(encode(text[start:] if start else text))
+    return counter().count(text)
 
 
 def encode(text: str) -> list[int]:

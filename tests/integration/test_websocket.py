@@ -155,7 +155,7 @@ def test_large_input_counted_off_loop_matches_input_tokens_endpoint(server) -> N
     Each input is new to the server when first sent (the token cache would otherwise answer).
     """
     client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
-    big = ["lorem ipsum dolor sit amet %d " % i * 400 for i in range(3)]  # ~12 KB each, above INLINE_TOKENIZE_CHARS
+    big = ["lorem ipsum dolor sit amet %d " % i * 2600 for i in range(3)]  # ~73 KB each, above INLINE_TOKENIZE_CHARS
     with client.responses.connect() as conn:
         conn.response.create(model="hotloop-sim", input=big[0], store=False)
         first = until_terminal(conn)[-1].response

@@ -45,6 +45,7 @@ def test_accel_resolved_every_name_natively() -> None:
         "Fingerprinter": "hotloop._native",
         "ItemChain": "hotloop._native",
         "SseDecoder": "hotloop._native",
+        "TokenCounter": "hotloop._native",
         "SecretScanner": "hotloop._native",
         "DeltaLane": "hotloop._native",
         "plain_delta": "hotloop._native",

@@ -500,6 +500,10 @@ class SimulatorBackend:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        # The encoding splits answers into tokens on the event loop (_pieces): built off it, then
+        # claimed by it before the corpus is made on another thread (tokenizer.claim_encoding).
+        await loop.run_in_executor(None, tokenizer.encoding)
+        tokenizer.claim_encoding()
         self._corpus = await loop.run_in_executor(None, _Corpus, self.seed)
 
     async def close(self) -> None:

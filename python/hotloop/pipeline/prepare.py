@@ -35,11 +35,12 @@ _ID_PREFIX = {Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco", Rea
 
 # New input smaller than this is tokenized on the event loop once the backend request is out,
 # larger input in a worker thread; either way while the backend starts generating (the counts
-# are only needed for the final usage; Engine._count_later). Measured with `hotloop bench
-# ws-loop`: the thread hand-off costs the event loop about as much as tokenizing ~2-3 KB inline
-# (2 KB turns: p50 308 us inline vs 350 us offloaded), while 16 KB turns drop from 728 us to
-# 468 us when offloaded.
-INLINE_TOKENIZE_CHARS = 8192
+# are only needed for the final usage; Engine._count_later). The thread hand-off costs more CPU
+# than the native counter takes for tens of KB (about 5 us per 2 KB of prose, 25 us per 2 KB of
+# code): `hotloop bench paired` with the threshold at 8 KB against 128 KB, 16 KB and 32 KB of new
+# input a turn: 0.87 and 0.94 of the CPU a turn inline, and no more wall time. A 64 KB input of
+# code holds the event loop about 0.8 ms, the most this lets a count take from other streams.
+INLINE_TOKENIZE_CHARS = 65536
 CHARS_PER_TOKEN = 4  # o200k_base on English prose; only an estimate before the real count
 
 

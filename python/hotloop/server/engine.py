@@ -577,8 +577,8 @@ class Engine:
         """Tokenize the new input while the backend works; the counts are awaited only before
         the terminal event (for ``usage``).
 
-        A large input is counted in the tokenizer thread (tiktoken releases the GIL, so counting
-        runs on another core while the event loop streams). A small one is counted on the event
+        A large input is counted in the tokenizer thread (the counter releases the GIL, so
+        counting runs on another core while the event loop streams). A small one is counted on the event
         loop in its next iteration: the caller's task writes the backend request first, then
         waits for the answer, so the count is off the turn's critical path at no extra cost.
         """

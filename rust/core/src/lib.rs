@@ -9,6 +9,8 @@
 //!   Responses delta event it becomes.
 //! * [`SecretScanner`]: finds well-known credential formats in text (tool outputs, pasted text)
 //!   from a pattern table, for redaction and classification.
+//! * [`TokenCounter`]: exact o200k_base token counts (tiktoken's pieces and byte-pair merge)
+//!   with a hand-written pre-tokenizer instead of a regex engine.
 //!
 //! The pyo3 glue in `rust/py` wraps these with coarse, builtin-typed calls; every item here has a
 //! pure-Python twin in `python/hotloop/_pure.py` and tests that the two agree.
@@ -20,9 +22,11 @@ pub mod fingerprint;
 pub mod plain;
 pub mod secrets;
 pub mod sse;
+pub mod tokens;
 
 pub use chain::{ChainError, ItemChain, DEFAULT_MAX_ITEMS};
 pub use fingerprint::{Fingerprinter, KeyLengthError, FINGERPRINT_LEN, MAX_KEY_LEN, MIN_KEY_LEN};
 pub use plain::{delta_event, plain_delta, Plain};
 pub use secrets::{PatternError, PatternSpec, SecretScanner, DEFAULT_MAX_MATCHES};
 pub use sse::{Event, FeedError, SseDecoder, SseError, DEFAULT_MAX_BUFFER};
+pub use tokens::{Pretokenizer, Rank, TokenCounter, VocabularyError};
