@@ -96,6 +96,8 @@ def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() ->
         order.append("classify")
         return real_classify(*args)
 
+    from hotloop.server import engine as engine_module
+
     async def main() -> list[tuple[int, object, object]]:
         app = make_app(Config(store="memory", sim_rate=0))
         await app.startup()
@@ -109,6 +111,9 @@ def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() ->
         app.engine.backend.stream = stream  # type: ignore[method-assign]
         itemlib.count_pending = counting  # type: ignore[assignment]
         classifiers.classify_turn = classifying  # type: ignore[assignment]
+        # the thread takes inputs of 64 KB and more, as the scan's does: at 8 KB here, so that
+        # one input is counted in the thread and scanned on the loop after the request
+        inline, engine_module.INLINE_TOKENIZE_CHARS = engine_module.INLINE_TOKENIZE_CHARS, 8192
         try:
             out = []
             prev = None
@@ -127,6 +132,7 @@ def test_a_small_new_input_is_counted_and_flagged_after_the_backend_request() ->
         finally:
             itemlib.count_pending = real_count  # type: ignore[assignment]
             classifiers.classify_turn = real_classify  # type: ignore[assignment]
+            engine_module.INLINE_TOKENIZE_CHARS = inline
             await app.shutdown()
 
     (tokens1, flags1, states1), (tokens2, flags2, states2) = asyncio.run(main())
