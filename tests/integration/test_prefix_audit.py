@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, run_server
-from tests.mock_chat_server import MockChatServer, Reply, text_events
+from tests.mock_chat_server import MockChatServer, Reply, chunk, text_events, tool_events
 
 ANSWER = "answer"
 LONG = "lorem ipsum dolor " * 30  # a first message of more than 256 bytes: matched by its bytes
@@ -133,3 +133,68 @@ def test_an_output_sent_back_and_then_referenced_is_answered_as_from_scratch(pai
         results.append({"status": r.status_code, "json": r.json(), "backend": None})
     got = assert_same(results)
     assert got["status"] == 400 and "Duplicate item found" in got["json"]["error"]["message"], got["json"]
+
+
+def _thinking_call(step: int) -> Reply:
+    """A reasoning model's tool call (no usage chunk: input_tokens is the server's own count)."""
+    reasoning = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning": f"step {step}: run it " * 12})]
+    return Reply.stream(reasoning + tool_events([(f"call_{step}", "run", '{"cmd": "make test"}')])[1:-1])
+
+
+_RUN = {"type": "function", "name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+
+
+def _ai_sdk_history(outputs: list[list[dict[str, Any]]], opening: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Vercel AI SDK's input under ``store: true`` (its default): each earlier reasoning item
+    as an ``item_reference``, each call spelled out without its id, then the call's output."""
+    history = [opening]
+    for step, output in enumerate(outputs):
+        for item in output:
+            if item["type"] == "reasoning":
+                history.append({"type": "item_reference", "id": item["id"]})
+            elif item["type"] == "function_call":
+                history.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+                history.append({"type": "function_call_output", "call_id": item["call_id"], "output": f"ok {step} " * 40})
+    return history
+
+
+def test_histories_that_refer_to_reasoning_items_reuse_the_prefix(pair: Pair) -> None:
+    # Each server gets its own history (the ids are its own), in the AI SDK's shape; both answer
+    # alike, and the cached one reuses the conversation so far at every step from the second on.
+    # Deleting the response whose reasoning a history names: both answer item_not_found.
+    opening = _user("fix the build " + LONG)
+    outputs: list[list[list[dict[str, Any]]]] = [[], []]
+    ids: list[list[str]] = [[], []]
+    cached: list[tuple[int, int]] = []  # the cached server's (input_tokens, cached_tokens) a step
+    for step in range(4):
+        hits = pair.hits()
+        results = []
+        for k, (server, mock) in enumerate(zip(pair.servers, pair.mocks)):
+            mock.push(_thinking_call(step))
+            n = len(mock.requests)
+            body = {"model": "mock-model", "store": True, "tools": [_RUN], "input": _ai_sdk_history(outputs[k], opening)}
+            r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+            results.append({"status": r.status_code, "json": r.json(), "backend": mock.requests[n].json})
+            if r.status_code == 200:
+                outputs[k].append(r.json()["output"])
+                ids[k].append(r.json()["id"])
+        got = assert_same(results)
+        assert got["status"] == 200, got["json"]
+        assert [o["type"] for o in got["json"]["output"]] == ["reasoning", "function_call"]
+        assert pair.hits() == hits + (step > 0), step
+        # reused: the whole conversation before this step's output, not only its opening
+        usage = got["json"]["usage"]
+        cached.append((usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]))
+        if step > 0:
+            assert cached[-1][1] > cached[-2][0], cached
+    for k, server in enumerate(pair.servers):
+        assert httpx.delete(f"{server.v1}/responses/{ids[k][1]}", timeout=30).status_code == 200
+    results = []
+    for k, (server, mock) in enumerate(zip(pair.servers, pair.mocks)):
+        body = {"model": "mock-model", "store": True, "tools": [_RUN], "input": _ai_sdk_history(outputs[k], opening)}
+        r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+        results.append({"status": r.status_code, "json": r.json(), "backend": None})
+    got = assert_same(results)
+    assert got["status"] == 400 and got["json"]["error"]["code"] == "item_not_found", got["json"]
+    assert got["json"]["error"]["param"] == "input[4]"
+    assert outputs[0][1][0]["id"] in got["json"]["error"]["message"]

@@ -120,6 +120,41 @@ def match(cache: PrefixCache, owner: str, items: list[Item]) -> Prefix | None:
     return None
 
 
+def resolved(items: list[Item], stored: dict[str, Item] | None) -> list[Item] | None:
+    """``items`` with each ``item_reference`` replaced by the item it names, as an input without a
+    parent resolves it from scratch (:func:`hotloop.pipeline.prepare.prepare`): the first earlier
+    item of the input that carries its id, else the stored item of that id (``stored``: what
+    :meth:`Engine.stored_items` found). ``items`` itself when it holds no reference; ``None``
+    when a reference names neither (from scratch answers for it). The Vercel AI SDK sends its
+    earlier reasoning items as references (``store: true``, its default): resolved, its whole
+    histories match a cached prefix as the spelled-out ones do (:func:`match`, :func:`continued`)."""
+    if not any(type(it) is ItemReference for it in items):
+        return items
+    out: list[Item] = []
+    for item in items:
+        if type(item) is ItemReference:
+            rid = item.id  # type: ignore[union-attr]
+            found = next((it for it in out if type(it) is not ItemReference and item_id_of(it) == rid), None)
+            if found is None:
+                found = stored.get(rid) if stored else None
+                if found is None:
+                    return None
+            item = found
+        out.append(item)
+    return out
+
+
+def supply(stand_in: CachedResponse, reused: list[Item]) -> None:
+    """The ids the ``reused`` items of a request name by ``item_reference`` are supplied ids of
+    the response that reuses them (:func:`adopt`), as from scratch, where a resolved reference is
+    an item of the request's own input, never one the server minted for it: a later reference to
+    such an id resolves only while the response that minted it is stored (deleted, it is
+    ``item_not_found`` with or without the prefix cache)."""
+    named = {it.id for it in reused if type(it) is ItemReference}  # type: ignore[union-attr]
+    if named:
+        stand_in.supplied = stand_in.supplied | named
+
+
 def sent_of(sent: list[Item], used: list[Item]) -> Sent | None:
     """The new items a classifier changed (``sent``: as the client sent them; ``used``: as
     redacted), as ``(index, fingerprint as sent)`` pairs (``None``: none, or one that cannot be
@@ -398,7 +433,9 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     is matched by fingerprint instead, which finds the longest prefix."""
     for j, item in enumerate(suffix):
         if type(item) is ItemReference:
-            return False
+            # an input registered with the item it names may be longer: only the engine can tell,
+            # resolving the reference (Engine.start, resolved); it matches by fingerprint
+            return True
         # fingerprinted only where an input of that length exists (a linear conversation has none)
         if cache.has_length(owner, n + j + 1) and cache.has(owner, n + j + 1, itemlib.fingerprint(item, f"input[{n + j}]")):
             return True

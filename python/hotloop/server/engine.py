@@ -45,7 +45,7 @@ from hotloop.protocol import sealed
 from hotloop.protocol.chunks import Chunk, Failure, Finish
 from hotloop.protocol.events import Frame
 from hotloop.protocol.objects import IdGen, response_object, wants_encrypted_reasoning, wants_summary
-from hotloop.protocol.request import CreateRequest, Item, Prepared, validate
+from hotloop.protocol.request import CreateRequest, Item, ItemReference, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state import fpkey
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
@@ -266,15 +266,26 @@ class Engine:
             marks.append(clock())
             scope = tenant.scope
             parent = await self.resolve(req.previous_response_id, conn, scope)
+            whole = probe = p.items  # probe: what is matched, the input with its references resolved
+            looked: dict[str, Item] | None = None  # the stored items they name (stored_items)
+            if (
+                parent is None and type(req.input) is list and (prefix is not None or len(self.prefixes))
+                and any(type(it) is ItemReference for it in probe)
+            ):
+                looked = await self.stored_items(p, None, scope)
+                probe = reuse.resolved(probe, looked) or []
             if parent is None and prefix is None and type(req.input) is list and len(self.prefixes):
-                prefix = reuse.match(self.prefixes, tenant.id, p.items)
+                prefix = reuse.match(self.prefixes, tenant.id, probe)
                 if prefix is not None:
                     p = msgspec.structs.replace(p, items=p.items[prefix.n :])
+                    probe = probe[prefix.n :]
             if prefix is not None:
-                prefix, k = reuse.continued(prefix, p.items)  # the output it produced, sent back
+                prefix, k = reuse.continued(prefix, probe)  # the output it produced, sent back
                 if k:
                     p = msgspec.structs.replace(p, items=p.items[k:])
                 parent = reuse.parent_of(prefix)  # the reused items, analysed when they were new
+                if looked is not None:  # what the reused part named by reference: supplied, as from scratch
+                    reuse.supply(parent, whole[: len(whole) - len(p.items)])
                 self.prefixes.hits += 1
             elif req.previous_response_id is None and type(req.input) is list:
                 self.prefixes.misses += 1
@@ -304,7 +315,9 @@ class Engine:
                     sent = reuse.sent_of(p.items, outcome.items)  # matched as sent next turn (PrefixCache)
                     p = msgspec.structs.replace(p, items=outcome.items)  # redacted: tokenized and sent as such
                 marks.append(clock())
-                plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=await self.stored_items(p, parent, scope))
+                # (the items the whole input's references named, when it is still the whole input)
+                stored = looked if looked is not None and prefix is None else await self.stored_items(p, parent, scope)
+                plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=stored)
             except errors.HotloopError as exc:
                 if prefix is not None:  # name the item's place in the whole input
                     reuse.shift(exc, prefix.n)
@@ -378,7 +391,10 @@ class Engine:
         run.verdicts = verdicts
         run.push_slot = slot
         run.request_id = request_id
-        if req.previous_response_id is None and raw_input is not None:
+        if req.previous_response_id is None and raw_input is not None and looked is None:
+            # (an input whose references were resolved to match it is not registered by its
+            # bytes: matched by them, its references would not be resolved again, and one that
+            # names an item deleted since must be answered as from scratch: item_not_found)
             run.raw_input = reuse.registration(raw_input, p.items)
         return run
 
