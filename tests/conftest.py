@@ -52,13 +52,15 @@ BIND_ATTEMPTS = 3
 
 
 def _listens(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a socket listening on 127.0.0.1:``port`` (Linux ``/proc``)."""
+    """Whether process ``pid`` holds a socket listening on ``port`` (any address: ``--host``
+    may be 0.0.0.0 or ::), from Linux's ``/proc``."""
     inodes = set()
-    with contextlib.suppress(OSError), open("/proc/net/tcp") as fh:
-        for line in fh.readlines()[1:]:
-            f = line.split()
-            if f[1] == f"0100007F:{port:04X}" and f[3] == "0A":  # 127.0.0.1, LISTEN
-                inodes.add(f"socket:[{f[9]}]")
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                if f[1].endswith(f":{port:04X}") and f[3] == "0A":  # LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
     if not inodes:
         return False
     with contextlib.suppress(OSError):
