@@ -131,15 +131,17 @@ def resolved(items: list[Item], stored: dict[str, Item] | None) -> list[Item] | 
     if not any(type(it) is ItemReference for it in items):
         return items
     out: list[Item] = []
+    carried: dict[str, Item] = {}  # the first item of the input carrying each id, so far
     for item in items:
         if type(item) is ItemReference:
             rid = item.id  # type: ignore[union-attr]
-            found = next((it for it in out if type(it) is not ItemReference and item_id_of(it) == rid), None)
+            found = carried.get(rid) or (stored.get(rid) if stored else None)
             if found is None:
-                found = stored.get(rid) if stored else None
-                if found is None:
-                    return None
+                return None
             item = found
+        iid = item_id_of(item)
+        if iid is not None:
+            carried.setdefault(iid, item)
         out.append(item)
     return out
 
