@@ -6,9 +6,11 @@ the server minted aside)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -43,7 +45,10 @@ class Pair:
         return out
 
     def hits(self) -> int:
-        return int(httpx.get(self.servers[0].base + "/hotloop/stats", timeout=5).json()["prefix_cache"]["hits"])
+        return self.stat("hits")
+
+    def stat(self, name: str) -> int:
+        return int(httpx.get(self.servers[0].base + "/hotloop/stats", timeout=5).json()["prefix_cache"][name])
 
 
 def _norm(value: Any) -> Any:
@@ -61,17 +66,23 @@ def assert_same(got: list[dict[str, Any]]) -> dict[str, Any]:
     return cached
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("prefixaudit")
+@contextlib.contextmanager
+def _pair(tmp: Path, store: str = "memory", env: dict[str, str] | None = None) -> Iterator[Pair]:
+    """A server with the prefix cache (``env``: its settings besides) and one without it."""
     with MockChatServer() as m1, MockChatServer() as m2:
         for m in (m1, m2):  # no usage chunk: input_tokens is the server's own count
             m.default_reply = lambda: Reply.stream(text_events(ANSWER)[:-1])
-        args = ("--backend", "openai-compat", "--model", "mock-model", "--store", "memory")
-        with run_server(tmp, *args, "--base-url", m1.v1) as s, run_server(
+        args = ("--backend", "openai-compat", "--model", "mock-model", "--store", store)
+        with run_server(tmp, *args, "--base-url", m1.v1, env=env) as s, run_server(
             tmp, *args, "--base-url", m2.v1, env={"HOTLOOP_PREFIX_CACHE_ENTRIES": "0"}
         ) as ref:
             yield Pair(s, ref, (m1, m2))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    with _pair(tmp_path_factory.mktemp("prefixaudit")) as got:
+        yield got
 
 
 def _user(text: str, **extra: Any) -> dict[str, Any]:
@@ -159,15 +170,28 @@ def _ai_sdk_history(outputs: list[list[dict[str, Any]]], opening: dict[str, Any]
 
 
 def test_histories_that_refer_to_reasoning_items_reuse_the_prefix(pair: Pair) -> None:
+    _ai_sdk_steps(pair)
+
+
+def test_histories_that_refer_to_reasoning_items_of_stored_responses_not_in_memory(tmp_path: Path) -> None:
+    # the referenced reasoning comes from the SQLite store each time (no cache of stored
+    # responses): another object than the one the registered input resolved to, the same item
+    with _pair(tmp_path, "sqlite", {"HOTLOOP_RESPONSE_CACHE_ENTRIES": "0"}) as got:
+        _ai_sdk_steps(got)
+
+
+def _ai_sdk_steps(pair: Pair) -> None:
     # Each server gets its own history (the ids are its own), in the AI SDK's shape; both answer
-    # alike, and the cached one reuses the conversation so far at every step from the second on.
-    # Deleting the response whose reasoning a history names: both answer item_not_found.
+    # alike, and the cached one reuses the conversation so far at every step from the second on,
+    # matched by the bytes of the previous step's input (its references still name the same
+    # items). Deleting the response whose reasoning a history names: both answer
+    # item_not_found (the input it extends by its bytes names that item: matched whole instead).
     opening = _user("fix the build " + LONG)
     outputs: list[list[list[dict[str, Any]]]] = [[], []]
     ids: list[list[str]] = [[], []]
     cached: list[tuple[int, int]] = []  # the cached server's (input_tokens, cached_tokens) a step
     for step in range(4):
-        hits = pair.hits()
+        hits, raw_hits = pair.hits(), pair.stat("raw_hits")
         results = []
         for k, (server, mock) in enumerate(zip(pair.servers, pair.mocks)):
             mock.push(_thinking_call(step))
@@ -182,6 +206,7 @@ def test_histories_that_refer_to_reasoning_items_reuse_the_prefix(pair: Pair) ->
         assert got["status"] == 200, got["json"]
         assert [o["type"] for o in got["json"]["output"]] == ["reasoning", "function_call"]
         assert pair.hits() == hits + (step > 0), step
+        assert pair.stat("raw_hits") == raw_hits + (step > 0), step
         # reused: the whole conversation before this step's output, not only its opening
         usage = got["json"]["usage"]
         cached.append((usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]))
@@ -189,6 +214,7 @@ def test_histories_that_refer_to_reasoning_items_reuse_the_prefix(pair: Pair) ->
             assert cached[-1][1] > cached[-2][0], cached
     for k, server in enumerate(pair.servers):
         assert httpx.delete(f"{server.v1}/responses/{ids[k][1]}", timeout=30).status_code == 200
+    raw_hits = pair.stat("raw_hits")
     results = []
     for k, (server, mock) in enumerate(zip(pair.servers, pair.mocks)):
         body = {"model": "mock-model", "store": True, "tools": [_RUN], "input": _ai_sdk_history(outputs[k], opening)}
@@ -198,3 +224,4 @@ def test_histories_that_refer_to_reasoning_items_reuse_the_prefix(pair: Pair) ->
     assert got["status"] == 400 and got["json"]["error"]["code"] == "item_not_found", got["json"]
     assert got["json"]["error"]["param"] == "input[4]"
     assert outputs[0][1][0]["id"] in got["json"]["error"]["message"]
+    assert pair.stat("raw_hits") == raw_hits

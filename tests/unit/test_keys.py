@@ -154,6 +154,43 @@ def test_response_cache_is_scoped_and_resolves_only_own_minted_items() -> None:
     assert LEGACY_OWNER == ANONYMOUS.id
 
 
+def test_response_cache_remembers_where_an_item_was_found_and_never_answers_from_a_gone_response(monkeypatch) -> None:
+    from hotloop.protocol.request import item_from_dict
+    from hotloop.state import context
+
+    def entry(rid: str, owner: str, ids: list[str], created: int = 100) -> CachedResponse:
+        items = [item_from_dict({"type": "message", "id": i, "role": "user", "content": rid}) for i in ids]
+        ctx = Context()
+        ctx.extend(items, [i.to_bytes(16, "little") for i in range(len(items))], [1] * len(items))
+        return CachedResponse({"id": rid, "created_at": created}, ctx, len(items), True, owner=owner)
+
+    now = [1000.0]
+    c = ResponseCache(ttl=600, clock=lambda: now[0])
+    c.put(entry("resp_a", "key_a", ["msg_1", "msg_2"], created=900))
+    for i in range(20):
+        c.put(entry(f"resp_n{i}", "key_a", [f"msg_n{i}"], created=950))
+    calls = []
+    minted = CachedResponse.minted_item
+    monkeypatch.setattr(CachedResponse, "minted_item", lambda self, iid: calls.append(self.id) or minted(self, iid))
+    assert c.find_item("msg_1", "key_a").content == "resp_a" and len(calls) == 21  # scanned, newest first
+    calls.clear()
+    assert c.find_item("msg_1", "key_a").content == "resp_a" and calls == ["resp_a"]  # remembered
+    assert c.find_item("msg_1", "key_b") is None  # another key's: not through the memo either
+    now[0] = 1501.0  # resp_a expired (created 900, 600 s to live); the others have not
+    assert c.find_item("msg_1", "key_a") is None
+    now[0] = 1000.0
+    c.evict("resp_a")
+    assert c.find_item("msg_1", "key_a") is None and c.find_item("msg_2", None) is None
+    c.put(entry("resp_b", "key_a", ["msg_1"], created=990))  # (a store's load of another holder)
+    assert c.find_item("msg_1", "key_a").content == "resp_b"
+    monkeypatch.setattr(context, "HOLDER_ENTRIES", 3)
+    for i in range(5):
+        assert c.find_item(f"msg_n{i}", "key_a").content == f"resp_n{i}"
+    assert len(c._holders) <= 3  # bounded: forgotten at once, then found by a scan again
+    c.clear()
+    assert c.find_item("msg_n4", "key_a") is None
+
+
 def _bearer(secret: str) -> dict:
     return {"headers": [(b"authorization", b"Bearer " + secret.encode())]}
 

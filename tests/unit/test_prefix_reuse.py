@@ -85,7 +85,7 @@ def _body(texts: list[str], before: str = '"model":"m"', after: str = '"metadata
 
 def _register(cache: PrefixCache, body: bytes, texts: list[str]) -> None:
     req, hit, raw = reuse.decode_create(body, cache, "alice")
-    reg = reuse.registration(raw, [])
+    reg = reuse.registration(raw)
     assert reg is not None
     e = _entry(texts)
     last = itemlib.fingerprint(e.context.items[-1])
@@ -120,7 +120,7 @@ def _register_whole(cache: PrefixCache, body: bytes, texts: list[str]) -> None:
     """As the engine registers a finished input: with the body's bytes after the input array and
     the request decoded from it (the template of a later body with the same bytes around it)."""
     req, hit, raw = reuse.decode_create(body, cache, "alice")
-    reg = reuse.registration(raw, [])
+    reg = reuse.registration(raw)
     assert reg is not None and reg.after is not None and reg.request is not None and reg.request.input is None
     e = _entry(texts)
     last = itemlib.fingerprint(e.context.items[-1])
@@ -144,7 +144,7 @@ def test_a_body_with_the_same_bytes_around_its_input_is_decoded_from_its_new_ite
         assert hit is not None and hit.n == len(texts) and cache.body_hits == len(more) - 1
         assert req == msgspec.structs.replace(full, input=full.input[len(texts) :])  # type: ignore[index]
         assert raw is not None and json.loads(bytes(raw.raw)) == full.input and raw.after == b"," + _AROUND.encode() + b"}"
-        reg = reuse.registration(raw, [])
+        reg = reuse.registration(raw)
         assert reg is not None and reg.request == msgspec.structs.replace(full, input=None)
         e = _entry(texts + more)
         cache.put(Prefix(e, e.input_len, itemlib.fingerprint(e.context.items[-1]), e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead, None, reg.after, reg.request))

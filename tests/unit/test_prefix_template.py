@@ -28,7 +28,7 @@ def _register_as_engine(cache: PrefixCache, body: bytes, texts: list[str], templ
     """As Engine._register does (``template``: with the bytes after the input and the template,
     the template path; without: the body path that decodes the rest of the body)."""
     _, _, raw = reuse.decode_create(body, cache, "alice")
-    reg = reuse.registration(raw, [])
+    reg = reuse.registration(raw)
     assert reg is not None
     e = _entry(texts)
     last = itemlib.fingerprint(e.context.items[-1])
@@ -71,7 +71,7 @@ def test_the_memory_a_template_holds_is_counted_in_the_entrys_size() -> None:
     body = json.dumps({"model": "m", "input": [{"role": "user", "content": t} for t in texts],
                        "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}).encode()
     _, _, raw = reuse.decode_create(body, PrefixCache(), "alice")
-    reg = reuse.registration(raw, [])
+    reg = reuse.registration(raw)
     assert reg is not None
     del raw
     e = _entry(texts)
@@ -85,7 +85,7 @@ def test_the_memory_a_template_holds_is_counted_in_the_entrys_size() -> None:
     tracemalloc.start()
     try:
         _, _, raw2 = reuse.decode_create(body, PrefixCache(), "alice")
-        template = reuse.registration(raw2, []).request  # type: ignore[union-attr]
+        template = reuse.registration(raw2).request  # type: ignore[union-attr]
         del raw2
         gc.collect()
         with_it = tracemalloc.get_traced_memory()[0]

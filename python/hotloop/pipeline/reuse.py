@@ -17,7 +17,7 @@ Two ways to a hit, both exact:
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
@@ -313,20 +313,28 @@ class RawInput:
     template of the next body that has the same bytes around its longer input (:func:`_by_body`).
     """
 
-    __slots__ = ("raw", "lead", "prepared", "after", "request")
+    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "by_body")
 
-    def __init__(self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None) -> None:
+    def __init__(
+        self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None,
+        refs: dict[str, Item] | None = None,
+    ) -> None:
         self.raw = raw
         self.lead = lead
         self.prepared: Prepared | None = None
         self.after = after if lead is not None else None
         self.request: CreateRequest | None = request
+        # the stored items its references named (Prefix.refs), when registered
+        self.refs = refs or None
+        self.by_body = False  # a raw hit found by the body's bytes (PrefixCache.body_hits)
 
 
-def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
+def registration(raw: RawInput | None, refs: dict[str, Item] | None = None) -> RawInput | None:
     """What to register by bytes for a finished input: its array without the closing bracket
-    (``None``: not registered by bytes)."""
-    if raw is None or any(type(it) is ItemReference for it in items):
+    (``None``: not registered by bytes). ``refs``: the stored items its ``item_reference`` items
+    named, as they resolved (:attr:`Prefix.refs`: a raw hit on it holds only while each still
+    resolves to the same item, :func:`still_named`)."""
+    if raw is None:
         return None
     opened = open_array(raw.raw)
     if opened is None:
@@ -343,7 +351,7 @@ def registration(raw: RawInput | None, items: list[Any]) -> RawInput | None:
             other -= len(shared.json)
         if other <= TEMPLATE_MAX_BYTES:
             template = msgspec.structs.replace(req, input=None)
-    return RawInput(opened, raw.lead, raw.after, template)
+    return RawInput(opened, raw.lead, raw.after, template, refs)
 
 
 def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:
@@ -435,9 +443,13 @@ def _longer(cache: PrefixCache, owner: str, n: int, suffix: list[Item]) -> bool:
     is matched by fingerprint instead, which finds the longest prefix."""
     for j, item in enumerate(suffix):
         if type(item) is ItemReference:
-            # an input registered with the item it names may be longer: only the engine can tell,
-            # resolving the reference (Engine.start, resolved); it matches by fingerprint
-            return True
+            # an input of that length registered with the item it names may be longer: only the
+            # engine can tell, resolving the reference (Engine.start, resolved), and it matches
+            # by fingerprint. None of that length: the conversation goes on past its last input
+            # (the Vercel AI SDK's next step names the reasoning of the response it got).
+            if cache.has_length(owner, n + j + 1):
+                return True
+            continue
         # fingerprinted only where an input of that length exists (a linear conversation has none)
         if cache.has_length(owner, n + j + 1) and cache.has(owner, n + j + 1, itemlib.fingerprint(item, f"input[{n + j}]")):
             return True
@@ -473,10 +485,8 @@ def _by_body(
         if close - k > 2 and body[close - 1] == _CLOSE:
             added = msgspec.json.decode(b"[" + memoryview(body)[k + 1 : close])
             if type(added) is list and added:  # ("[A,B, ]" is no JSON: not taken for "[A,B]")
-                cache.raw_hits += 1
-                cache.body_hits += 1
                 req = msgspec.structs.replace(template, input=added)
-                return req, p, RawInput(memoryview(body)[len(lead) : close], lead, after)
+                return req, p, _by_body_input(memoryview(body)[len(lead) : close], lead, after)
     rest = body[k:]
     if b'"input"' in rest:
         return None
@@ -492,9 +502,13 @@ def _by_body(
     if not _plain_after(body, close) or not body.startswith(memoryview(lazy.input)[1:], start):
         return None  # the input the decoder took is not this array (another, its key spelled with escapes)
     raw = memoryview(body)[len(lead) : close]  # a view: no copy of the history
-    cache.raw_hits += 1
-    cache.body_hits += 1
-    return req, p, RawInput(raw, lead, bytes(body[close:]))
+    return req, p, _by_body_input(raw, lead, bytes(body[close:]))
+
+
+def _by_body_input(raw: Buffer, lead: bytes, after: bytes) -> RawInput:
+    out = RawInput(raw, lead, after)
+    out.by_body = True
+    return out
 
 
 def decode_create(
@@ -587,9 +601,30 @@ def _suffix(
     p = validate(req)  # the suffix alone; an error is reported against the whole input below
     if _longer(cache, owner, prefix.n, p.items) or _clashes(prefix, prefix.n, p.items):
         # matched by fingerprint in Engine.start, which finds the longest prefix
-        return msgspec.structs.replace(req, input=msgspec.json.decode(raw_input.raw)), None, raw_input
+        raw_input.by_body = False
+        return whole(req, raw_input), None, raw_input
     raw_input.prepared = p
+    cache.raw_hits += 1
+    cache.body_hits += raw_input.by_body
     return req, prefix, raw_input
+
+
+def whole(req: CreateRequest, raw_input: RawInput) -> CreateRequest:
+    """A raw hit's request with its whole input again (decoded from its raw bytes)."""
+    return msgspec.structs.replace(req, input=msgspec.json.decode(raw_input.raw))
+
+
+async def still_named(refs: dict[str, Item], find: Callable[[str], Awaitable[Item | None]]) -> bool:
+    """Whether every reference of a registered input (:attr:`Prefix.refs`) still resolves to the
+    item it resolved to then (``find``: the stored item of an id, as :meth:`Engine.stored_items`
+    finds it). Matched by its bytes, an input's references are not resolved again; one whose item
+    was deleted since (or that names another now) is answered as from scratch, so the request is
+    then matched with its whole input."""
+    for rid, item in refs.items():
+        found = await find(rid)
+        if found is None or (found is not item and found != item):
+            return False
+    return True
 
 
 def _decode(

@@ -252,6 +252,7 @@ class Engine:
         grant: Grant | None = None
         requested = False  # the backend has the request (it works for it from then on)
         slot: PushSlot | None = None
+        refs: dict[str, Item] | None = None  # the stored items the input's references named
         clock = time.perf_counter
         marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
         if req.store and self._writable is not None and not self._writable():
@@ -263,8 +264,17 @@ class Engine:
             sent: Sent | None = None
             done = raw_input.prepared if raw_input is not None else None
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
-            marks.append(clock())
             scope = tenant.scope
+            if prefix is not None and prefix.refs is not None and raw_input is not None:
+                if not await reuse.still_named(prefix.refs, lambda rid: self._stored_item(rid, scope)):
+                    # an item the registered input named is gone (or another one has its id
+                    # now): the request is matched with its whole input, as from scratch
+                    self.prefixes.raw_hits -= 1
+                    self.prefixes.body_hits -= raw_input.by_body
+                    req = reuse.whole(req, raw_input)
+                    p = validate(req, websocket=websocket)
+                    prefix = hit = None
+            marks.append(clock())
             parent = await self.resolve(req.previous_response_id, conn, scope)
             whole = probe = p.items  # probe: what is matched, the input with its references resolved
             looked: dict[str, Item] | None = None  # the stored items they name (stored_items)
@@ -317,6 +327,11 @@ class Engine:
                 marks.append(clock())
                 # (the items the whole input's references named, when it is still the whole input)
                 stored = looked if looked is not None and prefix is None else await self.stored_items(p, parent, scope)
+                if raw_input is not None and (looked or stored or (hit is not None and hit.refs)):
+                    # what the whole input's references named: registered with its bytes
+                    refs = dict(hit.refs) if hit is not None and hit.refs else {}
+                    refs.update(looked or {})
+                    refs.update(stored or {})
                 plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=stored)
             except errors.HotloopError as exc:
                 if prefix is not None:  # name the item's place in the whole input
@@ -391,11 +406,8 @@ class Engine:
         run.verdicts = verdicts
         run.push_slot = slot
         run.request_id = request_id
-        if req.previous_response_id is None and raw_input is not None and looked is None:
-            # (an input whose references were resolved to match it is not registered by its
-            # bytes: matched by them, its references would not be resolved again, and one that
-            # names an item deleted since must be answered as from scratch: item_not_found)
-            run.raw_input = reuse.registration(raw_input, p.items)
+        if req.previous_response_id is None and raw_input is not None:
+            run.raw_input = reuse.registration(raw_input, refs)
         return run
 
     def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
@@ -580,11 +592,15 @@ class Engine:
             return None
         found: dict[str, Item] = {}
         for item_id in dict.fromkeys(ids[:MAX_REFERENCE_LOOKUPS]):
-            item = self.responses.find_item(item_id, scope) or await self.persistence.find_item(item_id, scope)
+            item = await self._stored_item(item_id, scope)
             if item is None:
                 break  # prepare() reports the first unresolved reference
             found[item_id] = item
         return found
+
+    async def _stored_item(self, item_id: str, scope: str | None) -> Item | None:
+        """The stored, server-minted item of that id ``scope`` may see (:meth:`stored_items`)."""
+        return self.responses.find_item(item_id, scope) or await self.persistence.find_item(item_id, scope)
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -640,7 +656,9 @@ class Engine:
         sent = reuse.sent_input(run.prefix, run.sent, n - len(run.prepared.items))
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls, sent=sent))
-        elif self.prefixes.put(Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request)) and run.hit is not None:
+        elif self.prefixes.put(
+            Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request, raw.refs)
+        ) and run.hit is not None:
             # This input's bytes start with those of the input it reused (matched by bytes,
             # never one found by fingerprint, which may be another client's): keeping both would
             # hold every earlier body of the conversation (one per turn, up to the cache's

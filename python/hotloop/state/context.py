@@ -167,6 +167,9 @@ RESPONSE_WEIGHT = 3
 # Evicted response ids a ResponseCache remembers (ResponseCache.evicted_since), about 100 bytes
 # each: loads that overlap more evictions than this are simply not cached.
 GONE_ENTRIES = 4096
+# Item ids whose holding response ResponseCache.find_item remembers, about 150 bytes each (then
+# forgotten all at once and found by a scan again)
+HOLDER_ENTRIES = 4096
 TOOLS_WEIGHT = 16
 
 
@@ -685,6 +688,7 @@ class ResponseCache:
         self.generation = 0
         self._gone: OrderedDict[str, int] = OrderedDict()
         self._cleared = 0
+        self._holders: dict[str, str] = {}  # item id -> the response find_item last found it in
 
     def __len__(self) -> int:
         return len(self._d)
@@ -755,6 +759,7 @@ class ResponseCache:
     def clear(self) -> None:
         self._d.clear()
         self._sizes.clear()
+        self._holders.clear()
         self._items = 0
         self._bytes = 0
         self.generation += 1
@@ -763,11 +768,30 @@ class ResponseCache:
 
     def find_item(self, item_id: str, scope: str | None = None) -> Item | None:
         """A server-minted item among the own items of the cached responses ``scope`` may see,
-        by id (newest responses first)."""
+        by id (newest responses first).
+
+        The response each id was last found in is remembered (``_holders``, at most
+        HOLDER_ENTRIES ids, then forgotten all at once): an AI SDK history names every earlier
+        reasoning item by reference each step, and the scan from the newest response made a
+        step's look-ups grow with the square of its length. A remembered response that still
+        holds the item (cached, visible, not expired) answers; any response that mints an id
+        holds the same item under it (an id is minted once; a response that reused it holds that
+        very item, or one loaded from the store with the same content)."""
         gone = self.clock() - self.ttl
+        holders = self._holders
+        rid = holders.get(item_id)
+        if rid is not None:
+            entry = self._d.get(rid)
+            if entry is not None and entry.visible(scope) and entry.response.get("created_at", 0) > gone:
+                found = entry.minted_item(item_id)
+                if found is not None:
+                    return found
         for entry in reversed(self._d.values()):
             if entry.visible(scope) and entry.response.get("created_at", 0) > gone:
                 found = entry.minted_item(item_id)
                 if found is not None:
+                    if len(holders) >= HOLDER_ENTRIES:
+                        holders.clear()
+                    holders[item_id] = entry.id
                     return found
         return None

@@ -69,10 +69,15 @@ class Prefix:
     closing bracket (``b'[{..},{..}'``), or ``None``; ``head`` its leading raw bytes (the index key of ``raw``);
     ``lead`` the body's bytes before that array (``{"model":..,"input":``), or ``None``;
     ``sent`` the fingerprints of the items as the client sent them where they differ from the
-    cached ones (a classifier redacted them; positions below ``n``), or ``None``.
+    cached ones (a classifier redacted them; positions below ``n``), or ``None``; ``refs``
+    (with ``raw``) the stored items its ``item_reference`` items named, by id, as they resolved
+    when it was registered: a raw hit holds only while each still resolves to the same item
+    (:func:`hotloop.pipeline.reuse.still_named`), or ``None``.
     """
 
-    __slots__ = ("entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent", "after", "template")
+    __slots__ = (
+        "entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent", "after", "template", "refs",
+    )
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class Prefix:
         sent: Sent | None = None,
         after: bytes | None = None,
         template: Any = None,
+        refs: dict[str, Any] | None = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -107,6 +113,7 @@ class Prefix:
         self.after = after if self.lead is not None and template is not None else None
         self.template = template if self.after is not None else None
         self.sent = tuple(x for x in sent if x[0] < n) or None if sent else None
+        self.refs = refs if raw is not None and refs else None
 
     @property
     def sent_last(self) -> bytes | None:
@@ -141,7 +148,9 @@ class Prefix:
         template = self.template
         if self.after is not None and template is not None:  # (its tools: the owner's shared ones, pipeline.settings)
             lead += len(self.after) + len(template.instructions or "")
-        return entry_nbytes(self.entry) + held + lead + (len(self.sent) * SENT_BYTES if self.sent else 0)
+        # (a reference's item is one of the entry's items: its dict slot is counted, not the item)
+        refs = len(self.refs) * SENT_BYTES if self.refs else 0
+        return entry_nbytes(self.entry) + held + lead + (len(self.sent) * SENT_BYTES if self.sent else 0) + refs
 
     def context(self) -> Context:
         """A fresh context of the ``n`` reused items (shared item objects, a copied chain)."""
@@ -332,7 +341,7 @@ class PrefixCache:
             return  # no longer registered: the cache holds nothing of it
         size = p.size
         self._unindex(p)
-        p.raw = p.lead = p.head = p.after = p.template = None
+        p.raw = p.lead = p.head = p.after = p.template = p.refs = None
         self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
@@ -438,5 +447,4 @@ class PrefixCache:
                 best = p
         if best is not None:
             self._d.move_to_end((best.owner, best.n, best.last_fp))
-            self.raw_hits += 1
         return best
