@@ -10,7 +10,8 @@ Import accelerated names from here, never from ``hotloop._native``, ``hotloop._f
 compiled extensions are imported; if one fails to import, its names fall back to the twins and
 the failure is recorded: ``NATIVE`` is False, ``BACKEND_NAMES`` says which module each name came
 from and ``IMPORT_ERRORS`` says why, so tests (and ``HOTLOOP_REQUIRE_NATIVE=1`` in CI) can
-refuse a silently broken build. The twins give identical results, only slower.
+refuse a silently broken build. The twins give identical results, only slower. ``PURE_WHEEL``:
+no compiled module is installed at all (the pure-Python wheel), which the log says in those words.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "PLAIN_REASONING",
     "PLAIN_TEXT",
     "PURE_REQUESTED",
+    "PURE_WHEEL",
     "SECRET_PATTERNS",
     "Fingerprinter",
     "ItemChain",
@@ -92,7 +94,23 @@ IMPORT_ERRORS: dict[str, str] = _ERRORS
 #: True when every accelerated name is native
 NATIVE: bool = all(src != "hotloop._pure" for src in _NAMES.values())
 
-if _ERRORS:
+
+def _absent(module_name: str, error: str) -> bool:
+    """Whether the import failed because the module is not installed at all (the pure-Python
+    wheel ships none), not because a compiled module is there but broken."""
+    return error == f"ModuleNotFoundError: No module named '{module_name}'"
+
+
+#: True when no compiled module is installed (the pure-Python wheel, ``py3-none-any``)
+PURE_WHEEL: bool = bool(_ERRORS) and all(_absent(m, e) for m, e in _ERRORS.items()) and len(_ERRORS) == len(_PROVIDERS)
+
+if PURE_WHEEL:
+    logging.getLogger("hotloop").warning(
+        "hotloop is installed without its compiled modules (the pure-Python wheel, which pip picks "
+        "where no wheel for this CPython and platform exists): the pure-Python twins run instead, "
+        "with the same results, using more CPU per turn and per streamed token"
+    )
+elif _ERRORS:
     logging.getLogger("hotloop").warning(
         "hotloop native extensions unavailable, using pure-Python twins: %s",
         "; ".join(f"{m}: {e}" for m, e in sorted(_ERRORS.items())),

@@ -7,7 +7,6 @@ the server minted aside)."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import re
 from pathlib import Path
