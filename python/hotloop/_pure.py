@@ -885,8 +885,10 @@ def _seam(text: str, lo: int, hi: int) -> int:
 
 class TokenCounter:
     """o200k_base token counts by tiktoken itself; see ``hotloop._native.TokenCounter`` for the
-    contract. The encoding is built at the first count, as ``hotloop.tokenizer`` builds its own,
-    from ``ranks`` as it is then (the native counter copies it at once; nobody changes it)."""
+    contract. The encoding is built at the first count from ``ranks`` as it is then (the native
+    counter copies it at once; nobody changes it); over the process's own vocabulary it is the
+    process's encoding (``hotloop.tokenizer.encoding``, which the simulator uses too), not a
+    second copy of about 40 MB."""
 
     __slots__ = ("_encoding", "_lock", "_ranks")
 
@@ -917,7 +919,8 @@ class TokenCounter:
                 if self._encoding is None:
                     from hotloop import tokenizer  # imports this module
 
-                    self._encoding = tokenizer.encoding_of(self._ranks)
+                    own = self._ranks is tokenizer._ranks  # (built from these very ranks)
+                    self._encoding = tokenizer.encoding() if own else tokenizer.encoding_of(self._ranks)
                 enc = self._encoding
         return enc.encode_ordinary
 

@@ -71,7 +71,8 @@ def _vocabulary() -> dict[bytes, int]:
 
 
 def encoding_of(ranks: dict[bytes, int]) -> tiktoken.Encoding:
-    """The o200k_base encoding over ``ranks`` (the pure ``TokenCounter`` builds its own so)."""
+    """The o200k_base encoding over ``ranks`` (the pure ``TokenCounter`` builds its own so over
+    ranks other than the process's; over those it uses :func:`encoding`)."""
     return tiktoken.Encoding(
         name="o200k_base", pat_str=O200K_PAT, mergeable_ranks=ranks, special_tokens=SPECIAL_TOKENS
     )
