@@ -228,6 +228,11 @@ def test_the_server_freezes_what_start_up_loaded(server: Server) -> None:
     (``gc.freeze``): a full collection then walks only what serving made. The stats show it."""
     r = httpx.post(server.base + "/v1/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=30)
     assert r.status_code == 200
-    gc_stats = httpx.get(server.base + "/hotloop/stats", timeout=10).json()["gc"]
+    stats = httpx.get(server.base + "/hotloop/stats", timeout=10).json()
+    gc_stats = stats["gc"]
     assert gc_stats["frozen"] > 10_000  # the modules, the vocabulary, the backend's client
+    # whether the compiled modules run: as this process resolved them (the server is another)
+    from hotloop import _accel
+
+    assert stats["native"] is _accel.NATIVE
     assert len(gc_stats["collections"]) == 3 and all(isinstance(n, int) for n in gc_stats["collections"])

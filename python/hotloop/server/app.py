@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from hotloop import errors, tokenizer
+from hotloop import _accel, errors, tokenizer
 from hotloop.backends.base import Backend
 from hotloop.config import Config
 from hotloop.protocol import events as ev
@@ -208,6 +208,8 @@ class HotloopApp:
             },
             # the cyclic collector: objects frozen at start-up, and per generation its collections
             "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
+            # the compiled modules run (False: the pure-Python twins, e.g. the pure-Python wheel)
+            "native": _accel.NATIVE,
         }
         if not full:
             return counts
