@@ -688,9 +688,10 @@ def main(argv: list[str] | None = None) -> int:
         help="paired: an environment variable for server B only (repeatable; e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
     )
     p.add_argument(
-        "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json"],
+        "--turn-transport", choices=["ws-prev", "http-full", "http-prev", "http-json", "http-refs"],
         help="paired: the transport of the alternating turns (default ws-prev); agent-turns: only this transport "
-        "(default ws-prev, http-full and http-prev)",
+        "(default ws-prev, http-full and http-prev; http-refs: the Vercel AI SDK's whole histories with "
+        "item_reference items, store: true, no naive proxy)",
     )
     p.add_argument("--tool-tokens", type=int, default=16, help="agent-turns: tokens of each tool call")
     p.add_argument("--backend-transport", choices=["lean", "sdk"], default="lean", help="agent-turns: hotloop's backend transport")

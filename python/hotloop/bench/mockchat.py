@@ -6,10 +6,11 @@ absolute deadlines, so ``hotloop bench --backend cerebras`` measures hotloop's C
 behaves like Cerebras at a chosen rate. It runs in its own process so its CPU is not counted as
 the server's.
 
-The model id selects the behaviour: ``bench-<rate>-<tokens>[-tool][-ttft<ms>]`` streams ``tokens``
+The model id selects the behaviour: ``bench-<rate>-<tokens>[-tool][-ttft<ms>][-think]`` streams ``tokens``
 chunks at ``rate`` tokens/s (rate 0: unpaced) after ``ms`` milliseconds, as text or, with
 ``-tool``, as one function call (``run``) whose arguments arrive over the chunks, e.g.
-``bench-4000-4000`` or ``bench-1000-40-tool-ttft20``. Any other id gets 16 tokens unpaced. Raw
+``bench-4000-4000`` or ``bench-1000-40-tool-ttft20``; ``-think`` sends a reasoning model's
+``reasoning`` delta first (:data:`THOUGHT`). Any other id gets 16 tokens unpaced. Raw
 asyncio HTTP/1.1 with keep-alive and chunked bodies; not a general server. ``--certfile PEM``
 (certificate and key) serves it over TLS instead, as Cerebras is served (``hotloop bench
 --mock-tls``).
@@ -41,18 +42,23 @@ def echo(nonces: list[bytes]) -> str:
     return f"seen-{len(nonces)}-{zlib.crc32(b','.join(nonces)):08x}"
 
 
-def _params(model: str) -> tuple[float, int, bool, float]:
-    """(rate, tokens, tool call?, seconds to the first token) of a model id."""
+def _params(model: str) -> tuple[float, int, bool, float, bool]:
+    """(rate, tokens, tool call?, seconds to the first token, reasoning first?) of a model id."""
     parts = model.split("-")
     if len(parts) >= 3 and parts[0] == "bench":
         try:
             rate, tokens = float(parts[1]), int(parts[2])
             tool = "tool" in parts[3:]
             ttft = next((float(p[4:]) / 1000 for p in parts[3:] if p.startswith("ttft")), 0.0)
-            return rate, tokens, tool, ttft
+            return rate, tokens, tool, ttft, "think" in parts[3:]
         except ValueError:
             pass
-    return 0.0, 16, False, 0.0
+    return 0.0, 16, False, 0.0, False
+
+
+# What a ``-think`` model reasons before its answer: one chunk of the ``reasoning`` delta field,
+# as Cerebras streams a reasoning model's (hotloop makes it the response's reasoning item)
+THOUGHT = "The test fails on the last assertion; run it again to see the whole output first. "
 
 
 def _delta(i: int, content: str | None, tool: bool) -> dict:
@@ -66,15 +72,17 @@ def _delta(i: int, content: str | None, tool: bool) -> dict:
 
 
 def _chunk(
-    i: int, created: int, model: str, content: str | None, finish: str | None = None, usage: dict | None = None, tool: bool = False
+    i: int, created: int, model: str, content: str | None, finish: str | None = None, usage: dict | None = None, tool: bool = False,
+    reasoning: bool = False,
 ) -> bytes:
+    delta = {"reasoning": content} if reasoning else _delta(i, content, tool)
     obj: dict = {
         "id": "chatcmpl-bench",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "system_fingerprint": "fp_bench",
-        "choices": [] if usage is not None else [{"index": 0, "delta": _delta(i, content, tool), "finish_reason": finish}],
+        "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
     if usage is not None:
         obj["usage"] = usage
@@ -89,7 +97,7 @@ def _arguments(tokens: int) -> list[str]:
 
 
 async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int, seen: str | None = None) -> None:
-    rate, tokens, tool, ttft = _params(model)
+    rate, tokens, tool, ttft, think = _params(model)
     writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
         b"x-ratelimit-remaining-tokens-minute: 1000000\r\n\r\n"
@@ -104,6 +112,8 @@ async def _stream(writer: asyncio.StreamWriter, model: str, prompt_tokens: int, 
     pieces = _arguments(tokens) if tool else [_WORDS[i % len(_WORDS)] for i in range(tokens)]
     if seen is not None and len(pieces) > (1 if tool else 0):
         pieces[1 if tool else 0] = " " + seen
+    if think:
+        writer.write(_chunk(0, created, model, THOUGHT, reasoning=True))
     if not tool:
         writer.write(_chunk(0, created, model, ""))
     for i, piece in enumerate(pieces):

@@ -16,6 +16,10 @@ Cerebras backend. Measured side by side in one run:
 * ``ws-prev``: one WebSocket, ``previous_response_id``, only the new tool output, ``store: false``.
 * ``http-full``: ``POST`` with SSE, the whole history each turn, ``store: false``.
 * ``http-prev``: ``POST`` with SSE, ``previous_response_id``, ``store: true`` on SQLite.
+* ``http-refs`` (only when asked for; no naive proxy, which cannot resolve references): the
+  Vercel AI SDK's tool loop with a reasoning model (the mock's ``-think`` models): ``POST`` with
+  SSE, ``store: true`` on SQLite, the whole history each turn with every earlier reasoning item
+  as an ``item_reference`` and each call spelled out without its id.
 
 Server CPU is the whole server process (every thread: event loop, tokenizer, store writer), read
 with nanosecond resolution from its CPU-time clock (:func:`hotloop.bench.process_cpu_ns`) after
@@ -279,6 +283,33 @@ def _http_prev(
     _http(base, model, turns, new_bytes, seed, tick, True, settings, output)
 
 
+def _http_refs(
+    base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS,
+    output: Callable[[random.Random, int], str] = _output,
+) -> None:
+    """The AI SDK's loop (``http-refs``, module docstring), on the ``-think`` variant of ``model``."""
+    rng = random.Random(seed)
+    history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Fix the failing test."}]
+    with httpx.Client(base_url=base + "/v1", timeout=120) as client:
+        for i in range(turns):
+            body = {"model": model + "-think", **settings, "stream": True, "store": True, "input": history}
+            payload = json.dumps(body).encode()
+            sent = time.perf_counter()
+            with client.stream("POST", "/responses", content=payload, headers={"content-type": "application/json"}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.read()[:300]!r}")
+                raw = r.read()
+            tick(sent)
+            response = _sse_completed(raw)
+            call_id = _call_of(response)
+            for item in response["output"]:
+                if item["type"] == "reasoning":
+                    history.append({"type": "item_reference", "id": item["id"]})
+                elif item["type"] == "function_call":
+                    history.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+            history.append({"type": "function_call_output", "call_id": call_id, "output": output(rng, new_bytes)})
+
+
 def _http_json(
     base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Callable[[float], None], settings: dict[str, Any] = SETTINGS
 ) -> None:
@@ -410,10 +441,12 @@ def bench_agent_turns(
                     loop(base, model, store_prefill, new_bytes, seed + 7, lambda sent: None)
                     row["store_prefill"] = store_prefill
                 row["hotloop"] = _summary("hotloop", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+                stats = httpx.get(base + "/hotloop/stats", timeout=10).json()
                 if name in _STORING:  # responses the server stored or has queued: the prefill's too
-                    store = httpx.get(base + "/hotloop/stats", timeout=10).json()["store"]
-                    row["stored_responses"] = store["written"] + store["pending"]
-            if naive:
+                    row["stored_responses"] = stats["store"]["written"] + stats["store"]["pending"]
+                if name in _WHOLE:  # how the whole histories were matched (warm-up turns too)
+                    row["prefix_cache"] = {k: stats["prefix_cache"][k] for k in ("hits", "raw_hits", "misses")}
+            if naive and name not in _NO_NAIVE:
                 with naive_process(url) as (base, pid):
                     row["naive"] = _summary("naive", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
                 h, n = row["hotloop"], row["naive"]
@@ -434,12 +467,15 @@ def bench_agent_turns(
     }
 
 
-_STORING = ("http-prev", "http-json")  # the transports whose turns are stored (store_prefill)
+_STORING = ("http-prev", "http-json", "http-refs")  # the transports whose turns are stored (store_prefill)
+_NO_NAIVE = ("http-refs",)  # the naive proxy cannot resolve item_reference items
+_WHOLE = ("http-full", "http-refs")  # the transports that send the whole history each turn
 _LOOPS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {
     "ws-prev": ((), _ws_prev),
     "http-full": ((), _http_full),
     "http-prev": (("--store", "sqlite"), _http_prev),
     "http-json": (("--store", "sqlite"), _http_json),
+    "http-refs": (("--store", "sqlite"), _http_refs),
 }
 
 
