@@ -261,6 +261,18 @@ def _ws_prev(
             prev, call_id = response["id"], _call_of(response)
 
 
+def _streamed(client: httpx.Client, body: dict[str, Any], i: int, tick: Callable[[float], None]) -> dict[str, Any]:
+    """Turn ``i``: ``body`` posted with SSE, its wall time ticked; the completed response."""
+    payload = json.dumps(body).encode()
+    sent = time.perf_counter()
+    with client.stream("POST", "/responses", content=payload, headers={"content-type": "application/json"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.read()[:300]!r}")
+        raw = r.read()
+    tick(sent)
+    return _sse_completed(raw)
+
+
 def _sse_completed(raw: bytes) -> dict[str, Any]:
     for block in reversed(raw.split(b"\n\n")):
         for line in block.split(b"\n"):
@@ -293,14 +305,7 @@ def _http_refs(
     with httpx.Client(base_url=base + "/v1", timeout=120) as client:
         for i in range(turns):
             body = {"model": model + "-think", **settings, "stream": True, "store": True, "input": history}
-            payload = json.dumps(body).encode()
-            sent = time.perf_counter()
-            with client.stream("POST", "/responses", content=payload, headers={"content-type": "application/json"}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.read()[:300]!r}")
-                raw = r.read()
-            tick(sent)
-            response = _sse_completed(raw)
+            response = _streamed(client, body, i, tick)
             call_id = _call_of(response)
             for item in response["output"]:
                 if item["type"] == "reasoning":
@@ -350,14 +355,7 @@ def _http(
                     body["previous_response_id"] = prev
             else:
                 body.update(store=False, input=history)
-            payload = json.dumps(body).encode()
-            sent = time.perf_counter()
-            with client.stream("POST", "/responses", content=payload, headers={"content-type": "application/json"}) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"turn {i}: HTTP {r.status_code}: {r.read()[:300]!r}")
-                raw = r.read()
-            tick(sent)
-            response = _sse_completed(raw)
+            response = _streamed(client, body, i, tick)
             call_id = _call_of(response)
             prev = response["id"]
             out = {"type": "function_call_output", "call_id": call_id, "output": output(rng, new_bytes)}
