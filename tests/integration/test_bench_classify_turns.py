@@ -101,7 +101,9 @@ def test_meter_counts_each_response_once() -> None:
             times.append(meter.turn())
         assert meter.steps == [1, 1, 1]
         assert all(set(t) == set(STAGES) and all(v > 0 for v in t.values()) for t in times)
-        assert times[1]["classify"] > 3 * max(times[0]["classify"], times[2]["classify"]), times
+        # against the cheaper small turn: a pause of the machine only ever adds time (one small
+        # turn once took 4.2 ms of the stage on a loaded CI machine, seven times the large one)
+        assert times[1]["classify"] > 3 * min(times[0]["classify"], times[2]["classify"]), times
 
 
 def test_paired_ratio_tells_growth_from_a_slow_spell() -> None:
