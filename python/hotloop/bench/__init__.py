@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fanout-backend", choices=["simulator", "cerebras"], default="simulator",
         help="ws-fanout: the simulator, or the Cerebras backend against the paced mock",
     )
-    p.add_argument("--server-path", help="idle-ws, ws-fanout, ws-loop, http-loop, paired (server B): a python/ directory first on the server's PYTHONPATH")
+    p.add_argument("--server-path", help="idle-ws, ws-fanout, ws-loop, http-loop, agent-turns (hotloop's server), paired (server B): a python/ directory first on the server's PYTHONPATH")
     p.add_argument("--base-path", help="paired: server A's python/ directory (default: the installed hotloop)")
     p.add_argument(
         "--server-args", default="",
@@ -753,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_agent_turns(
                 args.turns, args.new_bytes, tokens=args.tool_tokens, transport=args.backend_transport, naive=not args.no_naive,
                 only=(args.turn_transport,) if args.turn_transport else AGENT_TRANSPORTS, store_prefill=args.store_prefill,
+                server_path=args.server_path,
             )
         )
     if args.scenario in ("all", "idle-ws", "ws-fanout"):

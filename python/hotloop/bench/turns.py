@@ -408,7 +408,7 @@ AGENT_TRANSPORTS = ("ws-prev", "http-full", "http-prev")  # what agent-turns mea
 def bench_agent_turns(
     turns: int = 100, new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20,
     transport: str = "lean", seed: int = 0, naive: bool = True, only: tuple[str, ...] = AGENT_TRANSPORTS,
-    store_prefill: int = 0,
+    store_prefill: int = 0, server_path: str | None = None,
 ) -> dict[str, Any]:
     """Every transport of ``only`` (keys of ``_LOOPS``) through hotloop, and (``naive``) through
     the naive proxy, in one run.
@@ -420,7 +420,8 @@ def bench_agent_turns(
     turns wrote 13 pages of WAL at the first turns and 42 at turn 100 (a replay of one
     conversation's records into ``SQLiteStore``), and a store that already holds a conversation
     writes about as many at its first turns as at its last. The growth from turns 6-15 to turns
-    91-100 (``last_over_early``) is then the conversation's own growth, not the file's."""
+    91-100 (``last_over_early``) is then the conversation's own growth, not the file's.
+    ``server_path``: the ``python/`` tree hotloop's server runs from (another version's)."""
     model = f"bench-{rate:g}-{tokens}-tool-ttft{ttft_ms}"
     results: list[dict[str, Any]] = []
     with mock_process() as (url, mock_pid):
@@ -434,7 +435,7 @@ def bench_agent_turns(
             extra, loop = _LOOPS[name]
             row: dict[str, Any] = {"transport": name}
             args = ("--backend", "cerebras", "--base-url", url, "--backend-transport", transport, *extra)
-            with server(*args) as (base, pid):
+            with server(*args, pythonpath=server_path) as (base, pid):
                 if store_prefill and name in _STORING:
                     loop(base, model, store_prefill, new_bytes, seed + 7, lambda sent: None)
                     row["store_prefill"] = store_prefill

@@ -38,7 +38,7 @@ from hotloop.pipeline import items as itemlib
 from hotloop.pipeline import reuse
 from hotloop.pipeline import window
 from hotloop.pipeline.classify import ALLOW, Block, Flag, Redact, SecretsClassifier, Verdict
-from hotloop.pipeline.post import Persistence, usage_record
+from hotloop.pipeline.post import Persistence, stored_base, usage_record
 from hotloop.pipeline.prepare import INLINE_TOKENIZE_CHARS, Plan, finished, prepare, unresolved_references
 from hotloop.pipeline.settings import ToolsCache
 from hotloop.protocol import sealed
@@ -676,8 +676,11 @@ class Engine:
         if r["status"] in ("completed", "incomplete"):
             input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
             entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
+            base = None
             if run.prefix is not None:
                 reuse.adopt(entry, run.plan.parent)
+                if entry.store and not run.plan.truncated:
+                    base = stored_base(run.prefix.entry, run.prefix.n, entry)
             self._register(run, entry, input_bytes, input_calls)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
@@ -685,7 +688,7 @@ class Engine:
             if entry.store:
                 self.responses.put(entry, nbytes)
             run.ledgered = True  # (a store write that then fails makes it failed: not charged again)
-            await self.persistence.submit(entry, run.tenant.id, run.plan.flags, name=run.tenant.name)
+            await self.persistence.submit(entry, run.tenant.id, run.plan.flags, name=run.tenant.name, base=base)
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)
