@@ -7,14 +7,17 @@ history. Nothing a client sees changes: no ``previous_response_id``, the whole i
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import Server, run_server
+from tests.services import redis_server
 
 OPENING = "fix the build: " + "lorem ipsum dolor " * 20  # over 256 bytes: matched by its bytes
 
@@ -90,3 +93,38 @@ def test_whole_histories_are_stored_as_continuations(tmp_path: Path) -> None:
         r = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": "more", "previous_response_id": last}, timeout=30)
         assert r.status_code == 200, r.text
         assert _shape(_items(server, r.json()["id"])) == _shape(history) + _shape(last_output) + [("message", "user")]
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_every_store_answers_alike(tmp_path: Path, store: str) -> None:
+    # the same conversation on the other stores (their chains as SQLite's): each response lists
+    # its whole input, a delete in the middle leaves the later ones whole, and the conversation
+    # goes on by previous_response_id from the last
+    with contextlib.ExitStack() as stack:
+        args = ["--store", store, "--sim-rate", "0"]
+        if store == "redis":
+            args += ["--redis-url", stack.enter_context(redis_server(tmp_path)).url]
+        # no cache of stored responses: every answer below is loaded from the store
+        server = stack.enter_context(run_server(tmp_path, *args, env={"HOTLOOP_RESPONSE_CACHE_ENTRIES": "0"}))
+        history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": OPENING}]
+        ids, sent = [], []
+        for turn in range(4):
+            body = {"model": "hotloop-sim", "input": history, "metadata": {"sim": "text,tokens:12"}}
+            r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+            sent.append(list(history))
+            history = history + r.json()["output"] + [{"type": "message", "role": "user", "content": f"and then {turn}"}]
+        _idle(server)
+        if store == "redis":  # each later one stored as a child of the one before
+            import redis
+
+            db = redis.Redis.from_url(args[-1])
+            for k in range(1, 4):
+                (key,) = db.keys(f"hotloop:t:*:r:{ids[k]}")
+                assert db.hget(key, "parent") == ids[k - 1].encode() and int(db.hget(key, "base")) == 2 * k, k
+        assert httpx.delete(f"{server.v1}/responses/{ids[1]}", timeout=30).status_code == 200
+        for k in (0, 2, 3):
+            assert _shape(_items(server, ids[k])) == _shape(sent[k]), k
+        r = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": "more", "previous_response_id": ids[3]}, timeout=30)
+        assert r.status_code == 200, r.text
