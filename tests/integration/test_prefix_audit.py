@@ -66,14 +66,15 @@ def assert_same(got: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _pair(tmp: Path, store: str = "memory", env: dict[str, str] | None = None) -> Iterator[Pair]:
-    """A server with the prefix cache (``env``: its settings besides) and one without it."""
+def _pair(tmp: Path, store: str = "memory", env: dict[str, str] | None = None, entry: tuple[str, ...] = ("-m", "hotloop")) -> Iterator[Pair]:
+    """A server with the prefix cache (``env``: its settings besides) and one without it (both
+    started by ``entry``)."""
     with MockChatServer() as m1, MockChatServer() as m2:
         for m in (m1, m2):  # no usage chunk: input_tokens is the server's own count
             m.default_reply = lambda: Reply.stream(text_events(ANSWER)[:-1])
         args = ("--backend", "openai-compat", "--model", "mock-model", "--store", store)
-        with run_server(tmp, *args, "--base-url", m1.v1, env=env) as s, run_server(
-            tmp, *args, "--base-url", m2.v1, env={"HOTLOOP_PREFIX_CACHE_ENTRIES": "0"}
+        with run_server(tmp, *args, "--base-url", m1.v1, env=env, entry=entry) as s, run_server(
+            tmp, *args, "--base-url", m2.v1, env={"HOTLOOP_PREFIX_CACHE_ENTRIES": "0"}, entry=entry
         ) as ref:
             yield Pair(s, ref, (m1, m2))
 
@@ -179,7 +180,20 @@ def test_histories_that_refer_to_reasoning_items_of_stored_responses_not_in_memo
         _ai_sdk_steps(got)
 
 
-def _ai_sdk_steps(pair: Pair) -> None:
+def test_a_history_naming_more_items_than_a_request_may_look_up_is_refused_as_from_scratch(tmp_path: Path) -> None:
+    # (the bound lowered to 3 in both servers) step 3's history names three stored reasoning
+    # items, step 4's four: both servers answer step 4 with item_not_found, the cached one too,
+    # whose raw hit on step 3's bytes checked only the three it had registered
+    entry = (
+        "-c",
+        "import sys, hotloop.server.engine as e, hotloop.cli as c; e.MAX_REFERENCE_LOOKUPS = 3; sys.exit(c.main(sys.argv[1:]))",
+    )
+    with _pair(tmp_path, entry=entry) as pair:
+        got = _ai_sdk_steps(pair, steps=5, until=4)
+    assert got["status"] == 400 and got["json"]["error"]["code"] == "item_not_found", got["json"]
+
+
+def _ai_sdk_steps(pair: Pair, steps: int = 4, until: int | None = None) -> dict[str, Any]:
     # Each server gets its own history (the ids are its own), in the AI SDK's shape; both answer
     # alike, and the cached one reuses the conversation so far at every step from the second on,
     # matched by the bytes of the previous step's input (its references still name the same
@@ -189,7 +203,7 @@ def _ai_sdk_steps(pair: Pair) -> None:
     outputs: list[list[list[dict[str, Any]]]] = [[], []]
     ids: list[list[str]] = [[], []]
     cached: list[tuple[int, int]] = []  # the cached server's (input_tokens, cached_tokens) a step
-    for step in range(4):
+    for step in range(steps):
         hits, raw_hits = pair.hits(), pair.stat("raw_hits")
         results = []
         for k, (server, mock) in enumerate(zip(pair.servers, pair.mocks)):
@@ -197,11 +211,13 @@ def _ai_sdk_steps(pair: Pair) -> None:
             n = len(mock.requests)
             body = {"model": "mock-model", "store": True, "tools": [_RUN], "input": _ai_sdk_history(outputs[k], opening)}
             r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
-            results.append({"status": r.status_code, "json": r.json(), "backend": mock.requests[n].json})
+            results.append({"status": r.status_code, "json": r.json(), "backend": mock.requests[n].json if len(mock.requests) > n else None})
             if r.status_code == 200:
                 outputs[k].append(r.json()["output"])
                 ids[k].append(r.json()["id"])
         got = assert_same(results)
+        if step == until:
+            return got
         assert got["status"] == 200, got["json"]
         assert [o["type"] for o in got["json"]["output"]] == ["reasoning", "function_call"]
         assert pair.hits() == hits + (step > 0), step
@@ -224,3 +240,15 @@ def _ai_sdk_steps(pair: Pair) -> None:
     assert got["json"]["error"]["param"] == "input[4]"
     assert outputs[0][1][0]["id"] in got["json"]["error"]["message"]
     assert pair.stat("raw_hits") == raw_hits
+    # the deleted response's call, which the histories after it sent back spelled out (no id):
+    # from scratch the responses after it gave it ids of their own, so its id names nothing now;
+    # the cached server's later responses hold it as their parent's, not as their own
+    results = []
+    for k, server in enumerate(pair.servers):
+        call = next(o for o in outputs[k][1] if o["type"] == "function_call")
+        body = {"model": "mock-model", "store": True, "input": [opening, {"type": "item_reference", "id": call["id"]}]}
+        r = httpx.post(server.v1 + "/responses", json=body, timeout=30)
+        results.append({"status": r.status_code, "json": r.json(), "backend": None})
+    got = assert_same(results)
+    assert got["status"] == 400 and got["json"]["error"]["code"] == "item_not_found", got["json"]
+    return got

@@ -114,31 +114,25 @@ class Snapshot(NamedTuple):
     parent: str | None = None  # the stored response whose history is items[:base_len]
 
 
-def snapshot(entry: CachedResponse, base: tuple[str, int] | None = None) -> Snapshot:
-    """``entry`` for the writer: its own items after its parent's history, or (``base``: a
-    stored response's id and its history's length) after that response's history, which its
-    first items are (a whole-history request that reused all of it: :func:`stored_base`)."""
+def snapshot(entry: CachedResponse) -> Snapshot:
+    """``entry`` for the writer: its own items after its parent's history."""
     items = entry.context.items
-    if base is not None:
-        return Snapshot(entry, items[base[1] :], base[1], len(items), base[0])
     n = entry.base_len if entry.parent_id is not None else 0
     return Snapshot(entry, items[n:], n, len(items), entry.parent_id if n else None)
 
 
-def stored_base(reused: CachedResponse, n: int, entry: CachedResponse) -> tuple[str, int] | None:
-    """Where a response that names no parent may be stored as a continuation: a request that
-    resent a whole history whose first ``n`` items are all of ``reused``'s history (the prefix
-    cache's entry it reused) is stored as that response's child with only its new items (the
-    store's rows then grow with each turn's new items, not with the history: a Vercel AI SDK loop
-    under ``store: true`` resends everything every step). ``None``: stored whole (``reused`` is not
-    stored, is another key's, or only part of its history was reused). Nothing a client sees
-    changes: the Response names no parent, and ``input_items`` lists the whole input either way;
-    an item of ``reused`` is that response's own, not this one's, as from scratch (a reference to
-    it resolves while ``reused`` is stored). A parent deleted meanwhile is written whole instead
-    (``MissingParent``)."""
-    if not reused.store or reused.owner != entry.owner or n != len(reused.context) or reused.id == entry.id:
-        return None
-    return reused.id, n
+def stored_base(reused: CachedResponse, n: int, entry: CachedResponse) -> bool:
+    """Whether a response that names no parent is kept (in memory and in the store) as the
+    continuation of ``reused``, the prefix cache's entry it reused: a request that resent a whole
+    history whose first ``n`` items are all of ``reused``'s history. It is then stored as that
+    response's child with only its new items (the store's rows grow with each turn's new items,
+    not with the history: a Vercel AI SDK loop under ``store: true`` resends everything every
+    step); otherwise (``reused`` is not stored, is another key's, or only part of its history was
+    reused) with its whole input. Nothing a client sees changes: the Response names no parent,
+    and ``input_items`` lists the whole input either way; the items of ``reused`` are that
+    response's own, not this one's, as from scratch (a reference to one resolves while ``reused``
+    is stored). A parent deleted before the write is written whole instead (``MissingParent``)."""
+    return reused.store and reused.owner == entry.owner and n == len(reused.context) and reused.id != entry.id
 
 
 _enc = msgspec.json.Encoder()
@@ -885,12 +879,11 @@ class Persistence:
 
     async def submit(
         self, entry: CachedResponse, key: str = LEGACY_OWNER, findings: dict[str, int] | None = None,
-        *, ledger: bool = True, name: str | None = None, base: tuple[str, int] | None = None,
+        *, ledger: bool = True, name: str | None = None,
     ) -> None:
         """Queue a finished response: the usage ledger (under the key id ``key``, shown as ``name``, with the
         classifiers' ``findings`` per kind when it was flagged) unless ``ledger`` is false, the
-        response if it is stored (``base``: as a continuation of that stored response's history,
-        :func:`stored_base`)."""
+        response if it is stored."""
         if self._task is None:
             if self._stopped:  # (after close(): see there)
                 self._late(entry, key, findings, ledger, name)
@@ -906,7 +899,7 @@ class Persistence:
             # suspend. After a ledger batch that waited for room (USAGE_BUFFER records while the
             # writer is behind), a DELETE that came meanwhile found nothing to delete, and the
             # response was stored after it.
-            snap = snapshot(entry, base)
+            snap = snapshot(entry)
             self.pending[entry.id] = entry
             await self._enqueue("put", snap, approx_nbytes(snap.own))
         if rec is not None:

@@ -256,9 +256,13 @@ def continued(p: Prefix, items: list[Item]) -> tuple[Prefix, int]:
 
 
 def parent_of(p: Prefix) -> CachedResponse:
-    """A stand-in parent that holds the reused prefix (never named as the response's parent)."""
+    """A stand-in parent that holds the reused prefix (never named as the response's parent).
+    Its ``supplied`` holds the entry's own client-chosen ids and, once :func:`supply` ran, the
+    ids the request named by reference; :func:`adopt` adds the ids the entry inherited
+    (:meth:`Prefix.supplied`, a walk of its items: only when the response does not keep the
+    entry as its parent)."""
     e = p.entry
-    return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, p.supplied(), e.states, e.settings)
+    return CachedResponse(e.response, p.context(), p.n, False, None, 0, e.owner, e.supplied, e.states, e.settings)
 
 
 _INDEX = re.compile(r"input\[(\d+)\]")
@@ -292,16 +296,21 @@ def unshift(exc: errors.HotloopError, n: int) -> None:
         shift(exc, -n)
 
 
-def adopt(entry: CachedResponse, stand_in: CachedResponse | None) -> None:
-    """A finished response that reused a prefix: the reused items are its own, not a parent's
-    (it names no parent, and is stored with its whole input). Ids a client chose among them
-    (``stand_in``, :func:`parent_of`: the prefix's) stay chosen: they never resolve as ids the
-    server minted (an ``item_reference``, an admin's look-up across keys), whichever response
-    holds them now."""
+def adopt(entry: CachedResponse, stand_in: CachedResponse | None, prefix: Prefix) -> None:
+    """A finished response that reused ``prefix`` and is stored with its whole input (or not
+    stored): the reused items are its own, not a parent's. Ids a client chose among them
+    (``stand_in``, :func:`parent_of`, with :meth:`Prefix.supplied`) stay chosen: they never
+    resolve as ids the server minted (an ``item_reference``, an admin's look-up across keys),
+    whichever response holds them now. (One that reused all of a stored response's history
+    keeps that response as its parent instead, as :func:`prepare.finished` made it: see
+    :func:`hotloop.pipeline.post.stored_base`.)"""
     entry.parent_id = None
     entry.base_len = 0
+    chosen = prefix.supplied()
     if stand_in is not None and stand_in.supplied:
-        entry.supplied = entry.supplied | stand_in.supplied
+        chosen = chosen | stand_in.supplied
+    if chosen:
+        entry.supplied = entry.supplied | chosen
 
 
 class RawInput:
@@ -313,27 +322,29 @@ class RawInput:
     template of the next body that has the same bytes around its longer input (:func:`_by_body`).
     """
 
-    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "by_body")
+    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "nrefs", "by_body")
 
     def __init__(
         self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None,
-        refs: dict[str, Item] | None = None,
+        refs: dict[str, Item] | None = None, nrefs: int = 0,
     ) -> None:
         self.raw = raw
         self.lead = lead
         self.prepared: Prepared | None = None
         self.after = after if lead is not None else None
         self.request: CreateRequest | None = request
-        # the stored items its references named (Prefix.refs), when registered
+        # the stored items its references named (Prefix.refs), and its references (Prefix.nrefs),
+        # when registered
         self.refs = refs or None
+        self.nrefs = nrefs
         self.by_body = False  # a raw hit found by the body's bytes (PrefixCache.body_hits)
 
 
-def registration(raw: RawInput | None, refs: dict[str, Item] | None = None) -> RawInput | None:
+def registration(raw: RawInput | None, refs: dict[str, Item] | None = None, nrefs: int = 0) -> RawInput | None:
     """What to register by bytes for a finished input: its array without the closing bracket
     (``None``: not registered by bytes). ``refs``: the stored items its ``item_reference`` items
     named, as they resolved (:attr:`Prefix.refs`: a raw hit on it holds only while each still
-    resolves to the same item, :func:`still_named`)."""
+    resolves to the same item, :func:`still_named`); ``nrefs``: how many such items it holds."""
     if raw is None:
         return None
     opened = open_array(raw.raw)
@@ -351,7 +362,14 @@ def registration(raw: RawInput | None, refs: dict[str, Item] | None = None) -> R
             other -= len(shared.json)
         if other <= TEMPLATE_MAX_BYTES:
             template = msgspec.structs.replace(req, input=None)
-    return RawInput(opened, raw.lead, raw.after, template, refs)
+    return RawInput(opened, raw.lead, raw.after, template, refs, nrefs)
+
+
+def references(items: list[Item]) -> int:
+    """How many ``item_reference`` items ``items`` holds (an input may make at most
+    ``MAX_REFERENCE_LOOKUPS`` look-ups: a raw hit whose whole input holds more is matched whole,
+    as from scratch)."""
+    return sum(type(it) is ItemReference for it in items)
 
 
 def _lead(body: bytes | bytearray, raw: bytes) -> bytes | None:

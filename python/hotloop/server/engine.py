@@ -265,15 +265,20 @@ class Engine:
             done = raw_input.prepared if raw_input is not None else None
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             scope = tenant.scope
-            if prefix is not None and prefix.refs is not None and raw_input is not None:
-                if not await reuse.still_named(prefix.refs, lambda rid: self._stored_item(rid, scope)):
-                    # an item the registered input named is gone (or another one has its id
-                    # now): the request is matched with its whole input, as from scratch
-                    self.prefixes.raw_hits -= 1
-                    self.prefixes.body_hits -= raw_input.by_body
-                    req = reuse.whole(req, raw_input)
-                    p = validate(req, websocket=websocket)
-                    prefix = hit = None
+            nrefs = reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
+            if prefix is not None and raw_input is not None and (
+                nrefs > MAX_REFERENCE_LOOKUPS
+                or (prefix.refs is not None and not await reuse.still_named(prefix.refs, lambda rid: self._stored_item(rid, scope)))
+            ):
+                # an item the registered input named is gone (or another one has its id now), or
+                # the input names more than one request may look up: it is matched with its whole
+                # input, as from scratch
+                self.prefixes.raw_hits -= 1
+                self.prefixes.body_hits -= raw_input.by_body
+                req = reuse.whole(req, raw_input)
+                p = validate(req, websocket=websocket)
+                prefix = hit = None
+                nrefs = reuse.references(p.items)
             marks.append(clock())
             parent = await self.resolve(req.previous_response_id, conn, scope)
             whole = probe = p.items  # probe: what is matched, the input with its references resolved
@@ -407,7 +412,7 @@ class Engine:
         run.push_slot = slot
         run.request_id = request_id
         if req.previous_response_id is None and raw_input is not None:
-            run.raw_input = reuse.registration(raw_input, refs)
+            run.raw_input = reuse.registration(raw_input, refs, nrefs)
         return run
 
     def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
@@ -657,7 +662,7 @@ class Engine:
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls, sent=sent))
         elif self.prefixes.put(
-            Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request, raw.refs)
+            Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request, raw.refs, raw.nrefs)
         ) and run.hit is not None:
             # This input's bytes start with those of the input it reused (matched by bytes,
             # never one found by fingerprint, which may be another client's): keeping both would
@@ -676,11 +681,12 @@ class Engine:
         if r["status"] in ("completed", "incomplete"):
             input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
             entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
-            base = None
-            if run.prefix is not None:
-                reuse.adopt(entry, run.plan.parent)
-                if entry.store and not run.plan.truncated:
-                    base = stored_base(run.prefix.entry, run.prefix.n, entry)
+            if run.prefix is not None and (
+                not entry.store or run.plan.truncated or not stored_base(run.prefix.entry, run.prefix.n, entry)
+            ):
+                reuse.adopt(entry, run.plan.parent, run.prefix)
+            # (else all of a stored response's history was reused: finished() made that response
+            # its parent, as the store records it, post.stored_base)
             self._register(run, entry, input_bytes, input_calls)
             nbytes = entry_nbytes(entry)
             if run.conn is not None:
@@ -688,7 +694,7 @@ class Engine:
             if entry.store:
                 self.responses.put(entry, nbytes)
             run.ledgered = True  # (a store write that then fails makes it failed: not charged again)
-            await self.persistence.submit(entry, run.tenant.id, run.plan.flags, name=run.tenant.name, base=base)
+            await self.persistence.submit(entry, run.tenant.id, run.plan.flags, name=run.tenant.name)
             self.completed += 1
         else:
             self._evict(run.prepared.req, run.conn)

@@ -72,11 +72,13 @@ class Prefix:
     cached ones (a classifier redacted them; positions below ``n``), or ``None``; ``refs``
     (with ``raw``) the stored items its ``item_reference`` items named, by id, as they resolved
     when it was registered: a raw hit holds only while each still resolves to the same item
-    (:func:`hotloop.pipeline.reuse.still_named`), or ``None``.
+    (:func:`hotloop.pipeline.reuse.still_named`), or ``None``; ``nrefs`` how many
+    ``item_reference`` items it holds.
     """
 
     __slots__ = (
         "entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent", "after", "template", "refs",
+        "nrefs",
     )
 
     def __init__(
@@ -93,6 +95,7 @@ class Prefix:
         after: bytes | None = None,
         template: Any = None,
         refs: dict[str, Any] | None = None,
+        nrefs: int = 0,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -114,6 +117,7 @@ class Prefix:
         self.template = template if self.after is not None else None
         self.sent = tuple(x for x in sent if x[0] < n) or None if sent else None
         self.refs = refs if raw is not None and refs else None
+        self.nrefs = nrefs  # its item_reference items (with the same one named twice counted twice)
 
     @property
     def sent_last(self) -> bytes | None:
@@ -341,7 +345,8 @@ class PrefixCache:
             return  # no longer registered: the cache holds nothing of it
         size = p.size
         self._unindex(p)
-        p.raw = p.lead = p.head = p.after = p.template = p.refs = None
+        # (its refs stay: a request that matched its bytes before they were dropped checks them)
+        p.raw = p.lead = p.head = p.after = p.template = None
         self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
