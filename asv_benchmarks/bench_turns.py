@@ -114,9 +114,9 @@ class PrefixTurn:
             calls = frozenset(plan.context.call_ids)
             entry = finished(plan, resp, self.tokens, "o")
             if hit is not None:
-                reuse.adopt(entry, plan.parent)
+                reuse.adopt(entry, plan.parent, hit)
             n = entry.input_len
-            reg = reuse.registration(raw, plan.prepared.items)
+            reg = reuse.registration(raw)
             head = reuse.head_of(reg.raw) if reg is not None else None
             last = itemlib.fingerprint(entry.context.items[n - 1])
             if reg is not None and head is not None:
@@ -171,7 +171,7 @@ class PrefixLookup:
             history = [first, {"role": "user", "content": _text(rng, 2048)}, {"role": "user", "content": _text(rng, 2048)}]
             body = json.dumps({"model": "m", **settings, "input": history}).encode()
             _, _, raw = reuse.decode_create(body, self.prefixes, "o")
-            reg = reuse.registration(raw, [])
+            reg = reuse.registration(raw)
             entry = CachedResponse({"id": f"resp_{c}"}, Context(), len(history), False, owner="o")
             self.prefixes.put(Prefix(entry, len(history), b"fp%d" % c, 0, reg.raw, reuse.head_of(reg.raw), None, reg.lead))
             bodies.append((history, body))
