@@ -92,6 +92,28 @@ def _register(cache: PrefixCache, body: bytes, texts: list[str]) -> None:
     cache.put(Prefix(e, len(texts), last, e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead))
 
 
+def test_a_raw_hit_takes_the_references_to_check_when_it_matches() -> None:
+    # A registration that names stored items by reference keeps them (Prefix.refs) while it has
+    # its bytes; a request that matched those bytes takes them at once (RawInput.hit_refs), so a
+    # newer registration that drops the bytes (and the refs: a conversation keeps one set, not
+    # one per turn) before Engine.start checks them cannot make it skip the check.
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    _, _, raw = reuse.decode_create(_body(texts), cache, "alice")
+    named = {"rs_1": Message(role="user", content="what rs_1 resolved to")}
+    reg = reuse.registration(raw, named, 1)  # type: ignore[arg-type]
+    assert reg is not None and reg.refs == named and reg.nrefs == 1
+    e = _entry(texts)
+    p = Prefix(e, 2, itemlib.fingerprint(e.context.items[-1]), e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead, refs=reg.refs, nrefs=reg.nrefs)
+    assert cache.put(p) and p.refs == named and p.nrefs == 1
+    _, hit, raw2 = reuse.decode_create(_body(texts + ["third"]), cache, "alice")
+    assert hit is p and raw2 is not None and raw2.hit_refs is named
+    before = cache.nbytes
+    cache.drop_raw(p)
+    assert p.refs is None and p.nrefs == 1 and raw2.hit_refs is named
+    assert cache.nbytes < before
+
+
 def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
     cache = PrefixCache()
     texts = ["x" * 300, "second"]

@@ -322,7 +322,7 @@ class RawInput:
     template of the next body that has the same bytes around its longer input (:func:`_by_body`).
     """
 
-    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "nrefs", "by_body")
+    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "nrefs", "by_body", "hit_refs")
 
     def __init__(
         self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None,
@@ -338,6 +338,9 @@ class RawInput:
         self.refs = refs or None
         self.nrefs = nrefs
         self.by_body = False  # a raw hit found by the body's bytes (PrefixCache.body_hits)
+        # the raw hit's Prefix.refs, taken when it matched: a newer registration may drop them
+        # (PrefixCache.drop_raw) before Engine.start checks them
+        self.hit_refs: dict[str, Item] | None = None
 
 
 def registration(raw: RawInput | None, refs: dict[str, Item] | None = None, nrefs: int = 0) -> RawInput | None:
@@ -622,6 +625,7 @@ def _suffix(
         raw_input.by_body = False
         return whole(req, raw_input), None, raw_input
     raw_input.prepared = p
+    raw_input.hit_refs = prefix.refs
     cache.raw_hits += 1
     cache.body_hits += raw_input.by_body
     return req, prefix, raw_input

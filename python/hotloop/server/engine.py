@@ -266,9 +266,10 @@ class Engine:
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             scope = tenant.scope
             nrefs = reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
+            held = raw_input.hit_refs if prefix is not None and raw_input is not None else None
             if prefix is not None and raw_input is not None and (
                 nrefs > MAX_REFERENCE_LOOKUPS
-                or (prefix.refs is not None and not await reuse.still_named(prefix.refs, lambda rid: self._stored_item(rid, scope)))
+                or (held is not None and not await reuse.still_named(held, lambda rid: self._stored_item(rid, scope)))
             ):
                 # an item the registered input named is gone (or another one has its id now), or
                 # the input names more than one request may look up: it is matched with its whole
@@ -278,6 +279,7 @@ class Engine:
                 req = reuse.whole(req, raw_input)
                 p = validate(req, websocket=websocket)
                 prefix = hit = None
+                held = None
                 nrefs = reuse.references(p.items)
             marks.append(clock())
             parent = await self.resolve(req.previous_response_id, conn, scope)
@@ -332,9 +334,9 @@ class Engine:
                 marks.append(clock())
                 # (the items the whole input's references named, when it is still the whole input)
                 stored = looked if looked is not None and prefix is None else await self.stored_items(p, parent, scope)
-                if raw_input is not None and (looked or stored or (hit is not None and hit.refs)):
+                if raw_input is not None and (looked or stored or held):
                     # what the whole input's references named: registered with its bytes
-                    refs = dict(hit.refs) if hit is not None and hit.refs else {}
+                    refs = dict(held) if held else {}
                     refs.update(looked or {})
                     refs.update(stored or {})
                 plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=stored)

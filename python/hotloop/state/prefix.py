@@ -345,8 +345,8 @@ class PrefixCache:
             return  # no longer registered: the cache holds nothing of it
         size = p.size
         self._unindex(p)
-        # (its refs stay: a request that matched its bytes before they were dropped checks them)
-        p.raw = p.lead = p.head = p.after = p.template = None
+        # (a request that matched its bytes before took its refs then: RawInput.hit_refs)
+        p.raw = p.lead = p.head = p.after = p.template = p.refs = None
         self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
