@@ -66,10 +66,11 @@ _PROVIDERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _resolve() -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+def _resolve() -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str]]:
     impls: dict[str, Any] = {}
     names: dict[str, str] = {}
     errors: dict[str, str] = {}
+    absent: set[str] = set()  # not installed at all (the pure-Python wheel ships none), not broken
     for module_name, provided in _PROVIDERS.items():
         module: Any = _pure
         source = "hotloop._pure"
@@ -79,13 +80,15 @@ def _resolve() -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
                 source = module_name
             except ImportError as exc:
                 errors[module_name] = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:
+                    absent.add(module_name)
         for name in provided:
             impls[name] = getattr(module, name)
             names[name] = source
-    return impls, names, errors
+    return impls, names, errors, absent
 
 
-_IMPLS, _NAMES, _ERRORS = _resolve()
+_IMPLS, _NAMES, _ERRORS, _ABSENT = _resolve()
 
 #: which module each accelerated name resolved to ("hotloop._native", ..., or "hotloop._pure")
 BACKEND_NAMES: dict[str, str] = _NAMES
@@ -94,15 +97,8 @@ IMPORT_ERRORS: dict[str, str] = _ERRORS
 #: True when every accelerated name is native
 NATIVE: bool = all(src != "hotloop._pure" for src in _NAMES.values())
 
-
-def _absent(module_name: str, error: str) -> bool:
-    """Whether the import failed because the module is not installed at all (the pure-Python
-    wheel ships none), not because a compiled module is there but broken."""
-    return error == f"ModuleNotFoundError: No module named '{module_name}'"
-
-
 #: True when no compiled module is installed (the pure-Python wheel, ``py3-none-any``)
-PURE_WHEEL: bool = bool(_ERRORS) and all(_absent(m, e) for m, e in _ERRORS.items()) and len(_ERRORS) == len(_PROVIDERS)
+PURE_WHEEL: bool = _ABSENT == set(_PROVIDERS)
 
 if PURE_WHEEL:
     logging.getLogger("hotloop").warning(

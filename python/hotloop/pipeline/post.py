@@ -111,14 +111,12 @@ class Snapshot(NamedTuple):
     own: list[Item]  # context.items[base_len:end]
     base_len: int
     end: int  # len(context) when submitted
-    parent: str | None = None  # the stored response whose history is items[:base_len]
 
 
 def snapshot(entry: CachedResponse) -> Snapshot:
-    """``entry`` for the writer: its own items after its parent's history."""
     items = entry.context.items
-    n = entry.base_len if entry.parent_id is not None else 0
-    return Snapshot(entry, items[n:], n, len(items), entry.parent_id if n else None)
+    base = entry.base_len if entry.parent_id is not None else 0
+    return Snapshot(entry, items[base:], base, len(items))
 
 
 def stored_base(reused: CachedResponse, n: int, entry: CachedResponse) -> bool:
@@ -127,12 +125,12 @@ def stored_base(reused: CachedResponse, n: int, entry: CachedResponse) -> bool:
     history whose first ``n`` items are all of ``reused``'s history. It is then stored as that
     response's child with only its new items (the store's rows grow with each turn's new items,
     not with the history: a Vercel AI SDK loop under ``store: true`` resends everything every
-    step); otherwise (``reused`` is not stored, is another key's, or only part of its history was
-    reused) with its whole input. Nothing a client sees changes: the Response names no parent,
+    step); otherwise (either is not stored, ``reused`` is another key's, or only part of its
+    history was reused) with its whole input. Nothing a client sees changes: the Response names no parent,
     and ``input_items`` lists the whole input either way; the items of ``reused`` are that
     response's own, not this one's, as from scratch (a reference to one resolves while ``reused``
     is stored). A parent deleted before the write is written whole instead (``MissingParent``)."""
-    return reused.store and reused.owner == entry.owner and n == len(reused.context) and reused.id != entry.id
+    return entry.store and reused.store and reused.owner == entry.owner and n == len(reused.context) and reused.id != entry.id
 
 
 _enc = msgspec.json.Encoder()
@@ -199,7 +197,8 @@ def _record(
 
 def own_record(snap: Snapshot) -> StoredResponse:
     """The record of ``snap``: its parent's id and its own items (writer thread)."""
-    return _record(snap.entry, snap.own, snap.base_len, snap.end, snap.parent, snap.base_len)
+    parent = snap.entry.parent_id if snap.base_len else None
+    return _record(snap.entry, snap.own, snap.base_len, snap.end, parent, snap.base_len)
 
 
 def whole_record(snap: Snapshot) -> StoredResponse:

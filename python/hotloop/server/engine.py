@@ -265,7 +265,8 @@ class Engine:
             done = raw_input.prepared if raw_input is not None else None
             p = done if done is not None and done.req is req else validate(req, websocket=websocket)
             scope = tenant.scope
-            nrefs = reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
+            # (a whole input's references, registered with it: reuse.registration)
+            nrefs = 0 if raw_input is None else reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
             held = raw_input.hit_refs if prefix is not None and raw_input is not None else None
             if prefix is not None and raw_input is not None and (
                 nrefs > MAX_REFERENCE_LOOKUPS
@@ -683,9 +684,7 @@ class Engine:
         if r["status"] in ("completed", "incomplete"):
             input_bytes, input_calls = run.plan.context.nbytes, frozenset(run.plan.context.call_ids)
             entry = finished(run.plan, r, self.tokens.view(run.tenant.id), run.tenant.id)
-            if run.prefix is not None and (
-                not entry.store or run.plan.truncated or not stored_base(run.prefix.entry, run.prefix.n, entry)
-            ):
+            if run.prefix is not None and (run.plan.truncated or not stored_base(run.prefix.entry, run.prefix.n, entry)):
                 reuse.adopt(entry, run.plan.parent, run.prefix)
             # (else all of a stored response's history was reused: finished() made that response
             # its parent, as the store records it, post.stored_base)
