@@ -956,8 +956,11 @@ class Run:
 
     @emit.setter
     def emit(self, fn: Callable[[list[Frame]], None] | None) -> None:
-        self._emit = fn
-        self._relane()
+        # The same send again (a streaming loop sets it after each batch its client took):
+        # nothing to re-lane, since everything else that changes the lane re-lanes itself.
+        if fn is not self._emit:
+            self._emit = fn
+            self._relane()
 
     def _relane(self) -> None:
         """Offer the backend the open item's lane (``PushSlot.lane``: its plain deltas go to
