@@ -263,11 +263,14 @@ def test_agent_turns_every_transport_or_one_alone(only: str | None, prefill: int
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["scenario"] == "agent-turns" and out["relay_floor_cpu_per_turn_ms"] > 0
+    assert out["relay_history_floor_cpu_per_turn_ms"] > 0
     rows = out["transports"]
     assert [r["transport"] for r in rows] == ([only] if only else ["ws-prev", "http-full", "http-prev"])
     for r in rows:
         h = r["hotloop"]
         assert h["turns"] == 3 and h["cpu_per_turn_p50_ms"] > 0 and "naive" not in r
+        assert h["fit_last_over_turn_10"] is None  # (fewer than 15 turns)
+        assert r["cpu_p50_hotloop_over_history_floor"] > 0
         # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
         assert h["wall_per_turn_p50_ms"] > 20
         stores = r["transport"] in ("http-prev", "http-json")

@@ -12,7 +12,9 @@ Cerebras backend. Measured side by side in one run:
 * ``relay floor``: the least any proxy of these streams does. One uvloop protocol reads each of
   the mock's chunks over a keep-alive connection and writes it, unparsed, to a client socket in
   another process; nothing is parsed, validated, counted or framed. Its CPU per turn (the
-  request is a fixed 2 KB one) is the floor a Responses server's CPU per turn is compared with.
+  request is a fixed 2 KB one) is the floor a Responses server's CPU per turn is compared with;
+  the ``history`` floor is the same relay sending the direct loop's requests (the whole history
+  each turn), what any proxy in front of a stateless chat backend writes.
 * ``ws-prev``: one WebSocket, ``previous_response_id``, only the new tool output, ``store: false``.
 * ``http-full``: ``POST`` with SSE, the whole history each turn, ``store: false``.
 * ``http-prev``: ``POST`` with SSE, ``previous_response_id``, ``store: true`` on SQLite.
@@ -24,8 +26,9 @@ Cerebras backend. Measured side by side in one run:
 Server CPU is the whole server process (every thread: event loop, tokenizer, store writer), read
 with nanosecond resolution from its CPU-time clock (:func:`hotloop.bench.process_cpu_ns`) after
 each turn. Reported per
-transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 (growth with history), and
-wall time per turn against direct (p50 of the per-turn differences).
+transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 and a least-squares line's
+last turn against its turn 10 (growth with history), and wall time per turn against direct (p50
+of the per-turn differences).
 
 ``hotloop bench paired`` (:func:`bench_paired`) compares two versions of the server on one
 transport: two servers (``--base-path`` and ``--server-path``, each a ``python/`` source tree put
@@ -138,9 +141,29 @@ _SINK = (
 )
 
 
-def relay_floor(url: str, model: str, turns: int) -> float:
+def _history_bodies(model: str, turns: int, new_bytes: int, seed: int) -> list[bytes]:
+    """The request bodies of the direct loop's ``turns`` turns (:func:`_direct`): the whole chat
+    history each turn, one call and its ``new_bytes`` of output more every turn."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
+    bodies = []
+    for i in range(turns):
+        bodies.append(json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
+                                  "stream_options": {"include_usage": True}}).encode())
+        call_id = f"call_{i}"
+        messages.append({"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "run", "arguments": "{}"}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": _output(rng, new_bytes)})
+    return bodies
+
+
+def relay_floor(url: str, model: str, turns: int, new_bytes: int = 0, seed: int = 0) -> float:
     """CPU of a bare relay per turn of the mock's stream, in milliseconds (see the module
-    docstring): this thread's CPU over ``turns`` requests on one keep-alive connection."""
+    docstring): this thread's CPU over ``turns`` requests on one keep-alive connection.
+
+    ``new_bytes`` (when not 0): each request is the direct loop's of that turn (the whole history,
+    growing by a call and ``new_bytes`` of output a turn, built before the clock starts), so the
+    floor includes writing the history to the backend, which any proxy in front of a stateless
+    chat backend does every turn; 0: a fixed 2 KB request."""
     import asyncio
 
     import uvloop
@@ -167,21 +190,22 @@ def relay_floor(url: str, model: str, turns: int) -> float:
             for t in (sink, upstream):
                 t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             messages = [{"role": "user", "content": "x" * 2048}]
-            body = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
-                               "stream_options": {"include_usage": True}}).encode()
-            request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\n"
-            request += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            fixed = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
+                                "stream_options": {"include_usage": True}}).encode()
+            bodies = _history_bodies(model, turns, new_bytes, seed) if new_bytes else [fixed] * turns
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\n"
+            requests = [head + b"content-length: %d\r\n\r\n%s" % (len(b), b) for b in [fixed] + bodies]
 
-            async def turn() -> None:
+            async def turn(request: bytes) -> None:
                 relay.done = loop.create_future()
                 upstream.write(request)
                 await asyncio.wait_for(relay.done, 60)
 
             for _ in range(3):  # warm-up
-                await turn()
+                await turn(requests[0])
             t0 = time.thread_time()
-            for _ in range(turns):
-                await turn()
+            for request in requests[1:]:
+                await turn(request)
             cpu = time.thread_time() - t0
             upstream.close()
             sink.close()
@@ -369,6 +393,16 @@ def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, di
     early = statistics.mean(cpu_ms[5:15]) if len(cpu_ms) >= 15 else statistics.mean(cpu_ms)
     late = statistics.mean(cpu_ms[-10:])
     added = [w - d for w, d in zip(walls, direct)]
+    # Growth with the history, from a least-squares line through every turn's CPU: the line's
+    # value at the last turn over its value at turn 10. The two windows above are 10 turns each,
+    # and a stored turn's cost comes in store batches (one commit every ``--store-commit-delay``,
+    # about every third turn here, about 1 ms each): a window holds 3 or 4 of them, which moves
+    # their ratio by about 5% either way, and single noisy turns by more.
+    fit = None
+    if len(cpu_ms) >= 15:
+        slope, intercept = statistics.linear_regression(range(1, len(cpu_ms) + 1), cpu_ms)
+        at10 = intercept + slope * 10
+        fit = round((intercept + slope * len(cpu_ms)) / at10, 3) if at10 > 0 else None
     return {
         "server": name,
         "turns": len(cpu_ms),
@@ -377,6 +411,7 @@ def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, di
         "cpu_turns_6_15_ms": round(early, 3),
         "cpu_last_10_ms": round(late, 3),
         "last_over_early": round(late / early, 3) if early else None,
+        "fit_last_over_turn_10": fit,
         "switches_per_turn": round(switches / len(cpu_ms), 1),  # context switches: about its wake-ups
         "wall_per_turn_p50_ms": round(_pct(walls, 0.5) * 1e3, 2),
         "added_over_direct_p50_ms": round(_pct(added, 0.5) * 1e3, 3),
@@ -430,6 +465,7 @@ def bench_agent_turns(
         direct = _direct(url, model, turns, new_bytes, seed)
         mock_cpu_ms = (process_cpu_ns(mock_pid) - m0) / 1e6 / turns
         floor_ms = relay_floor(url, model, turns)
+        history_floor_ms = relay_floor(url, model, turns, new_bytes, seed)
         os.environ.setdefault("CEREBRAS_API_KEY", "bench")
         for name in only:
             extra, loop = _LOOPS[name]
@@ -459,8 +495,13 @@ def bench_agent_turns(
         "direct_wall_per_turn_p50_ms": round(_pct(direct, 0.5) * 1e3, 2),
         "mock_cpu_per_turn_ms": round(mock_cpu_ms, 3),
         "relay_floor_cpu_per_turn_ms": round(floor_ms, 3),
+        "relay_history_floor_cpu_per_turn_ms": round(history_floor_ms, 3),
         "transports": [
-            dict(row, cpu_p50_hotloop_over_relay_floor=round(row["hotloop"]["cpu_per_turn_p50_ms"] / floor_ms, 2))
+            dict(
+                row,
+                cpu_p50_hotloop_over_relay_floor=round(row["hotloop"]["cpu_per_turn_p50_ms"] / floor_ms, 2),
+                cpu_p50_hotloop_over_history_floor=round(row["hotloop"]["cpu_per_turn_p50_ms"] / history_floor_ms, 2),
+            )
             for row in results
         ],
     }

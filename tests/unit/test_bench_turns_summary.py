@@ -1,0 +1,49 @@
+"""``hotloop bench agent-turns``' figures: its growth fit and the history the relay floor writes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hotloop.bench.turns import _history_bodies, _output, _summary
+
+
+def _fit(cpu_ms: list[float]) -> float | None:
+    out = _summary("hotloop", [round(c * 1e6) for c in cpu_ms], [0.03] * len(cpu_ms), 0, [0.029] * len(cpu_ms))
+    return out["fit_last_over_turn_10"]  # type: ignore[no-any-return]
+
+
+def test_growth_fit_reads_a_line_through_every_turn() -> None:
+    # turn i costs i ms: turn 100 over turn 10 is 10
+    assert _fit([float(i) for i in range(1, 101)]) == pytest.approx(10.0, abs=0.01)
+    # 1 ms + 10 us a turn: (1 + 1.0) / (1 + 0.1)
+    assert _fit([1.0 + 0.01 * i for i in range(1, 101)]) == pytest.approx(2.0 / 1.1, abs=0.01)
+
+
+def test_growth_fit_is_not_moved_by_batches_the_windows_split_unevenly() -> None:
+    """Flat turns with every third one 1.2 ms dearer (a store commit): the ten-turn windows hold
+    three and four of those and read growth; the fitted line reads none."""
+    cpu = [2.0 + (1.2 if i % 3 == 0 else 0.0) for i in range(100)]
+    out = _summary("hotloop", [round(c * 1e6) for c in cpu], [0.03] * 100, 0, [0.029] * 100)
+    assert out["last_over_early"] > 1.04  # the windows' bias
+    assert out["fit_last_over_turn_10"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_growth_fit_needs_fifteen_turns() -> None:
+    assert _fit([1.0] * 14) is None
+    assert _fit([1.0] * 15) == 1.0
+
+
+def test_history_bodies_are_the_direct_loops_requests() -> None:
+    """Each body is the whole chat history of its turn: one call and the tool output more than
+    the one before, the outputs those of the direct loop's generator for the same seed."""
+    bodies = _history_bodies("m", 4, 512, 3)
+    decoded = [json.loads(b) for b in bodies]
+    assert [len(d["messages"]) for d in decoded] == [1, 3, 5, 7]
+    rng = random.Random(3)
+    outputs = [m["content"] for m in decoded[-1]["messages"] if m["role"] == "tool"]
+    assert outputs == [_output(rng, 512) for _ in range(3)]
+    assert all(d["stream"] and d["model"] == "m" for d in decoded)
+    assert all(len(b) - len(a) >= 512 for a, b in zip(bodies, bodies[1:]))
