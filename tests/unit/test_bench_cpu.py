@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from hotloop.bench import _proc_cpu_seconds, process_cpu_ns, process_switches
+from hotloop.bench import _proc_cpu_seconds, process_cpu_ns, process_switches, thread_cpu_ns
 
 
 def _burn(seconds: float) -> None:
@@ -54,3 +54,30 @@ def test_process_switches_counts_each_time_the_process_slept() -> None:
         child.kill()
         child.wait(10)
     assert process_switches(child.pid) == 0  # gone
+
+
+def test_thread_cpu_is_the_main_threads_alone() -> None:
+    """3 ms burnt in another thread count in the process's CPU, not in its main thread's; 3 ms
+    burnt in the main thread count in both; a thread named by its id is measured alone."""
+    pid = os.getpid()
+    proc0, main0 = process_cpu_ns(pid), thread_cpu_ns(pid)
+    worker = threading.Thread(target=_burn, args=(0.003,))
+    worker.start()
+    worker.join()
+    proc1, main1 = process_cpu_ns(pid), thread_cpu_ns(pid)
+    assert proc1 - proc0 >= 3_000_000
+    assert main1 - main0 < 1_500_000  # (starting and joining the thread)
+    _burn(0.003)
+    assert thread_cpu_ns(pid) - main1 >= 3_000_000
+    spent: list[int] = []
+
+    def measured() -> None:
+        tid = threading.get_native_id()
+        t0 = thread_cpu_ns(pid, tid)
+        _burn(0.002)
+        spent.append(thread_cpu_ns(pid, tid) - t0)
+
+    t = threading.Thread(target=measured)
+    t.start()
+    t.join()
+    assert 2_000_000 <= spent[0] < 6_000_000

@@ -47,3 +47,12 @@ def test_history_bodies_are_the_direct_loops_requests() -> None:
     assert outputs == [_output(rng, 512) for _ in range(3)]
     assert all(d["stream"] and d["model"] == "m" for d in decoded)
     assert all(len(b) - len(a) >= 512 for a, b in zip(bodies, bodies[1:]))
+
+
+def test_main_thread_and_the_others_split_the_process_cpu() -> None:
+    cpu = [3_000_000, 2_000_000, 2_000_000]  # a store commit in the first turn
+    main = [2_000_000, 2_000_000, 1_700_000]
+    out = _summary("hotloop", cpu, [0.03] * 3, 0, [0.029] * 3, main)
+    assert out["main_thread_cpu_per_turn_mean_ms"] == pytest.approx(1.9)
+    assert out["other_threads_cpu_per_turn_mean_ms"] == pytest.approx(0.433, abs=0.001)
+    assert "main_thread_cpu_per_turn_mean_ms" not in _summary("hotloop", cpu, [0.03] * 3, 0, [0.029] * 3)

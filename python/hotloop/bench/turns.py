@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from hotloop.bench import _free_port, _pct, _text, mock_process, process_cpu_ns, process_switches, server
+from hotloop.bench import _free_port, _pct, _text, mock_process, process_cpu_ns, process_switches, server, thread_cpu_ns
 from hotloop.protocol import events as ev
 
 TOOL = {
@@ -388,7 +388,11 @@ def _http(
             new = [out]
 
 
-def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, direct: list[float]) -> dict[str, Any]:
+def _summary(
+    name: str, cpu_ns: list[int], walls: list[float], switches: int, direct: list[float], main_ns: list[int] | None = None
+) -> dict[str, Any]:
+    """``cpu_ns``: the whole process's CPU per turn; ``main_ns``: its main thread's (the event
+    loop's), when measured: the rest is its other threads' (the store's writer, the tokenizer)."""
     cpu_ms = [c / 1e6 for c in cpu_ns]
     early = statistics.mean(cpu_ms[5:15]) if len(cpu_ms) >= 15 else statistics.mean(cpu_ms)
     late = statistics.mean(cpu_ms[-10:])
@@ -403,7 +407,7 @@ def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, di
         slope, intercept = statistics.linear_regression(range(1, len(cpu_ms) + 1), cpu_ms)
         at10 = intercept + slope * 10
         fit = round((intercept + slope * len(cpu_ms)) / at10, 3) if at10 > 0 else None
-    return {
+    out = {
         "server": name,
         "turns": len(cpu_ms),
         "cpu_per_turn_p50_ms": round(_pct(cpu_ms, 0.5), 3),
@@ -416,25 +420,39 @@ def _summary(name: str, cpu_ns: list[int], walls: list[float], switches: int, di
         "wall_per_turn_p50_ms": round(_pct(walls, 0.5) * 1e3, 2),
         "added_over_direct_p50_ms": round(_pct(added, 0.5) * 1e3, 3),
     }
+    if main_ns:
+        # means: the other threads' CPU comes in bursts (a store commit every few turns)
+        main = statistics.mean(main_ns) / 1e6
+        out["main_thread_cpu_per_turn_mean_ms"] = round(main, 3)
+        # (the process's clock and its main thread's are read one after the other, and a
+        # process's may lag a running thread's: over a few turns the difference can come out
+        # below 0, which stands for none)
+        out["other_threads_cpu_per_turn_mean_ms"] = round(max(0.0, statistics.mean(cpu_ms) - main), 3)
+    return out
 
 
 def _measure(
     base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int
-) -> tuple[list[int], list[float], int]:
+) -> tuple[list[int], list[float], int, list[int]]:
+    """The loop's ``turns`` turns after a warm-up: per turn the process's CPU, the wall time and
+    its main thread's CPU; and the context switches over all of them."""
     loop(base, model, 3, new_bytes, seed + 1, lambda sent: None)  # warm-up: connections, tokenizer
     cpu: list[int] = []
+    main: list[int] = []
     walls: list[float] = []
     switched = process_switches(pid)
-    mark = [process_cpu_ns(pid)]
+    mark = [process_cpu_ns(pid), thread_cpu_ns(pid)]
 
     def tick(sent: float) -> None:
         walls.append(time.perf_counter() - sent)
         now_cpu = process_cpu_ns(pid)
+        now_main = thread_cpu_ns(pid)
         cpu.append(now_cpu - mark[0])
-        mark[0] = now_cpu
+        main.append(now_main - mark[1])
+        mark[0], mark[1] = now_cpu, now_main
 
     loop(base, model, turns, new_bytes, seed, tick)
-    return cpu, walls, process_switches(pid) - switched
+    return cpu, walls, process_switches(pid) - switched, main
 
 
 AGENT_TRANSPORTS = ("ws-prev", "http-full", "http-prev")  # what agent-turns measures unless told
@@ -475,7 +493,8 @@ def bench_agent_turns(
                 if store_prefill and name in _STORING:
                     loop(base, model, store_prefill, new_bytes, seed + 7, lambda sent: None)
                     row["store_prefill"] = store_prefill
-                row["hotloop"] = _summary("hotloop", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+                cpu, walls, switches, main = _measure(base, pid, loop, model, turns, new_bytes, seed)
+                row["hotloop"] = _summary("hotloop", cpu, walls, switches, direct, main)
                 stats = httpx.get(base + "/hotloop/stats", timeout=10).json()
                 if name in _STORING:  # responses the server stored or has queued: the prefill's too
                     row["stored_responses"] = stats["store"]["written"] + stats["store"]["pending"]
@@ -483,7 +502,8 @@ def bench_agent_turns(
                     row["prefix_cache"] = {k: stats["prefix_cache"][k] for k in ("hits", "raw_hits", "misses")}
             if naive and name not in _NO_NAIVE:
                 with naive_process(url) as (base, pid):
-                    row["naive"] = _summary("naive", *_measure(base, pid, loop, model, turns, new_bytes, seed), direct)
+                    cpu, walls, switches, main = _measure(base, pid, loop, model, turns, new_bytes, seed)
+                    row["naive"] = _summary("naive", cpu, walls, switches, direct, main)
                 h, n = row["hotloop"], row["naive"]
                 row["cpu_p50_hotloop_over_naive"] = round(h["cpu_per_turn_p50_ms"] / n["cpu_per_turn_p50_ms"], 3)
             results.append(row)
