@@ -269,7 +269,7 @@ def test_agent_turns_every_transport_or_one_alone(only: str | None, prefill: int
     for r in rows:
         h = r["hotloop"]
         assert h["turns"] == 3 and h["cpu_per_turn_p50_ms"] > 0 and "naive" not in r
-        assert h["fit_last_over_turn_10"] is None  # (fewer than 15 turns)
+        assert h["fit_last_over_turn_10"] is None and h["growth_paired"] is None  # (fewer than 15 turns)
         assert 0 < h["main_thread_cpu_per_turn_mean_ms"] < 2 * h["cpu_per_turn_mean_ms"]
         assert h["other_threads_cpu_per_turn_mean_ms"] >= 0
         assert r["cpu_p50_hotloop_over_history_floor"] > 0

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
+from typing import Any
 
 import pytest
 
-from hotloop.bench.turns import _history_bodies, _output, _summary
+from hotloop.bench.turns import _growth_paired, _history_bodies, _output, _summary
 
 
 def _fit(cpu_ms: list[float]) -> float | None:
@@ -56,3 +59,49 @@ def test_main_thread_and_the_others_split_the_process_cpu() -> None:
     assert out["main_thread_cpu_per_turn_mean_ms"] == pytest.approx(1.9)
     assert out["other_threads_cpu_per_turn_mean_ms"] == pytest.approx(0.433, abs=0.001)
     assert "main_thread_cpu_per_turn_mean_ms" not in _summary("hotloop", cpu, [0.03] * 3, 0, [0.029] * 3)
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _fake_loop(per_turn_ms: float):
+    """A turn loop whose turn ``i`` of a conversation burns ``1 + per_turn_ms * i`` ms of CPU in
+    this process (the "server")."""
+
+    def loop(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Any, settings: Any = None) -> None:
+        for i in range(turns):
+            sent = time.perf_counter()
+            _burn((1.0 + per_turn_ms * i) / 1e3)
+            tick(sent)
+
+    return loop
+
+
+def test_growth_paired_sees_a_turn_that_grows_and_none_that_does_not() -> None:
+    pid = os.getpid()
+    flat = _growth_paired("http://x", pid, _fake_loop(0.0), "m", 30, 0, 0)
+    assert flat is not None and 0.8 < flat < 1.25
+    # turn 29 of the long conversation: 3.9 ms against a short one's 1-1.9 ms; turns 5-14: 1.5-2.4
+    grown = _growth_paired("http://x", pid, _fake_loop(0.1), "m", 30, 0, 0)
+    assert grown is not None and grown > 1.4
+    assert _growth_paired("http://x", pid, _fake_loop(0.1), "m", 14, 0, 0) is None
+
+
+def test_growth_paired_is_not_moved_by_a_machine_that_slows_down() -> None:
+    """Every turn of either conversation costs more than the one before it (a machine slowing
+    down), whatever its history: no growth with the history, though the long conversation's own
+    last turns cost about twice its early ones."""
+    done = [0]
+
+    def slowing(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Any, settings: Any = None) -> None:
+        for _ in range(turns):
+            sent = time.perf_counter()
+            _burn((1.0 + 0.04 * done[0]) / 1e3)
+            done[0] += 1
+            tick(sent)
+
+    ratio = _growth_paired("http://x", os.getpid(), slowing, "m", 30, 0, 0)
+    assert ratio is not None and 0.85 < ratio < 1.2

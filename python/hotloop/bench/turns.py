@@ -26,8 +26,9 @@ Cerebras backend. Measured side by side in one run:
 Server CPU is the whole server process (every thread: event loop, tokenizer, store writer), read
 with nanosecond resolution from its CPU-time clock (:func:`hotloop.bench.process_cpu_ns`) after
 each turn. Reported per
-transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100 and a least-squares line's
-last turn against its turn 10 (growth with history), and wall time per turn against direct (p50
+transport: p50 and mean CPU per turn, turns 6-15 against turns 91-100, a least-squares line's
+last turn against its turn 10, and the same growth paired turn by turn with a short conversation
+(:func:`_growth_paired`: the machine's drift cancels), and wall time per turn against direct (p50
 of the per-turn differences).
 
 ``hotloop bench paired`` (:func:`bench_paired`) compares two versions of the server on one
@@ -500,10 +501,13 @@ def bench_agent_turns(
                     row["stored_responses"] = stats["store"]["written"] + stats["store"]["pending"]
                 if name in _WHOLE:  # how the whole histories were matched (warm-up turns too)
                     row["prefix_cache"] = {k: stats["prefix_cache"][k] for k in ("hits", "raw_hits", "misses")}
+                # (after the counts above: its two conversations are not the measured one)
+                row["hotloop"]["growth_paired"] = _growth_paired(base, pid, loop, model, turns, new_bytes, seed)
             if naive and name not in _NO_NAIVE:
                 with naive_process(url) as (base, pid):
                     cpu, walls, switches, main = _measure(base, pid, loop, model, turns, new_bytes, seed)
                     row["naive"] = _summary("naive", cpu, walls, switches, direct, main)
+                    row["naive"]["growth_paired"] = _growth_paired(base, pid, loop, model, turns, new_bytes, seed)
                 h, n = row["hotloop"], row["naive"]
                 row["cpu_p50_hotloop_over_naive"] = round(h["cpu_per_turn_p50_ms"] / n["cpu_per_turn_p50_ms"], 3)
             results.append(row)
@@ -588,6 +592,53 @@ class _Stepper:
         self._stop = True
         self._go.release()
         self._thread.join(10)
+
+
+SHORT_CHAIN = 10  # turns of each short conversation _growth_paired alternates with the long one
+
+
+def _growth_paired(
+    base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int
+) -> float | None:
+    """Growth with the history, measured against the machine's drift: a conversation of ``turns``
+    turns on the server, each turn followed by one of a short conversation (a new one every
+    ``SHORT_CHAIN`` turns, so its history stays small). Each long turn's CPU over that of the
+    short turn right after it (the same moment of the machine); the median of those ratios over
+    the last ten turns over their median over turns 6-15. (Medians: a store commit lands in
+    either turn of a pair, about every third turn.) A machine that slows
+    down or speeds up during the run moves both the same way, which a ratio of windows of one
+    conversation (``last_over_early``, ``fit_last_over_turn_10``) takes for growth. None under
+    15 turns."""
+    if turns < 15:
+        return None
+    long_cpu: list[int] = []
+    short_cpu: list[int] = []
+    chain = _Stepper(loop, base, model, new_bytes, seed + 11)
+    short: _Stepper | None = None
+    try:
+        mark = process_cpu_ns(pid)
+        for k in range(turns):
+            chain.step()
+            now = process_cpu_ns(pid)
+            long_cpu.append(now - mark)
+            if k % SHORT_CHAIN == 0:
+                if short is not None:
+                    short.close()
+                # (its first turn starts now; the other conversation waits for its next step)
+                short = _Stepper(loop, base, model, new_bytes, seed + 101 + k)
+            assert short is not None
+            short.step()
+            mark = process_cpu_ns(pid)
+            short_cpu.append(mark - now)
+    finally:
+        chain.close()
+        if short is not None:
+            short.close()
+    pairs = [a / b for a, b in zip(long_cpu, short_cpu) if b > 0]
+    if len(pairs) < turns:
+        return None
+    early, late = _pct(pairs[5:15], 0.5), _pct(pairs[-10:], 0.5)
+    return round(late / early, 3) if early > 0 else None
 
 
 def bench_paired(
