@@ -173,7 +173,10 @@ def test_node_responses_ws_parallel_calls_and_close(node_modules, server) -> Non
     assert out["bad"]["error"]["param"] == "previous_response_id"
     assert out["t1"] == ["reasoning", "function_call", "function_call", "function_call"]
     assert out["t2"] == ["message"] and out["t2status"] == "completed"
-    assert out["closedAt"] == 3 and out["after"] == 0 and out["again"] == "completed"
+    # closed at the third delta: deltas that came in the same read as it are still dispatched
+    # (a loaded machine's late hold timer writes two in one frame batch), none after; not the
+    # other ~490 the response would have streamed
+    assert 3 <= out["closedAt"] <= 10 and out["after"] == 0 and out["again"] == "completed", out
 
 
 def test_node_key_limits_rate_limit_error(node_modules, limited) -> None:

@@ -81,3 +81,22 @@ def test_thread_cpu_is_the_main_threads_alone() -> None:
     t.start()
     t.join()
     assert 2_000_000 <= spent[0] < 6_000_000
+
+
+def test_thread_cpu_of_another_process() -> None:
+    """Another process's main thread (read from /proc: a process may read only its own threads'
+    CPU clocks): its 30 ms of CPU count, to well under a clock tick (10 ms) above that."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nend = time.thread_time() + 0.03\nwhile time.thread_time() < end: pass\n"
+         "print(time.thread_time_ns(), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None
+        own = int(child.stdout.readline())  # the child's own reading, after its burn
+        seen = thread_cpu_ns(child.pid)
+        assert own <= seen < own + 5_000_000
+        assert seen >= 30_000_000
+    finally:
+        child.kill()
+        child.wait(10)

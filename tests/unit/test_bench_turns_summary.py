@@ -42,7 +42,7 @@ def test_growth_fit_needs_fifteen_turns() -> None:
 def test_history_bodies_are_the_direct_loops_requests() -> None:
     """Each body is the whole chat history of its turn: one call and the tool output more than
     the one before, the outputs those of the direct loop's generator for the same seed."""
-    bodies = _history_bodies("m", 4, 512, 3)
+    bodies = list(_history_bodies("m", 4, 512, 3))
     decoded = [json.loads(b) for b in bodies]
     assert [len(d["messages"]) for d in decoded] == [1, 3, 5, 7]
     rng = random.Random(3)
@@ -68,13 +68,14 @@ def _burn(seconds: float) -> None:
 
 
 def _fake_loop(per_turn_ms: float):
-    """A turn loop whose turn ``i`` of a conversation burns ``1 + per_turn_ms * i`` ms of CPU in
-    this process (the "server")."""
+    """A turn loop whose turn ``i`` of the long conversation (``_growth_paired`` gives it the seed
+    11) burns ``1 + per_turn_ms * i`` ms of CPU in this process (the "server"), and every turn of
+    a short one 1 ms."""
 
     def loop(base: str, model: str, turns: int, new_bytes: int, seed: int, tick: Any, settings: Any = None) -> None:
         for i in range(turns):
             sent = time.perf_counter()
-            _burn((1.0 + per_turn_ms * i) / 1e3)
+            _burn((1.0 + (per_turn_ms * i if seed == 11 else 0.0)) / 1e3)
             tick(sent)
 
     return loop
@@ -84,9 +85,10 @@ def test_growth_paired_sees_a_turn_that_grows_and_none_that_does_not() -> None:
     pid = os.getpid()
     flat = _growth_paired("http://x", pid, _fake_loop(0.0), "m", 30, 0, 0)
     assert flat is not None and 0.8 < flat < 1.25
-    # turn 29 of the long conversation: 3.9 ms against a short one's 1-1.9 ms; turns 5-14: 1.5-2.4
-    grown = _growth_paired("http://x", pid, _fake_loop(0.1), "m", 30, 0, 0)
-    assert grown is not None and grown > 1.4
+    # the long conversation's turns 5-14 cost 2.5-5.2 ms, its last ten 7-9.7 ms, each short turn
+    # 1 ms: medians of the ratios about 3.9 and 8.4
+    grown = _growth_paired("http://x", pid, _fake_loop(0.3), "m", 30, 0, 0)
+    assert grown is not None and grown > 1.8
     assert _growth_paired("http://x", pid, _fake_loop(0.1), "m", 14, 0, 0) is None
 
 

@@ -101,14 +101,21 @@ def process_cpu_ns(pid: int) -> int:
 
 def thread_cpu_ns(pid: int, tid: int | None = None) -> int:
     """CPU time of one thread of ``pid`` so far (by default its main thread, whose id is the
-    process's), in nanoseconds: the thread's CPU-time clock (Linux: ``~tid << 3 | 6``), or its
-    ``/proc/<pid>/task/<tid>/schedstat`` where there is no such clock."""
+    process's), in nanoseconds. A thread of this process: its CPU-time clock (Linux:
+    ``~tid << 3 | 6``). Another process's (Linux lets a process read only its own threads'
+    clocks): ``/proc/<pid>/task/<tid>/schedstat``, to the nanosecond, or where a kernel has no
+    schedstat, the whole clock ticks of ``/proc/<pid>/task/<tid>/stat``."""
     tid = pid if tid is None else tid
+    if pid == os.getpid():
+        with contextlib.suppress(OSError):
+            return time.clock_gettime_ns(((~tid) << 3) | 6)
     try:
-        return time.clock_gettime_ns(((~tid) << 3) | 6)
-    except OSError:
         with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
             return int(fh.read().split()[0])
+    except FileNotFoundError:
+        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def _proc_cpu_seconds(pid: int) -> float:

@@ -142,29 +142,27 @@ _SINK = (
 )
 
 
-def _history_bodies(model: str, turns: int, new_bytes: int, seed: int) -> list[bytes]:
-    """The request bodies of the direct loop's ``turns`` turns (:func:`_direct`): the whole chat
-    history each turn, one call and its ``new_bytes`` of output more every turn."""
+def _history_bodies(model: str, turns: int, new_bytes: int, seed: int) -> Iterator[bytes]:
+    """The request bodies of the direct loop's ``turns`` turns (:func:`_direct`), one at a time:
+    the whole chat history each turn, one call and its ``new_bytes`` of output more every turn."""
     rng = random.Random(seed)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
-    bodies = []
     for i in range(turns):
-        bodies.append(json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
-                                  "stream_options": {"include_usage": True}}).encode())
+        yield json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
+                          "stream_options": {"include_usage": True}}).encode()
         call_id = f"call_{i}"
         messages.append({"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "run", "arguments": "{}"}}]})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": _output(rng, new_bytes)})
-    return bodies
 
 
-def relay_floor(url: str, model: str, turns: int, new_bytes: int = 0, seed: int = 0) -> float:
+def relay_floor(url: str, model: str, turns: int, new_bytes: int | None = None, seed: int = 0) -> float:
     """CPU of a bare relay per turn of the mock's stream, in milliseconds (see the module
     docstring): this thread's CPU over ``turns`` requests on one keep-alive connection.
 
-    ``new_bytes`` (when not 0): each request is the direct loop's of that turn (the whole history,
-    growing by a call and ``new_bytes`` of output a turn, built before the clock starts), so the
-    floor includes writing the history to the backend, which any proxy in front of a stateless
-    chat backend does every turn; 0: a fixed 2 KB request."""
+    ``new_bytes`` (not None): each request is the direct loop's of that turn (the whole history,
+    growing by a call and ``new_bytes`` of output a turn; each built between two turns, off the
+    clock), so the floor includes writing the history to the backend, which any proxy in front of
+    a stateless chat backend does every turn; None: a fixed 2 KB request."""
     import asyncio
 
     import uvloop
@@ -193,21 +191,25 @@ def relay_floor(url: str, model: str, turns: int, new_bytes: int = 0, seed: int 
             messages = [{"role": "user", "content": "x" * 2048}]
             fixed = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
                                 "stream_options": {"include_usage": True}}).encode()
-            bodies = _history_bodies(model, turns, new_bytes, seed) if new_bytes else [fixed] * turns
+            bodies = _history_bodies(model, turns, new_bytes, seed) if new_bytes is not None else [fixed] * turns
             head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\n"
-            requests = [head + b"content-length: %d\r\n\r\n%s" % (len(b), b) for b in [fixed] + bodies]
 
-            async def turn(request: bytes) -> None:
+            def request(body: bytes) -> bytes:
+                return head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+
+            async def turn(data: bytes) -> float:
+                """The relay's CPU for one turn (its request built before)."""
+                t = time.thread_time()
                 relay.done = loop.create_future()
-                upstream.write(request)
+                upstream.write(data)
                 await asyncio.wait_for(relay.done, 60)
+                return time.thread_time() - t
 
             for _ in range(3):  # warm-up
-                await turn(requests[0])
-            t0 = time.thread_time()
-            for request in requests[1:]:
-                await turn(request)
-            cpu = time.thread_time() - t0
+                await turn(request(fixed))
+            cpu = 0.0
+            for body in bodies:
+                cpu += await turn(request(body))
             upstream.close()
             sink.close()
             return cpu * 1e3 / turns
@@ -597,6 +599,21 @@ class _Stepper:
 SHORT_CHAIN = 10  # turns of each short conversation _growth_paired alternates with the long one
 
 
+def _settled_cpu_ns(pid: int, quiet: float = 0.002, limit: float = 0.05, idle_ns: int = 100_000) -> int:
+    """The process's CPU once it has spent less than ``idle_ns`` in ``quiet`` seconds (done with
+    what it does after a turn's answer; a timer of its own may still run), or after ``limit``
+    seconds (a store commit may come later still)."""
+    end = time.monotonic() + limit
+    last = process_cpu_ns(pid)
+    while time.monotonic() < end:
+        time.sleep(quiet)
+        now = process_cpu_ns(pid)
+        if now - last < idle_ns:
+            return now
+        last = now
+    return last
+
+
 def _growth_paired(
     base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int
 ) -> float | None:
@@ -616,10 +633,12 @@ def _growth_paired(
     chain = _Stepper(loop, base, model, new_bytes, seed + 11)
     short: _Stepper | None = None
     try:
-        mark = process_cpu_ns(pid)
+        mark = _settled_cpu_ns(pid)
         for k in range(turns):
             chain.step()
-            now = process_cpu_ns(pid)
+            # (settled: what the server does after the client saw the turn end, caching and
+            # registering it, is the long turn's, not counted in the short turn after it)
+            now = _settled_cpu_ns(pid)
             long_cpu.append(now - mark)
             if k % SHORT_CHAIN == 0:
                 if short is not None:
@@ -628,7 +647,7 @@ def _growth_paired(
                 short = _Stepper(loop, base, model, new_bytes, seed + 101 + k)
             assert short is not None
             short.step()
-            mark = process_cpu_ns(pid)
+            mark = _settled_cpu_ns(pid)
             short_cpu.append(mark - now)
     finally:
         chain.close()
