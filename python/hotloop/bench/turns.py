@@ -599,21 +599,6 @@ class _Stepper:
 SHORT_CHAIN = 10  # turns of each short conversation _growth_paired alternates with the long one
 
 
-def _settled_cpu_ns(pid: int, quiet: float = 0.002, limit: float = 0.05, idle_ns: int = 100_000) -> int:
-    """The process's CPU once it has spent less than ``idle_ns`` in ``quiet`` seconds (done with
-    what it does after a turn's answer; a timer of its own may still run), or after ``limit``
-    seconds (a store commit may come later still)."""
-    end = time.monotonic() + limit
-    last = process_cpu_ns(pid)
-    while time.monotonic() < end:
-        time.sleep(quiet)
-        now = process_cpu_ns(pid)
-        if now - last < idle_ns:
-            return now
-        last = now
-    return last
-
-
 def _growth_paired(
     base: str, pid: int, loop: Callable[..., None], model: str, turns: int, new_bytes: int, seed: int
 ) -> float | None:
@@ -622,7 +607,11 @@ def _growth_paired(
     ``SHORT_CHAIN`` turns, so its history stays small). Each long turn's CPU over that of the
     short turn right after it (the same moment of the machine); the median of those ratios over
     the last ten turns over their median over turns 6-15. (Medians: a store commit lands in
-    either turn of a pair, about every third turn.) A machine that slows
+    either turn of a pair, about every third turn.) What the server does after a turn's answer
+    (caching and registering it) counts in the other conversation's next turn: a growth of that
+    work alone would be understated. (Waiting for the server's CPU to settle after each turn
+    avoids that, but a server left idle between turns wakes at a cost that varies more: five
+    runs of ``http-prev`` gave 0.83-1.21 that way against 1.07-1.11.) A machine that slows
     down or speeds up during the run moves both the same way, which a ratio of windows of one
     conversation (``last_over_early``, ``fit_last_over_turn_10``) takes for growth. None under
     15 turns."""
@@ -633,12 +622,10 @@ def _growth_paired(
     chain = _Stepper(loop, base, model, new_bytes, seed + 11)
     short: _Stepper | None = None
     try:
-        mark = _settled_cpu_ns(pid)
+        mark = process_cpu_ns(pid)
         for k in range(turns):
             chain.step()
-            # (settled: what the server does after the client saw the turn end, caching and
-            # registering it, is the long turn's, not counted in the short turn after it)
-            now = _settled_cpu_ns(pid)
+            now = process_cpu_ns(pid)
             long_cpu.append(now - mark)
             if k % SHORT_CHAIN == 0:
                 if short is not None:
@@ -647,7 +634,7 @@ def _growth_paired(
                 short = _Stepper(loop, base, model, new_bytes, seed + 101 + k)
             assert short is not None
             short.step()
-            mark = _settled_cpu_ns(pid)
+            mark = process_cpu_ns(pid)
             short_cpu.append(mark - now)
     finally:
         chain.close()
