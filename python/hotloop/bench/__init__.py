@@ -94,9 +94,15 @@ def process_cpu_ns(pid: int) -> int:
     try:
         return time.clock_gettime_ns(((~pid) << 3) | 2)
     except OSError:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        return _stat_ns(f"/proc/{pid}/stat")
+
+
+def _stat_ns(path: str) -> int:
+    """User plus system time of a ``/proc`` ``stat`` file (a process's or a thread's), in whole
+    clock ticks, as nanoseconds."""
+    with open(path) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_ns(pid: int, tid: int | None = None) -> int:
@@ -113,9 +119,7 @@ def thread_cpu_ns(pid: int, tid: int | None = None) -> int:
         with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
             return int(fh.read().split()[0])
     except FileNotFoundError:
-        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        return _stat_ns(f"/proc/{pid}/task/{tid}/stat")
 
 
 def _proc_cpu_seconds(pid: int) -> float:

@@ -143,8 +143,9 @@ _SINK = (
 
 
 def _history_bodies(model: str, turns: int, new_bytes: int, seed: int) -> Iterator[bytes]:
-    """The request bodies of the direct loop's ``turns`` turns (:func:`_direct`), one at a time:
-    the whole chat history each turn, one call and its ``new_bytes`` of output more every turn."""
+    """The request bodies of the direct loop's ``turns`` turns (:func:`_direct`, and the relay's
+    history floor), one at a time, each built once the turn before it is over: the whole chat
+    history each turn, one call (each answer is one) and its ``new_bytes`` of output more every turn."""
     rng = random.Random(seed)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
     for i in range(turns):
@@ -225,24 +226,17 @@ def _output(rng: random.Random, nbytes: int) -> str:
 
 
 def _direct(url: str, model: str, turns: int, new_bytes: int, seed: int) -> list[float]:
-    """The loop against the mock directly; wall seconds per turn."""
-    rng = random.Random(seed)
+    """The loop against the mock directly (:func:`_history_bodies`); wall seconds per turn."""
     port = int(url.rsplit(":", 1)[1])
     client = _RawClient(port)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
     walls = []
     try:
-        for i in range(turns):
-            body = json.dumps({"model": model, "messages": messages, "tools": [CHAT_TOOL], "stream": True,
-                               "stream_options": {"include_usage": True}}).encode()
+        for body in _history_bodies(model, turns, new_bytes, seed):
             t0 = time.perf_counter()
             raw = client.post_stream("/v1/chat/completions", body)
             walls.append(time.perf_counter() - t0)
             if b'"tool_calls"' not in raw:
                 raise RuntimeError("the mock did not answer with a tool call")
-            call_id = f"call_{i}"
-            messages.append({"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "run", "arguments": "{}"}}]})
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _output(rng, new_bytes)})
     finally:
         client.close()
     return walls

@@ -433,13 +433,7 @@ class _Conn(asyncio.Protocol):
             try:
                 self.parser.feed_data(data)
             finally:
-                # what the read held before its end, an error or its last byte (_deliver,
-                # inline: once per read; on_message_complete delivered and cleared it already)
-                if self.batch:
-                    self.batch = None
-                    self._body(batch[0] if len(batch) == 1 else b"".join(batch))
-                else:
-                    self.batch = None
+                self._deliver()  # what the read held before its end, an error or its last byte
         except httptools.HttpParserError as exc:  # includes errors raised by the callbacks
             cause = exc.__context__
             if isinstance(cause, _Refused):
@@ -565,11 +559,12 @@ class _Conn(asyncio.Protocol):
             self._body(batch[0] if len(batch) == 1 else b"".join(batch))
 
     def _body(self, body: bytes) -> None:
-        resp: Response = self.resp  # type: ignore[assignment]
+        resp = self.resp
+        assert resp is not None
         w = resp._waiter
-        push = resp.push
         waiting = w is not None and not w.done()
-        if waiting and push is not None and not resp._chunks:
+        push = resp.push
+        if push is not None and waiting and not resp._chunks:
             # the reader is parked and has handled everything before: these bytes may go on now
             try:
                 taken = push(body)
