@@ -3,6 +3,7 @@ restarts and files written by the earlier schema (real SQLite in tmp_path, and t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import sqlite3
@@ -58,9 +59,36 @@ class Chain:
         return rid
 
 
-@pytest.fixture(params=["sqlite", "memory"])
+# The items and bodies tables as earlier builds created them (WITHOUT ROWID; files this build
+# creates have rowid tables): a file of theirs keeps its layout and must keep working.
+_WITHOUT_ROWID_TABLES = """
+CREATE TABLE response_items (response_id TEXT NOT NULL, pos INTEGER NOT NULL, hash BLOB NOT NULL, fp BLOB,
+    tokens INTEGER NOT NULL, item_id TEXT, minted INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (response_id, pos)) WITHOUT ROWID;
+CREATE TABLE blobs (hash BLOB PRIMARY KEY, body BLOB NOT NULL) WITHOUT ROWID;
+"""
+
+
+def _layout(db: sqlite3.Connection) -> dict[str, bool]:
+    """Whether each of the items and bodies tables is WITHOUT ROWID."""
+    return {
+        name: "WITHOUT ROWID" in sql.upper()
+        for name, sql in db.execute("SELECT name, sql FROM sqlite_master WHERE name IN ('response_items', 'blobs')")
+    }
+
+
+@pytest.fixture(params=["sqlite", "sqlite-without-rowid", "memory"])
 def store(request, tmp_path):
-    s = SQLiteStore(tmp_path / "db" / "h.sqlite3") if request.param == "sqlite" else MemoryStore()
+    if request.param == "memory":
+        s: Any = MemoryStore()
+    else:
+        path = tmp_path / "db" / "h.sqlite3"
+        if request.param == "sqlite-without-rowid":
+            path.parent.mkdir()
+            with contextlib.closing(sqlite3.connect(path)) as db:
+                db.executescript(_WITHOUT_ROWID_TABLES)
+        s = SQLiteStore(path)
+        expected = request.param == "sqlite-without-rowid"
+        assert _layout(s._db) == {"response_items": expected, "blobs": expected}
     yield s
     s.close()
 
