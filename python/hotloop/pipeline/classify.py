@@ -61,7 +61,6 @@ from hotloop.protocol.request import (
     Prepared,
     Reasoning,
     Refusal,
-    TextConfig,
     check_tools,
     checked_tools,
 )
