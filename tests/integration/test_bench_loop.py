@@ -244,6 +244,8 @@ def test_paired_alternates_turns_between_two_servers(transport: str) -> None:
     # a turn streams 4 tokens at 1,000 tokens/s after 20 ms: at least 24 ms of wall time
     assert all(s["wall_per_turn_p50_ms"] > 20 for s in out["servers"])
     assert 0.2 < out["b_over_a_paired_median"] < 5
+    assert 0.2 < out["b_over_a_mean"] < 5 and 0.2 < out["b_over_a_trimmed_mean"] < 5
+    assert out["b_over_a_mean_ci95"] is None  # four turns: no interval (paired_summary)
     assert abs(out["b_minus_a_wall_paired_median_ms"]) < 20
 
 

@@ -1,4 +1,4 @@
-"""``hotloop bench agent-turns``' figures: its growth fit and the history the relay floor writes."""
+"""``hotloop bench agent-turns``' figures: its growth fit and the history the relay floor writes; ``paired``'s summary."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from hotloop.bench import turns
 from hotloop.bench.turns import _growth_paired, _history_bodies, _output, _summary
 
 
@@ -107,3 +108,55 @@ def test_growth_paired_is_not_moved_by_a_machine_that_slows_down() -> None:
 
     ratio = _growth_paired("http://x", os.getpid(), slowing, "m", 30, 0, 0)
     assert ratio is not None and 0.85 < ratio < 1.2
+
+
+def _noisy(rng: random.Random, n: int, scale: float = 1.0) -> list[float]:
+    """Per-turn CPU of a paced loop: 2 ms, a store commit every third turn, noise."""
+    return [scale * (2.0 + (1.2 if k % 3 == 0 else 0.0) + rng.gauss(0, 0.3)) for k in range(n)]
+
+
+def test_paired_summary_of_a_server_against_itself_holds_one() -> None:
+    rng = random.Random(1)
+    a, b = _noisy(rng, 200), _noisy(rng, 200)
+    out = turns.paired_summary(a, b)
+    lo, hi = out["b_over_a_mean_ci95"]
+    assert lo < 1.0 < hi and hi - lo < 0.1
+    assert 0.95 < out["b_over_a_mean"] < 1.05 and 0.95 < out["b_over_a_trimmed_mean"] < 1.05
+
+
+def test_paired_summary_separates_a_change_of_a_few_percent() -> None:
+    rng = random.Random(2)
+    a, b = _noisy(rng, 300), _noisy(rng, 300, 0.95)
+    out = turns.paired_summary(a, b)
+    lo, hi = out["b_over_a_mean_ci95"]
+    assert lo < 0.95 < hi < 1.0  # the interval holds the true ratio and excludes 1
+    assert out == turns.paired_summary(a, b)  # reproducible
+
+
+def test_paired_summary_trims_the_turns_a_machine_stalled_on() -> None:
+    rng = random.Random(3)
+    a, b = _noisy(rng, 200), _noisy(rng, 200)
+    for k in (40, 90, 140, 190):
+        b[k] += 25.0  # four stalls of 25 ms on B only
+    out = turns.paired_summary(a, b)
+    assert out["b_over_a_mean"] > 1.15
+    assert 0.95 < out["b_over_a_trimmed_mean"] < 1.05
+    assert 0.95 < out["b_over_a_paired_median"] < 1.05
+
+
+def test_paired_summary_follows_a_drift_both_servers_see() -> None:
+    rng = random.Random(4)
+    drift = [1.0 + k / 100 for k in range(200)]  # the machine slows down to half its speed
+    a = [x * d for x, d in zip(_noisy(rng, 200), drift)]
+    b = [x * d * 0.9 for x, d in zip(_noisy(rng, 200), drift)]
+    out = turns.paired_summary(a, b)
+    lo, hi = out["b_over_a_mean_ci95"]
+    assert lo < 0.9 < hi < 1.0
+    assert 0.85 < out["b_over_a_paired_median"] < 0.95
+
+
+def test_paired_summary_of_a_short_run() -> None:
+    out = turns.paired_summary([2.0] * 19, [1.0] * 19)
+    assert out["b_over_a_mean_ci95"] is None and out["b_over_a_mean"] == 0.5 and out["b_over_a_trimmed_mean"] == 0.5
+    with pytest.raises(ValueError):
+        turns.paired_summary([], [])

@@ -37,7 +37,11 @@ first on its ``PYTHONPATH``; either may be left out for the installed one) on on
 conversation's turns alternating between them, each server's CPU read per turn. Both see the
 same machine at the same time, so the median of the paired ratios (B's turn i over A's turn i)
 shows differences of a few percent that separate runs on a noisy machine hide; a server against
-itself gives about 1.00.
+itself gives about 1.00. Beside it: the ratio of the means, the ratio of 5%-trimmed means (a few
+turns the machine stalled on move the mean by several percent: one run of a change measured at
+0.95-0.98 over four others came out 1.27), and a 95% interval of the ratio of the means from a
+moving-block bootstrap over the turn pairs (:func:`paired_summary`): an interval that holds 1.0
+says the run cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -641,6 +645,52 @@ def _growth_paired(
     return round(late / early, 3) if early > 0 else None
 
 
+TRIM = 0.05  # each side's share of its cheapest and of its dearest turns paired_summary leaves out
+BLOCK = 10  # turn pairs a bootstrap block holds: a store commit every few turns correlates neighbours
+RESAMPLES = 2000
+
+
+def _trimmed_mean(values: list[float], share: float) -> float:
+    k = int(len(values) * share)
+    kept = sorted(values)[k : len(values) - k] or values
+    return statistics.fmean(kept)
+
+
+def paired_summary(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
+    """B against A from per-turn figures paired by position (B's turn i ran beside A's turn i):
+    the median of the per-turn ratios, the ratio of the means, the ratio of the ``TRIM``-trimmed
+    means, and a 95% interval of the ratio of the means (``None`` under two blocks of pairs).
+
+    The interval is a moving-block bootstrap: ``RESAMPLES`` series of the same length, each made
+    of ``BLOCK`` consecutive pairs at random starts, so what neighbouring turns share (where the
+    store's commits fall, the machine slowing for a while) stays inside a block; the 2.5th and
+    97.5th percentiles of their ratios of means. ``seed`` makes it reproducible."""
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    if n == 0 or statistics.fmean(a) <= 0:
+        raise ValueError("paired_summary needs turns with CPU on A")
+    out: dict[str, Any] = {
+        "b_over_a_paired_median": round(statistics.median(y / x for x, y in zip(a, b) if x > 0), 3),
+        "b_over_a_mean": round(statistics.fmean(b) / statistics.fmean(a), 3),
+        "b_over_a_trimmed_mean": round(_trimmed_mean(b, TRIM) / _trimmed_mean(a, TRIM), 3),
+        "b_over_a_mean_ci95": None,
+    }
+    if n >= 2 * BLOCK:
+        rng = random.Random(seed)
+        starts = range(n - BLOCK + 1)
+        blocks = -(-n // BLOCK)
+        ratios = []
+        for _ in range(RESAMPLES):
+            sa = sb = 0.0
+            for s in rng.choices(starts, k=blocks):
+                sa += sum(a[s : s + BLOCK])
+                sb += sum(b[s : s + BLOCK])
+            ratios.append(sb / sa)
+        ratios.sort()
+        out["b_over_a_mean_ci95"] = [round(ratios[int(0.025 * RESAMPLES)], 3), round(ratios[int(0.975 * RESAMPLES) - 1], 3)]
+    return out
+
+
 def bench_paired(
     base_path: str | None, server_path: str | None, transport: str = "ws-prev", turns: int = 100,
     new_bytes: int = 2048, rate: float = 1000.0, tokens: int = 16, ttft_ms: int = 20, seed: int = 0,
@@ -680,7 +730,6 @@ def bench_paired(
                 now = process_cpu_ns(servers[i][1])
                 cpu[i].append((now - marks[i]) / 1e6)
                 marks[i] = now
-    ratios = [b / a for a, b in zip(cpu[0], cpu[1]) if a > 0]
     walls = [st.walls for st in steppers]
     side = [
         {
@@ -701,8 +750,7 @@ def bench_paired(
         "server_b_env": dict(server_env or {}),
         "agent_settings": agent,
         "servers": side,
-        "b_over_a_paired_median": round(statistics.median(ratios), 3),
-        "b_over_a_mean": round(statistics.mean(cpu[1]) / statistics.mean(cpu[0]), 3),
+        **paired_summary(cpu[0], cpu[1]),
         # the same turn's wall time on B minus on A (the mock's pacing is the same for both)
         "b_minus_a_wall_paired_median_ms": round(statistics.median(b - a for a, b in zip(*walls)) * 1e3, 3),
     }
