@@ -160,3 +160,31 @@ def test_paired_summary_of_a_short_run() -> None:
     assert out["b_over_a_mean_ci95"] is None and out["b_over_a_mean"] == 0.5 and out["b_over_a_trimmed_mean"] == 0.5
     with pytest.raises(ValueError):
         turns.paired_summary([], [])
+
+
+def test_paired_summary_interval_is_the_middle_95_percent() -> None:
+    # independent pairs, B's turns 1.0 +- 0.2 (sd) over A's constant 1.0: the ratio of the means
+    # over 400 turns has a standard error of 0.01, so a 95% interval spans about +-0.0196
+    rng = random.Random(6)
+    b = [rng.gauss(1.0, 0.2) for _ in range(400)]
+    lo, hi = turns.paired_summary([1.0] * 400, b, block=1)["b_over_a_mean_ci95"]
+    mean = sum(b) / 400
+    assert 0.015 < mean - lo < 0.025 and 0.015 < hi - mean < 0.025
+
+
+def test_paired_summary_blocks_widen_the_interval_for_runs_of_dear_turns() -> None:
+    # B slows down for stretches of 20 turns (a neighbour on the machine): its turns are
+    # correlated, and an interval that resamples single pairs is too narrow for that
+    rng = random.Random(7)
+    a = [2.0 + rng.gauss(0, 0.1) for _ in range(300)]
+    b = [2.0 + rng.gauss(0, 0.1) + (1.0 if (k // 20) % 3 == 0 else 0.0) for k in range(300)]
+    lo1, hi1 = turns.paired_summary(a, b, block=1)["b_over_a_mean_ci95"]
+    lo, hi = turns.paired_summary(a, b)["b_over_a_mean_ci95"]
+    assert hi - lo > 1.5 * (hi1 - lo1)
+
+
+def test_paired_summary_with_a_coarse_clock() -> None:
+    # /proc's stat ticks (10 ms): most of A's turns read 0
+    out = turns.paired_summary([0.0] * 39 + [10.0], [1.0] * 40)
+    assert out["b_over_a_trimmed_mean"] is None and out["b_over_a_mean"] == 4.0
+    assert out["b_over_a_mean_ci95"] is None  # most resamples have no A at all

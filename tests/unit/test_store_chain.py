@@ -344,6 +344,8 @@ def test_files_of_the_earlier_schema_open(tmp_path, with_item_id) -> None:
     db.close()
 
     s = SQLiteStore(path)
+    # the items table is rebuilt (in this build's layout: a rowid table); the bodies keep theirs
+    assert _layout(s._db) == {"response_items": False, "blobs": True}
     # unkeyed 64-bit fingerprints are dropped: loading recomputes them (hotloop.pipeline.post)
     expected = History(response, items, [None, None], [5, 6], 1, None, 0)
     assert s.get("resp_old") == expected

@@ -827,8 +827,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in r.items():
                 if k == "scenario":
                     continue
-                if isinstance(v, list) and v and all(isinstance(e, (int, float)) for e in v):
-                    print(f"  {k:28s} {' - '.join(str(e) for e in v)}")  # an interval
+                if k.endswith("_ci95") and isinstance(v, list):
+                    print(f"  {k:28s} {v[0]} - {v[1]}")  # an interval
                 elif isinstance(v, list):
                     print(f"  {k}")
                     for entry in v:

@@ -651,10 +651,11 @@ class MemoryStore(_Pruned):
 # table also keeps a row's bytes in its own pages only up to about a quarter of a page, so 2 KB
 # item bodies spilled into overflow pages, which a rowid table (up to a page) keeps inline. The
 # store's writes, replayed on sqlite3 alone (2 KB tool outputs, three responses a commit, the
-# CPU caches flushed between commits as a busy event loop leaves them): 219-227 us a response
-# before, 168-174 after; loading a 200-deep chain 1.94 ms before, 1.02 ms after; the file 12%
-# smaller (README, Performance). Files written before keep their tables: every statement here
-# is the same on both layouts, so an older process can share a file with this one.
+# CPU caches flushed between commits as a busy event loop leaves them): 219-235 us a response
+# before, 168-189 after; loading a 200-deep chain 1.94 ms before, 1.02 ms after; the file 12%
+# smaller (README, Performance). Files written before keep their tables (but for one old enough
+# to hold unkeyed fingerprints, whose items table _REBUILD_ITEMS rebuilds, in this layout): every
+# statement here is the same on both layouts, so an older process can share a file with this one.
 _ITEMS_TABLE = """
 CREATE TABLE IF NOT EXISTS {name} (
     response_id TEXT NOT NULL,
@@ -705,7 +706,7 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses(created_at);
 CREATE TABLE IF NOT EXISTS blobs (
-    hash BLOB PRIMARY KEY,
+    hash BLOB NOT NULL PRIMARY KEY,
     body BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (
