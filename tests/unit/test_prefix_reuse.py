@@ -761,3 +761,67 @@ def test_a_sent_back_output_takes_its_fingerprint_from_the_chain(monkeypatch: py
     other = [Message(role="assistant", content="not what it said"), sent_back[1]]
     got, k = reuse.continued(p, other)
     assert k == 0 and got is p and hashed == [other[0]]  # hashed, and not the entry's
+
+
+_RUN_TOOL = {"type": "function", "name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+
+
+def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) -> None:
+    """An AI SDK history names every earlier reasoning item by reference at each step. Matched
+    by its bytes, a step looks up only the reference its new items add (Prefix.checked), not all
+    of them again, while the cache lets nothing go that could change what they resolve to; a
+    write that failed makes the next step look them all up again, and a delete of a response
+    whose reasoning the history names is answered as from scratch (item_not_found)."""
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        responses = app.engine.responses
+        found = responses.find_item_until
+        lookups: list[str] = []
+
+        def counted(item_id: str, scope: str | None = None) -> Any:
+            lookups.append(item_id)
+            return found(item_id, scope)
+
+        responses.find_item_until = counted
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                history: list[dict[str, Any]] = [{"role": "user", "content": "fix the build " + "words " * 60}]
+                ids: list[str] = []
+
+                async def step() -> httpx.Response:
+                    lookups.clear()
+                    body = {"model": "hotloop-sim", "metadata": {"sim": "reasoning,tools:1,tokens:3"}, "tools": [_RUN_TOOL], "input": history}
+                    r = await client.post("/v1/responses", json=body)
+                    if r.status_code == 200:
+                        ids.append(r.json()["id"])
+                        for item in r.json()["output"]:
+                            if item["type"] == "reasoning":
+                                history.append({"type": "item_reference", "id": item["id"]})
+                            elif item["type"] == "function_call":
+                                history.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+                                history.append({"type": "function_call_output", "call_id": item["call_id"], "output": f"ok {len(ids)}"})
+                    return r
+
+                per_step: list[int] = []
+                for _ in range(10):
+                    r = await step()
+                    assert r.status_code == 200, r.text
+                    per_step.append(len(lookups))
+                # from the third step on, the one reference each step adds (step i names i of them)
+                assert per_step[2:] == [1] * 8, per_step
+                assert app.engine.prefixes.raw_hits == 9
+                responses.lost("resp_elsewhere")  # a write failed: what the cache vouched for is not
+                assert (await step()).status_code == 200
+                assert len(lookups) == 10, lookups  # the nine it held, looked up again, and the new one
+                assert (await step()).status_code == 200
+                assert len(lookups) == 1, lookups
+                assert app.engine.prefixes.raw_hits == 11
+                assert (await client.delete(f"/v1/responses/{ids[3]}")).status_code == 200
+                r = await step()
+                assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found", r.text
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())

@@ -38,7 +38,7 @@ from hotloop.protocol.request import (
     validate,
 )
 from hotloop.state.context import CachedResponse, item_id_of, item_nbytes
-from hotloop.state.prefix import Prefix, PrefixCache, Sent
+from hotloop.state.prefix import Checked, Prefix, PrefixCache, Sent
 
 TEMPLATE_MAX_BYTES = 16 * 1024  # body bytes around the input (besides instructions, shared tools) a template may hold decoded
 HEAD_BYTES = 256  # leading raw bytes of an input that index its candidates (PrefixCache.by_raw)
@@ -322,7 +322,7 @@ class RawInput:
     template of the next body that has the same bytes around its longer input (:func:`_by_body`).
     """
 
-    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "nrefs", "by_body", "hit_refs")
+    __slots__ = ("raw", "lead", "prepared", "after", "request", "refs", "nrefs", "by_body", "hit_refs", "checked", "hit_checked")
 
     def __init__(
         self, raw: Buffer, lead: bytes | None, after: bytes | None = None, request: Any = None,
@@ -341,6 +341,9 @@ class RawInput:
         # the raw hit's Prefix.refs, taken when it matched: a newer registration may drop them
         # (PrefixCache.drop_raw) before Engine.start checks them
         self.hit_refs: dict[str, Item] | None = None
+        # Prefix.checked of its registration, and of the raw hit (taken with hit_refs)
+        self.checked: Checked | None = None
+        self.hit_checked: Checked | None = None
 
 
 def registration(raw: RawInput | None, refs: dict[str, Item] | None = None, nrefs: int = 0) -> RawInput | None:
@@ -626,6 +629,7 @@ def _suffix(
         return whole(req, raw_input), None, raw_input
     raw_input.prepared = p
     raw_input.hit_refs = prefix.refs
+    raw_input.hit_checked = prefix.checked
     cache.raw_hits += 1
     cache.body_hits += raw_input.by_body
     return req, prefix, raw_input
@@ -636,17 +640,34 @@ def whole(req: CreateRequest, raw_input: RawInput) -> CreateRequest:
     return msgspec.structs.replace(req, input=msgspec.json.decode(raw_input.raw))
 
 
-async def still_named(refs: dict[str, Item], find: Callable[[str], Awaitable[Item | None]]) -> bool:
+async def still_named(
+    refs: dict[str, Item],
+    scope: str | None,
+    cached: Callable[[str, str | None], tuple[Item, float] | None],
+    stored: Callable[[str, str | None], Awaitable[Item | None]],
+) -> tuple[bool, float | None]:
     """Whether every reference of a registered input (:attr:`Prefix.refs`) still resolves to the
-    item it resolved to then (``find``: the stored item of an id, as :meth:`Engine.stored_items`
-    finds it). Matched by its bytes, an input's references are not resolved again; one whose item
-    was deleted since (or that names another now) is answered as from scratch, so the request is
-    then matched with its whole input."""
+    item it resolved to then, for a caller of ``scope``: the item of an id as
+    :meth:`Engine.stored_items` finds it, among the cached responses (``cached``: the item and
+    when the response it was found in expires) or else in the store (``stored``). Matched by its
+    bytes, an input's references are not resolved again; one whose item was deleted since (or
+    that names another now) is answered as from scratch, so the request is then matched with its
+    whole input. Beside it, when every one was found among the cached responses, the earliest of
+    their expiries (:data:`~hotloop.state.prefix.Checked`), else ``None``."""
+    deadline = float("inf")
+    cached_all = True
     for rid, item in refs.items():
-        found = await find(rid)
+        got = cached(rid, scope)
+        if got is None:
+            cached_all = False
+            found = await stored(rid, scope)
+        else:
+            found, until = got
+            if until < deadline:
+                deadline = until
         if found is None or (found is not item and found != item):
-            return False
-    return True
+            return False, None
+    return True, deadline if cached_all else None
 
 
 def _decode(

@@ -49,7 +49,7 @@ from hotloop.protocol.request import CreateRequest, Item, ItemReference, Prepare
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state import fpkey
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
-from hotloop.state.prefix import Prefix, PrefixCache, Sent
+from hotloop.state.prefix import Checked, Prefix, PrefixCache, Sent
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
@@ -253,6 +253,7 @@ class Engine:
         requested = False  # the backend has the request (it works for it from then on)
         slot: PushSlot | None = None
         refs: dict[str, Item] | None = None  # the stored items the input's references named
+        added: dict[str, Item] = {}  # those of them this request resolved (not the raw hit's)
         clock = time.perf_counter
         marks = [clock() if received is None else received]  # each stage's end (Run.marks; metrics.STAGES)
         if req.store and self._writable is not None and not self._writable():
@@ -268,10 +269,19 @@ class Engine:
             # (a whole input's references, registered with it: reuse.registration)
             nrefs = 0 if raw_input is None else reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
             held = raw_input.hit_refs if prefix is not None and raw_input is not None else None
-            if prefix is not None and raw_input is not None and (
-                nrefs > MAX_REFERENCE_LOOKUPS
-                or (held is not None and not await reuse.still_named(held, lambda rid: self._stored_item(rid, scope)))
+            # (read before any look-up: what they find holds only while it stays the same)
+            cache_key = self.responses.key()
+            vouched = raw_input.hit_checked if held is not None and raw_input is not None else None
+            if vouched is not None and not (
+                vouched[0] == cache_key and vouched[2] == scope and self.clock() < vouched[1]
             ):
+                vouched = None
+            named = True
+            if held is not None and vouched is None and nrefs <= MAX_REFERENCE_LOOKUPS:
+                named, until = await reuse.still_named(held, scope, self.responses.find_item_until, self.persistence.find_item)
+                if until is not None:
+                    vouched = (cache_key, until, scope)
+            if prefix is not None and raw_input is not None and (nrefs > MAX_REFERENCE_LOOKUPS or not named):
                 # an item the registered input named is gone (or another one has its id now), or
                 # the input names more than one request may look up: it is matched with its whole
                 # input, as from scratch
@@ -280,7 +290,7 @@ class Engine:
                 req = reuse.whole(req, raw_input)
                 p = validate(req, websocket=websocket)
                 prefix = hit = None
-                held = None
+                held = vouched = None
                 nrefs = reuse.references(p.items)
             marks.append(clock())
             parent = await self.resolve(req.previous_response_id, conn, scope)
@@ -338,8 +348,8 @@ class Engine:
                 if raw_input is not None and (looked or stored or held):
                     # what the whole input's references named: registered with its bytes
                     refs = dict(held) if held else {}
-                    refs.update(looked or {})
-                    refs.update(stored or {})
+                    added = {**(looked or {}), **(stored or {})}
+                    refs.update(added)
                 plan = prepare(p, parent, self.ids, self.tokens.view(tenant.id), defer=True, stored=stored)
             except errors.HotloopError as exc:
                 if prefix is not None:  # name the item's place in the whole input
@@ -415,8 +425,29 @@ class Engine:
         run.push_slot = slot
         run.request_id = request_id
         if req.previous_response_id is None and raw_input is not None:
-            run.raw_input = reuse.registration(raw_input, refs, nrefs)
+            run.raw_input = reg = reuse.registration(raw_input, refs, nrefs)
+            if reg is not None and reg.refs:
+                reg.checked = self._checked(reg.refs if vouched is None else added, vouched, cache_key, scope)
         return run
+
+    def _checked(self, refs: dict[str, Item], vouched: Checked | None, key: tuple[int, int], scope: str | None) -> Checked | None:
+        """Under what each of a registered input's references resolves to its item among the
+        cached responses (:attr:`Prefix.checked`), so that the next raw hit on it need not look
+        them up again; ``None`` when one is not found there (only in the store) or the cache's
+        ``key`` (read when the turn began, before its look-ups) has moved since. ``refs``: all of
+        them, or, with the raw hit's own ``vouched`` for, those the request added: an AI SDK
+        history names every earlier reasoning item each step, so a step looks up only its new ones."""
+        responses = self.responses
+        if responses.key() != key:
+            return None
+        deadline = vouched[1] if vouched is not None else float("inf")
+        for rid, item in refs.items():
+            got = responses.find_item_until(rid, scope)
+            if got is None or (got[0] is not item and got[0] != item):
+                return None
+            if got[1] < deadline:
+                deadline = got[1]
+        return key, deadline, scope
 
     def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
         """A new response's turn, and its opening events (``response.created``,
@@ -665,7 +696,10 @@ class Engine:
         if raw is None or head is None:
             self.prefixes.put(Prefix(entry, n, last, input_bytes, None, None, calls, sent=sent))
         elif self.prefixes.put(
-            Prefix(entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request, raw.refs, raw.nrefs)
+            Prefix(
+                entry, n, last, input_bytes, raw.raw, head, calls, raw.lead, sent, raw.after, raw.request, raw.refs, raw.nrefs,
+                raw.checked,
+            )
         ) and run.hit is not None:
             # This input's bytes start with those of the input it reused (matched by bytes,
             # never one found by fingerprint, which may be another client's): keeping both would

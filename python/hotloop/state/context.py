@@ -689,6 +689,9 @@ class ResponseCache:
         self._gone: OrderedDict[str, int] = OrderedDict()
         self._cleared = 0
         self._holders: dict[str, str] = {}  # item id -> the response find_item last found it in
+        # Responses let go whose items the store may not hold (key()): a ``store: false`` one
+        # dropped for the bounds, or one whose write failed (lost())
+        self.unstored = 0
 
     def __len__(self) -> int:
         return len(self._d)
@@ -723,7 +726,21 @@ class ResponseCache:
         self._items += len(entry.context)
         self._bytes += n
         while len(self._d) > self.max_entries or self._items > self.max_items or self._bytes > self.max_bytes:
-            self._drop(next(iter(self._d)))
+            oldest = next(iter(self._d.values()))
+            self._drop(oldest.id)
+            if not oldest.store:
+                self.unstored += 1
+
+    def lost(self, response_id: str) -> None:
+        """A cached response's write to the store failed: its items are in no store (:meth:`key`)."""
+        self.unstored += 1
+
+    def key(self) -> tuple[int, int]:
+        """What has to stay the same for an item :meth:`find_item_until` found to be found again,
+        here or in the store (until the response it was found in expires): no response evicted
+        (deleted, pruned, expired), cleared, or let go while its items may be in no store.
+        Read it before the look-ups it vouches for."""
+        return self.generation, self.unstored
 
     def evict(self, response_id: str) -> None:
         """Forget a response that is gone (deleted, pruned, expired, failed as a parent)."""
@@ -777,6 +794,17 @@ class ResponseCache:
         holds the item (cached, visible, not expired) answers; any response that mints an id
         holds the same item under it (an id is minted once; a response that reused it holds that
         very item, or one loaded from the store with the same content)."""
+        found = self._find(item_id, scope)
+        return None if found is None else found[0]
+
+    def find_item_until(self, item_id: str, scope: str | None = None) -> tuple[Item, float] | None:
+        """:meth:`find_item`, and when the response it was found in expires (its creation plus
+        the time to live): while :meth:`key` stays the same, it is found until then (here, or
+        in the store once the cache lets the response go for its bounds)."""
+        found = self._find(item_id, scope)
+        return None if found is None else (found[0], found[1].response.get("created_at", 0) + self.ttl)
+
+    def _find(self, item_id: str, scope: str | None) -> tuple[Item, CachedResponse] | None:
         gone = self.clock() - self.ttl
         holders = self._holders
         rid = holders.get(item_id)
@@ -785,7 +813,7 @@ class ResponseCache:
             if entry is not None and entry.visible(scope) and entry.response.get("created_at", 0) > gone:
                 found = entry.minted_item(item_id)
                 if found is not None:
-                    return found
+                    return found, entry
         for entry in reversed(self._d.values()):
             if entry.visible(scope) and entry.response.get("created_at", 0) > gone:
                 found = entry.minted_item(item_id)
@@ -793,5 +821,5 @@ class ResponseCache:
                     if len(holders) >= HOLDER_ENTRIES:
                         holders.clear()
                     holders[item_id] = entry.id
-                    return found
+                    return found, entry
         return None

@@ -60,6 +60,12 @@ SENT_BYTES = 160
 #: pairs, by position.
 Sent = tuple[tuple[int, bytes], ...]
 
+#: Where a registered input's references were all found among the cached responses
+#: (:attr:`Prefix.checked`): the cache's :meth:`~hotloop.state.context.ResponseCache.key` before
+#: the look-ups, the earliest expiry of the responses they were found in, and the scope they were
+#: looked up for.
+Checked = tuple[tuple[int, int], float, str | None]
+
 
 class Prefix:
     """One registered input: the first ``n`` items of ``entry.context`` (its input).
@@ -73,12 +79,14 @@ class Prefix:
     (with ``raw``) the stored items its ``item_reference`` items named, by id, as they resolved
     when it was registered: a raw hit holds only while each still resolves to the same item
     (:func:`hotloop.pipeline.reuse.still_named`), or ``None``; ``nrefs`` how many
-    ``item_reference`` items it holds.
+    ``item_reference`` items it holds; ``checked`` (with ``refs``), under what each of ``refs``
+    resolves to its item among the cached responses (:data:`Checked`), or ``None``: a raw hit
+    need not look them up again while the cache's key is the same and none has expired.
     """
 
     __slots__ = (
         "entry", "n", "last_fp", "nbytes", "raw", "head", "owner", "calls", "lead", "tail", "sent", "after", "template", "refs",
-        "nrefs",
+        "nrefs", "checked",
     )
 
     def __init__(
@@ -96,6 +104,7 @@ class Prefix:
         template: Any = None,
         refs: dict[str, Any] | None = None,
         nrefs: int = 0,
+        checked: Checked | None = None,
     ) -> None:
         self.entry = entry
         self.n = n
@@ -118,6 +127,7 @@ class Prefix:
         self.sent = tuple(x for x in sent if x[0] < n) or None if sent else None
         self.refs = refs if raw is not None and refs else None
         self.nrefs = nrefs  # its item_reference items (with the same one named twice counted twice)
+        self.checked = checked if self.refs is not None else None
 
     @property
     def sent_last(self) -> bytes | None:
@@ -346,7 +356,7 @@ class PrefixCache:
         size = p.size
         self._unindex(p)
         # (a request that matched its bytes before took its refs then: RawInput.hit_refs)
-        p.raw = p.lead = p.head = p.after = p.template = p.refs = None
+        p.raw = p.lead = p.head = p.after = p.template = p.refs = p.checked = None
         self._bytes -= size - p.size
 
     def _remove(self, key: tuple[str, int, bytes], p: Prefix) -> None:
