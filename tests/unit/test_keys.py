@@ -191,36 +191,32 @@ def test_response_cache_remembers_where_an_item_was_found_and_never_answers_from
     assert c.find_item("msg_n4", "key_a") is None
 
 
-def test_response_cache_key_moves_only_when_a_found_item_may_no_longer_be_found() -> None:
-    """ResponseCache.key: what an item found_item_until found stays found (here, or in the store)
-    until its holder expires, unless the key moved: an eviction (a delete, a prune, an expiry),
-    a clear, a lost write, or a ``store: false`` response let go for the bounds. A stored
-    response let go for the bounds is still found in the store: the key stays."""
+def test_response_cache_says_where_an_item_was_found_and_whether_it_is_still_cached() -> None:
+    """ResponseCache.find_item_held: the item, the response it was found in and when that one
+    expires; holds: whether every one of a set of responses is still cached (Prefix.checked)."""
     from hotloop.protocol.request import item_from_dict
 
-    def entry(rid: str, store: bool = True) -> CachedResponse:
+    def entry(rid: str) -> CachedResponse:
         item = item_from_dict({"type": "message", "id": f"msg_{rid}", "role": "user", "content": rid})
         ctx = Context()
         ctx.extend([item], [b"\x01" * 16], [1])
-        return CachedResponse({"id": rid, "created_at": 100}, ctx, 1, store, owner="key_a")
+        return CachedResponse({"id": rid, "created_at": 100}, ctx, 1, True, owner="key_a")
 
-    c = ResponseCache(max_entries=2, ttl=600, clock=lambda: 200.0)
+    now = [200.0]
+    c = ResponseCache(max_entries=2, ttl=600, clock=lambda: now[0])
     c.put(entry("resp_a"))
-    key = c.key()
-    got = c.find_item_until("msg_resp_a", "key_a")
-    assert got is not None and got[0].content == "resp_a" and got[1] == 700.0  # created 100, 600 s to live
     c.put(entry("resp_b"))
-    c.put(entry("resp_c"))  # resp_a (stored) let go for the bounds
-    assert c.key() == key and c.find_item_until("msg_resp_a", "key_a") is None
-    c.put(entry("resp_d", store=False))
-    c.put(entry("resp_e"))  # resp_b, then resp_c let go: both stored
-    assert c.key() == key
-    c.put(entry("resp_f"))  # resp_d let go: store: false
-    assert c.key() != key
-    for move in (lambda: c.evict("resp_f"), lambda: c.lost("resp_e"), c.clear):
-        key = c.key()
-        move()
-        assert c.key() != key
+    got = c.find_item_held("msg_resp_a", "key_a")
+    assert got is not None and got[0].content == "resp_a" and got[1:] == ("resp_a", 700.0)  # created 100, 600 s to live
+    assert c.find_item_held("msg_resp_a", "key_b") is None  # another key's
+    assert c.holds(frozenset({"resp_a", "resp_b"})) and c.holds(frozenset())
+    c.put(entry("resp_c"))  # the bounds let resp_a go
+    assert not c.holds(frozenset({"resp_a", "resp_b"})) and c.holds(frozenset({"resp_b", "resp_c"}))
+    assert c.find_item_held("msg_resp_a", "key_a") is None
+    c.evict("resp_b")
+    assert not c.holds(frozenset({"resp_b"}))
+    now[0] = 701.0  # resp_c expired: not found, though still held until something evicts it
+    assert c.find_item_held("msg_resp_c", "key_a") is None
 
 
 def _bearer(secret: str) -> dict:

@@ -769,22 +769,23 @@ _RUN_TOOL = {"type": "function", "name": "run", "parameters": {"type": "object",
 def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) -> None:
     """An AI SDK history names every earlier reasoning item by reference at each step. Matched
     by its bytes, a step looks up only the reference its new items add (Prefix.checked), not all
-    of them again, while the cache lets nothing go that could change what they resolve to; a
-    write that failed makes the next step look them all up again, and a delete of a response
-    whose reasoning the history names is answered as from scratch (item_not_found)."""
+    of them again, while every response they were found in is still cached and unexpired: a look-up
+    would find the same items there. One of those responses let go by the cache, or expired,
+    and the next step looks them all up again (the store still has it: the same answer); a
+    delete of one is answered as from scratch (item_not_found)."""
 
     async def main() -> None:
         app = _app(tmp_path)
         await app.startup()
         responses = app.engine.responses
-        found = responses.find_item_until
+        found = responses.find_item_held
         lookups: list[str] = []
 
         def counted(item_id: str, scope: str | None = None) -> Any:
             lookups.append(item_id)
             return found(item_id, scope)
 
-        responses.find_item_until = counted
+        responses.find_item_held = counted
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
                 history: list[dict[str, Any]] = [{"role": "user", "content": "fix the build " + "words " * 60}]
@@ -812,12 +813,22 @@ def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) 
                 # from the third step on, the one reference each step adds (step i names i of them)
                 assert per_step[2:] == [1] * 8, per_step
                 assert app.engine.prefixes.raw_hits == 9
-                responses.lost("resp_elsewhere")  # a write failed: what the cache vouched for is not
+                # the clock passes the first expiry of the responses the references were found
+                # in (the store's own clock keeps them): all looked up again, in the store
+                now = app.engine.clock
+                app.engine.clock = lambda: now() + 30 * 24 * 3600.0 + 10.0
+                try:
+                    assert (await step()).status_code == 200
+                    assert len(lookups) >= 10, lookups
+                finally:
+                    app.engine.clock = now
+                assert (await step()).status_code == 200 and len(lookups) >= 11  # (found in the cache: noted again)
+                assert (await step()).status_code == 200 and len(lookups) == 1
+                # the cache lets the first step's response go (its bounds): the store still has it
+                responses._drop(ids[0])
                 assert (await step()).status_code == 200
-                assert len(lookups) == 10, lookups  # the nine it held, looked up again, and the new one
-                assert (await step()).status_code == 200
-                assert len(lookups) == 1, lookups
-                assert app.engine.prefixes.raw_hits == 11
+                assert len(lookups) >= 13, lookups  # all it held, looked up again
+                assert app.engine.prefixes.raw_hits == 13
                 assert (await client.delete(f"/v1/responses/{ids[3]}")).status_code == 200
                 r = await step()
                 assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found", r.text

@@ -388,8 +388,6 @@ class Persistence:
         # the process-wide cache's evict (set by the app): responses the store's bounds pruned
         # (store.take_pruned, after each batch of writes) are not served from it either
         self.evict: Callable[[str], None] | None = None
-        # the process-wide cache's lost (set by the app): a response whose write failed
-        self.on_lost: Callable[[str], None] | None = None
         self._take_pruned: Callable[[], list[str]] | None = getattr(store, "take_pruned", None)
 
     @property
@@ -616,8 +614,6 @@ class Persistence:
             self._unrecorded(unrecorded, why)
 
     def _lose(self, response_id: str) -> None:
-        if self.on_lost is not None:
-            self.on_lost(response_id)
         self._lost[response_id] = None
         if len(self._lost) > LOST_IDS:
             self._lost.popitem(last=False)

@@ -643,31 +643,33 @@ def whole(req: CreateRequest, raw_input: RawInput) -> CreateRequest:
 async def still_named(
     refs: dict[str, Item],
     scope: str | None,
-    cached: Callable[[str, str | None], tuple[Item, float] | None],
+    cached: Callable[[str, str | None], tuple[Item, str, float] | None],
     stored: Callable[[str, str | None], Awaitable[Item | None]],
-) -> tuple[bool, float | None]:
+) -> tuple[bool, Checked | None]:
     """Whether every reference of a registered input (:attr:`Prefix.refs`) still resolves to the
     item it resolved to then, for a caller of ``scope``: the item of an id as
-    :meth:`Engine.stored_items` finds it, among the cached responses (``cached``: the item and
-    when the response it was found in expires) or else in the store (``stored``). Matched by its
-    bytes, an input's references are not resolved again; one whose item was deleted since (or
-    that names another now) is answered as from scratch, so the request is then matched with its
-    whole input. Beside it, when every one was found among the cached responses, the earliest of
-    their expiries (:data:`~hotloop.state.prefix.Checked`), else ``None``."""
+    :meth:`Engine.stored_items` finds it, among the cached responses (``cached``: the item, the
+    response it was found in and when that one expires) or else in the store (``stored``).
+    Matched by its bytes, an input's references are not resolved again; one whose item was
+    deleted since (or that names another now) is answered as from scratch, so the request is
+    then matched with its whole input. Beside it, when every one was found among the cached
+    responses, where (:data:`~hotloop.state.prefix.Checked`), else ``None``."""
     deadline = float("inf")
-    cached_all = True
+    holders: set[str] | None = set()
     for rid, item in refs.items():
         got = cached(rid, scope)
         if got is None:
-            cached_all = False
+            holders = None
             found = await stored(rid, scope)
         else:
-            found, until = got
+            found, holder, until = got
+            if holders is not None:
+                holders.add(holder)
             if until < deadline:
                 deadline = until
         if found is None or (found is not item and found != item):
             return False, None
-    return True, deadline if cached_all else None
+    return True, (frozenset(holders), deadline, scope) if holders is not None else None
 
 
 def _decode(

@@ -269,18 +269,16 @@ class Engine:
             # (a whole input's references, registered with it: reuse.registration)
             nrefs = 0 if raw_input is None else reuse.references(p.items) + (prefix.nrefs if prefix is not None else 0)
             held = raw_input.hit_refs if prefix is not None and raw_input is not None else None
-            # (read before any look-up: what they find holds only while it stays the same)
-            cache_key = self.responses.key()
+            # where its references were found among the cached responses: while those are all
+            # still cached and unexpired, a look-up would find the same items there (Prefix.checked)
             vouched = raw_input.hit_checked if held is not None and raw_input is not None else None
             if vouched is not None and not (
-                vouched[0] == cache_key and vouched[2] == scope and self.clock() < vouched[1]
+                vouched[2] == scope and self.clock() < vouched[1] and self.responses.holds(vouched[0])
             ):
                 vouched = None
             named = True
             if held is not None and vouched is None and nrefs <= MAX_REFERENCE_LOOKUPS:
-                named, until = await reuse.still_named(held, scope, self.responses.find_item_until, self.persistence.find_item)
-                if until is not None:
-                    vouched = (cache_key, until, scope)
+                named, vouched = await reuse.still_named(held, scope, self.responses.find_item_held, self.persistence.find_item)
             if prefix is not None and raw_input is not None and (nrefs > MAX_REFERENCE_LOOKUPS or not named):
                 # an item the registered input named is gone (or another one has its id now), or
                 # the input names more than one request may look up: it is matched with its whole
@@ -427,27 +425,27 @@ class Engine:
         if req.previous_response_id is None and raw_input is not None:
             run.raw_input = reg = reuse.registration(raw_input, refs, nrefs)
             if reg is not None and reg.refs:
-                reg.checked = self._checked(reg.refs if vouched is None else added, vouched, cache_key, scope)
+                reg.checked = self._checked(reg.refs if vouched is None else added, vouched, scope)
         return run
 
-    def _checked(self, refs: dict[str, Item], vouched: Checked | None, key: tuple[int, int], scope: str | None) -> Checked | None:
-        """Under what each of a registered input's references resolves to its item among the
-        cached responses (:attr:`Prefix.checked`), so that the next raw hit on it need not look
-        them up again; ``None`` when one is not found there (only in the store) or the cache's
-        ``key`` (read when the turn began, before its look-ups) has moved since. ``refs``: all of
-        them, or, with the raw hit's own ``vouched`` for, those the request added: an AI SDK
-        history names every earlier reasoning item each step, so a step looks up only its new ones."""
+    def _checked(self, refs: dict[str, Item], vouched: Checked | None, scope: str | None) -> Checked | None:
+        """Where each of a registered input's references was found among the cached responses
+        (:attr:`Prefix.checked`), so that the next raw hit on it need not look them up again
+        while those responses are all still cached and unexpired; ``None`` when one is not found
+        there (only in the store). ``refs``: all of them, or, with the raw hit's own ``vouched``
+        for, those the request added: an AI SDK history names every earlier reasoning item each
+        step, so a step looks up only its new ones."""
         responses = self.responses
-        if responses.key() != key:
-            return None
+        holders = set(vouched[0]) if vouched is not None else set()
         deadline = vouched[1] if vouched is not None else float("inf")
         for rid, item in refs.items():
-            got = responses.find_item_until(rid, scope)
+            got = responses.find_item_held(rid, scope)
             if got is None or (got[0] is not item and got[0] != item):
                 return None
-            if got[1] < deadline:
-                deadline = got[1]
-        return key, deadline, scope
+            holders.add(got[1])
+            if got[2] < deadline:
+                deadline = got[2]
+        return frozenset(holders), deadline, scope
 
     def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
         """A new response's turn, and its opening events (``response.created``,

@@ -76,7 +76,6 @@ def make_app(config: Config) -> HotloopApp:
     tenancy = make_tenancy(config, open_key_store(config.store, config.db_path, config.redis_url))
     app = HotloopApp(config, backend, persistence, tenancy)
     persistence.evict = app.engine.responses.evict  # responses pruned, or deleted by other processes
-    persistence.on_lost = app.engine.responses.lost  # responses whose write failed
     if isinstance(persistence, SharedPersistence):
         persistence.forget = app.engine.responses.clear  # ... while their news could be missed
         persistence.deleted = app.engine.deleted  # deleted by other processes: connections' caches too

@@ -689,9 +689,6 @@ class ResponseCache:
         self._gone: OrderedDict[str, int] = OrderedDict()
         self._cleared = 0
         self._holders: dict[str, str] = {}  # item id -> the response find_item last found it in
-        # Responses let go whose items the store may not hold (key()): a ``store: false`` one
-        # dropped for the bounds, or one whose write failed (lost())
-        self.unstored = 0
 
     def __len__(self) -> int:
         return len(self._d)
@@ -726,21 +723,11 @@ class ResponseCache:
         self._items += len(entry.context)
         self._bytes += n
         while len(self._d) > self.max_entries or self._items > self.max_items or self._bytes > self.max_bytes:
-            oldest = next(iter(self._d.values()))
-            self._drop(oldest.id)
-            if not oldest.store:
-                self.unstored += 1
+            self._drop(next(iter(self._d)))
 
-    def lost(self, response_id: str) -> None:
-        """A cached response's write to the store failed: its items are in no store (:meth:`key`)."""
-        self.unstored += 1
-
-    def key(self) -> tuple[int, int]:
-        """What has to stay the same for an item :meth:`find_item_until` found to be found again,
-        here or in the store (until the response it was found in expires): no response evicted
-        (deleted, pruned, expired), cleared, or let go while its items may be in no store.
-        Read it before the look-ups it vouches for."""
-        return self.generation, self.unstored
+    def holds(self, response_ids: frozenset[str]) -> bool:
+        """Whether every one of ``response_ids`` is cached (one C-level pass over them)."""
+        return self._d.keys() >= response_ids
 
     def evict(self, response_id: str) -> None:
         """Forget a response that is gone (deleted, pruned, expired, failed as a parent)."""
@@ -797,12 +784,16 @@ class ResponseCache:
         found = self._find(item_id, scope)
         return None if found is None else found[0]
 
-    def find_item_until(self, item_id: str, scope: str | None = None) -> tuple[Item, float] | None:
-        """:meth:`find_item`, and when the response it was found in expires (its creation plus
-        the time to live): while :meth:`key` stays the same, it is found until then (here, or
-        in the store once the cache lets the response go for its bounds)."""
+    def find_item_held(self, item_id: str, scope: str | None = None) -> tuple[Item, str, float] | None:
+        """:meth:`find_item`, with the id of the response it was found in and when that response
+        expires (its creation plus the time to live): while that response stays cached (no
+        delete, prune, expiry or the cache's bounds let it go) and until then, :meth:`find_item`
+        finds the same item (:attr:`hotloop.state.prefix.Prefix.checked`)."""
         found = self._find(item_id, scope)
-        return None if found is None else (found[0], found[1].response.get("created_at", 0) + self.ttl)
+        if found is None:
+            return None
+        item, entry = found
+        return item, entry.id, entry.response.get("created_at", 0) + self.ttl
 
     def _find(self, item_id: str, scope: str | None) -> tuple[Item, CachedResponse] | None:
         gone = self.clock() - self.ttl

@@ -61,10 +61,9 @@ SENT_BYTES = 160
 Sent = tuple[tuple[int, bytes], ...]
 
 #: Where a registered input's references were all found among the cached responses
-#: (:attr:`Prefix.checked`): the cache's :meth:`~hotloop.state.context.ResponseCache.key` before
-#: the look-ups, the earliest expiry of the responses they were found in, and the scope they were
-#: looked up for.
-Checked = tuple[tuple[int, int], float, str | None]
+#: (:attr:`Prefix.checked`): the ids of the responses they were found in, the earliest expiry of
+#: those, and the scope they were looked up for.
+Checked = tuple[frozenset[str], float, str | None]
 
 
 class Prefix:
@@ -79,9 +78,10 @@ class Prefix:
     (with ``raw``) the stored items its ``item_reference`` items named, by id, as they resolved
     when it was registered: a raw hit holds only while each still resolves to the same item
     (:func:`hotloop.pipeline.reuse.still_named`), or ``None``; ``nrefs`` how many
-    ``item_reference`` items it holds; ``checked`` (with ``refs``), under what each of ``refs``
-    resolves to its item among the cached responses (:data:`Checked`), or ``None``: a raw hit
-    need not look them up again while the cache's key is the same and none has expired.
+    ``item_reference`` items it holds; ``checked`` (with ``refs``), where each of ``refs`` was
+    found among the cached responses (:data:`Checked`), or ``None``: while those responses are
+    all still cached and none has expired, a look-up would find the same items there, so a raw
+    hit need not look them up again.
     """
 
     __slots__ = (
