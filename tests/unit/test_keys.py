@@ -216,7 +216,7 @@ def test_response_cache_says_where_an_item_was_found_and_whether_it_is_still_cac
     c.evict("resp_b")
     assert not c.holds(frozenset({"resp_b"}))
     now[0] = 701.0  # resp_c expired: not found, though still held until something evicts it
-    assert c.find_item_held("msg_resp_c", "key_a") is None
+    assert c.find_item_held("msg_resp_c", "key_a") is None and c.holds(frozenset({"resp_c"}))
 
 
 def _bearer(secret: str) -> dict:

@@ -770,9 +770,9 @@ def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) 
     """An AI SDK history names every earlier reasoning item by reference at each step. Matched
     by its bytes, a step looks up only the reference its new items add (Prefix.checked), not all
     of them again, while every response they were found in is still cached and unexpired: a look-up
-    would find the same items there. One of those responses let go by the cache, or expired,
-    and the next step looks them all up again (the store still has it: the same answer); a
-    delete of one is answered as from scratch (item_not_found)."""
+    would find the same items there. One of those responses expired, or let go by the cache, and
+    the next step looks them all up again (the store still has it: the same answer); one deleted
+    while the memo held is answered as from scratch (item_not_found)."""
 
     async def main() -> None:
         app = _app(tmp_path)
@@ -788,23 +788,28 @@ def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) 
         responses.find_item_held = counted
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                history: list[dict[str, Any]] = [{"role": "user", "content": "fix the build " + "words " * 60}]
-                ids: list[str] = []
 
-                async def step() -> httpx.Response:
-                    lookups.clear()
-                    body = {"model": "hotloop-sim", "metadata": {"sim": "reasoning,tools:1,tokens:3"}, "tools": [_RUN_TOOL], "input": history}
-                    r = await client.post("/v1/responses", json=body)
-                    if r.status_code == 200:
-                        ids.append(r.json()["id"])
-                        for item in r.json()["output"]:
-                            if item["type"] == "reasoning":
-                                history.append({"type": "item_reference", "id": item["id"]})
-                            elif item["type"] == "function_call":
-                                history.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
-                                history.append({"type": "function_call_output", "call_id": item["call_id"], "output": f"ok {len(ids)}"})
-                    return r
+                def conversation(opening: str) -> Any:
+                    history: list[dict[str, Any]] = [{"role": "user", "content": opening + " " + "words " * 60}]
+                    ids: list[str] = []
 
+                    async def step() -> httpx.Response:
+                        lookups.clear()
+                        body = {"model": "hotloop-sim", "metadata": {"sim": "reasoning,tools:1,tokens:3"}, "tools": [_RUN_TOOL], "input": history}
+                        r = await client.post("/v1/responses", json=body)
+                        if r.status_code == 200:
+                            ids.append(r.json()["id"])
+                            for item in r.json()["output"]:
+                                if item["type"] == "reasoning":
+                                    history.append({"type": "item_reference", "id": item["id"]})
+                                elif item["type"] == "function_call":
+                                    history.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+                                    history.append({"type": "function_call_output", "call_id": item["call_id"], "output": f"ok {len(ids)}"})
+                        return r
+
+                    return step, ids
+
+                step, ids = conversation("fix the build")
                 per_step: list[int] = []
                 for _ in range(10):
                     r = await step()
@@ -824,14 +829,20 @@ def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) 
                     app.engine.clock = now
                 assert (await step()).status_code == 200 and len(lookups) >= 11  # (found in the cache: noted again)
                 assert (await step()).status_code == 200 and len(lookups) == 1
-                # the cache lets the first step's response go (its bounds): the store still has it
-                responses._drop(ids[0])
-                assert (await step()).status_code == 200
-                assert len(lookups) >= 13, lookups  # all it held, looked up again
-                assert app.engine.prefixes.raw_hits == 13
+                assert app.engine.prefixes.raw_hits == 12
+                # a response whose reasoning the history names, deleted while the memo holds
                 assert (await client.delete(f"/v1/responses/{ids[3]}")).status_code == 200
                 r = await step()
                 assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found", r.text
+
+                step, ids = conversation("fix the tests")
+                for _ in range(4):
+                    assert (await step()).status_code == 200
+                assert len(lookups) == 1
+                # the cache lets the first step's response go (its bounds): the store still has it
+                responses._drop(ids[0])
+                assert (await step()).status_code == 200
+                assert len(lookups) >= 4, lookups  # all it held, looked up again
         finally:
             await app.shutdown()
 

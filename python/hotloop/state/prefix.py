@@ -81,7 +81,8 @@ class Prefix:
     ``item_reference`` items it holds; ``checked`` (with ``refs``), where each of ``refs`` was
     found among the cached responses (:data:`Checked`), or ``None``: while those responses are
     all still cached and none has expired, a look-up would find the same items there, so a raw
-    hit need not look them up again.
+    hit need not look them up again. (By id: a response the cache let go and took back from the
+    store holds equal items, its ids minted once, and equal is what a look-up asks of them.)
     """
 
     __slots__ = (
