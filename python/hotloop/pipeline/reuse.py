@@ -644,21 +644,26 @@ async def still_named(
     refs: dict[str, Item],
     scope: str | None,
     cached: Callable[[str, str | None], tuple[Item, str, float] | None],
-    stored: Callable[[str, str | None], Awaitable[Item | None]],
+    stored: Callable[[str, str | None], Awaitable[Item | None]] | None = None,
+    base: Checked | None = None,
 ) -> tuple[bool, Checked | None]:
     """Whether every reference of a registered input (:attr:`Prefix.refs`) still resolves to the
     item it resolved to then, for a caller of ``scope``: the item of an id as
     :meth:`Engine.stored_items` finds it, among the cached responses (``cached``: the item, the
-    response it was found in and when that one expires) or else in the store (``stored``).
-    Matched by its bytes, an input's references are not resolved again; one whose item was
-    deleted since (or that names another now) is answered as from scratch, so the request is
-    then matched with its whole input. Beside it, when every one was found among the cached
-    responses, where (:data:`~hotloop.state.prefix.Checked`), else ``None``."""
-    deadline = float("inf")
-    holders: set[str] | None = set()
+    response it was found in and when that one expires) or else in the store (``stored``; without
+    it, an item the cached responses lack counts as not found). Matched by its bytes, an input's
+    references are not resolved again; one whose item was deleted since (or that names another
+    now) is answered as from scratch, so the request is then matched with its whole input.
+    Beside it, when every one was found among the cached responses, where
+    (:data:`~hotloop.state.prefix.Checked`, added to ``base``: where others were found), else
+    ``None``."""
+    deadline = base[1] if base is not None else float("inf")
+    holders: set[str] | None = set(base[0]) if base is not None else set()
     for rid, item in refs.items():
         got = cached(rid, scope)
         if got is None:
+            if stored is None:
+                return False, None
             holders = None
             found = await stored(rid, scope)
         else:

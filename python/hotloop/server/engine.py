@@ -49,7 +49,7 @@ from hotloop.protocol.request import CreateRequest, Item, ItemReference, Prepare
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state import fpkey
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
-from hotloop.state.prefix import Checked, Prefix, PrefixCache, Sent
+from hotloop.state.prefix import Prefix, PrefixCache, Sent
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
@@ -425,27 +425,13 @@ class Engine:
         if req.previous_response_id is None and raw_input is not None:
             run.raw_input = reg = reuse.registration(raw_input, refs, nrefs)
             if reg is not None and reg.refs:
-                reg.checked = self._checked(reg.refs if vouched is None else added, vouched, scope)
+                # where they were found among the cached responses (Prefix.checked): with the raw
+                # hit's vouched for, only those this request added are looked up (an AI SDK
+                # history names every earlier reasoning item each step)
+                _, reg.checked = await reuse.still_named(
+                    reg.refs if vouched is None else added, scope, self.responses.find_item_held, base=vouched
+                )
         return run
-
-    def _checked(self, refs: dict[str, Item], vouched: Checked | None, scope: str | None) -> Checked | None:
-        """Where each of a registered input's references was found among the cached responses
-        (:attr:`Prefix.checked`), so that the next raw hit on it need not look them up again
-        while those responses are all still cached and unexpired; ``None`` when one is not found
-        there (only in the store). ``refs``: all of them, or, with the raw hit's own ``vouched``
-        for, those the request added: an AI SDK history names every earlier reasoning item each
-        step, so a step looks up only its new ones."""
-        responses = self.responses
-        holders = set(vouched[0]) if vouched is not None else set()
-        deadline = vouched[1] if vouched is not None else float("inf")
-        for rid, item in refs.items():
-            got = responses.find_item_held(rid, scope)
-            if got is None or (got[0] is not item and got[0] != item):
-                return None
-            holders.add(got[1])
-            if got[2] < deadline:
-                deadline = got[2]
-        return frozenset(holders), deadline, scope
 
     def _opening(self, p: Prepared, plan: Plan, transport: str) -> tuple[Turn, list[Frame]]:
         """A new response's turn, and its opening events (``response.created``,
