@@ -114,6 +114,33 @@ def test_a_raw_hit_takes_the_references_to_check_when_it_matches() -> None:
     assert cache.nbytes < before
 
 
+def test_the_holders_of_a_registrations_references_count_in_its_size() -> None:
+    # Prefix.checked holds one id per cached response its references were found in (an AI SDK
+    # history of n steps: up to n of them): the set counts in the prefix cache's byte bound,
+    # and leaves it with the registration's bytes (drop_raw)
+    cache = PrefixCache()
+    texts = ["x" * 300, "second"]
+    _, _, raw = reuse.decode_create(_body(texts), cache, "alice")
+    named = {f"rs_{i}": Message(role="user", content=f"item {i}") for i in range(200)}
+    reg = reuse.registration(raw, named, len(named))  # type: ignore[arg-type]
+    assert reg is not None
+    e = _entry(texts)
+    last = itemlib.fingerprint(e.context.items[-1])
+
+    def prefix(checked: Any) -> Prefix:
+        return Prefix(
+            e, 2, last, e.context.nbytes, reg.raw, reuse.head_of(reg.raw), None, reg.lead, refs=reg.refs, nrefs=reg.nrefs,
+            checked=checked,
+        )
+
+    holders = frozenset(f"resp_{i:040d}" for i in range(200))
+    plain, held = prefix(None), prefix((holders, 1e18, None))
+    assert held.size - plain.size == holders.__sizeof__() > 200 * 8
+    assert cache.put(held) and cache.nbytes == held.size
+    cache.drop_raw(held)
+    assert held.checked is None and cache.nbytes == held.size < plain.size
+
+
 def test_a_body_repeating_the_last_one_is_decoded_without_the_prefix() -> None:
     cache = PrefixCache()
     texts = ["x" * 300, "second"]

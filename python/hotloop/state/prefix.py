@@ -165,6 +165,9 @@ class Prefix:
             lead += len(self.after) + len(template.instructions or "")
         # (a reference's item is one of the entry's items: its dict slot is counted, not the item)
         refs = len(self.refs) * SENT_BYTES if self.refs else 0
+        checked = self.checked
+        if checked is not None:  # its set of holder ids (the ids themselves are the cache's keys)
+            refs += checked[0].__sizeof__()
         return entry_nbytes(self.entry) + held + lead + (len(self.sent) * SENT_BYTES if self.sent else 0) + refs
 
     def context(self) -> Context:
