@@ -18,7 +18,7 @@ from hotloop.pipeline.prepare import finished, prepare
 from hotloop.protocol.objects import IdGen, response_object
 from hotloop.protocol.request import decode_body, item_to_dict, validate
 from hotloop.state.context import CachedResponse
-from hotloop.state.store import MemoryStore, SQLiteStore
+from hotloop.state.store import MemoryStore, SQLiteStore, UsageRecord
 
 IDS = IdGen(deterministic=True)
 
@@ -157,6 +157,43 @@ def test_flush_is_a_barrier_under_a_stream_of_writes() -> None:
         await writer
         await p.flush()
         assert store.order == [e.id for e in first + later] and not p.pending
+        await p.close()
+
+    asyncio.run(main())
+
+
+def test_a_barrier_that_waits_for_room_does_not_wait_for_writes_submitted_meanwhile() -> None:
+    """flush() queues the buffered ledger records as its last job; when the queue is full that
+    job waits for room, and a write submitted meanwhile is queued after it: the barrier does
+    not wait for that one (a DELETE or a usage listing under a stream of writes)."""
+    store = GatedStore()
+
+    async def main() -> None:
+        p = Persistence(store, max_pending=1)
+        r1, r2, r3 = (_entry(f"resp_{i}") for i in (1, 2, 3))
+        gate, never = threading.Event(), threading.Event()
+        store.gates[r1.id] = gate
+        store.gates[r3.id] = never  # opened only once the barrier has returned
+        await p.submit(r1, ledger=False)
+        while r1.id not in store.entered:  # the writer holds r1
+            await asyncio.sleep(0.001)
+        await p.submit(r2, ledger=False)  # the queue is full now
+        p.charge(UsageRecord("m", 1, 1, 0, 0, time.time()))
+        barrier = asyncio.ensure_future(p.flush())
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(p.submit(r3, ledger=False))  # after the call
+        await asyncio.sleep(0)
+        assert not barrier.done()
+        gate.set()
+        try:
+            target = await asyncio.wait_for(barrier, 10)  # a guard: waiting for r3 would hang here
+            assert store.order == [r1.id, r2.id] and store.usage() and r3.id not in store.order
+            assert p.seq > target
+        finally:
+            never.set()
+        await later
+        await p.flush()
+        assert store.order == [r1.id, r2.id, r3.id]
         await p.close()
 
     asyncio.run(main())

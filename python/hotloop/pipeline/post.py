@@ -417,9 +417,9 @@ class Persistence:
     async def flush(self) -> int:
         """Wait until every job submitted before this call is written (a barrier: later jobs
         do not delay it); the sequence number it waited for."""
-        if self._usage:
-            await self._enqueue("usage", self._take_usage(), 0)
-        target = self._seq
+        # the buffered ledger records are this call's last job: numbered before any wait for
+        # room, so jobs submitted while it waits are not waited for
+        target = await self._enqueue("usage", self._take_usage(), 0) if self._usage else self._seq
         if self._done >= target or self._task is None:
             return target
         fut = asyncio.get_running_loop().create_future()
@@ -725,8 +725,10 @@ class Persistence:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _enqueue(self, kind: str, payload: Any, nbytes: int) -> None:
-        """Queue a job without ever losing it to the caller's cancellation.
+    async def _enqueue(self, kind: str, payload: Any, nbytes: int) -> int:
+        """Queue a job without ever losing it to the caller's cancellation; its sequence number
+        (given before any wait: a job submitted meanwhile has a higher one), or the last one
+        handed out when the store is closed and nothing is queued.
 
         The common case does not suspend at all. When the queue is full the caller waits in
         line (the back-pressure), shielded: a caller cancelled meanwhile (a client that left)
@@ -738,16 +740,17 @@ class Persistence:
                     self._late_put(payload.entry.id)
                 else:
                     self._late_usage(payload, None)
-                return
+                return self._seq
             self.start()
         job = self._job(kind, payload, nbytes)
         if not self._blocked and self._has_room(nbytes):
             self._push(job)
-            return
+            return job.seq
         fut = asyncio.get_running_loop().create_future()
         self._blocked.append((job, fut))
         self._wake()  # a turn waits for room: no commit delay
         await asyncio.shield(fut)
+        return job.seq
 
     def _finished(self, seq: int) -> None:
         self._done = seq
