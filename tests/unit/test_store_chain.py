@@ -415,3 +415,83 @@ def test_a_tombstone_keeps_its_items_and_nothing_else(store) -> None:
         kept = store._nodes["a"].rec
         assert kept.response == {"id": "a"} and kept.states is None and kept.items == items
     assert store.delete("b") and store.get("b") is None
+
+
+
+class _Between:
+    """A store's connection that, once a statement reading ``table`` has run, runs ``act``
+    (another process's commit) before the next statement."""
+
+    def __init__(self, db: sqlite3.Connection, table: str, act: Any) -> None:
+        self.db, self.table, self.act, self.armed, self.acted = db, table, act, False, False
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if self.armed and not self.acted:
+            self.acted = True
+            self.act()
+        if self.table in sql:
+            self.armed = True
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+
+def _big(store: SQLiteStore, rid: str) -> None:
+    """A response whose instructions are kept in a body of their own (its settings)."""
+    big = {"id": rid, "object": "response", "instructions": "i" * 5000, "output": []}
+    store.put(StoredResponse(big, [_item(rid, 0, "hi")], [b"s" * 16], [1], 1, minted=[True]))
+    assert store._db.execute("SELECT settings_hash FROM responses WHERE id = ?", (rid,)).fetchone()[0]
+
+
+@pytest.mark.parametrize("which", ["chained", "root", "settings"])
+def test_a_load_racing_another_workers_delete_reads_one_state_of_the_file(tmp_path, which: str) -> None:
+    """--workers: two processes on one file. A delete the other one commits between a load's
+    statements (the response's row, then its settings' body and its items) is wholly after the
+    load: never a response with part of its history, or without its settings."""
+    path = tmp_path / "h.sqlite3"
+    here, there = SQLiteStore(path), SQLiteStore(path)
+    try:
+        chain = Chain(here)
+        for _ in range(3):
+            chain.add()
+        rid = {"chained": chain.ids[-1], "root": chain.ids[0], "settings": "resp_s"}[which]
+        if which == "settings":
+            _big(here, rid)
+        whole = here.get(rid)
+        assert whole is not None and whole.items
+        real = here._db
+        between = _Between(real, "FROM responses", lambda: there.delete(rid))
+        here._db = between  # type: ignore[assignment]
+        try:
+            got = here.get(rid)
+        finally:
+            here._db = real
+        assert between.acted
+        assert got is not None and got.items == whole.items and got.response == whole.response
+        assert here.get(rid) is None and here.get_response(rid) is None
+    finally:
+        here.close()
+        there.close()
+
+
+def test_reading_a_response_racing_another_workers_delete_reads_one_state(tmp_path) -> None:
+    path = tmp_path / "h.sqlite3"
+    here, there = SQLiteStore(path), SQLiteStore(path)
+    try:
+        _big(here, "resp_s")
+        whole = here.get_response("resp_s")
+        assert whole is not None and whole["instructions"] == "i" * 5000
+        real = here._db
+        # the response's row read, then the other worker deletes it (and its settings' body)
+        between = _Between(real, "FROM responses", lambda: there.delete("resp_s"))
+        here._db = between  # type: ignore[assignment]
+        try:
+            got = here.get_response("resp_s")
+        finally:
+            here._db = real
+        assert between.acted and got == whole
+        assert here.get_response("resp_s") is None
+    finally:
+        here.close()
+        there.close()

@@ -1299,9 +1299,26 @@ class SQLiteStore(_Pruned):
         db.execute("DELETE FROM response_items WHERE response_id = ?", (rid,))
         db.executemany(_DROP_BLOB, hashes)
 
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[None]:
+        """One read transaction, under ``_lock``: the statements in it read one state of the file
+        (a WAL snapshot), whatever another process sharing it commits meanwhile (``--workers``:
+        a response deleted or pruned by another worker between a load's statements is loaded
+        whole or not found, never with part of its history). Inside a transaction already (a
+        read in the writer's batch, which holds the write lock) there is nothing to begin."""
+        db = self._db
+        if db.in_transaction:
+            yield
+            return
+        db.execute("BEGIN")
+        try:
+            yield
+        finally:
+            db.execute("COMMIT")  # nothing written: ends the snapshot
+
     def get(self, response_id: str, scope: str | None = None) -> History | None:
         args = (response_id, MAX_CHAIN_DEPTH, time.time() - self.ttl_seconds, scope)
-        with self._lock:
+        with self._lock, self._snapshot():
             head = self._db.execute(_LOAD_HEAD, args).fetchone()
             if head is None:
                 return None
@@ -1347,7 +1364,7 @@ class SQLiteStore(_Pruned):
         return None if row is None else _dec.decode(row[0])  # type: ignore[no-any-return]
 
     def get_response(self, response_id: str, scope: str | None = None) -> dict[str, Any] | None:
-        with self._lock:
+        with self._lock, self._snapshot():
             row = self._db.execute(
                 "SELECT body, settings_hash FROM responses WHERE id=?1 AND live = 1 AND created_at >= ?2"
                 " AND (?3 IS NULL OR owner = ?3)",
