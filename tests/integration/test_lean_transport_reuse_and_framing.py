@@ -4,21 +4,33 @@ below 100: loopback servers scripting the exact bytes, as in ``test_lean_transpo
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from typing import Any
 
 import pytest
+import trustme
 
 from hotloop import errors
 from hotloop.backends.chat.http1 import Pool, open_chat_stream
 from tests.integration.test_lean_transport import Served, collect, read_request, run
 
 
-def test_a_connection_whose_request_is_still_being_written_is_not_reused() -> None:
+@pytest.mark.parametrize(
+    "size, tls",
+    [(16 * 1024 * 1024, False), (512 * 1024, False), (16 * 1024 * 1024, True), (4096, True)],
+    ids=["16MiB", "512KiB", "16MiB-tls", "4KiB-tls"],
+)
+def test_a_connection_answered_before_its_request_body_was_read_is_not_reused(
+    size: int, tls: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The server answers (a 413) after the request's head, without reading its body, and
-    keeps the connection open. The answer is complete but megabytes of the request are still
-    queued in the transport: that connection was put back in the pool, and the next request,
-    queued behind them, waited for the first-byte timeout for an answer that never came."""
-    big = b"x" * (16 * 1024 * 1024)  # more than the kernel's socket buffers take
+    keeps the connection open. A body larger than the kernel's socket buffers is still queued
+    in the transport then; a smaller one (or any over TLS, whose transport counts only what it
+    has not encrypted yet) has left it, unread by the server all the same. Put back in the pool,
+    that connection made the next request queue behind the unread bytes and wait for the
+    first-byte timeout for an answer that never came."""
+    big = b"x" * size
     heads: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -35,9 +47,19 @@ def test_a_connection_whose_request_is_still_being_written_is_not_reused() -> No
         await writer.drain()
         await reader.read()
 
+    server_ctx = None
+    if tls:
+        ca = trustme.CA()
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("localhost", "127.0.0.1").configure_cert(server_ctx)
+        ca_file = tmp_path / "ca.pem"
+        ca.cert_pem.write_to_path(str(ca_file))
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+
     async def main() -> None:
-        async with Served(handler) as srv:
-            pool = Pool(srv.url(), first_byte_timeout=2, idle_timeout=2)
+        async with Served(handler, server_ctx) as srv:
+            host = "localhost" if tls else "127.0.0.1"
+            pool = Pool(f"{'https' if tls else 'http'}://{host}:{srv.port}/v1", first_byte_timeout=2, idle_timeout=2)
             with pytest.raises(errors.InvalidRequest):
                 await open_chat_stream(pool, "/chat/completions", big, backend="t", model="m")
             t0 = time.monotonic()

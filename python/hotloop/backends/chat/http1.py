@@ -19,7 +19,10 @@ What it does, and its bounds:
   second when shorter), by one timer per pool, whether or not a request comes.
 * **Reuse.** A connection goes back to the pool only when its response was read to the end and
   both sides allow keep-alive (and the request was written whole: a server answering early
-  leaves the rest queued). A cancelled, failed or abandoned stream closes its connection.
+  leaves the rest queued), and not after an answer other than a success to a request with a
+  body (the server may have answered without reading the body, whose bytes would then come
+  before the next request's; nothing on this side tells, over TLS least of all). A cancelled,
+  failed or abandoned stream closes its connection.
   An idle connection the server closed is noticed (the pool keeps reading idle sockets) and
   dropped before use; a request is retried on a fresh connection only when no byte of it was
   sent (the connection was found closed before the write). Once written, a request is never
@@ -390,7 +393,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "pool", "transport", "parser", "resp", "closed", "idle_since", "paused", "timer", "reads", "mark",
-        "body_seen", "keep_alive", "draining", "expiry", "counted_out", "nap", "batch", "interim",
+        "body_seen", "keep_alive", "draining", "expiry", "counted_out", "nap", "batch", "interim", "sent_body",
     )
 
     def __init__(self, pool: "Pool") -> None:
@@ -415,6 +418,7 @@ class _Conn(asyncio.Protocol):
         # behind or a read pause held them), and the response gets them joined, once per read.
         self.batch: list[bytes] | None = None
         self.interim = False  # an interim (1xx) response is being parsed; the final one follows
+        self.sent_body = False  # the current request has a body
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -530,7 +534,13 @@ class _Conn(asyncio.Protocol):
             if ce is not None and not _identity(ce):
                 log.warning("%s: response with content-encoding %r", self.pool.origin.host_header, ce[:100])
                 raise _Refused(_ENCODED)
-        self.keep_alive = parser.should_keep_alive()
+        # An answer other than a success to a request with a body may come before the server read
+        # all of it (an early 413 or 400): what it left unread would be read as the start of the
+        # next request sent here, or hold that request up behind it. Nothing on this side tells
+        # (a transport's write buffer is empty once the kernel took the bytes, and a TLS
+        # transport's counts only what it has not yet encrypted): such a connection is closed,
+        # not reused. Error answers are rare; the next request pays one connection's set-up.
+        self.keep_alive = parser.should_keep_alive() and (status < 300 or not self.sent_body)
         resp._head_read = 0  # from here, bytes of reads without body bytes (data_received)
         resp._quiet_at = self.reads
         ka = resp.headers.get("keep-alive")
@@ -603,7 +613,9 @@ class _Conn(asyncio.Protocol):
             resp.on_message_complete()
         # A request still being written (the server answered before reading all of it, as with an
         # early 413) keeps the connection busy: a request sent next would queue behind the rest,
-        # which the server may never read. Closed, not reused; the abort discards the rest.
+        # which the server may never read. Closed, not reused; the abort discards the rest. (A
+        # request with a body answered other than with a success is never reused either:
+        # on_headers_complete.)
         if self.keep_alive and not self.closed and not self.transport.get_write_buffer_size():  # type: ignore[union-attr]
             self.draining = False
             self.pool._release(self)
@@ -634,6 +646,7 @@ class _Conn(asyncio.Protocol):
 
     def send(self, head: bytes, body: Payload | None, resp: Response) -> None:
         self.resp = resp
+        self.sent_body = bool(body)
         self.parser = httptools.HttpResponseParser(self)
         self.interim = False
         self.keep_alive = True
