@@ -342,8 +342,9 @@ def test_silence_mid_body_times_out() -> None:
         b"garbage\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (70 * 1024) + b"\r\n\r\n",
         b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(300)) + b"\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"a: b\r\n" * 300 + b"\r\n",  # one name repeated: as many fields
     ],
-    ids=["garbage-status-line", "oversized-header", "too-many-headers"],
+    ids=["garbage-status-line", "oversized-header", "too-many-headers", "too-many-repeated-headers"],
 )
 def test_invalid_answers_are_backend_errors(answer: bytes) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

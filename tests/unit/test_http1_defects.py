@@ -529,6 +529,10 @@ SECRET = "hunter2pw"
         f"https://alice:{SECRET}@:8443/v1",  # no host
         f"https://alice:{SECRET}@example.com:99999/v1",  # port out of range
         f"https://alice:hun/{SECRET}@example.com/v1",  # an unescaped "/" ends the authority early
+        # ... and after digits, which read as a port: host "alice", the rest of it in the path
+        f"https://alice:8443/{SECRET}@example.com/v1",
+        f"https://alice:8443?{SECRET}@example.com/v1",
+        f"https://alice:8443#{SECRET}@example.com/v1",
         f"https://alice:{SECRET}x@example.com:port/v1",
         f"alice:{SECRET}@example.com:8000/v1",  # no scheme
     ],

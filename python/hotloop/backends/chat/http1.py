@@ -206,6 +206,14 @@ def url_problem(url: str) -> str | None:
         return f"not a valid http(s) URL: {redact_url(url)!r}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"not an http(s) URL: {redact_url(url)!r}"
+    if "@" in parts.path + parts.query + parts.fragment:
+        # an "@" after the host: a password holding an unescaped "/", "?" or "#" ended the
+        # authority early ("user:8443/rest@host" reads as host "user", port 8443), and requests
+        # would go to the wrong host with the rest of the password in their path
+        return (
+            f"not a valid http(s) URL: {redact_url(url)!r} (an '@' after its host: percent-encode a "
+            "'/', '?' or '#' in the password, and an '@' in the path)"
+        )
     return None
 
 
@@ -244,7 +252,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_state", "_chunks", "_pending", "_waiter", "_error",
-        "_head_bytes", "_head_read", "_quiet_at", "_released", "_loop", "push", "_kick",
+        "_head_bytes", "_head_read", "_quiet_at", "_released", "_loop", "push", "_kick", "_fields",
     )
 
     def __init__(self, conn: "_Conn") -> None:
@@ -258,6 +266,7 @@ class Response:
         self._loop = conn.pool.loop
         self._error: BaseException | None = None
         self._head_bytes = 0
+        self._fields = 0  # the head's fields, a repeated name's included (headers joins those)
         self._head_read = 0  # bytes of reads that ended inside the head (_Conn.data_received)
         # then, in the body, of reads in a row without body bytes; ``_quiet_at``: the last one's
         # number (that of the read that ended the head, until one comes)
@@ -274,7 +283,8 @@ class Response:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_HEAD_BYTES or len(self.headers) >= MAX_HEADERS:
+        self._fields += 1
+        if self._head_bytes > MAX_HEAD_BYTES or self._fields > MAX_HEADERS:
             raise _TooLarge()
         key = name.decode("latin-1").lower()
         prev = self.headers.get(key)
@@ -518,6 +528,7 @@ class _Conn(asyncio.Protocol):
                 raise _NotHttp()
             self.interim = True
             resp.headers = {}
+            resp._fields = 0
             resp._head_bytes += _INTERIM_HEAD_BYTES
             if resp._head_bytes > MAX_HEAD_BYTES:
                 raise _TooLarge()
