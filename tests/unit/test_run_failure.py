@@ -8,8 +8,11 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
+import pytest
+
 from hotloop import errors
 from hotloop.config import Config
+from hotloop.pipeline import items as itemlib
 from hotloop.protocol.chunks import Finish, TextDelta
 from hotloop.protocol.request import decode_body
 from hotloop.server.runner import make_app
@@ -216,3 +219,53 @@ def test_a_client_that_leaves_before_the_first_token_is_charged_its_input() -> N
 
     [row] = asyncio.run(asyncio.wait_for(main(), 30))
     assert row["responses"] == 1 and 1500 < row["input_tokens"] < 4000 and row["output_tokens"] == 0
+
+
+@contextlib.asynccontextmanager
+async def _serving(stream: Any) -> AsyncIterator[Any]:
+    """An app on the simulator's configuration whose backend streams ``stream``."""
+    app = make_app(Config(store="memory", sim_rate=0))
+    await app.startup()
+    app.engine.backend.stream = stream  # type: ignore[method-assign]
+    try:
+        yield app
+    finally:
+        await app.shutdown()
+
+
+async def _reset(_req: Any) -> AsyncIterator[Any]:
+    yield TextDelta("partial")
+    raise errors.BackendError("The connection was reset.")
+
+
+@pytest.mark.parametrize("how", ["steer", "abort"])
+def test_a_steer_or_abort_while_a_failed_stream_waits_for_its_counts_does_not_cancel_the_run(how: str) -> None:
+    """The backend's stream fails; the run waits for its input's token counts (the tokenizer
+    thread, for a large input) before its terminal event. A steer or an abort then (the
+    shutdown grace's end) cancelled the run's task as if it still waited on the backend: no
+    terminal event, and over WebSocket a lane that never ran another response."""
+
+    async def main() -> None:
+        async with _serving(_reset) as app:
+            counted: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            plans: list[Any] = []
+
+            def count_later(plan: Any) -> asyncio.Future[Any]:
+                plans.append(plan)
+                return counted  # held back until the run waits for it
+
+            app.engine._count_later = count_later  # type: ignore[method-assign]
+            run = await app.engine.start(decode_body(b'{"model":"hotloop-sim","input":"hi","store":false}'), transport="json")
+            drained = asyncio.create_task(run.drain())
+            await asyncio.sleep(0.05)  # the stream has failed; the run waits in _settle
+            assert not drained.done() and run.turn.response["status"] == "in_progress"
+            if how == "steer":
+                run.steer()
+            else:
+                run.abort(errors.ServerShuttingDown("The server is shutting down."))
+            await asyncio.sleep(0.01)
+            counted.set_result(itemlib.count_pending(*plans[0].pending_texts()))
+            response = await asyncio.wait_for(drained, 5)
+            assert response["status"] in ("failed", "incomplete"), response["status"]
+
+    asyncio.run(main())

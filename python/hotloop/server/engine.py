@@ -1109,7 +1109,11 @@ class Run:
                                 await self._settle()
                                 yield self._stop()
                                 break
-                            watchdog.since = None
+                            finally:
+                                # out of the backend await however it ended (a chunk, the stream's
+                                # end, its failure): a steer or an abort from now on must not
+                                # cancel this task (_interrupt), which may wait in _settle below
+                                watchdog.since = None
                             if type(chunk) in _TERMINAL_CHUNKS:
                                 await self._settle()
                             out = turn.feed(chunk)
