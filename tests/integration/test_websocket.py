@@ -292,6 +292,29 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
         assert "Traceback" not in server.logs()
 
 
+def test_a_client_whose_frames_wait_for_room_is_not_let_go_at_the_keepalive_timeout(tmp_path) -> None:
+    """The connection's queue is full (frames wait behind a long response for
+    ``ws_max_queued_bytes``), so the server stops reading it. The client's pongs are then among
+    the bytes not read: the server's keepalive took their absence for a client gone, closed a
+    healthy connection with 1011 and cancelled its responses. Now the deadline waits for reading
+    to resume, and every response is answered."""
+    args = ("--store", "memory", "--ws-ping-interval", "0.5", "--ws-ping-timeout", "0.5")
+    with run_server(tmp_path, *args, env={"HOTLOOP_WS_MAX_QUEUED_BYTES": "200000"}) as server:
+        with ws_connect(server.ws + "/responses", open_timeout=10, max_size=None, compression=None, ping_interval=None) as ws:
+            ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "long", "store": False,
+                                "metadata": {"sim": "tokens:30,rate:10"}}))  # 3 s: six pings
+            for _ in range(4):  # 150 KB each: the second waits for room, unread
+                ws.send(json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "x" * 150_000,
+                                    "store": False, "metadata": {"sim": "tokens:3"}}))
+            done = []
+            while len(done) < 5:
+                event = json.loads(ws.recv(timeout=30))
+                if event["type"] in ("response.completed", "response.failed", "response.incomplete", "error"):
+                    done.append(event["type"])
+            assert done == ["response.completed"] * 5
+        assert "keepalive" not in server.logs() and "Traceback" not in server.logs()
+
+
 def test_a_text_message_that_is_not_utf8_closes_with_1007_and_one_log_line(server) -> None:
     """uvicorn logged each such message as an ERROR with a traceback: any client could flood
     the log. Now one line; the close is 1007 as before."""
