@@ -424,14 +424,15 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.write(b"".join(output))
 
     def keepalive_timeout(self) -> None:
-        if self.read_paused and not self.close_sent and self.transport is not None and not self.transport.is_closing():
+        timeout = self.ping_timeout  # (set: this deadline is only armed with one)
+        if self.read_paused and timeout and not self.close_sent and self.transport is not None and not self.transport.is_closing():
             # Reading is paused by the server itself (the connection's actions wait for room,
             # ws.py, and a message for the application waits: _deliver): the pong may be among
             # the bytes not read, so its absence says nothing of the client. The deadline runs
             # again from now, and once reading resumes a pong ends it (handle_pong) or it fails
             # the connection as ever. (A client gone meanwhile is seen then, at the latest when
             # the responses that hold the queue end.)
-            self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
+            self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
             return
         # uvicorn writes a close frame and closes the transport, which first waits for its write
         # buffer to drain: a client that reads nothing never drains it, so the connection, its
