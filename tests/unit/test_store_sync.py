@@ -20,17 +20,19 @@ def _events(raw: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
 
 
-async def _run(tmp: Path, sync: str, fail: bool) -> tuple[list[dict[str, Any]], int, int, dict[str, Any]]:
+async def _run(tmp: Path, sync: str, fail: bool, what: str = "put") -> tuple[list[dict[str, Any]], int, int, dict[str, Any]]:
+    """A streamed response, then a GET of it and a continuation of it; with ``fail``, the
+    store's ``what`` (``put``: the response's write, ``record_usage``: its ledger entry's) fails."""
     app = make_app(Config(store="sqlite", data_dir=str(tmp / sync), sim_rate=0, store_sync=sync))
     await app.startup()
     store = app.persistence.store
-    put = store.put
+    put = getattr(store, what)
 
     def broken(rec: Any) -> None:
         raise sqlite3.OperationalError("database or disk is full")
 
     if fail:
-        store.put = broken  # type: ignore[method-assign]
+        setattr(store, what, broken)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             body = {"model": "hotloop-sim", "input": "hi", "stream": True, "metadata": {"sim": "tokens:5"}}
@@ -40,7 +42,7 @@ async def _run(tmp: Path, sync: str, fail: bool) -> tuple[list[dict[str, Any]], 
             await app.persistence.flush()
             got = await c.get(f"/v1/responses/{rid}")
             cont = await c.post("/v1/responses", json={"model": "hotloop-sim", "input": "next", "previous_response_id": rid})
-            store.put = put  # type: ignore[method-assign]
+            setattr(store, what, put)
             return events, got.status_code, cont.status_code, cont.json()
     finally:
         await app.shutdown()
@@ -57,6 +59,17 @@ def test_a_failed_write_under_full_sync_fails_the_response(tmp_path: Path) -> No
     assert failed["error"]["message"] == "The response could not be stored."
     assert "disk" not in json.dumps(events)  # nothing internal reaches the client
     # the response is nowhere: not readable, not continuable (the caches dropped it too)
+    assert got == 404
+    assert cont == 400 and body["error"]["code"] == "previous_response_not_found"
+
+
+def test_a_failed_ledger_write_under_full_sync_leaves_no_response_behind(tmp_path: Path) -> None:
+    """The response's write succeeded, its ledger entry's failed: the client is told it failed,
+    so it is not kept either (it stayed stored as completed: readable and continuable)."""
+    events, got, cont, body = uvloop.run(_run(tmp_path, "full", fail=True, what="record_usage"))
+    kinds = [e["type"] for e in events]
+    assert kinds[-2:] == ["error", "response.failed"], kinds
+    assert events[-1]["response"]["error"]["message"] == "The response could not be stored."
     assert got == 404
     assert cont == 400 and body["error"]["code"] == "previous_response_not_found"
 

@@ -1054,11 +1054,20 @@ class Run:
             return True
         upto = await persistence.flush()  # submitted: the ledger entry, and the response if stored
         rid = str(r["id"])
-        if not (r.get("store") and persistence.lost(rid)) and not persistence.ledger_lost(before, upto):
+        put_lost = bool(r.get("store")) and persistence.lost(rid)
+        if not put_lost and not persistence.ledger_lost(before, upto):
             return True
         if self.conn is not None:
             self.conn.evict(rid, self.prepared.req.stream_id)
         engine.responses.evict(rid)
+        if r.get("store") and not put_lost:
+            # stored, though its ledger entry was not: the client is told it failed, so it must
+            # not stay stored as completed (retrieved, or continued) either
+            try:
+                await persistence.delete(rid, None)
+            except Exception:  # (StoreBusy: the store still locked) it stays, and says so once
+                log.warning("response %s: its ledger entry was not written, and it could not be deleted from the store", rid)
+            engine.deleted(rid)
         return False
 
     async def _frames(self) -> AsyncGenerator[list[Frame], None]:
