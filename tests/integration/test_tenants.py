@@ -60,6 +60,7 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     keys = {name: create_key(data, name) for name in ("alice", "bob")}
     keys["limited"] = create_key(data, "limited", "--rpm", "3")
     keys["tokens"] = create_key(data, "tokens", "--tpm", "1000")
+    keys["dense"] = create_key(data, "dense", "--tpm", "2000")
     keys["ws-rpm"] = create_key(data, "ws-rpm", "--rpm", "60")
     keys["cut-sse"] = create_key(data, "cut-sse", "--tpm", "5000")
     keys["cut-ws"] = create_key(data, "cut-ws", "--tpm", "5000")
@@ -320,6 +321,20 @@ def test_token_limits_reserve_then_correct(tenants: Tenants) -> None:
         # the socket stays usable and the refused continuation did not evict its (unstored) parent
         last = send_create(ws, input="z", max_output_tokens=16, previous_response_id=prev, store=False)[-1]
         assert last["type"] in ("response.completed", "response.incomplete")
+
+
+def test_an_input_over_the_whole_tpm_is_too_large_however_dense_its_text(tenants: Tenants) -> None:
+    """The reservation counts text not yet counted as one token per 4 characters; 1,000 rare
+    CJK characters are about 4,000 tokens (4 each), not 250: admitted under a TPM of 2,000, the
+    response ran and put the key into debt, instead of being refused "too large"."""
+    dense = "".join(chr(0x20000 + 7 * i) for i in range(1000))
+    with tenants.http("dense") as h:
+        r = h.post("/v1/responses", json={"model": "hotloop-sim", "input": dense, "max_output_tokens": 16})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "tokens", r.text
+        assert "Request too large" in r.json()["error"]["message"] and "retry-after" not in r.headers
+        # nothing was charged: a response that fits goes through at once
+        ok = h.post("/v1/responses", json={"model": "hotloop-sim", "input": "hi", "max_output_tokens": 16})
+        assert ok.status_code == 200
 
 
 def test_request_limits_over_websocket_keep_the_socket(tenants: Tenants) -> None:

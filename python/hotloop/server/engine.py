@@ -359,6 +359,13 @@ class Engine:
                 plan.flags = _merged(outcome.tally(), settings_flags)
             await self.fit_window(plan, req, tenant)
             if self.tenancy is not None:
+                tpm = tenant.limits.tpm
+                if tpm is not None and not plan.settled and window.upper_bound(plan) > tpm:
+                    # The reservation counts text still to count as one token per 4 characters,
+                    # corrected when the response ends; text denser than that (CJK) could make
+                    # one response more than the key's whole TPM, admitted and charged into
+                    # debt instead of refused "too large": an input that may be so is counted now
+                    await self.count_input(plan)
                 admitted = self.tenancy.admit_response(tenant, plan.input_estimate(), req.max_output_tokens)
                 grant = admitted if admitted is None or isinstance(admitted, Grant) else await admitted
             counts = self._count_later(plan)
