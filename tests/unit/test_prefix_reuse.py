@@ -874,3 +874,37 @@ def test_an_ai_sdk_history_looks_up_only_the_references_it_adds(tmp_path: Path) 
             await app.shutdown()
 
     uvloop.run(main())
+
+
+def test_a_fork_through_the_prefix_cache_does_not_answer_for_ids_the_server_minted_elsewhere(tmp_path: Path) -> None:
+    """A full-history request that reuses a stored response's input as a fork (not all of its
+    history: stored with its whole input) holds that response's items, with the ids the server
+    minted for them. Stored as this response's own minted ids, an item_reference to one still
+    resolved after the response that minted it was deleted: from scratch it is not found (the
+    fork would have minted ids of its own)."""
+
+    async def main() -> None:
+        app = _app(tmp_path)
+        await app.startup()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                m1 = {"role": "user", "content": "the first message of a fork " * 10}
+                r1 = await _post(client, {"input": [m1]})
+                listed = (await client.get(f"/v1/responses/{r1['id']}/input_items")).json()["data"]
+                m1_id = listed[0]["id"]
+                r2 = await _post(client, {"input": [m1, {"role": "user", "content": "a different second turn"}]})
+                assert _cached(r2) > 0  # the fork reused r1's input
+                ref = {"input": [{"type": "item_reference", "id": m1_id}]}
+                assert (await _post(client, ref))["status"] == "completed"  # r1 minted it, and is kept
+                assert (await client.delete(f"/v1/responses/{r1['id']}")).status_code == 200
+                await app.persistence.flush()
+                for _ in ("cached", "stored"):  # the fork's cached entry, then (as after a restart) the store
+                    r = await client.post("/v1/responses", json={"model": "hotloop-sim", **ref})
+                    assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found", r.text
+                    app.engine.responses.clear()
+                # the fork itself is still whole
+                assert (await client.get(f"/v1/responses/{r2['id']}/input_items")).status_code == 200
+        finally:
+            await app.shutdown()
+
+    uvloop.run(main())

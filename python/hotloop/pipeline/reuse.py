@@ -298,15 +298,18 @@ def unshift(exc: errors.HotloopError, n: int) -> None:
 
 def adopt(entry: CachedResponse, stand_in: CachedResponse | None, prefix: Prefix) -> None:
     """A finished response that reused ``prefix`` and is stored with its whole input (or not
-    stored): the reused items are its own, not a parent's. Ids a client chose among them
-    (``stand_in``, :func:`parent_of`, with :meth:`Prefix.supplied`) stay chosen: they never
-    resolve as ids the server minted (an ``item_reference``, an admin's look-up across keys),
-    whichever response holds them now. (One that reused all of a stored response's history
-    keeps that response as its parent instead, as :func:`prepare.finished` made it: see
-    :func:`hotloop.pipeline.post.stored_base`.)"""
+    stored): the reused items are its own, not a parent's. None of their ids is one this
+    response minted: a client chose it, or the server minted it for the response the prefix
+    came from (or an earlier one). So every id among them counts as chosen here (with those of
+    ``stand_in``, :func:`parent_of`): it never resolves as a minted id through this response (an
+    ``item_reference``, an admin's look-up across keys), only through the response that minted
+    it, while that one is kept; deleted, a reference to it is not found, as from scratch, where
+    this response would have minted ids of its own for those items. (One that reused all of a
+    stored response's history keeps that response as its parent instead, as
+    :func:`prepare.finished` made it: see :func:`hotloop.pipeline.post.stored_base`.)"""
     entry.parent_id = None
     entry.base_len = 0
-    chosen = prefix.supplied()
+    chosen = prefix.supplied() | {i for i in map(item_id_of, entry.context.items[: prefix.n]) if i}
     if stand_in is not None and stand_in.supplied:
         chosen = chosen | stand_in.supplied
     if chosen:
