@@ -15,6 +15,7 @@ from hotloop.backends.chat import (
     OPENAI_COMPAT,
     ChatChunk,
     ChunkAssembler,
+    RenderCache,
     TransientBackendError,
     encode_request,
     render,
@@ -175,7 +176,47 @@ def test_images() -> None:
             render(files, d)
     img_out = request([fcall("c1"), {"type": "function_call_output", "call_id": "c1", "output": [parts[1]]}])
     with pytest.raises(errors.UnsupportedParameter):
-        render(img_out, OPENAI_COMPAT)
+        render(img_out, CEREBRAS)  # a backend that reads no images: refused wherever they are
+    file_out = request([fcall("c1"), {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_file", "file_id": "f"}]}])
+    with pytest.raises(errors.UnsupportedParameter):
+        render(file_out, OPENAI_COMPAT)
+
+
+def test_images_in_tool_outputs_follow_the_turns_tool_messages() -> None:
+    """A tool's output with images (Codex's view_image, an AI SDK tool result): a chat tool
+    message holds text only, so its images follow the turn's tool messages as a user message
+    naming the call; the results of the turn's calls stay right after them."""
+    png = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}
+    jpg = {"type": "input_image", "image_url": "https://example.com/b.jpg", "detail": "high"}
+    req = request(
+        [
+            user("look at these"),
+            fcall("c1"),
+            fcall("c2"),
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "a.png:"}, png]},
+            {"type": "function_call_output", "call_id": "c2", "output": [jpg]},
+            assistant("two images"),
+        ]
+    )
+    msgs = render(req, OPENAI_COMPAT)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "user", "user", "assistant"]
+    assert msgs[2] == {"role": "tool", "tool_call_id": "c1", "content": "a.png:"}
+    assert msgs[3] == {"role": "tool", "tool_call_id": "c2", "content": ""}
+    assert msgs[4] == {"role": "user", "content": [
+        {"type": "text", "text": "Images from the output of tool call c1:"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "auto"}},
+    ]}
+    assert msgs[5]["content"][1] == {"type": "image_url", "image_url": {"url": "https://example.com/b.jpg", "detail": "high"}}
+    # the request's last items: the images end it (what the model answers next)
+    tail = request([user("go"), fcall("c1"), {"type": "function_call_output", "call_id": "c1", "output": [png]}])
+    assert [m["role"] for m in render(tail, OPENAI_COMPAT)["messages"]] == ["user", "assistant", "tool", "user"]
+    # the cached rendering of a conversation extended turn by turn gives the same bytes
+    cache = RenderCache(OPENAI_COMPAT)
+    items = list(tail.items)
+    first = cache.render(items)
+    longer = items + list(request([assistant("seen"), user("and now")]).items)
+    assert b",".join(first) == b",".join(cache.render(items))
+    assert b",".join(cache.render(longer)).startswith(b",".join(first))
 
 
 @pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
@@ -629,7 +670,6 @@ def test_a_backend_400_shows_its_json_message_without_internals_or_credentials(c
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hotloop.backends.chat import RenderCache  # noqa: E402
 
 _raw_item = st.one_of(
     st.builds(lambda r, t: {"role": r, "content": t}, st.sampled_from(["user", "system", "developer", "assistant"]), st.text(max_size=12)),

@@ -122,8 +122,9 @@ def _content(content: Union[str, list[Any]], dialect: Dialect) -> Union[str, lis
     return parts
 
 
-def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> str:
-    """Assistant and tool content: chat servers widely accept only a string there."""
+def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str, images: list[Any] | None = None) -> str:
+    """Assistant and tool content: chat servers widely accept only a string there. With
+    ``images`` (a list), image parts are appended to it instead of refused."""
     if isinstance(content, str):
         return content
     out: list[str] = []
@@ -131,6 +132,8 @@ def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str) -> s
         kind = type(p)
         if kind is InputText or kind is OutputText:
             out.append(p.text)
+        elif kind is InputImage and images is not None:
+            images.append(p)
         elif kind is Refusal:
             # A refusal the assistant gave (a ``refusal`` part of an output message, sent back as
             # input or through previous_response_id) goes back as the assistant's content text,
@@ -178,7 +181,21 @@ def _render_items(
         encoded[-1] = enc(merged)
         return True
 
+    # A tool's output may hold images (Codex's view_image, an AI SDK tool result), which a chat
+    # server's tool message cannot: with a dialect that reads images they follow the run of tool
+    # messages they came in (strict servers want every result of a turn's calls right after
+    # them), as a user message naming the call (other parts of a tool's output are refused).
+    shown: list[tuple[str, list[Any]]] = []
+
+    def show() -> None:
+        for call_id, images in shown:
+            add({"role": "user", "content": [{"type": "text", "text": f"Images from the output of tool call {call_id}:"},
+                                            *_content(images, dialect)]})
+        shown.clear()
+
     for item in items:
+        if shown and not isinstance(item, FunctionCallOutput):
+            show()
         if isinstance(item, Message):
             if item.role == "assistant":
                 text = _text_only(item.content, dialect, "assistant messages")
@@ -213,13 +230,11 @@ def _render_items(
                 msg["tool_calls"] = [call]
                 add(msg)
         elif isinstance(item, FunctionCallOutput):
-            add(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.call_id,
-                    "content": _text_only(item.output, dialect, "function_call_output"),
-                }
-            )
+            images: list[Any] | None = [] if dialect.images else None
+            text = _text_only(item.output, dialect, "function_call_output", images)
+            add({"role": "tool", "tool_call_id": item.call_id, "content": text})
+            if images:
+                shown.append((item.call_id, images))
             reasoning = ""
         elif isinstance(item, Reasoning):
             # Its raw reasoning, else the text its encrypted_content seals if this server sealed
@@ -245,6 +260,7 @@ def _render_items(
         elif isinstance(item, ItemReference):
             # The server resolves references before calling a backend; one left here is a bug.
             raise errors.ServerError()
+    show()
     return reasoning
 
 
