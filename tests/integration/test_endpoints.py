@@ -200,8 +200,31 @@ def test_input_items_list_messages_in_their_item_form(tmp_path) -> None:
             items = client.responses.input_items.list(rid, order="asc").data
             assert [(i.role, i.status, [(c.type, c.text) for c in i.content]) for i in items] == want  # type: ignore[union-attr]
             raw = httpx.get(f"{s.v1}/responses/{rid}/input_items", params={"order": "asc"}, timeout=10).json()["data"]
-            assert raw[2]["content"] == [{"type": "output_text", "text": "an earlier answer", "annotations": []}]
+            assert raw[2]["content"] == [{"type": "output_text", "text": "an earlier answer", "annotations": [], "logprobs": []}]
             assert all(i["id"].startswith("msg_") for i in raw)
+
+
+def test_input_items_list_fields_stored_without_their_defaults(client: OpenAI) -> None:
+    """Items are stored without fields that hold their default; listed, they have them, as
+    OpenAI lists them and the SDKs' types need them: openai-python typed a user message whose
+    image had no ``detail`` as an assistant's output message, and gave ``None`` for a reasoning
+    item's ``summary`` and an ``output_text``'s ``annotations``."""
+    sent = [
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "what is this"}, {"type": "input_image", "image_url": "https://example.com/a.png"}]},
+        {"type": "reasoning", "id": "rs_listed1", "content": [{"type": "reasoning_text", "text": "I think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello there"}]},
+        {"type": "message", "role": "user", "content": "and now?"},
+    ]
+    rid = client.responses.create(model="hotloop-sim", input=sent).id  # type: ignore[arg-type]
+    items = client.responses.input_items.list(rid, order="asc").data
+    assert [type(i).__name__ for i in items] == [
+        "ResponseInputMessageItem", "ResponseReasoningItem", "ResponseOutputMessage", "ResponseInputMessageItem"]
+    image = items[0].content[1]  # type: ignore[union-attr]
+    assert image.type == "input_image" and image.detail == "auto"
+    assert items[1].summary == []  # type: ignore[union-attr]
+    text = items[2].content[0]  # type: ignore[union-attr]
+    assert text.annotations == [] and text.logprobs == []  # type: ignore[union-attr]
 
 
 def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:

@@ -803,21 +803,47 @@ def item_to_dict(item: Item) -> dict[str, Any]:
     return msgspec.to_builtins(item)  # type: ignore[no-any-return]
 
 
+# Fields an item or a part is stored without when they hold their default (omit_defaults), and
+# which OpenAI lists (and the SDKs' types require: openai-python typed a user message whose
+# image had no ``detail`` as an assistant's output message, and left ``summary`` and
+# ``annotations`` None for code that iterates them)
+_PART_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "output_text": (("annotations", ()), ("logprobs", ())),
+    "input_image": (("detail", "auto"),),
+}
+
+
+def _listed_part(p: Any) -> Any:
+    defaults = _PART_DEFAULTS.get(str(p.get("type"))) if type(p) is dict else None
+    if not defaults or all(k in p for k, _ in defaults):
+        return p
+    return {**p, **{k: list(v) if type(v) is tuple else v for k, v in defaults if k not in p}}
+
+
 def listed_item(d: dict[str, Any]) -> dict[str, Any]:
     """A stored input item as ``input_items`` lists it. A message sent in the short form
     (``{"role": "user", "content": "text"}``) is listed in its item form, as OpenAI lists it:
     content parts (``input_text``, ``output_text`` for the assistant) and a ``status``; the SDKs
-    type a listed message by that form. The stored item itself stays as it was sent."""
-    if d.get("type") != "message":
+    type a listed message by that form. Fields stored without their default value are listed
+    with it (an ``output_text``'s ``annotations`` and ``logprobs``, an ``input_image``'s
+    ``detail``, a reasoning item's ``summary``). The stored item itself stays as it was sent."""
+    kind = d.get("type")
+    if kind == "reasoning":
+        return d if "summary" in d else {**d, "summary": []}
+    if kind != "message":
         return d
     content = d.get("content")
     if isinstance(content, str):
         part: dict[str, Any] = (
-            {"type": "output_text", "text": content, "annotations": []}
+            {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
             if d.get("role") == "assistant"
             else {"type": "input_text", "text": content}
         )
         d = {**d, "content": [part]}
+    elif isinstance(content, list):
+        parts = [_listed_part(p) for p in content]
+        if any(a is not b for a, b in zip(parts, content)):
+            d = {**d, "content": parts}
     if d.get("status") is None:
         d = {**d, "status": "completed"}
     return d
