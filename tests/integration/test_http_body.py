@@ -225,3 +225,80 @@ def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(server:
         assert status == 200 and answer["input_tokens"] == want
     finally:
         s.close()
+
+
+# uvicorn's keep-alive timeout (5 s) shortened to 1 s, so that a test can outlast it
+_SHORT_KEEPALIVE = (
+    "-c",
+    "import sys, uvicorn.config as u, hotloop.cli as c\n"
+    "init = u.Config.__init__\n"
+    "def short(self, *a, **k):\n"
+    "    k['timeout_keep_alive'] = 1\n"
+    "    init(self, *a, **k)\n"
+    "u.Config.__init__ = short\n"
+    "sys.exit(c.main(sys.argv[1:]))",
+)
+
+
+def test_an_upload_answered_early_is_not_cut_off_by_the_keep_alive_timeout(tmp_path) -> None:
+    """A request answered before its body has all come (a wrong key: 401) on a keep-alive
+    connection: the keep-alive timeout ran from the answer while the body still came, and
+    closed the connection under the upload (no lingering, the answer unread by a client that
+    sends its whole body first). The request's read timeout bounds its body; the connection
+    is idle from the body's end."""
+    from tests.conftest import run_server
+
+    with run_server(tmp_path, "--sim-rate", "0", "--api-key", "sk-right", entry=_SHORT_KEEPALIVE) as srv:
+        s = _connect(srv)
+        try:
+            body = _body(200_000, 3)  # over the direct read's bound: read through the parser
+            s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-wrong\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+            step = len(body) // 10
+            for i in range(0, len(body), step):  # 2.5 s for the body: past the keep-alive timeout
+                s.sendall(body[i : i + step])
+                time.sleep(0.25)
+            [(status, got)] = _responses(s, 1)
+            assert status == 401 and got["error"]["code"] == "invalid_api_key"
+            # the connection stays usable for the next request, then idles out as ever
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            s.settimeout(5)
+            assert s.recv(65536) == b""  # closed by the keep-alive timeout once idle
+        finally:
+            s.close()
+
+
+def test_an_endless_trailer_section_is_refused_as_an_oversized_head(server: Server) -> None:
+    """A chunked body's trailer fields (after its last chunk) were bounded by nothing: the
+    parser held each until it ended and the request's headers grew by every one (800 fields
+    of 1 MiB took the server from 128 MB to 925 MB). Bytes of a body that hold no body byte are
+    bounded as a head's are: a 431, and the server answers the next connection."""
+    s = _connect(server)
+    try:
+        body = _body(100, 4)
+        s.sendall(b"POST /v1/responses/input_tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n" % (len(body), body))
+        field = b"x-trailer: " + b"a" * 8000 + b"\r\n"
+        try:
+            for _ in range(200):  # 1.6 MB of trailer fields
+                s.sendall(field)
+        except OSError:
+            pass  # refused and closed while they came
+        [(status, got)] = _responses(s, 1)
+        assert status == 431 and got["error"]["type"] == "invalid_request_error"
+    finally:
+        s.close()
+    assert _counted(server, _body(100, 5)) > 0
+
+
+def test_a_chunked_body_with_trailer_fields_is_answered(server: Server) -> None:
+    s = _connect(server)
+    try:
+        body = _body(100, 6)
+        s.sendall(b"POST /v1/responses/input_tokens HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\nx-trailer: yes\r\n\r\n" % (len(body), body))
+        [(status, got)] = _responses(s, 1)
+        assert status == 200 and got["input_tokens"] > 0
+    finally:
+        s.close()

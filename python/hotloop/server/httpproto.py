@@ -255,6 +255,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_due = 0.0
         self._head_open = False  # a request's head has begun and not ended (MAX_REQUEST_HEAD)
         self._head_read = 0  # its bytes so far
+        # A body read through the parser (chunked): the body bytes it has given so far, and the
+        # bytes fed in a row that gave none (chunk framing and extensions, the trailer section,
+        # whose fields the parser holds until each ends: bounded as a head's are)
+        self._body_given = 0
+        self._quiet = 0
         # the body of a request with an Upgrade this server does not speak, read here (see
         # on_headers_complete): the parser's completion of its message at its head is not one
         self._late_body = False
@@ -552,9 +557,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 if (self._head_read if self._head_open else 0) + (cut - start) > MAX_REQUEST_HEAD:
                     self._refuse(head_too_large_response())
                     return
+            in_body = self._in_message and not self._head_open
+            given = self._body_given
             super().data_received(view[start:cut])  # type: ignore[arg-type]
             if self._head_open:  # all of it went to a head that has not ended
                 self._head_read += cut - start
+            elif in_body and self._in_message:
+                if self._body_given != given:
+                    self._quiet = 0
+                else:
+                    # bytes of a chunked body that held no body byte: an endless chunk extension
+                    # or trailer section grew the parser's buffers (and, field by field, the
+                    # request's headers) without bound; refused as an oversized head
+                    self._quiet += cut - start
+                    if self._quiet > MAX_REQUEST_HEAD:
+                        self._refuse(head_too_large_response())
+                        return
             start = cut
 
     def _drop_into(self) -> None:
@@ -613,6 +631,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since = None  # busy (a request began; bytes before one, such as CRLFs, do not)
         self._head_open = True
         self._head_read = 0
+        self._quiet = 0
         self._body_parts = []
         self._body_size = 0
         self._skip = 0
@@ -656,6 +675,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         if started or (self.cycle is not None and not self.cycle.response_complete):
             return  # a request runs (one that waited, or one the held bytes held)
+        if self._in_message:
+            # a request still arriving: the body of one answered early (a 401, a 413), or the
+            # next one's head; its read timeout bounds it, and the connection is idle from its
+            # end (on_message_complete), not from now (the keep-alive timeout cut it off, a slow
+            # upload's answer unread)
+            return
+        self._become_idle()
+
+    def _become_idle(self) -> None:
         self._idle_since = now = self.loop.time()
         if self._idle_timer is None:
             self._set_idle_timer(now + self.timeout_keep_alive)
@@ -766,6 +794,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head_open:
+            return  # a chunked body's trailer field: not one of the request's headers (its scope is out)
+        super().on_header(name, value)
+
     def on_message_complete(self) -> None:
         if self._stopped:
             return
@@ -781,9 +814,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._drop_into()
             if filled:
                 self._body_parts = [into]
-        if self.cycle is not None:
-            self._hand_body(self.cycle)
+        cycle = self.cycle
+        if cycle is not None:
+            self._hand_body(cycle)
         super().on_message_complete()
+        if cycle is not None and cycle.response_complete and not self.pipeline and not self.transport.is_closing():
+            self._become_idle()  # answered before its end (an early answer): idle from now
 
     def on_body(self, body: bytes) -> None:
         # uvicorn wakes the application on every read of a body, copies each read into a
@@ -796,6 +832,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             memoryview(into)[self._filled : self._filled + len(body)] = body  # one copy (_feed)
             self._filled += len(body)
             return
+        self._body_given += len(body)
         cycle = self.cycle
         if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
             return
