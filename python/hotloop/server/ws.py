@@ -277,6 +277,8 @@ class Connection:
         self._stop()
 
     async def _close(self, code: int, reason: str = "") -> None:
+        if self._closed:  # (two lanes ending the connection at once: one close, not an ASGI error)
+            return
         self._closed = True
         await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
