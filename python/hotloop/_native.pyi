@@ -72,7 +72,8 @@ class DeltaLane:
         content_index: int, logprobs: bool, parts: list[str], *, summary: bool = False,
     ) -> DeltaLane:
         """:raises TypeError: an argument of the wrong type.
-        :raises OverflowError: an int that does not fit in a signed 64-bit integer."""
+        :raises OverflowError: an int that does not fit in a signed 64-bit integer.
+        :raises UnicodeEncodeError: ``event_type`` or ``item_id`` holds a lone surrogate."""
 
     @property
     def kind(self) -> int: ...
@@ -264,7 +265,9 @@ class SseDecoder:
         :raises ValueError: as ``feed`` (nothing is taken then).
         :raises TypeError: ``data`` is not ``bytes``, ``lane`` not a ``DeltaLane``, ``index``
             not an int, or ``args`` neither a list nor None.
-        :raises OverflowError: ``index`` does not fit in a signed 64-bit integer.
+        :raises OverflowError: ``index`` does not fit in a signed 64-bit integer, or the lane's
+            ``seq`` or ``taken`` would not after this feed's pieces (the lane is left unchanged;
+            the feed's events are not returned).
         """
 
 @final

@@ -275,6 +275,7 @@ class SseDecoder:
         events = self._checked(data, "feed_lane")
         kind = lane.kind
         frames: list[tuple[str, bytes]] = []
+        texts: list[str] = []
         taken = 0
         seq = lane.seq
         if kind in (PLAIN_TEXT, PLAIN_REASONING, PLAIN_ARGUMENTS):
@@ -296,10 +297,13 @@ class SseDecoder:
                             lane.event_type, seq + len(frames), lane.item_id, lane.output_index,
                             lane._index_key, lane.content_index, text, lane.logprobs,
                         )))
-                        lane.parts.append(text)
-                        if args is not None:
-                            args.append(text)
+                        texts.append(text)
                 taken += 1
+        if seq + len(frames) > _I64_MAX or lane.taken + len(frames) > _I64_MAX:  # refused before the lane changes
+            raise OverflowError("the lane's sequence number overflows a signed 64-bit integer")
+        lane.parts.extend(texts)
+        if args is not None:
+            args.extend(texts)
         lane.seq = seq + len(frames)
         lane.taken += len(frames)
         return frames, [_event_tuple(ty, payload) for ty, payload in events[taken:]]
@@ -392,7 +396,18 @@ def _too_deep(text: str) -> bool:
 
 
 def _negative_zero_float(literal: str) -> int | float:
-    return -0.0 if literal == "-0" else int(literal)
+    if literal == "-0":
+        return -0.0
+    n = int(literal)
+    if not -_FLOAT_INT_MAX <= n <= _FLOAT_INT_MAX:
+        try:
+            float(n)  # an integer beyond the float range is an error, as in the native reader
+        except OverflowError:
+            raise ValueError("number out of range") from None
+    return n
+
+
+_FLOAT_INT_MAX = 2**1023  # (every integer up to this converts to a float: the check is for those beyond)
 
 
 class _Repeated:
@@ -515,6 +530,8 @@ class DeltaLane:
                 raise TypeError(f"argument '{name}' must be bool, not {type(flag).__name__}")
         if not isinstance(parts, list):
             raise TypeError(f"argument 'parts' must be list, not {type(parts).__name__}")
+        event_type.encode("utf-8")  # a lone surrogate: UnicodeEncodeError now, as the native
+        item_id.encode("utf-8")  # lane's (not once a feed has taken its events)
         self._kind, self._call = _i64(kind), _i64(call)
         self._event_type, self._item_id = event_type, item_id
         self._output_index, self._content_index = _i64(output_index), _i64(content_index)
@@ -607,6 +624,7 @@ def encode_sse(event_type: str, payload: bytes) -> bytes:
 def body_buffer(size: int) -> bytearray:
     """A ``bytearray`` of ``size`` bytes for a request body that reads will fill (the native
     twin leaves its contents unset; here they are zeros)."""
+    size = operator.index(size)  # as bytearray(size): a TypeError for a float, any __index__ taken
     if size < 0:
         raise ValueError("negative count")
     return bytearray(size)

@@ -294,7 +294,17 @@ def test_body_buffer(impl: Impl, size: int) -> None:
         assert buf[-1:] == b"x"
 
 
-@pytest.mark.parametrize("size", [-1, 1.5, "3", None, 2**70])
+class _Index:
+    def __index__(self) -> int:
+        return 3
+
+
+def test_body_buffer_takes_what_bytearray_takes() -> None:
+    for impl in IMPLS.values():
+        assert len(impl["body_buffer"](_Index())) == 3
+
+
+@pytest.mark.parametrize("size", [-1, 1.5, -1.0, "3", None, 2**70])
 def test_body_buffer_errors_agree(size: Any) -> None:
     n = outcome(IMPLS["native"]["body_buffer"], size)
     assert n[0] == "err"
@@ -494,6 +504,14 @@ PLAIN_CASES = [
     '{"choices":[{"delta":{"tool_calls":{"index":0}}}]}', '{"choices":[{"delta":"x"}]}',
     '{"choices":[{"delta":{"content":"\\ud800"}}]}', '{"choices":[],"x":"\\udc00"}',
     '{"choices":[],"x":1e999}', '{"choices":[],"x":NaN}', '{"choices":[]} x',
+    # numbers at the float range's edge: the largest float (as a float, as an integer, in
+    # another spelling) is a number; an integer beyond it is out of range, as a float beyond it
+    '{"choices":[{"delta":{"content":"a"}}],"x":1.7976931348623158e308}',
+    '{"choices":[{"delta":{"content":"a"}}],"x":1797693134862315708e290}',
+    '{"choices":[{"delta":{"content":"a"}}],"x":' + str(2**1024 - 2**971) + "}",
+    '{"choices":[{"delta":{"content":"a"}}],"x":1' + "0" * 309 + "}",
+    '{"choices":[{"delta":{"content":"a"}}],"x":-1' + "0" * 309 + "}",
+    '{"choices":[{"delta":{"content":"a"}}],"x":1.8e308}',
     '{"choices":[{"delta":{"content":5,"content":"b"}}]}', '{"choices":[{"delta":{"content":"a","content":"b"}}]}',
     '{"choices":[],"choices":[]}', '{"choices":[{"delta":{"tool_calls":[{"index":0,"index":0}]}}]}',
     '{"x":' + "[" * 126 + "]" * 126 + ',"choices":[]}', '{"x":' + "[" * 127 + "]" * 127 + ',"choices":[]}',
@@ -625,6 +643,31 @@ def test_a_summary_lane_writes_what_the_turn_writes(index: int) -> None:
                  "output_index": 5, "delta": p} for i, p in enumerate(pieces)]
         got.append(frames)
     assert got[0] == got[1]
+
+
+def test_a_lane_whose_sequence_number_would_overflow_is_refused_unchanged() -> None:
+    """The next sequence number beyond a signed 64-bit integer: the native lane wrapped it into
+    its frames silently, the pure one refused it with its parts half added. Both refuse it now,
+    with the lane as it was."""
+    stream = _lane_stream(['{"choices":[{"delta":{"content":"a"}}]}', '{"choices":[{"delta":{"content":"b"}}]}'])
+    for impl in IMPLS.values():
+        for seq, taken in ((2**63 - 1, 0), (2**63 - 2, 0), (0, 2**63 - 1)):
+            lane = _lane(impl, 1, seq=seq)
+            lane.taken = taken
+            with pytest.raises(OverflowError):
+                impl["SseDecoder"]().feed_lane(stream, lane, 0, None)
+            assert lane.parts == ["x"] and lane.seq == seq and lane.taken == taken
+        lane = _lane(impl, 1, seq=2**63 - 3)
+        frames, _ = impl["SseDecoder"]().feed_lane(stream, lane, 0, None)
+        assert [json.loads(f[1])["sequence_number"] for f in frames] == [2**63 - 3, 2**63 - 2] and lane.seq == 2**63 - 1
+
+
+@pytest.mark.parametrize("field", ["event_type", "item_id"])
+def test_a_lane_with_a_lone_surrogate_is_refused_when_made(field: str) -> None:
+    args = {"event_type": "response.output_text.delta", "item_id": "msg_1", field: "\ud800"}
+    for impl in IMPLS.values():
+        with pytest.raises(UnicodeEncodeError):
+            impl["DeltaLane"](1, 0, args["event_type"], args["item_id"], 0, 0, False, [])
 
 
 def test_feed_lane_takes_what_plain_delta_takes_and_feed_gives_the_rest() -> None:

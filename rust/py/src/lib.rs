@@ -286,7 +286,7 @@ impl SseDecoder {
                         part_delta_event(
                             &mut buf,
                             &lane.event_type_str,
-                            lane.seq + pieces.len() as i64,
+                            lane.seq.wrapping_add(pieces.len() as i64), // (refused below if it wrapped)
                             &lane.item_id,
                             lane.output_index,
                             lane.part,
@@ -305,6 +305,14 @@ impl SseDecoder {
         if let Err(e) = result {
             return Err(feed_error(e));
         }
+        // the next sequence number must fit, as the pure twin requires: refused before the
+        // lane changes (a wrapped number in a frame is never returned)
+        let n = pieces.len() as i64;
+        let (Some(next_seq), Some(next_taken)) = (lane.seq.checked_add(n), lane.taken.checked_add(n)) else {
+            return Err(PyOverflowError::new_err(
+                "the lane's sequence number overflows a signed 64-bit integer",
+            ));
+        };
         let parts = lane.parts.bind(py);
         for piece in &pieces {
             parts.append(piece)?;
@@ -312,8 +320,8 @@ impl SseDecoder {
                 args.append(piece)?;
             }
         }
-        lane.seq += pieces.len() as i64;
-        lane.taken += pieces.len() as i64;
+        lane.seq = next_seq;
+        lane.taken = next_taken;
         Ok((frames, rest))
     }
 }
