@@ -150,3 +150,28 @@ def test_a_replacement_socket_that_cannot_be_bound_is_logged_and_retried(tmp_pat
         assert float(line.group(2)) > 0
         assert s.proc.poll() is None
     assert s.proc.returncode == 0
+
+
+# The supervisor as a container's PID 1 without an init: it becomes the parent of processes
+# orphaned under it (a subreaper), and its wait for any child reaps them too. A process with no
+# worker of its own starts a shell 2 s in that leaves three background sleeps behind, orphans.
+_ORPHANS = (
+    "-c",
+    "import ctypes, subprocess, sys, threading, hotloop.cli as c\n"
+    "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER\n"
+    "def orphans():\n"
+    "    subprocess.Popen(['sh', '-c', 'sleep 0.3 & sleep 0.4 & sleep 0.5 &'])\n"
+    "threading.Timer(2.0, orphans).start()\n"
+    "sys.exit(c.main(sys.argv[1:]))",
+)
+
+
+def test_processes_orphaned_under_the_supervisor_are_not_taken_for_workers(tmp_path: Path) -> None:
+    """A process the supervisor reaps that is none of its workers (an orphan reparented to it,
+    as to a container's PID 1) was taken for slot 0's worker: a worker started beside the
+    running one, one more for each orphan."""
+    with run_server(tmp_path, "--workers", "2", "--sim-rate", "0", entry=_ORPHANS) as s:
+        time.sleep(3.5)  # the orphans come 2 s after the start and are gone half a second later
+        assert _exited(s) == 0, s.logs()
+        assert len(_children(s.proc.pid)) == 2  # its two workers, no more
+        assert all(code == 200 for code in _probe_fresh_connections(s))

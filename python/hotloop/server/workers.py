@@ -736,7 +736,11 @@ class Supervisor:
                     break
                 pid = 0  # every slot waits for its replacement
             if pid != 0:
-                self.reap(pid, status)
+                if pid in self.workers:
+                    self.reap(pid, status)
+                # else a process the supervisor never started: an orphan it reaped as PID 1 (a
+                # container's entrypoint without an init), not a worker that died; taken for one
+                # (slot 0), it started a worker beside the running one, one more per orphan
                 continue
             if not self.stopping:
                 self._close_idle()
