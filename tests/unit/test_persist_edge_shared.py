@@ -135,3 +135,40 @@ def test_a_writer_busy_past_the_deadline_is_given_up_within_the_bound() -> None:
     assert elapsed < 1.5, elapsed
     assert p.stuck and not store.closed
     assert (p.failed, p.lost("resp_late"), p.usage_failed) == (1, True, 1)
+
+
+def test_other_workers_deletions_are_heard_while_every_reader_thread_is_busy(tmp_path: Path) -> None:
+    """--workers on SQLite: the poll for the deletions other workers make ran in the reader
+    threads, behind the requests' reads; under read load it fell behind a DELETE's settle time,
+    and this worker answered from its cache what another had deleted and answered 200 for."""
+    from hotloop.pipeline.shared import DELETE_SETTLE_SECONDS, READER_THREADS, DeletionLog, SharedPersistence
+    from hotloop.state.store import SQLiteStore
+
+    path = tmp_path / "h.sqlite3"
+    store = SQLiteStore(path)
+    gate = threading.Event()
+    evicted: list[str] = []
+
+    async def main() -> None:
+        p = SharedPersistence(store, commit_delay=0.0)
+        p.evict = evicted.append  # type: ignore[assignment]
+        p.start()
+        try:
+            await asyncio.sleep(0.2)  # the poll has read where the log stands
+            busy = [p._call(gate.wait, 30) for _ in range(READER_THREADS)]  # reads that take long
+            reads = asyncio.gather(*busy)
+            other = DeletionLog(str(path))  # another worker's delete
+            other.record("resp_gone")
+            other.close()
+            deadline = asyncio.get_running_loop().time() + 10 * DELETE_SETTLE_SECONDS
+            while not evicted and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            heard = list(evicted)  # while the reads still hold every reader thread
+            gate.set()
+            await reads
+            assert heard == ["resp_gone"]
+        finally:
+            gate.set()
+            await p.close(timeout=10)
+
+    asyncio.run(main())

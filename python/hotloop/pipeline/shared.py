@@ -147,6 +147,10 @@ class SharedPersistence(Persistence):
         # outage must not hold up reads, which answer 503 at once. Pending writes stay visible
         # (an entry leaves ``pending`` only once written), so reads still see their own writes.
         self._readers = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="hotloop-store-read")
+        # The deletions' poll (SQLite shared by --workers) has a thread of its own: behind the
+        # requests' reads it fell behind a DELETE's settle time under read load, and another
+        # worker answered from its cache what a DELETE had answered 200 for
+        self._poller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-deletions")
         self._reading: set[Future[Any]] = set()  # reads (and DELETEs, usage listings) in flight there
         self._sending = 0  # pruned ids being recorded by the publisher thread
 
@@ -158,9 +162,12 @@ class SharedPersistence(Persistence):
         return not self._blocked and self._has_room(0)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
+        return await self._call_on(self._readers, fn, *args)
+
+    async def _call_on(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         # run_in_executor, with the call kept in ``_reading`` until its thread is done with it
         # (close() waits for those, within its bound)
-        call = self._readers.submit(fn, *args)
+        call = pool.submit(fn, *args)
         self._reading.add(call)
         call.add_done_callback(self._reading.discard)
         return await asyncio.wrap_future(call)
@@ -296,10 +303,10 @@ class SharedPersistence(Persistence):
         while True:
             try:
                 if last is None:
-                    last = await self._call(deletions.last)  # a new worker's cache is empty
+                    last = await self._call_on(self._poller, deletions.last)  # a new worker's cache is empty
                     continue
                 await asyncio.sleep(DELETE_POLL_SECONDS)
-                rows = await self._call(deletions.since, last)
+                rows = await self._call_on(self._poller, deletions.since, last)
             except sqlite3.Error as exc:  # busy beyond its timeout, or the file went away: try again
                 if not failing:
                     log.warning("reading the deleted responses failed (%s); retrying", type(exc).__name__)
@@ -400,6 +407,7 @@ class SharedPersistence(Persistence):
             await asyncio.wait({self._listener}, timeout=left())
             self._listener = None
         self._readers.shutdown(wait=False, cancel_futures=True)  # reads still queued: cancelled
+        self._poller.shutdown(wait=False, cancel_futures=True)
         reading = [asyncio.wrap_future(call) for call in list(self._reading) if not call.done()]
         if reading:
             await asyncio.wait(reading, timeout=left())
