@@ -140,6 +140,29 @@ def test_only_minted_items_resolve(store: RedisStore) -> None:
     assert store.get_item("client-id", "alice") is None
 
 
+def test_a_delete_is_announced_by_the_delete_itself(store: RedisStore) -> None:
+    """Other processes hear of a delete from the script that does it: announced after its
+    answer, a delete whose answer timed out (Redis slow, the network stalled) was done and never
+    told, and a retried DELETE found nothing to announce; other replicas served the response
+    from their caches until their entries aged out."""
+    from hotloop.state.redis_store import DELETED_CHANNEL
+
+    store.put(rec("r1", [item("i1")]))
+    sub = store.r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(DELETED_CHANNEL)
+    try:
+        assert store.delete("r1", "alice")
+        heard = None
+        for _ in range(50):
+            heard = sub.get_message(timeout=0.1)
+            if heard is not None:
+                break
+        assert heard is not None and heard["data"] == b"r1"
+        assert not store.delete("r1", "alice") and sub.get_message(timeout=0.3) is None  # nothing deleted: nothing told
+    finally:
+        sub.close()
+
+
 def test_delete_tombstones_a_parent_until_its_children_go(store: RedisStore) -> None:
     store.put(rec("d1", [item("di1")]))
     store.put(rec("d2", [item("di2")], parent="d1", base=1))
@@ -396,7 +419,8 @@ def test_the_delete_subscriber_forgets_the_cache_after_missing_deletes(tmp_path:
     reconnects, the process forgets its cached responses instead of serving a deleted one."""
     import asyncio
 
-    from hotloop.pipeline.shared import DELETED_CHANNEL, SharedPersistence
+    from hotloop.pipeline.shared import SharedPersistence
+    from hotloop.state.redis_store import DELETED_CHANNEL
 
     with redis_server(tmp_path) as r:
         store = RedisStore(r.url, 3600, write_retry_seconds=0.3)

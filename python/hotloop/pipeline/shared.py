@@ -63,7 +63,6 @@ log = logging.getLogger("hotloop.post")
 
 READ_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.125)
 VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
-DELETED_CHANNEL = "hotloop:deleted"
 # The delete subscription is pinged after this many seconds of silence, and given up as dead (a
 # flow dropped without FIN or RST: a NAT or load balancer idle timeout, a partition) when the
 # ping has had no answer for as long again: deletes it may have missed are then forgotten.
@@ -261,15 +260,9 @@ class SharedPersistence(Persistence):
     async def _publish(self, response_id: str) -> None:
         """A delete done: told to the other processes (Redis), or waited for their polls (SQLite:
         its row was written with it)."""
-        r = getattr(self.store, "r", None)
-        if r is None:
-            if self._deletions is not None:
-                await asyncio.sleep(DELETE_SETTLE_SECONDS)  # the other workers' polls
-            return
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, r.publish, DELETED_CHANNEL, response_id)
-        except Exception:  # other processes' caches expire on their own; the delete itself is done
-            log.warning("could not publish the delete of %s to other processes", response_id)
+        # (Redis: the delete script published it itself, with the delete: redis_store._DELETE)
+        if getattr(self.store, "r", None) is None and self._deletions is not None:
+            await asyncio.sleep(DELETE_SETTLE_SECONDS)  # the other workers' polls
 
     async def _pruned(self, ids: list[str]) -> None:
         """Pruned responses leave the other workers' caches too, as deletes do (SQLite shared by
@@ -323,7 +316,7 @@ class SharedPersistence(Persistence):
     async def _listen(self, url: str) -> None:
         import redis.asyncio as aredis
 
-        from hotloop.state.redis_store import Breaker, redis_errors
+        from hotloop.state.redis_store import DELETED_CHANNEL, Breaker, redis_errors
 
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff

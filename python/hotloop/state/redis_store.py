@@ -112,6 +112,9 @@ SOCKET_TIMEOUT = 5.0  # one command (a long chain's load included)
 CONNECT_TIMEOUT = 1.0
 USAGE_BATCH_MIN_TTL = 3600  # seconds a batch's marker outlives its last possible retry, at least
 MIN_REDIS_VERSION = (7, 0)
+# The channel a delete is announced on, to every process's caches (pipeline.shared), by the
+# delete script itself: announced whenever it is done, also when its answer is lost on the way
+DELETED_CHANNEL = "hotloop:deleted"
 
 # msgpack integers stop at 64 bits, JSON's do not: an integer beyond them (a client's
 # ``max_output_tokens`` of 2**70, a number in a tool's schema or in an item kept verbatim) is
@@ -357,6 +360,8 @@ if tonumber(h[3]) < min_at then found = 0 end
 -- a tombstone keeps what its descendants load (its own items); not the Response object (its
 -- instructions, metadata) nor its classifier states, which nothing reads once it is deleted
 redis.call('HSET', ck, 'live', 0, 'resp', '', 'states', '')
+-- announced with the delete itself: a reply that times out leaves no process unaware of it
+redis.call('PUBLISH', ARGV[5], rid)
 for _, iid in ipairs(cjson.decode(h[2] or '[]')) do
   redis.call('ZREM', P .. 'i:' .. iid, owner .. ' ' .. rid)
 end
@@ -649,7 +654,8 @@ class RedisStore:
         return _dec.decode(out) if out else None  # type: ignore[no-any-return]
 
     def delete(self, response_id: str, scope: str | None = None) -> bool:
-        args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds]
+        """Delete ``response_id`` (announced on ``DELETED_CHANNEL`` by the same script)."""
+        args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds, DELETED_CHANNEL]
         return bool(self._read(lambda: self._delete(args=args)))
 
     def migrate_ledger(self) -> int:
