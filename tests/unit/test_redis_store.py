@@ -163,6 +163,20 @@ def test_a_delete_is_announced_by_the_delete_itself(store: RedisStore) -> None:
         sub.close()
 
 
+def test_a_write_retried_after_a_delete_does_not_bring_the_response_back(store: RedisStore) -> None:
+    """A write whose answer timed out was done; a DELETE came (through another replica) before
+    its retry, which made the response again: deleted with a 200, then found and continued.
+    A delete marks the response for as long as such a retry may come."""
+    r = rec("r1", [item("i1")])
+    store.put(r)
+    assert store.delete("r1", "alice")
+    store.put(r)  # the same write again: its retry
+    assert store.get("r1", "alice") is None and store.get_response("r1", "alice") is None
+    assert store.get_item("i1", "alice") is None
+    ttl = store.r.ttl(store.prefix + "d:r1")
+    assert 50 <= ttl <= max(60, store.write_retry_seconds + 20)
+
+
 def test_delete_tombstones_a_parent_until_its_children_go(store: RedisStore) -> None:
     store.put(rec("d1", [item("di1")]))
     store.put(rec("d2", [item("di2")], parent="d1", base=1))

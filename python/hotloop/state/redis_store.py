@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -115,6 +116,9 @@ MIN_REDIS_VERSION = (7, 0)
 # The channel a delete is announced on, to every process's caches (pipeline.shared), by the
 # delete script itself: announced whenever it is done, also when its answer is lost on the way
 DELETED_CHANNEL = "hotloop:deleted"
+# A deleted response's mark (d:{id}) outlives any retry of a write of it that may still come
+# (write_retry_seconds and a command's timeout on either side), at least this many seconds
+DELETED_MARK_MIN_SECONDS = 60
 
 # msgpack integers stop at 64 bits, JSON's do not: an integer beyond them (a client's
 # ``max_output_tokens`` of 2**70, a number in a tool's schema or in an item kept verbatim) is
@@ -259,6 +263,9 @@ def sync_client(url: str) -> Any:
 _PUT = """
 local P, rid, owner, parent = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local base, exp, maxd = tonumber(ARGV[5]), tonumber(ARGV[8]), tonumber(ARGV[14])
+-- deleted since (this write's earlier try was done, its answer lost, and the retry came after a
+-- DELETE): done, and not brought back
+if redis.call('EXISTS', P .. 'd:' .. rid) == 1 then return 1 end
 local function rkey(id)
   local o = redis.call('GET', P .. 'o:' .. id)
   if not o then return nil end
@@ -362,6 +369,8 @@ if tonumber(h[3]) < min_at then found = 0 end
 redis.call('HSET', ck, 'live', 0, 'resp', '', 'states', '')
 -- announced with the delete itself: a reply that times out leaves no process unaware of it
 redis.call('PUBLISH', ARGV[5], rid)
+-- and marked for as long as a write of it may still be retried (_PUT does not bring it back)
+redis.call('SET', P .. 'd:' .. rid, 1, 'EX', tonumber(ARGV[6]))
 for _, iid in ipairs(cjson.decode(h[2] or '[]')) do
   redis.call('ZREM', P .. 'i:' .. iid, owner .. ' ' .. rid)
 end
@@ -655,7 +664,8 @@ class RedisStore:
 
     def delete(self, response_id: str, scope: str | None = None) -> bool:
         """Delete ``response_id`` (announced on ``DELETED_CHANNEL`` by the same script)."""
-        args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds, DELETED_CHANNEL]
+        marked = max(DELETED_MARK_MIN_SECONDS, math.ceil(self.write_retry_seconds + 2 * SOCKET_TIMEOUT))
+        args = [self.prefix, response_id, self._scope(scope), time.time() - self.ttl_seconds, DELETED_CHANNEL, marked]
         return bool(self._read(lambda: self._delete(args=args)))
 
     def migrate_ledger(self) -> int:
