@@ -163,6 +163,24 @@ class Config:
             raise ValueError(f"{_flag('store')} must be one of {', '.join(CHOICES['store'])}; got {self.store!r}")
         if self.store == "sqlite" and not self.data_dir.strip():  # (the working directory: the store and its key left there)
             raise ValueError(f"{_flag('data_dir')} must not be empty")
+        if self.store == "redis":
+            # redis-py's own error for a password with an unescaped "/", "?" or "#" (which ends
+            # the URL's authority early) quotes part of the password: said here, redacted
+            from urllib.parse import urlsplit
+
+            from hotloop.backends.chat.http1 import redact_url
+
+            try:
+                parts = urlsplit(self.redis_url)
+                parts.port  # noqa: B018 - a ValueError when not a number (it may be part of a password)
+                ok = parts.scheme in ("redis", "rediss", "unix") and (parts.scheme == "unix" or bool(parts.hostname))
+            except ValueError:
+                ok = False
+            if not ok or "@" in parts.path + parts.query + parts.fragment:
+                raise ValueError(
+                    f"{_flag('redis_url')} is not a valid Redis URL: {redact_url(self.redis_url)!r} (percent-encode "
+                    "a '/', '?', '#' or '@' in its password)"
+                )
 
     def check(self) -> None:
         """ValueError for a setting no server can run with (what the CLI's flags check, for the

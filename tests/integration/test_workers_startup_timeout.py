@@ -168,3 +168,19 @@ def test_a_hanging_worker_that_sigkill_does_not_end_holds_its_slot_and_the_stop_
     assert "left to" not in logs, logs
     left = sorted(p.name for p in data.iterdir() if "limits" in p.name)
     assert left == [], left
+
+
+def test_a_refused_configuration_leaves_no_metrics_directory_behind(tmp_path: Path) -> None:
+    """``--workers`` made its processes' metrics directory before it checked the configuration:
+    each refused start left one in the temporary directory."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotloop", "serve", "--port", "70000", "--workers", "2"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 3 and "--port must be between 0 and 65535" in proc.stderr
+    assert not list(tmp_path.glob("hotloop-metrics-*"))

@@ -75,6 +75,28 @@ def test_an_empty_data_dir_matters_to_the_sqlite_store_alone() -> None:
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:q8ZtR2vKx9/Lm4PwYb7+Hc==@redis.internal:6379/0",  # an unescaped "/" ends the authority early
+        "redis://:1234/Lm4PwYb7@redis.internal:6379/0",  # ... after digits, which read as a port
+        "redis://:q8Zt#Lm4PwYb7@redis.internal/0",
+        "http://redis.internal:6379/0",
+    ],
+)
+def test_a_redis_url_that_cannot_be_used_is_refused_without_its_password(url: str) -> None:
+    """redis-py's own error for such a URL ("Port could not be cast to integer value as
+    'q8ZtR2vKx9'") quoted part of the password, in the start-up log and in ``hotloop keys``."""
+    with pytest.raises(ValueError) as ei:
+        Config(store="redis", redis_url=url).check_store()
+    message = str(ei.value)
+    assert message.startswith("--redis-url (HOTLOOP_REDIS_URL) is not a valid Redis URL")
+    for secret in ("q8Zt", "Lm4PwYb7", "1234"):
+        assert secret not in message
+    for good in ("redis://127.0.0.1:6379/0", "rediss://user:p%2Fw@redis.internal:6380/1", "unix:///run/redis.sock"):
+        Config(store="redis", redis_url=good).check_store()
+
+
+@pytest.mark.parametrize(
     ("name", "bad", "good"),
     [
         # a rate whose gap between two tokens is longer than the simulator's longest silence

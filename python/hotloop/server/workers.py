@@ -769,17 +769,17 @@ class Supervisor:
 
 def serve_workers(config: Config) -> int:
     """Run ``config.workers`` supervised worker processes; the exit code."""
+    try:
+        config.check()  # first: a refused configuration leaves nothing behind
+    except ValueError as exc:
+        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
+        return STARTUP_FAILURE
     created = None
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         created = tempfile.mkdtemp(prefix="hotloop-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = created  # before prometheus-client is imported
     from hotloop.server.logs import log_config
 
-    try:
-        config.check()
-    except ValueError as exc:
-        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
-        return STARTUP_FAILURE
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     try:
         if config.store == "memory":  # each worker would have its own: continuations would fail at random
