@@ -104,3 +104,55 @@ def test_clients_that_stopped_reading_at_the_end_of_the_grace_leave_no_traceback
         s.log.write_text("")
     assert took < 10, took
     assert "Traceback" not in logs, logs[-3000:]
+
+
+def test_a_stop_that_could_not_store_what_it_answered_exits_non_zero(tmp_path: Path) -> None:
+    """Another connection holds the SQLite file's write lock (a backup, a shell) while the
+    server stops with writes queued: the flush gives up at its bound and names them in the log,
+    and the process exited 0 all the same, so that what runs it could not tell. It exits
+    ``WRITES_LOST`` (4) now."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from hotloop.server.runner import WRITES_LOST
+    from tests.conftest import free_port
+
+    port = free_port()
+    data = tmp_path / "data"
+    entry = "import sys, hotloop.pipeline.post as p, hotloop.cli as c; p.CLOSE_FLUSH_SECONDS = 2; sys.exit(c.main(sys.argv[1:]))"
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", entry, "serve", "--port", str(port), "--data-dir", str(data), "--sim-rate", "0",
+             "--shutdown-grace", "1"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        db = sqlite3.connect(data / "hotloop.sqlite3", isolation_level=None, timeout=1)
+        db.execute("BEGIN EXCLUSIVE")  # another connection's write lock, held
+        ids = []
+        for i in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/responses", timeout=10,
+                           json={"model": "hotloop-sim", "input": f"hi {i}", "metadata": {"sim": "tokens:3"}})
+            assert r.status_code == 200
+            ids.append(r.json()["id"])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == WRITES_LOST
+        db.execute("ROLLBACK")
+        assert [db.execute("SELECT count(*) FROM responses WHERE id = ?", (i,)).fetchone()[0] for i in ids] == [0, 0]
+        db.close()
+        assert "not stored" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -367,6 +367,7 @@ class Persistence:
         self.usage_written = 0  # ledger records written
         self.usage_failed = 0  # ledger records not written: failed, dropped (buffer full), or unrecorded (close)
         self._failures = _FailureLog(FAILURE_LOG_SECONDS)  # bounded log lines about failed writes
+        self._at_close: tuple[int, int] | None = None  # (failed, usage_failed) when close() began
         self.usage_dropped = 0  # ledger records charge() dropped (its buffer full; in usage_failed too)
         # ids of the last LOST_IDS responses whose write failed (--store-sync full reports them)
         self._lost: OrderedDict[str, None] = OrderedDict()
@@ -399,6 +400,20 @@ class Persistence:
     def start(self) -> None:
         if self._task is None and not self._stopped:  # (never again on a closed store)
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hotloop-writer")
+
+    def closing(self) -> None:
+        """Mark where the shutdown begins, for :meth:`lost_at_shutdown` (the first call counts)."""
+        if self._at_close is None:
+            self._at_close = (self.failed, self.usage_failed)
+
+    def lost_at_shutdown(self) -> int:
+        """Responses and ledger records not stored since the shutdown began (given up at its
+        bound, failed, or come after the store closed): the server then exits with
+        ``WRITES_LOST`` instead of 0, so that what runs it can tell (all named in the log)."""
+        if self._at_close is None:
+            return 0
+        failed, usage_failed = self._at_close
+        return self.failed - failed + self.usage_failed - usage_failed
 
     def lost(self, response_id: str) -> bool:
         """Whether the write of ``response_id`` failed (among the last ``LOST_IDS`` failures)."""
@@ -475,6 +490,7 @@ class Persistence:
 
         What close() adds to the shutdown is bounded: the late records written here share its
         deadline, and a late record after it costs one log line."""
+        self.closing()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         late = False  # the flush was cut short (and said so): the close, if cut short too, is not told again

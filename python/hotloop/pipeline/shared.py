@@ -382,6 +382,7 @@ class SharedPersistence(Persistence):
         line with counts (writes not stored, pruned ids the other workers were not told of,
         reads still running), and a thread still inside the store is left to the process's exit
         (``stuck``: the server exits without joining it)."""
+        self.closing()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 

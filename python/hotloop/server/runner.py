@@ -126,6 +126,10 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
 
 
 STARTUP_FAILURE = 3  # uvicorn's exit code when the application failed to start
+# The exit code of a server that stopped, but with responses or ledger records not stored (given
+# up at the shutdown bound, or come after the store closed: named in the log); a --workers
+# supervisor exits with it when a worker did
+WRITES_LOST = 4
 ABORT_WINDOW = 2  # seconds after the grace for failed responses' last events to reach their clients
 
 
@@ -247,6 +251,8 @@ def serve(config: Config, sock: Any = None, ready: int | None = None) -> int:
         if exc.code != STARTUP_FAILURE:
             raise
     code = 0 if server.started else STARTUP_FAILURE
+    if code == 0 and app.persistence.lost_at_shutdown():
+        code = WRITES_LOST
     if app.persistence.stuck or app.stuck:  # a store call that never returned (logged): do not join its thread
         logging.shutdown()
         os._exit(code)

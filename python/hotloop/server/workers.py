@@ -137,6 +137,7 @@ STARTUP_TERM_WAIT = 5.0
 KILL_MARGIN = 10.0  # seconds beyond a worker's own shutdown bounds before it is killed (its backend's close, its exit)
 KILL_WAIT = 5.0  # seconds the supervisor waits for workers it killed (SIGKILL) before it stops without them
 STARTUP_FAILURE = 3
+WRITES_LOST = 4  # a worker that stopped with writes not stored (runner.WRITES_LOST)
 
 
 def kill_after(grace: float) -> float:
@@ -418,6 +419,7 @@ class Supervisor:
         self.stopping = False
         self.failed = False
         self.abandoned = False  # a worker still ran KILL_WAIT after its SIGKILL: the stop left it
+        self.lost = False  # a worker stopped with writes not stored (it exited WRITES_LOST)
 
     def spawn(self, slot: int) -> None:
         # A stop (SIGTERM/SIGINT) that comes while a worker is forked waits until the worker is
@@ -610,6 +612,7 @@ class Supervisor:
         first = pid in self.first
         self.first.discard(pid)
         if self.stopping:
+            self.lost = self.lost or code == WRITES_LOST
             return
         if code == STARTUP_FAILURE and first and not late:
             log.error("worker %d failed to start (index %d, exit code %d); stopping", pid, slot, code)
@@ -764,7 +767,7 @@ class Supervisor:
                 wait = min(wait, deadline - now)
             self._wait(min(wait, starts - now))
         self._close_all()
-        return STARTUP_FAILURE if self.failed else 1 if self.abandoned else 0
+        return STARTUP_FAILURE if self.failed else 1 if self.abandoned else WRITES_LOST if self.lost else 0
 
 
 def serve_workers(config: Config) -> int:
