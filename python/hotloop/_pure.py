@@ -682,7 +682,9 @@ SECRET_PATTERNS: tuple[tuple[str, str, str, float], ...] = (
     # short BEGIN blocks, on the event loop).
     ("private_key",
      r"-----BEGIN" + _PEM_LABEL + r"(?:(?:" + _PEM_BODY + r"|-" + _PEM_BODY + r"){16,}?-----END" + _PEM_LABEL
-     + r"|[A-Za-z0-9+/=\\\r\n]{64,})", "", 0.0),
+     # (a backslash only with the character it escapes: a key in JSON text, "\n" between its
+     # lines, does not end on the backslash of an escaped quote, which its redaction would take)
+     + r"|(?:[A-Za-z0-9+/=\r\n]|\\[A-Za-z0-9+/=\\]){64,})", "", 0.0),
     ("aws_access_key_id", r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z2-7]{16}", _ALNUM, TOKEN_MIN_ENTROPY),
     # 40 characters of base64 only after an AWS secret keyword
     ("aws_secret_access_key",

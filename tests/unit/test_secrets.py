@@ -8,6 +8,7 @@ source and assembled by concatenation.
 from __future__ import annotations
 
 import base64
+import json
 import random
 import re
 import threading
@@ -324,6 +325,18 @@ def test_a_token_after_a_json_escape_is_found(scanner: Any) -> None:
     assert scanner.scan("\\\\n" + gh) == []
     assert scanner.scan("xn" + gh) == []
     assert scanner.scan("u003e" + gh) == [] and scanner.scan("\\\\u003e" + gh) == []
+
+
+def test_a_truncated_private_key_in_json_redacts_to_json(scanner: Any) -> None:
+    """A key without its END line, in a tool call's JSON arguments, right before an escaped
+    quote: its span took the quote's backslash, and its redaction left the quote unescaped, so
+    the arguments (sent to the backend, stored, resent each turn) were no longer JSON."""
+    key = "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA" + rnd(ALNUM, 70) + "\n" + rnd(ALNUM, 40)
+    for tail in ('" > k.pem', "\\", '"'):
+        args = json.dumps({"cmd": 'echo "' + key + tail})
+        out, spans = scanner.redact(args)
+        assert [k for k, _, _ in spans] == ["private_key"], tail
+        assert json.loads(out)["cmd"].startswith('echo "[REDACTED:private_key]'), (tail, out)
 
 
 def test_adjacent_and_overlapping_kinds(scanner: Any) -> None:
