@@ -100,3 +100,23 @@ def test_a_steer_after_the_connections_age_limit_is_refused_not_ignored(tmp_path
             rest = until(ws, lambda e: e["type"] in TERMINAL, timeout=20)
             assert rest[-1]["type"] == "response.completed" and rest[-1]["response"]["id"] == rid
             assert recv(ws, 5)["error"]["code"] == "websocket_connection_limit_reached"
+
+
+def test_a_steer_holding_a_secret_under_block_is_refused_before_it_cuts_the_response(tmp_path: Any) -> None:
+    """``--secrets block``: steering input is checked as the successor's input would be before
+    the steer is accepted. A steer holding a credential was accepted, cut the running response
+    short, and then its successor was refused (secret_detected): the generation lost for
+    nothing. Now the steer itself is refused, and the response runs on."""
+    token = "gh" + "p_" + "aB3dE5fG7hI9jK1lM3nO5pQ7rS9tU1vW3xY5"
+    with run_server(tmp_path, "--sim-rate", "200", "--store", "memory", "--secrets", "block") as s:
+        with ws_connect(s.ws + "/responses", open_timeout=10) as ws:
+            ws.send(create(metadata={"sim": "tokens:60"}))
+            rid = until(ws, lambda e: e["type"] == "response.created")[-1]["response"]["id"]
+            until(ws, lambda e: e["type"].endswith(".delta"))
+            ws.send(steer(rid, "use this token " + token))
+            events = until(ws, lambda e: e["type"] in ("response.completed", "response.incomplete", "response.failed"))
+            failed = [e for e in events if e["type"] == "response.steer.failed"]
+            assert len(failed) == 1 and failed[0]["error"]["code"] == "secret_detected", events
+            assert token not in json.dumps(failed[0]["error"])
+            assert events[-1]["type"] == "response.completed"  # not cut short
+            assert not any(e["type"] == "response.steer.accepted" for e in events)

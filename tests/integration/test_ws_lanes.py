@@ -321,23 +321,28 @@ def test_a_blocked_string_continuation_after_steering_names_input(tmp_path: Path
 
     token = next(secret for kind, _, secret, _ in POSITIVES if kind == "github_token")
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
-    params = []
     with run_server(tmp_path, "--sim-rate", str(RATE), "--store", "memory", "--secrets", "block") as s:
-        for steered, own in (("and more", f"my key {token}"), (f"steer key {token}", "clean")):
-            with ws_connect(s.ws + "/responses") as ws:
-                ws.send(create(input="go", tools=tools, metadata={"sim": "tools:1,rate:10"}))
-                rid = recv(ws)["response"]["id"]
-                ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": steered}))
-                events = collect(ws, 1)
-                while not any(e["type"] == "response.steer.pending" for e in events):
-                    events.append(recv(ws))
-                ws.send(create(previous_response_id=rid, input=own, tools=tools))
-                got = [recv(ws), recv(ws)]
-            [err] = [e for e in got if e["type"] == "error"]
-            assert err["error"]["code"] == "secret_detected", err
-            params.append(err["error"]["param"])
-    # the client's string; then the steering input's place, before the client's own
-    assert params == ["input", "input[0].content[0].text"]
+        with ws_connect(s.ws + "/responses") as ws:
+            ws.send(create(input="go", tools=tools, metadata={"sim": "tools:1,rate:10"}))
+            rid = recv(ws)["response"]["id"]
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "and more"}))
+            events = collect(ws, 1)
+            while not any(e["type"] == "response.steer.pending" for e in events):
+                events.append(recv(ws))
+            ws.send(create(previous_response_id=rid, input=f"my key {token}", tools=tools))
+            got = [recv(ws), recv(ws)]
+        [err] = [e for e in got if e["type"] == "error"]
+        assert err["error"]["code"] == "secret_detected", err
+        assert err["error"]["param"] == "input"  # the client's string, after the steering input
+        # a secret in the steering input itself is refused with the steer, before it cuts the
+        # response (test_steer_audit): it never reaches a successor
+        with ws_connect(s.ws + "/responses") as ws:
+            ws.send(create(input="go", tools=tools, metadata={"sim": "tools:1,rate:10"}))
+            rid = recv(ws)["response"]["id"]
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": f"steer key {token}"}))
+            events = collect(ws, 1)
+        [failed] = [e for e in events if e["type"] == "response.steer.failed"]
+        assert failed["error"]["code"] == "secret_detected" and events[-1]["type"] == "response.completed"
 
 
 def test_a_steer_larger_than_a_turn_may_add_leaves_the_response_running(tmp_path: Path) -> None:

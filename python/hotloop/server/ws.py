@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from uvicorn.protocols.utils import ClientDisconnected
 
 from hotloop import errors
-from hotloop.pipeline import guard, reuse
+from hotloop.pipeline import classifiers, guard, reuse
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
-from hotloop.protocol.request import CreateRequest, convert_body
+from hotloop.protocol.request import CreateRequest, convert_body, decode_item
 from hotloop.protocol.session import (
     FAST_DECODE_BYTES,
     Action,
@@ -147,11 +147,24 @@ class Connection:
             ids=self.app.engine.ids,
             decode_create=self._decode_create,
             convert_create=self._convert_create,
-            check_steer=lambda items: guard.check(items, cfg.max_turn_input_items, cfg.max_turn_input_bytes),
+            check_steer=self._check_steer,
             finishing=self._finishing,
         )
         self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes, deletions=self.app.engine.deletions)
         return self.session
+
+    def _check_steer(self, items: list[Any]) -> None:
+        """What a steer's successor would refuse, refused before the steer is accepted (and the
+        running response cut): the size guard, and a classifier's block (``--secrets block``:
+        a secret in steering input was accepted, cut the response, then failed its successor)."""
+        cfg = self.app.config
+        guard.check(items, cfg.max_turn_input_items, cfg.max_turn_input_bytes)
+        engine = self.app.engine
+        if engine.classifiers:  # (the steering messages as the successor's input items)
+            decoded = [decode_item(it, i) if isinstance(it, dict) else it for i, it in enumerate(items)]
+            outcome = classifiers.classify_turn(engine.classifiers, decoded, None)
+            if outcome.block is not None:
+                raise classifiers.blocked_error(outcome.block[1])
 
     def _finishing(self, response_id: str) -> bool:
         """Whether a running response's terminal event exists (``--store-sync full`` holds it
