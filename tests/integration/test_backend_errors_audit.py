@@ -124,3 +124,24 @@ def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server
     r = _post(server, False)
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_the_backends_own_context_length_refusal_keeps_a_websocket_parent(server: Server, mock: MockChatServer) -> None:
+    """Over WebSocket a continuation that fails evicts its parent from the connection's cache,
+    except an input over the model's window: a retry with less input or truncation "auto"
+    continues it. That held for hotloop's own check, not for the backend's own refusal (a model
+    whose window hotloop does not know): with store false, the retry found no parent."""
+    mock.push(Reply.stream(text_events("hello there")))
+    with connect(server.ws + "/responses") as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "hi", "store": False}))
+        rid = raw_until_terminal(ws)[-1]["response"]["id"]
+        mock.push(Reply.error(400, {"error": {"message": "This model's maximum context length is 8192 tokens.",
+                                              "type": "invalid_request_error", "code": "context_length_exceeded"}}))
+        ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "big " * 50, "store": False,
+                            "previous_response_id": rid}))
+        [refused] = raw_until_terminal(ws)
+        assert refused["type"] == "error" and refused["error"]["code"] == "context_length_exceeded", refused
+        mock.push(Reply.stream(text_events("again")))
+        ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "small", "store": False,
+                            "previous_response_id": rid}))
+        assert raw_until_terminal(ws)[-1]["type"] == "response.completed"

@@ -56,10 +56,11 @@ log = logging.getLogger("hotloop.engine")
 
 
 # Refusals that leave a continuation's chain as it was: the tenant's own limits, a classifier's
-# block, an input over the context window or over the size guard. A retry (smaller, without the
-# secret, later) must find the parent, so it is not evicted from the connection's cache.
+# block, an input over the context window (found here, or the backend's own refusal of it, which
+# comes before any output) or over the size guard. A retry (smaller, without the secret, later,
+# with truncation "auto") must find the parent, so it is not evicted from the connection's cache.
 _KEEPS_PARENT = (
-    LimitExceeded, classifiers.InputBlocked, classifiers.ClassifierFailed, window.WindowExceeded, guard.InputTooLarge,
+    LimitExceeded, classifiers.InputBlocked, classifiers.ClassifierFailed, errors.ContextLengthExceeded, guard.InputTooLarge,
 )
 
 
