@@ -131,10 +131,13 @@ def test_keys_and_usage_say_in_one_line_when_they_cannot_open_the_store(tmp_path
     for args in (
         ("keys", "list", "--data-dir", str(tmp_path / "blocked")),
         ("usage", "--data-dir", str(tmp_path / "blocked")),
-        ("keys", "list", "--store", "redis", "--redis-url", "notaurl"),
     ):
         p = run(HOTLOOP, *args)
         assert p.returncode == 1 and "cannot open the store" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    # a URL that names no Redis is a setting's error, said before anything is opened
+    p = run(HOTLOOP, "keys", "list", "--store", "redis", "--redis-url", "notaurl")
+    assert p.returncode == 2 and "is not a valid Redis URL" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 def test_the_redis_store_without_its_package_is_one_line_naming_the_extra(tmp_path) -> None:
