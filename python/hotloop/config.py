@@ -166,20 +166,14 @@ class Config:
         if self.store == "redis":
             # redis-py's own error for a password with an unescaped "/", "?" or "#" (which ends
             # the URL's authority early) quotes part of the password: said here, redacted
-            from urllib.parse import urlsplit
+            from hotloop.backends.chat.http1 import URL_ADVICE, redact_url, split_url
 
-            from hotloop.backends.chat.http1 import redact_url
-
-            try:
-                parts = urlsplit(self.redis_url)
-                parts.port  # noqa: B018 - a ValueError when not a number (it may be part of a password)
-                ok = parts.scheme in ("redis", "rediss", "unix") and (parts.scheme == "unix" or bool(parts.hostname))
-            except ValueError:
-                ok = False
-            if not ok or "@" in parts.path + parts.query + parts.fragment:
+            parts = split_url(self.redis_url)
+            if parts is None or parts.scheme not in ("redis", "rediss", "unix") or not (
+                parts.hostname or parts.scheme == "unix"
+            ):
                 raise ValueError(
-                    f"{_flag('redis_url')} is not a valid Redis URL: {redact_url(self.redis_url)!r} (percent-encode "
-                    "a '/', '?', '#' or '@' in its password)"
+                    f"{_flag('redis_url')} is not a valid Redis URL: {redact_url(self.redis_url)!r} ({URL_ADVICE})"
                 )
 
     def check(self) -> None:

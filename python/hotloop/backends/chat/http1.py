@@ -80,7 +80,7 @@ import ssl
 import urllib.request
 from collections import deque
 from typing import Any, Callable, Mapping
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import httptools
 
@@ -197,23 +197,31 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
-def url_problem(url: str) -> str | None:
-    """Why ``url`` is no backend URL hotloop can use (``None``: it is one), without its password."""
+# what a URL that split_url refuses is told (redact_url hides its user and password)
+URL_ADVICE = "percent-encode a '/', '?', '#' or '@' in its password or path"
+
+
+def split_url(url: str) -> SplitResult | None:
+    """``url`` split, or ``None`` when its authority cannot be read as written: a port that is
+    not a number (it may be part of a password), or an "@" after the host (a password holding
+    an unescaped "/", "?" or "#" ended the authority early: "user:8443/rest@host" reads as host
+    "user", port 8443, and requests would go to the wrong host with the rest of the password in
+    their path). Backend and Redis URLs alike."""
     try:
         parts = urlsplit(url)
-        parts.port  # a ValueError when not a number (it may be part of a password)
+        parts.port  # noqa: B018 - a ValueError when not a number
     except ValueError:
-        return f"not a valid http(s) URL: {redact_url(url)!r}"
+        return None
+    return None if "@" in parts.path + parts.query + parts.fragment else parts
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no backend URL hotloop can use (``None``: it is one), without its password."""
+    parts = split_url(url)
+    if parts is None:
+        return f"not a valid http(s) URL: {redact_url(url)!r} ({URL_ADVICE})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"not an http(s) URL: {redact_url(url)!r}"
-    if "@" in parts.path + parts.query + parts.fragment:
-        # an "@" after the host: a password holding an unescaped "/", "?" or "#" ended the
-        # authority early ("user:8443/rest@host" reads as host "user", port 8443), and requests
-        # would go to the wrong host with the rest of the password in their path
-        return (
-            f"not a valid http(s) URL: {redact_url(url)!r} (an '@' after its host: percent-encode a "
-            "'/', '?' or '#' in the password, and an '@' in the path)"
-        )
     return None
 
 
