@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import Server, run_server
@@ -236,3 +237,34 @@ def test_the_server_freezes_what_start_up_loaded(server: Server) -> None:
 
     assert stats["native"] is _accel.NATIVE
     assert len(gc_stats["collections"]) == 3 and all(isinstance(n, int) for n in gc_stats["collections"])
+
+
+def _handshakes(server: Server) -> None:
+    """An accepted WebSocket connection that leaves between responses, and one refused (no key)."""
+    with ws_connect(server.ws + "/responses", additional_headers=AUTH, open_timeout=10):
+        pass
+    with pytest.raises(InvalidStatus) as refused:
+        ws_connect(server.ws + "/responses", open_timeout=10)
+    assert refused.value.response.status_code == 401
+
+
+def test_websocket_handshakes_are_logged_only_with_the_access_log(observed: Server, tmp_path: Path) -> None:
+    """A handshake's outcome is an access-log line: logged with --access-log, not without it (a
+    flood of unauthenticated handshakes must not flood the log); a client that leaves between its
+    responses is no news either."""
+    with run_server(tmp_path, "--sim-rate", "0", "--api-key", ADMIN, "--log-format", "json", "--store", "memory") as quiet:
+        _handshakes(quiet)
+        _handshakes(observed)
+        for _ in range(100):  # (the lines of the accepted connection's end come after the client's close)
+            if '[accepted]' in observed.logs() and '\\" 401' in observed.logs():
+                break
+            time.sleep(0.05)
+        assert "[accepted]" in observed.logs()
+        assert '\\" 401' in observed.logs()
+        healthy = httpx.get(quiet.base + "/healthz", timeout=5)  # (the quiet server's lines so far are flushed)
+        assert healthy.status_code == 200
+        time.sleep(0.3)
+        lines = [json.loads(ln) for ln in quiet.logs().splitlines() if ln.strip()]
+        assert lines, "the server logged nothing at all"
+        said = [o["message"] for o in lines]
+        assert not [m for m in said if "WebSocket" in m or "websocket" in m], said

@@ -297,8 +297,10 @@ class Connection:
 
     def _client_left(self) -> None:
         """The client went away (close frame, FIN or reset): cancel what runs for it, now."""
-        busy = bool(self._lane_tasks)
-        log.info("websocket client left%s", "; cancelling its responses" if busy else "")
+        if self._lane_tasks:  # (a client that leaves between its responses is no news: DEBUG)
+            log.info("websocket client left; cancelling its responses")
+        else:
+            log.debug("websocket client left")
         self._stop()
 
     def _stop(self) -> None:

@@ -302,12 +302,37 @@ def _accept(accept: Any, request: Any) -> Any:
     return response
 
 
+class _HandshakeLog:
+    """uvicorn's WebSocket logger without its INFO lines, for a server whose access log is off.
+    Those lines are a handshake's outcome (``"WebSocket /v1/responses" [accepted]``, ``403``,
+    an application's refusal status): access-log lines, one or two per connection, that a flood
+    of unauthenticated handshakes would otherwise turn into a flood of the error log. Its
+    warnings, errors and trace lines pass (``level``, the other methods: the logger's own)."""
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+
+    @property
+    def level(self) -> int:
+        return self._logger.level
+
+    def info(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
 class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
     limits: Any = None  # the server's hotloop.server.httpproto.Limits (its connection count)
     fast_text = True  # read single-frame text messages without websockets' parser (data_received)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if not self.config.access_log:
+            self.logger = _HandshakeLog(self.logger)  # type: ignore[assignment]
         self.queue = _Inbox()  # type: ignore[assignment]
         self._writable = _Flag()
         self.writable = self._writable  # type: ignore[assignment]
