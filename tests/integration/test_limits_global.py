@@ -425,3 +425,49 @@ def test_an_error_after_a_response_held_by_its_cork_comes_after_it(tmp_path: Pat
         s.close()
         assert out.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400" in out and out.index(b"HTTP/1.1 400") > 0
         assert closed is not None
+
+
+def _scrape(server: Server) -> dict[tuple[str, str], float]:
+    """/metrics (public) on a connection of its own: {(name, label value): value}."""
+    s = _connect(server)
+    try:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        status, _, body = _read_response(s)
+    finally:
+        s.close()
+    assert status == 200, body
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith("hotloop_") and ("connection" in line):
+            name, value = line.rsplit(" ", 1)
+            base, _, labels = name.partition("{")
+            out[(base, labels.rstrip("}"))] = float(value)
+    return out
+
+
+def test_the_connection_count_and_the_refusals_are_exported(tmp_path: Path) -> None:
+    """``hotloop_client_connections`` is every connection the server holds, idle ones included (what
+    --max-connections bounds), and ``hotloop_connections_refused_total`` counts those refused beyond
+    the limit and those closed by the read timeout."""
+    args = ("--max-connections", "3", "--request-read-timeout", str(READ_TIMEOUT), "--metrics-public", "--store", "memory")
+    with run_server(tmp_path, *args) as server:
+        idle = [_connect(server), _connect(server)]  # admitted, nothing sent (yet)
+        time.sleep(0.2)
+        m = _scrape(server)
+        assert m[("hotloop_client_connections", "")] == 3  # the two idle ones and the scrape's own
+        assert m[("hotloop_open_connections", 'transport="http"')] == 1  # the scrape, being served
+        assert m[("hotloop_connections_refused_total", 'reason="overloaded"')] == 0
+        idle.append(_connect(server))  # the third: the limit
+        time.sleep(0.2)
+        beyond = _connect(server)
+        beyond.sendall(HEALTH)
+        assert _read_response(beyond)[0] == 503
+        beyond.close()
+        for s in idle:  # each is closed by the read timeout: it sent no request
+            assert _closed_within(s, WAIT) is not None
+            s.close()
+        time.sleep(0.2)
+        m = _scrape(server)
+        assert m[("hotloop_client_connections", "")] == 1
+        assert m[("hotloop_connections_refused_total", 'reason="overloaded"')] == 1
+        assert m[("hotloop_connections_refused_total", 'reason="read_timeout"')] == 3

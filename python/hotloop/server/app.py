@@ -55,8 +55,12 @@ class HotloopApp:
         self.stuck = False  # shutdown() gave up on the key store's close: its thread is not joined
         self.ws_deadlines = Deadlines(config.ws_connection_max_age)
         self.http = HttpTransport(self)
-        # open client connections by transport (an SSE stream counts as sse, not http)
+        # requests being served by transport: HTTP requests, SSE streams (an HTTP request streaming
+        # counts as sse, not http), WebSocket connections
         self.open_connections: dict[str, int] = {"http": 0, "sse": 0, "websocket": 0}
+        # the server's connection count and refusals (hotloop.server.httpproto.Limits), set by the
+        # uvicorn configuration that serves it (runner.uvicorn_config)
+        self.limits: Any = None
         self.metrics: Metrics | None = None
         self._models_task: asyncio.Task[None] | None = None
         if config.metrics:

@@ -150,7 +150,7 @@ class Limits:
         self.max_connections = max_connections
         self.read_timeout = read_timeout
         self.admitted: set[Any] = set()  # transports of the connections served now
-        self.rejected = 0  # connections answered 503 (since start)
+        self.rejected = 0  # connections beyond the limit, not served (answered 503, or closed; since start)
         self.timed_out = 0  # connections closed by the read timeout (since start)
         # what the server's reads of request heads go into (its event loop reads one at a time)
         self.scratch = bytearray(READ_BUFFER)
@@ -284,6 +284,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._admitted = self.limits.admit(transport)
         if not self._admitted:
             self.connections.discard(self)  # not served, not counted
+            self.limits.rejected += 1
         self._arm()  # the first request's head is due within the read timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -460,7 +461,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if b"\r\n\r\n" in self._rejected_head:
             self._disarm()
             self._rejected_head = b""
-            self.limits.rejected += 1
             self.transport.write(overloaded_response())
             self._close_lingering()
         elif len(self._rejected_head) > MAX_REJECTED_HEAD:

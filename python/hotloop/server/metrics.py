@@ -324,10 +324,29 @@ class _StateCollector:
         app = self.app
         eng = app.engine
         yield GaugeMetricFamily("hotloop_active_responses", "Responses in flight.", value=eng.active)
-        conns = GaugeMetricFamily("hotloop_open_connections", "Open client connections by transport.", labels=["transport"])
+        conns = GaugeMetricFamily(
+            "hotloop_open_connections",
+            "Requests being served by transport: HTTP requests, SSE streams, WebSocket connections.",
+            labels=["transport"],
+        )
         for transport, n in sorted(app.open_connections.items()):
             conns.add_metric([transport], n)
         yield conns
+        limits = app.limits
+        if limits is not None:
+            yield GaugeMetricFamily(
+                "hotloop_client_connections",
+                "Client connections held, what --max-connections bounds (idle keep-alive ones and those still sending their request included).",
+                value=len(limits.admitted),
+            )
+            refused = CounterMetricFamily(
+                "hotloop_connections_refused",
+                "Client connections refused: overloaded (beyond --max-connections, a 503), read_timeout (a request head or body not sent within --request-read-timeout, a 408 or closed).",
+                labels=["reason"],
+            )
+            refused.add_metric(["overloaded"], limits.rejected)
+            refused.add_metric(["read_timeout"], limits.timed_out)
+            yield refused
         p = app.persistence
         yield GaugeMetricFamily("hotloop_store_queue_depth", "Store writes waiting.", value=len(p._jobs))
         yield GaugeMetricFamily("hotloop_store_pending_responses", "Responses not yet written to the store.", value=len(p.pending))

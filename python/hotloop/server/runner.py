@@ -93,6 +93,8 @@ def uvicorn_config(app: Any, config: Config, **extra: Any) -> Any:
         loop = "asyncio"
     # One Limits per server: its HTTP and WebSocket protocols share the connection count.
     limits = Limits(config.max_connections, config.request_read_timeout)
+    if hasattr(app, "limits"):
+        app.limits = limits  # (its metrics read the connection count and the refusals)
     protocol = type("HttpProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
     http = type("HttpReader", (HttpReader,), {"protocol": protocol})
     access_log = config.access_log or config.log_level == "debug"
