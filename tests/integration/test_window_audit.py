@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import run_server
+from tests.mock_chat_server import MockChatServer
 from tests.integration.test_context_window import MODEL, PARAGRAPH, SIM, WINDOW, create, limits_file
 
 
@@ -74,3 +76,47 @@ def test_failed_truncation_is_the_same_400_as_disabled(tmp_path: Path) -> None:
         a = create(s, input=items, max_output_tokens=20, truncation="auto")
         assert a.status_code == d.status_code == 400 and a.json() == d.json()
         assert f"({whole} in the input, 20 in the output)" in a.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("backend", ["cerebras", "openai-compat"])
+def test_reasoning_counts_against_the_window_only_where_the_backend_is_sent_it(
+    tmp_path: Path, mock: MockChatServer, backend: str
+) -> None:
+    """An earlier reasoning item goes back to a Cerebras model (on its assistant message); the
+    OpenAI-compatible dialect sends no reasoning history, so there it takes no room in the
+    window: a short follow-up after long reasoning runs instead of a 400, and is counted as
+    what the backend is sent."""
+    mock.reset()
+    thought = PARAGRAPH * 6  # over the window alone
+    items = [
+        {"type": "message", "role": "user", "content": "first"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": thought}]},
+        {"type": "message", "role": "assistant", "content": "answer"},
+        {"type": "message", "role": "user", "content": "and then?"},
+    ]
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"mock-model": {"context_window": WINDOW}}))
+    env = {"HOTLOOP_BACKEND_RETRIES": "0"}
+    if backend == "cerebras":
+        env.update({"CEREBRAS_API_KEY": "csk-window-0123", "CEREBRAS_BASE_URL": mock.url})
+        args: tuple[str, ...] = ("--backend", "cerebras")
+    else:
+        env["HOTLOOP_BACKEND_API_KEY"] = "sk-window-0123"
+        args = ("--backend", "openai-compat", "--base-url", mock.v1)
+    with run_server(tmp_path, *args, "--model", "mock-model", "--model-limits", str(limits), "--store", "memory", env=env) as s:
+        r = httpx.post(f"{s.v1}/responses/input_tokens", json={"model": "mock-model", "input": items}, timeout=10)
+        assert r.status_code == 200, r.text
+        counted = r.json()["input_tokens"]
+        without = httpx.post(
+            f"{s.v1}/responses/input_tokens", json={"model": "mock-model", "input": items[:1] + items[2:]}, timeout=10
+        ).json()["input_tokens"]
+        created = httpx.post(f"{s.v1}/responses", json={"model": "mock-model", "input": items}, timeout=30)
+        if backend == "cerebras":
+            assert counted > WINDOW > without
+            assert created.status_code == 400 and created.json()["error"]["code"] == "context_length_exceeded"
+            assert not mock.requests
+        else:
+            assert counted == without < WINDOW
+            assert created.status_code == 200, created.text
+            sent = mock.requests[0].json["messages"]
+            assert thought.strip() not in json.dumps(sent)  # (what is counted is what is sent)

@@ -399,3 +399,24 @@ def test_call_kinds() -> None:
     plan = plan_for(_body([A, _out("a"), U1]))
     kinds = [type(x) for x in plan.items]
     assert kinds == [FunctionCall, FunctionCallOutput, Message]
+
+
+def test_reasoning_is_counted_only_where_the_backend_is_sent_it() -> None:
+    """``TokenCache.counts_reasoning`` off (the OpenAI-compatible dialect): a reasoning item, new
+    input or a finished response's output, is 0 tokens, and an owner's view of the cache says the
+    same; the other items' counts do not change."""
+    from hotloop.pipeline import items as itemlib
+    from hotloop.protocol.request import item_from_dict
+
+    msg = item_from_dict({"type": "message", "role": "user", "content": "a question of some words"})
+    thought = item_from_dict(
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "long thought " * 50}]}
+    )
+    counting = itemlib.TokenCache()
+    not_counting = itemlib.TokenCache()
+    not_counting.counts_reasoning = False
+    _, with_r, _ = itemlib.analyze([msg, thought], counting)
+    _, without_r, _ = itemlib.analyze([msg, thought], not_counting.view("tenant-a"))
+    assert with_r[0] == without_r[0] > 0
+    assert with_r[1] > 50 and without_r[1] == 0
+    assert not_counting.view("tenant-a").counts_reasoning is False

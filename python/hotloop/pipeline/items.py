@@ -194,6 +194,13 @@ class TokenCache:
     sent a given text recently (as prompt caches are scoped per organisation for the same reason).
     """
 
+    # Whether an earlier reasoning item counts: the backend is sent it (the Cerebras dialect puts
+    # it back on its assistant message). The OpenAI-compatible dialect sends no reasoning history
+    # (hotloop.backends.chat.render), so there a reasoning item is 0 tokens of the input: counted,
+    # it took room in the context window (a follow-up that fits refused, truncation dropping real
+    # items) for text the backend never sees. Set by the engine from its backend's dialect.
+    counts_reasoning = True
+
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
         self._d: OrderedDict[bytes, int] = OrderedDict()
@@ -228,6 +235,7 @@ class TokenCache:
         owner_bytes = owner.encode()
         v._tag = len(owner_bytes).to_bytes(2, "big") + owner_bytes  # length first: no owner's prefix is another's
         v._stats = self._stats
+        v.counts_reasoning = self.counts_reasoning
         return v
 
     def __len__(self) -> int:
@@ -258,8 +266,12 @@ def split(
     fingerprint hashes, plus ``ITEM_OVERHEAD`` and what the decoded item holds beyond its JSON,
     :func:`hotloop.state.context.held_extra`: no second encoding).
 
+    A reasoning item is 0 tokens where the cache says the backend is not sent reasoning
+    (:attr:`TokenCache.counts_reasoning`).
+
     :raises errors.InvalidValue: an item whose count is not cached nests too deeply.
     """
+    skip = Reasoning if cache is not None and not cache.counts_reasoning else None
     fps: list[bytes] = []
     toks: list[int] = []
     sizes: list[int] = []
@@ -270,7 +282,11 @@ def split(
         view = semantic_view(item)
         data = _encode_view(view, f"input[{i}]")
         fp = fingerprint(data)
-        n = cache.get(fp) if cache is not None else None
+        n: int | None
+        if type(item) is skip:
+            n = 0  # not sent to this backend (TokenCache.counts_reasoning)
+        else:
+            n = cache.get(fp) if cache is not None else None
         if n is None:
             if too_deep(view):
                 raise _item_too_deep(f"input[{i}]")

@@ -85,6 +85,8 @@ class Engine:
         sealed.use_key(fpkey.derive(persistence.store.fingerprint_key, sealed.KEY_LABEL))
         self.clock: Callable[[], float] = time.time  # injectable for deterministic transcripts
         self.tokens = itemlib.TokenCache(config.token_cache_entries)
+        dialect = getattr(backend, "dialect", None)  # (a chat backend's; the simulator reads all)
+        self.tokens.counts_reasoning = getattr(dialect, "reasoning_history", True)
         self.responses = ResponseCache(
             config.response_cache_entries, config.response_cache_items, config.response_cache_bytes,
             config.store_ttl_seconds, lambda: self.clock(),
