@@ -123,3 +123,29 @@ def test_parallel_calls_get_distinct_call_ids_when_the_backend_repeats_one(compa
         response = stream.get_final_response()
     calls = [o for o in response.output if o.type == "function_call"]
     assert len({c.call_id for c in calls}) == 2 and calls[0].call_id == "call_0"
+
+
+@pytest.mark.parametrize("max_tool_calls", [None, 5])
+def test_parallel_tool_calls_false_gives_at_most_one_call_whatever_the_backend_sends(
+    compat: Server, mock: MockChatServer, max_tool_calls: int | None
+) -> None:
+    """``parallel_tool_calls: false`` is passed on, and held to: a backend that ignores it
+    (Ollama, some chat templates) sends two calls, the response holds the first alone, as
+    OpenAI's does."""
+    mock.reset()
+    mock.push(Reply.stream(tool_events([("call_a", "search", '{"q":"a"}'), ("call_b", "search", '{"q":"b"}')])))
+    body: dict[str, Any] = {"model": "mock-model", "input": "hi", "tools": [SEARCH], "parallel_tool_calls": False}
+    if max_tool_calls is not None:
+        body["max_tool_calls"] = max_tool_calls
+    events = _sse(compat, body)
+    assert mock.requests[0].json["parallel_tool_calls"] is False
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [(o["call_id"], o["arguments"]) for o in final["output"]] == [("call_a", '{"q":"a"}')]
+    assert [e["item"]["call_id"] for e in events if e["type"] == "response.output_item.added"] == ["call_a"]
+    assert final["parallel_tool_calls"] is False
+
+    mock.reset()  # (with the flag on, both)
+    mock.push(Reply.stream(tool_events([("call_a", "search", '{"q":"a"}'), ("call_b", "search", '{"q":"b"}')])))
+    both = _sse(compat, {**body, "parallel_tool_calls": True})[-1]["response"]
+    assert [o["call_id"] for o in both["output"]] == ["call_a", "call_b"]

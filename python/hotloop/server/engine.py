@@ -454,7 +454,9 @@ class Engine:
             transport=transport,
             input_tokens=plan.input_tokens if plan.settled else 0,  # completed by Run._settle
             cached_tokens=plan.cached_tokens,
-            max_tool_calls=req.max_tool_calls,
+            # parallel_tool_calls false: at most one call, as OpenAI answers, whatever the backend
+            # does with the flag (passed on; Ollama and some chat templates ignore it)
+            max_tool_calls=req.max_tool_calls if p.parallel_tool_calls else min(req.max_tool_calls or 1, 1),
             clock=self.clock,
             quiet=transport == "json",  # a non-streaming response: nobody reads its events
             reasoning_summary=wants_summary(p),  # reasoning as its summary (verbatim: protocol.turn)
