@@ -97,10 +97,12 @@ def test_a_backend_refusing_hotloop_s_own_account_is_not_retried_by_the_sdk(serv
     assert len(mock.requests) == 1
 
 
-@pytest.mark.parametrize("reason", ["abort", "error"])
+@pytest.mark.parametrize("reason", ["abort", "error", "insufficient_system_resource", "time_limit", "cancelled"])
 def test_a_generation_the_backend_aborted_fails_instead_of_completing(server: Server, mock: MockChatServer, reason: str) -> None:
-    """vLLM and SGLang end an aborted generation with ``finish_reason: "abort"``: the response
-    was read as ``completed`` with the partial text, as if the model had finished."""
+    """vLLM and SGLang end an aborted generation with ``finish_reason: "abort"`` (DeepSeek one
+    interrupted for want of capacity with ``insufficient_system_resource``, watsonx with
+    ``time_limit`` or ``cancelled``): the response was read as ``completed`` with the partial
+    text, as if the model had finished."""
     message = f"The model backend ended the response early (finish_reason '{reason}')."
     mock.push(Reply.stream(text_events("half an ans", finish=reason)))
     r = _post(server, False)
@@ -113,6 +115,19 @@ def test_a_generation_the_backend_aborted_fails_instead_of_completing(server: Se
     assert last["type"] == "response.failed", [e["type"] for e in events]
     assert last["response"]["error"]["message"] == message
     assert "response.completed" not in [e["type"] for e in events]
+
+
+@pytest.mark.parametrize("reason", ["length", "model_length", "max_tokens"])
+def test_a_token_limit_by_any_of_its_names_is_an_incomplete_response(server: Server, mock: MockChatServer, reason: str) -> None:
+    """Mistral ends a generation at its context limit with ``model_length``: read as a normal
+    end, the cut answer was ``completed``; it is ``incomplete`` (``max_output_tokens``), its
+    message too, as with ``length``."""
+    mock.push(Reply.stream(text_events("half an ans", finish=reason)))
+    r = _post(server, False)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete"
 
 
 def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server, mock: MockChatServer) -> None:

@@ -91,10 +91,16 @@ _FINISH = {
     "tool_calls": "tool_calls",
     "function_call": "tool_calls",  # the legacy name
     "content_filter": "content_filter",
+    # a token limit under other names: Mistral's context limit, Anthropic-style gateways'
+    "model_length": "length",
+    "max_tokens": "length",
 }
 # finish reasons that say the generation did not end (vLLM's and SGLang's "abort": the request
-# was aborted in the engine; "error"): the response fails instead of completing with what came
-_FAILED = ("abort", "error")
+# was aborted in the engine; "error"; DeepSeek's "insufficient_system_resource": interrupted for
+# want of capacity; watsonx's "time_limit" and "cancelled"): the response fails (a client retries
+# it) instead of completing with what came, which would read as the model's whole answer. Other
+# unknown reasons are a normal end.
+_FAILED = ("abort", "error", "insufficient_system_resource", "time_limit", "cancelled")
 
 _TEXT, _REASONING, _REFUSAL = "text", "reasoning", "refusal"
 # a piece's chunk by its kind
