@@ -8,6 +8,7 @@ socket; the client is plain httpx (HTTP JSON and SSE) or a WebSocket.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Iterator
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from websockets.sync.client import connect
 
 from tests.conftest import Server, raw_until_terminal, run_server
-from tests.mock_chat_server import MockChatServer, Reply, text_events
+from tests.mock_chat_server import MockChatServer, Reply, Sleep, text_events
 
 BROKEN = "The model backend closed the connection mid-stream."
 
@@ -128,6 +129,27 @@ def test_a_token_limit_by_any_of_its_names_is_an_incomplete_response(server: Ser
     body = r.json()
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["status"] == "incomplete"
+
+
+def test_a_body_kept_open_after_done_does_not_hold_the_response_back(server: Server, mock: MockChatServer) -> None:
+    """A backend that keeps its chunked body open after ``[DONE]``: the response ends at the
+    ``[DONE]``, on either transport (the SDK transport's release waited up to its 1 s drain
+    bound before the terminal event: a second on every turn of an agent loop); the next
+    request is answered as ever."""
+    mock.push(Reply(events=[*text_events("all of it"), "data: [DONE]\n\n", Sleep(3.0)]))
+    t0 = time.monotonic()
+    with httpx.stream("POST", server.v1 + "/responses", json={"model": "mock-model", "input": "x", "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.completed"' in line:
+                break
+        else:
+            raise AssertionError("no response.completed")
+    took = time.monotonic() - t0
+    assert took < 0.75, took  # (the drain bound is 1 s, the body's end 3 s away)
+    assert json.loads(line[6:])["response"]["output"][0]["content"][0]["text"] == "all of it"
+    mock.push(Reply.stream(text_events("again")))
+    r2 = _post(server, False)
+    assert r2.status_code == 200 and r2.json()["output"][0]["content"][0]["text"] == "again"
 
 
 def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server, mock: MockChatServer) -> None:

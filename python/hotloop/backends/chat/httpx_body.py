@@ -67,12 +67,13 @@ def http_timeout(first: float, idle: float) -> httpx.Timeout:
 class HttpxBody:
     """A streaming ``httpx.Response`` whose failures are hotloop errors."""
 
-    __slots__ = ("_resp", "_it", "_backend")
+    __slots__ = ("_resp", "_it", "_backend", "_released")
 
     def __init__(self, resp: httpx.Response, backend: str) -> None:
         self._resp = resp
         self._it = resp.aiter_bytes()
         self._backend = backend
+        self._released = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._read()
@@ -88,17 +89,35 @@ class HttpxBody:
             raise TransientBackendError("The model backend closed the connection mid-stream.") from None
 
     async def release(self) -> None:
-        """Read the rest of a finished body (normally nothing) so the connection can be reused."""
+        """Let a finished body's connection go back to httpx's pool once the rest of the body
+        (normally nothing) is read, without making the caller wait, as the lean transport's
+        ``release`` does: a backend that keeps the body open after ``[DONE]`` held each response's
+        end back by ``DRAIN_TIMEOUT``. The rest is read by a task of its own (``_DRAINING``:
+        each ends within ``DRAIN_TIMEOUT``), then the response is closed."""
+        self._released = True
+        task = asyncio.ensure_future(self._drain())
+        _DRAINING.add(task)
+        task.add_done_callback(_DRAINING.discard)
+
+    async def _drain(self) -> None:
         try:
             async with asyncio.timeout(DRAIN_TIMEOUT):
                 async for _ in self._it:
                     pass
         except (TimeoutError, httpx.HTTPError):
             pass  # the connection is closed instead of reused; the response itself is complete
-        await self._resp.aclose()
+        finally:
+            await self._resp.aclose()
 
     async def aclose(self) -> None:
-        await self._resp.aclose()
+        if not self._released:  # (a released body is closed by its drain)
+            await self._resp.aclose()
+
+
+# The drains of released bodies (HttpxBody.release), held until they end (an event loop keeps
+# only weak references to its tasks); each ends within DRAIN_TIMEOUT, so this holds at most the
+# bodies released in the last DRAIN_TIMEOUT seconds.
+_DRAINING: set["asyncio.Future[None]"] = set()
 
 
 async def read_error_body(resp: httpx.Response) -> object:
