@@ -152,6 +152,21 @@ def test_a_body_kept_open_after_done_does_not_hold_the_response_back(server: Ser
     assert r2.status_code == 200 and r2.json()["output"][0]["content"][0]["text"] == "again"
 
 
+@pytest.mark.parametrize(
+    "body", [{"error": "Invalid value for 'temperature'"}, {"status_code": 429, "message": "Invalid value for 'temperature'"}]
+)
+def test_a_400_is_read_from_the_answer_itself_on_every_transport(server: Server, mock: MockChatServer, body: dict[str, Any]) -> None:
+    """A 400 whose error message is a plain string, or whose body names another status: the
+    client is told the backend's message, as a 400, on either transport (the Cerebras SDK's
+    error object unwraps ``error`` and prefers a body's ``status_code``: its transport withheld
+    the message, or answered a 429)."""
+    mock.push(Reply.error(400, body))
+    r = _post(server, False)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "Invalid value for 'temperature'" in err["message"], err
+
+
 def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server, mock: MockChatServer) -> None:
     """``event: error`` whose data is the error object itself (``{"message", "code": 429}``):
     its status was lost (read as an error object absent, so a 500, "The model backend failed

@@ -31,7 +31,7 @@ from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
-from hotloop.backends.chat.statuses import transport_failure, withhold
+from hotloop.backends.chat.statuses import parse_body, transport_failure, withhold
 from hotloop.config import Config
 
 log = logging.getLogger("hotloop.backends")
@@ -147,4 +147,13 @@ class CerebrasBackend(ChatBackend):
         return resp.content
 
     def _status_error(self, exc: APIStatusError, model: str) -> errors.HotloopError:
-        return status_error(exc.status_code, exc.response.headers, exc.body, backend=self.name, model=model)
+        # The answer's own status and body, as the lean transport reads them: the SDK's
+        # ``status_code`` prefers a ``status_code`` field of the body over the HTTP status (a 400
+        # whose body said 429 became a rate limit), and its ``body`` is the body's ``error``
+        # unwrapped (a message given as a plain string was then withheld as a non-JSON body).
+        resp = exc.response
+        try:
+            body = parse_body(resp.content)
+        except httpx.ResponseNotRead:  # (the SDK reads an error's body before raising)
+            body = exc.body
+        return status_error(resp.status_code, resp.headers, body, backend=self.name, model=model)
