@@ -304,8 +304,9 @@ def _accept(accept: Any, request: Any) -> Any:
 
 class _HandshakeLog:
     """uvicorn's WebSocket logger without its INFO lines, for a server whose access log is off.
-    Those lines are a handshake's outcome (``"WebSocket /v1/responses" [accepted]``, ``403``,
-    an application's refusal status): access-log lines, one or two per connection, that a flood
+    Those lines are a handshake's outcome (uvicorn's ``"WebSocket /v1/responses" [accepted]``,
+    ``403``, an application's refusal status; websockets' ``connection open``, ``connection
+    rejected (...)``): access-log lines, one or two per connection, that a flood
     of unauthenticated handshakes would otherwise turn into a flood of the error log. Its
     warnings, errors and trace lines pass (``level``, the other methods: the logger's own)."""
 
@@ -333,6 +334,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         if not self.config.access_log:
             self.logger = _HandshakeLog(self.logger)  # type: ignore[assignment]
+            # (websockets' own: "connection open", "connection rejected (401 Unauthorized)")
+            self.conn.logger = _HandshakeLog(self.conn.logger)  # type: ignore[arg-type, assignment]
         self.queue = _Inbox()  # type: ignore[assignment]
         self._writable = _Flag()
         self.writable = self._writable  # type: ignore[assignment]
