@@ -366,6 +366,19 @@ def test_workers_serve_http_and_websocket_from_both_processes(tmp_path: Path) ->
         metrics = httpx.get(s.base + "/metrics", timeout=10).text
         total = sum(float(v) for v in re.findall(r'^hotloop_responses_total\{[^}]*status="completed"[^}]*\} (\S+)$', metrics, re.M))
         assert total == 2 * n
+
+        # ... and what is read from each worker's state: counters summed over the workers, gauges
+        # over the live ones (copied into the shared files once a second)
+        def state() -> dict[str, float] | None:
+            text = httpx.get(s.base + "/metrics", timeout=10).text
+            found = {
+                name: float(v)
+                for name, v in re.findall(r"^(hotloop_store_written_total|hotloop_store_failed_total|hotloop_client_connections) (\S+)$", text, re.M)
+            }
+            return found if found.get("hotloop_store_written_total") == n else None
+
+        found = poll(state, "the workers' store counts in /metrics")
+        assert found is not None and found["hotloop_store_failed_total"] == 0 and "hotloop_client_connections" in found
         # a worker that dies is replaced, and the replacement serves
         victim = next(iter(stats))
         os.kill(victim, signal.SIGKILL)

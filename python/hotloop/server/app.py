@@ -179,6 +179,8 @@ class HotloopApp:
         timeout = post.CLOSE_FLUSH_SECONDS
         deadline = loop.time() + timeout
         await self.persistence.close(timeout)
+        if self.metrics is not None:
+            self.metrics.tick()  # (--workers: what the stop stored, or lost, counted in the files)
         closing = loop.create_task(self.tenancy.close())
         # at least KEYS_CLOSE_FLOOR: a flush that used the whole bound leaves the key store's
         # close (a millisecond when its store answers) its own short chance, within KILL_MARGIN

@@ -28,7 +28,7 @@ from hotloop import errors
 from hotloop.tenants import LimitExceeded
 from hotloop.server.engine import backend_kind
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -103,10 +103,17 @@ class Metrics:
             self.mp_rate = Histogram("hotloop_output_tokens_per_second", _RATE_HELP, tl, registry=r, buckets=_RATE_BUCKETS)
             self.scrape_registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(self.scrape_registry)
+            self.state = _StateMirror(_StateCollector(app))
         else:
             r.register(_SeriesCollector(self))
             r.register(_StateCollector(app))
             self.scrape_registry = r
+
+    def tick(self) -> None:
+        """Once a second (the server's tick): in multiprocess mode, the server's state into the
+        files ``/metrics`` aggregates (:class:`_StateMirror`)."""
+        if self.multiprocess:
+            self.state.sync()
 
     def set_models(self, ids: Iterable[str]) -> None:
         self.models = frozenset(ids) | {self.app.backend.default_model}
@@ -383,3 +390,38 @@ class _StateCollector:
         cc.add_metric(["hit"], eng.conn_hits)
         cc.add_metric(["miss"], eng.conn_misses)
         yield cc
+
+
+class _StateMirror:
+    """Multiprocess mode (``--workers``): what :class:`_StateCollector` reads from one server's
+    state, copied into prometheus-client's file-backed metrics, which ``/metrics`` on any worker
+    aggregates. Each gauge is summed over the live workers (``livesum``), each counter over all of
+    them (a worker that ended keeps its counts: its files stay). Copied once a second (the
+    server's tick, :meth:`Metrics.tick`), so a scrape sees them up to a second late."""
+
+    def __init__(self, collector: _StateCollector) -> None:
+        self.collector = collector
+        self.metrics: dict[str, Any] = {}  # family name -> its file-backed Counter or Gauge
+        self.copied: dict[tuple[str, tuple[str, ...]], float] = {}  # a counter's value copied so far
+
+    def sync(self) -> None:
+        for fam in self.collector.collect():
+            metric = self.metrics.get(fam.name)
+            for sample in fam.samples:
+                labels = tuple(sample.labels.values())
+                if metric is None:
+                    names = tuple(sample.labels)
+                    if fam.type == "counter":
+                        metric = Counter(fam.name, fam.documentation, names, registry=None)
+                    else:
+                        metric = Gauge(fam.name, fam.documentation, names, multiprocess_mode="livesum", registry=None)
+                    self.metrics[fam.name] = metric
+                child: Any = metric.labels(*labels) if labels else metric
+                if fam.type == "counter":
+                    key = (fam.name, labels)
+                    grown = sample.value - self.copied.get(key, 0.0)
+                    if grown > 0:
+                        child.inc(grown)
+                        self.copied[key] = sample.value
+                else:
+                    child.set(sample.value)

@@ -196,6 +196,9 @@ def _server_class() -> type:
                 finally:
                     timer.cancel()
                     self._tick = None
+                metrics = self.app.metrics
+                if metrics is not None:
+                    metrics.tick()
                 should_exit = await self.on_tick(counter)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
