@@ -131,6 +131,26 @@ def test_error_and_stall_apply_to_an_empty_answer() -> None:
     assert chunks[-1] == Finish("stop")
 
 
+def test_a_stall_is_silence_then_the_same_pace() -> None:
+    """``stall:S`` mid-stream: S seconds of silence, then the tokens after it at the pace before
+    it (they came in one burst, all of them due by then, so the stream took no longer)."""
+    sim = SimulatorBackend(rate=50)  # 20 ms a token
+
+    async def times() -> list[float]:
+        out = []
+        async for chunk in sim.stream(req(metadata={"sim": "text,tokens:20,stall:0.3"})):
+            if isinstance(chunk, TextDelta):
+                out.append(time.monotonic())
+        return out
+
+    stamps = uvloop.run(times())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert max(gaps) >= 0.29  # the silence
+    after = gaps[gaps.index(max(gaps)) + 1:]
+    assert len(after) >= 5
+    assert sorted(after)[len(after) // 2] >= 0.01, after  # paced after it, not a burst
+
+
 def test_fail_comes_before_the_output_budget_runs_out() -> None:
     """The failure was placed at the middle of the whole plan: with ``max_output_tokens`` cutting
     the plan before that, the response ended incomplete and the ``fail`` directive was lost."""

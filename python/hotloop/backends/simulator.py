@@ -631,6 +631,7 @@ class SimulatorBackend:
             if i == fail_at:
                 if d.stall:
                     await asyncio.sleep(d.stall)
+                    t0 += d.stall  # silence, then the pace as before (not a burst of what is due)
                 if d.fail:
                     yield Usage(output_tokens=emitted, reasoning_tokens=reasoning)
                     yield Failure(code=d.fail, message="The simulated model failed to generate a response.")
