@@ -28,6 +28,28 @@ def test_no_command_prints_help_and_fails() -> None:
     assert p.returncode == 2 and "serve" in p.stdout and "bench" in p.stdout
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("stream", "--tokens", "0"), "--tokens: at least 1"),
+        (("stream", "--rate", "-1"), "--rate: a positive number"),
+        (("ws-fanout", "--stream-rate", "nan"), "--stream-rate: a positive number"),
+        (("ws-loop", "--turns", "0"), "--turns: at least 1"),
+        (("idle-ws", "--connections", "0"), "--connections: at least 1"),
+        (("ws-fanout", "--streams", "0"), "--streams: at least 1"),
+        (("loop", "--url", "notaurl", "--model", "m"), "--url: an http:// or https:// base URL"),
+        (("loop", "--plot", "/nonexistent-dir/x.png"), "--plot: no writable directory"),
+    ],
+)
+def test_bench_refuses_a_run_that_could_measure_nothing(args: tuple[str, ...], says: str) -> None:
+    """A count of 0 or a rate that is not positive (a division by zero, a figure of -1e9, or a
+    server that cannot start), a URL that is not one, a plot that cannot be written after the
+    whole run: one line and exit 2, before anything runs."""
+    p = run(HOTLOOP, "bench", *args)
+    assert p.returncode == 2, (p.returncode, p.stderr[-500:])
+    assert says in p.stderr and "Traceback" not in p.stderr
+
+
 def test_bench_help_is_the_bench_commands_own() -> None:
     # `hotloop -h` points to `hotloop bench -h` for the scenarios and their options
     assert "hotloop bench -h" in run(HOTLOOP, "-h").stdout

@@ -671,6 +671,15 @@ def bench_overhead(turns: int, rate: float, tokens: int) -> dict[str, Any]:
     }
 
 
+# the counts and rates a run needs to measure anything (a stream of no tokens, no turns, no
+# connections: a division by zero, or a figure that means nothing)
+_AT_LEAST = {
+    "tokens": 1, "turns": 1, "new_bytes": 0, "connections": 1, "streams": 1, "stream_tokens": 1, "rounds": 1,
+    "tool_tokens": 1, "clients": 1,
+}
+_POSITIVE = ("rate", "stream_rate", "seconds")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["loop"]:
@@ -746,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
         "throwaway certificate the server trusts (SSL_CERT_FILE); needs trustme",
     )
     args = p.parse_args(argv)
+    for name, low in _AT_LEAST.items():
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')}: at least {low}")
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if not (value > 0 and value != float("inf")):
+            p.error(f"--{name.replace('_', '-')}: a positive number")
     if args.repeat < 1:
         p.error("--repeat: at least 1")
     if not 0 <= args.gap_ms <= 10_000:

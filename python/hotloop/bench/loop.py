@@ -999,6 +999,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--turns and --concurrency must be >= 1, --bytes >= 16, --output-tokens >= 3, --rate and --ttft >= 0")
     if args.url and not args.model:
         p.error("--url needs --model")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        p.error(f"--url: an http:// or https:// base URL, not {args.url!r}")
+    if args.plot:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            p.error(f"--plot: no writable directory {folder!r} to write {os.path.basename(args.plot)!r} in")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
