@@ -358,3 +358,30 @@ def test_a_bad_script_is_named_as_the_script(tmp_path: Path, content: str) -> No
     with pytest.raises(ValueError) as info:
         Script.load(path)
     assert "metadata.sim" not in str(info.value) and "script" in str(info.value)
+
+
+def test_structured_examples_hold_to_patterns_steps_and_recursive_schemas() -> None:
+    """What ``responses.parse`` checks with pydantic: a string ``pattern`` (a zip code), a
+    number's ``multipleOf``, and a recursive model (its arrays end empty, a nullable branch ends
+    with null), where the simulator wrote ``"example zip"``, ``1.5`` and a ``null`` child."""
+    from typing import Optional
+
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        zip: str = Field(pattern=r"^[0-9]{5}$")
+        code: str = Field(pattern=r"^[A-Z]{2}-\d{3}$")
+        step: float = Field(multiple_of=0.4)
+        bounded: float = Field(multiple_of=0.25, ge=1.1, le=1.4)
+
+    class Node(BaseModel):
+        name: str
+        children: list["Node"]
+
+    class Chain(BaseModel):
+        next: Optional["Chain"]
+
+    for model in (Address, Node, Chain):
+        value = example_value(model.model_json_schema())
+        model.model_validate(value)  # raises on a value the schema refuses
+    assert example_value({"type": "string", "pattern": r"(a)\1"}) == "example value"  # unwritable: as before

@@ -33,6 +33,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import zlib
 from pathlib import Path
 from typing import Any, AsyncIterator, TypeGuard
@@ -365,12 +366,86 @@ def _float(schema: dict[str, Any]) -> float:
         v = float(hi)
     if _number(xhi) and v >= xhi:
         v = (max(float(lo) if _number(lo) else float("-inf"), float(xlo) if _number(xlo) else float(xhi) - 2) + xhi) / 2
+    step = schema.get("multipleOf")
+    if _number(step) and step > 0:
+        # the multiple at or above it, else (above a maximum) the one below
+        k = math.ceil(v / step)
+        if (_number(hi) and k * step > hi) or (_number(xhi) and k * step >= xhi):
+            k = math.floor(v / step)
+        v = k * step
     return v
+
+
+def _from_pattern(pattern: str) -> str | None:
+    """A short string ``pattern`` (a JSON schema's, read as a Python regular expression) finds,
+    or None when it is not one this can write (back-references, look-arounds that refuse it)."""
+    try:
+        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
+        text = _write(parsed)
+    except (re.error, ValueError, RecursionError, TypeError):
+        return None
+    return text if re.search(pattern, text) else None
+
+
+_CATEGORY_CHAR = {"CATEGORY_DIGIT": "0", "CATEGORY_NOT_DIGIT": "a", "CATEGORY_WORD": "a", "CATEGORY_NOT_WORD": "-",
+                  "CATEGORY_SPACE": " ", "CATEGORY_NOT_SPACE": "a"}
+
+
+def _write(parsed: Any) -> str:
+    out = []
+    for op, arg in parsed:
+        name = str(op)
+        if name == "LITERAL":
+            out.append(chr(arg))
+        elif name == "ANY":
+            out.append("a")
+        elif name == "IN":
+            out.append(_one_of(arg))
+        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            least, _, sub_pattern = arg
+            out.append(_write(sub_pattern) * least)
+        elif name == "SUBPATTERN":
+            out.append(_write(arg[-1]))
+        elif name == "ATOMIC_GROUP":
+            out.append(_write(arg))
+        elif name == "BRANCH":
+            out.append(_write(arg[1][0]))
+        elif name in ("AT", "ASSERT", "ASSERT_NOT"):
+            continue  # anchors and look-arounds write nothing (re.search checks the result)
+        else:
+            raise ValueError(name)  # back-references, conditionals
+    return "".join(out)
+
+
+def _one_of(items: Any) -> str:
+    """A character a ``[...]`` class matches."""
+    negated = bool(items) and str(items[0][0]) == "NEGATE"
+    if negated:
+        refused = "".join(_one_of([item]) for item in items[1:] if str(item[0]) != "CATEGORY")
+        for c in "a0 _-xZ":
+            if c not in refused:
+                return c
+        raise ValueError("NEGATE")
+    op, arg = items[0]
+    name = str(op)
+    if name == "LITERAL":
+        return chr(arg)
+    if name == "RANGE":
+        return chr(arg[0])
+    if name == "CATEGORY":
+        return _CATEGORY_CHAR[str(arg)]
+    raise ValueError(name)
 
 
 def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
     fmt = schema.get("format")
     text = _FORMATS.get(fmt, f"example {name}") if isinstance(fmt, str) else f"example {name}"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and not re.search(pattern, text):
+        written = _from_pattern(pattern) if len(pattern) <= MAX_PATTERN_CHARS else None
+        if written is not None:
+            budget.spend(len(written) + 2)
+            return written
     shortest, longest = schema.get("minLength"), schema.get("maxLength")
     if _number(shortest) and len(text) < shortest:
         budget.spend(int(shortest))
@@ -379,6 +454,11 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
         text = text[: max(0, int(longest))]
     budget.spend(len(text) + 2)
     return text
+
+
+SHALLOW_DEPTH = 4  # schema depth from which example_value writes the smallest valid value
+MAX_PATTERN_CHARS = 1000  # a longer string pattern is not written from (its format or name is used)
+_SCALARS = ("null", "string", "integer", "number", "boolean")
 
 
 def example_value(
@@ -397,6 +477,7 @@ def example_value(
     if depth > 8:
         budget.spend(4)
         return None
+    deep = depth >= SHALLOW_DEPTH  # past it: the smallest value that still fits (a recursive schema ends)
     if not isinstance(schema, dict):
         raise TypeError("a schema must be an object")
     if "$ref" in schema:
@@ -412,7 +493,11 @@ def example_value(
         return schema["const"]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return example_value(schema[key][0], name, depth + 1, root=root, budget=budget)
+            options = schema[key]
+            pick = options[0]
+            if deep:  # a branch that ends here (null, a scalar) before one that recurses
+                pick = next((o for o in options if isinstance(o, dict) and o.get("type") in _SCALARS), pick)
+            return example_value(pick, name, depth + 1, root=root, budget=budget)
     typ = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(typ, list):
         typ = next((t for t in typ if t != "null"), "null")
@@ -429,7 +514,7 @@ def example_value(
     if typ == "array":
         items = schema.get("items", {"type": "string"})
         least, most = schema.get("minItems"), schema.get("maxItems")
-        n = int(least) if _number(least) and least >= 1 else 0 if _number(most) and most < 1 else 1
+        n = int(least) if _number(least) and least >= 1 else 0 if deep or (_number(most) and most < 1) else 1
         if n * 2 > budget.left:  # every value costs a character or more (and its comma)
             raise _TooLarge("the arguments would be too large")
         return [example_value(items, name, depth + 1, root=root, budget=budget) for _ in range(n)]
