@@ -533,6 +533,26 @@ def test_interleaved_indices_are_buffered_in_order() -> None:
     assert indices == sorted(indices)
 
 
+@pytest.mark.parametrize("whole_first", [False, True])
+def test_interleaved_calls_cut_by_a_token_limit_end_incomplete(whole_first: bool) -> None:
+    """Two calls whose arguments interleave, then ``finish_reason: "length"``: each call whose
+    arguments are not whole ends ``incomplete`` (the first was closed ``completed`` by the
+    second's opening, with arguments no client can run); one that was whole stays completed."""
+    first = '{"path":"/tmp/x"}' if whole_first else '{"path":"/tmp/x","mode"'
+    chunks = [
+        chunk(tc(0, id="call_a", name="f", args="")),
+        chunk(tc(1, id="call_b", name="g", args="")),
+        chunk(tc(0, args=first[:9])),
+        chunk(tc(1, args='{"q":"hel')),
+        chunk(tc(0, args=first[9:])),
+        chunk({}, "length"),
+    ]
+    resp = through_turn(assemble(chunks))
+    assert resp["status"] == "incomplete"
+    calls = [(o["call_id"], o["status"], o["arguments"]) for o in resp["output"]]
+    assert calls == [("call_a", "completed" if whole_first else "incomplete", first), ("call_b", "incomplete", '{"q":"hel')]
+
+
 def test_text_after_an_unfinished_call_waits() -> None:
     a = ChunkAssembler()
     assert a.feed(chunk(tc(0, id="c0", name="a", args='{"k"'))) == [ToolCallDelta(0, '{"k"', "c0", "a")]

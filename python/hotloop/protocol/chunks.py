@@ -35,12 +35,16 @@ class ToolCallDelta(msgspec.Struct, frozen=True, gc=False):
 
     ``index`` identifies the call within the response (backends number them 0, 1, ...). The first
     delta of an index carries ``call_id`` and ``name``; later ones may leave them ``None``.
+    ``cut``: the call was cut short (the response ended at a token limit before its arguments
+    did), so it ends ``incomplete`` even when another item follows it (a backend interleaving
+    parallel calls' arguments, whose calls hotloop emits one after the other at the end).
     """
 
     index: int
     arguments: str = ""
     call_id: str | None = None
     name: str | None = None
+    cut: bool = False
 
 
 class Usage(msgspec.Struct, frozen=True, gc=False):

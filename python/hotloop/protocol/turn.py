@@ -120,7 +120,7 @@ class TurnStateError(RuntimeError):
 
 class _OpenItem:
     __slots__ = ("key", "output_index", "item_id", "parts", "call_id", "name", "lane", "content_index", "content",
-                 "summary_fields")
+                 "summary_fields", "cut")
 
     def __init__(self, key: str, output_index: int, item_id: str) -> None:
         self.key = key
@@ -133,6 +133,7 @@ class _OpenItem:
         self.name = ""
         self.lane: DeltaLane | None = None  # Turn.lane
         self.summary_fields = b""  # a reasoning summary's delta fields (events.summary_delta_fields)
+        self.cut = False  # a call cut short (ToolCallDelta.cut): closed incomplete whatever follows
 
 
 class Turn:
@@ -363,6 +364,8 @@ class Turn:
                 self._dropped_calls.add(chunk.index)
                 return out
             item = self._open_item(key, out, chunk)
+        if chunk.cut:
+            item.cut = True
         if chunk.arguments:
             item.parts.append(chunk.arguments)
             self._output_tokens_seen += 1
@@ -371,7 +374,7 @@ class Turn:
 
     def _open_item(self, key: str, out: list[Frame], call: ToolCallDelta | None = None) -> _OpenItem:
         if self._open is not None:
-            self._close_item("completed", out)
+            self._close_item("incomplete" if self._open.cut else "completed", out)
         index = len(self._output)
         if key in _PARTS:
             item = _OpenItem(key, index, self.ids.new("msg"))

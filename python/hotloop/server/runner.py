@@ -196,9 +196,9 @@ def _server_class() -> type:
                 finally:
                     timer.cancel()
                     self._tick = None
-                metrics = self.app.metrics
-                if metrics is not None:
-                    metrics.tick()
+                app = getattr(self, "app", None)  # (None: a server made without serve(), in tests)
+                if app is not None and app.metrics is not None:
+                    app.metrics.tick()
                 should_exit = await self.on_tick(counter)
 
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -437,14 +437,14 @@ class ChunkAssembler:
             return len(self._calls)
         return max(len(self._calls) - 1, 0)
 
-    def _open_call(self, call: _Call, out: list[Chunk]) -> None:
+    def _open_call(self, call: _Call, out: list[Chunk], cut: bool = False) -> None:
         if call.state != _LIVE:
             self._buffered -= sum(map(len, call.args))  # what it held goes out now
         call.state = _LIVE
         call.index = self._next_index
         self._next_index += 1
         self._open = call
-        out.append(ToolCallDelta(call.index, "".join(call.args), call.call_id, call.name))
+        out.append(ToolCallDelta(call.index, "".join(call.args), call.call_id, call.name, cut))
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -456,9 +456,16 @@ class ChunkAssembler:
                 raise errors.BackendError("The model backend sent a tool call without a name.")
         if self._think:
             self._settle(out)  # what the content held (the content's end)
+        # At a token limit, a call whose arguments are not whole was cut short: the deferred
+        # calls (their arguments came interleaved) are emitted one after the other below, and
+        # each would close the one before it as completed
+        length = self.finish_reason == "length" and bool(self._deferred)
+        cur = self._open
+        if length and isinstance(cur, _Call) and not _complete_json(cur.args):
+            out.append(ToolCallDelta(cur.index, cut=True))
         for entry in self._deferred:
             if isinstance(entry, _Call):
-                self._open_call(entry, out)
+                self._open_call(entry, out, length and not _complete_json(entry.args))
             else:
                 kind, text = entry
                 self._open = kind
