@@ -167,6 +167,33 @@ def test_a_400_is_read_from_the_answer_itself_on_every_transport(server: Server,
     assert err["type"] == "invalid_request_error" and "Invalid value for 'temperature'" in err["message"], err
 
 
+def _raw(delta: str, finish: str | None = None) -> str:
+    fin = json.dumps(finish)
+    return f'data: {{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{delta},"finish_reason":{fin}}}]}}\n\n'
+
+
+def test_an_emoji_split_into_its_two_surrogate_escapes_is_one_character(server: Server, mock: MockChatServer) -> None:
+    """A backend that cuts its text by UTF-16 unit sends an emoji's two halves in two chunks
+    (valid JSON, refused by a strict UTF-8 decoder): the text and the tool call's arguments
+    hold the emoji, and the response completes instead of failing as a malformed stream."""
+    mock.push(Reply(events=[
+        _raw('{"role":"assistant","content":"\\ud83d"}'), _raw('{"content":"\\ude00 hi \\ud83d"}'),
+        _raw('{"content":"\\ude80"}'), _raw("{}", "stop"), "data: [DONE]\n\n",
+    ]))
+    r = _post(server, False)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == "\U0001F600 hi \U0001F680"
+    call = '{"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":%s}}'
+    mock.push(Reply(events=[
+        _raw('{"tool_calls":[%s]}' % (call % '"{\\"s\\": \\"\\ud83d"')),
+        _raw('{"tool_calls":[{"index":0,"function":{"arguments":"\\ude00\\"}"}}]}'), _raw("{}", "tool_calls"), "data: [DONE]\n\n",
+    ]))
+    r = _post(server, True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed", [e["type"] for e in events]
+    assert json.loads(events[-1]["response"]["output"][0]["arguments"]) == {"s": "\U0001F600"}
+
+
 def test_an_error_event_without_an_error_wrapper_keeps_its_status(server: Server, mock: MockChatServer) -> None:
     """``event: error`` whose data is the error object itself (``{"message", "code": 429}``):
     its status was lost (read as an error object absent, so a 500, "The model backend failed

@@ -884,3 +884,33 @@ def test_parallel_calls_that_all_say_index_0_are_separate_calls() -> None:
         chunk(finish="tool_calls"),
     ]
     assert calls_of(through_turn(assemble(repeated))) == [("call_1", "f", '{"a":1}')]
+
+
+def test_split_surrogates_are_mended_per_string_and_lone_halves_replaced() -> None:
+    """``SplitSurrogates``: a high half at a string's end waits for the same string of the next
+    chunk (text and each call's arguments apart); a half left alone is U+FFFD, never a lone
+    surrogate (which no UTF-8 encoder writes)."""
+    from hotloop.backends.chat.assemble import SplitSurrogates
+
+    m = SplitSurrogates()
+
+    def delta(content: str | None = None, args: str | None = None) -> str:
+        d: dict[str, Any] = {}
+        if content is not None:
+            d["content"] = content
+        if args is not None:
+            d["tool_calls"] = [{"index": 0, "function": {"arguments": args}}]
+        return json.dumps({"choices": [{"index": 0, "delta": d}]})
+
+    def texts(c: Any) -> tuple[Any, Any]:
+        d = c.choices[0].delta
+        return d.content, (d.tool_calls[0].function.arguments if d.tool_calls else None)
+
+    assert texts(m.decode(delta("a\ud83d", '{"x":"\ud83d'))) == ("a", '{"x":"')
+    assert texts(m.decode(delta("\ude00b", '\ude80"}'))) == ("\U0001F600b", '\U0001F680"}')
+    assert texts(m.decode(delta("\ud83d"))) == ("", None)  # held
+    assert texts(m.decode(delta("c"))) == ("\ufffdc", None)  # not followed by its low half
+    assert texts(m.decode(delta("\ude00d"))) == ("\ufffdd", None)  # a low half alone
+    assert not m.held
+    with pytest.raises(ValueError):
+        m.decode("{not json")

@@ -8,6 +8,7 @@ the content as reasoning (see its ``_think_content``).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 import msgspec
@@ -84,6 +85,50 @@ class ChatChunk(msgspec.Struct):
 
 
 chunk_decoder = msgspec.json.Decoder(ChatChunk)
+
+_TEXT_FIELDS = ("content", "reasoning", "reasoning_content", "refusal")
+_HIGH = ("\ud800", "\udbff")
+
+
+class SplitSurrogates:
+    """The chunks msgspec refuses because a string holds a lone UTF-16 surrogate escape, which
+    is valid JSON grammar: a backend that cuts its text by UTF-16 unit (a JavaScript gateway)
+    sends an emoji as ``"\\ud83d"`` at the end of one chunk and ``"\\ude00"`` at the start of the
+    next. Such a chunk is decoded by ``json`` instead, and each text and arguments string is
+    mended: a high surrogate at its end is held for the same string of the next chunk, the pair
+    becomes its character, and a half left alone becomes U+FFFD (no event carries a lone
+    surrogate, which no UTF-8 encoder writes). One per stream; only chunks msgspec refused come
+    here, so a stream without surrogates pays nothing. Holds one character per string it saw
+    end on a high surrogate (the response's choices, fields and tool calls: bounded with them)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[Any, ...], str] = {}
+
+    def decode(self, data: str) -> ChatChunk:
+        """:raises ValueError: not JSON; :raises msgspec.ValidationError: not a chunk."""
+        obj = json.loads(data)
+        if isinstance(obj, dict):
+            for ci, choice in enumerate(obj.get("choices") or ()):
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                if not isinstance(delta, dict):
+                    continue
+                for field in _TEXT_FIELDS:
+                    if isinstance(delta.get(field), str):
+                        delta[field] = self._mend((ci, field), delta[field])
+                for tc in delta.get("tool_calls") or ():
+                    fn = tc.get("function") if isinstance(tc, dict) else None
+                    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                        fn["arguments"] = self._mend((ci, "call", tc.get("index")), fn["arguments"])
+        return msgspec.convert(obj, ChatChunk)
+
+    def _mend(self, key: tuple[Any, ...], text: str) -> str:
+        text = self.held.pop(key, "") + text
+        if text and _HIGH[0] <= text[-1] <= _HIGH[1]:
+            self.held[key] = text[-1]
+            text = text[:-1]
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 _FINISH = {
     "stop": "stop",

@@ -14,6 +14,7 @@ for that item, the native decoder reads them into the item and makes their Respo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
@@ -23,7 +24,7 @@ import msgspec
 from hotloop import errors
 from hotloop._accel import BACKEND_NAMES, SseDecoder
 from hotloop.backends.base import BackendRequest, model_object
-from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, chunk_decoder
+from hotloop.backends.chat.assemble import ChatChunk, ChunkAssembler, SplitSurrogates, chunk_decoder
 from hotloop.backends.chat.render import OPENAI_COMPAT, Dialect, RenderCache, encode_request_parts
 from hotloop.backends.chat.statuses import TransientBackendError, retry_delay, status_error
 from hotloop.models import reported_window
@@ -176,6 +177,7 @@ class ChatBackend:
                     feed_lane = decoder.feed_lane if _LANES else None
                     loop_time = asyncio.get_running_loop().time
                     decode = chunk_decoder.decode
+                    mender = SplitSurrogates()
                     ordinary = _ordinary
                     done = False
                     # What push delivery decoded but did not deliver, for this loop: the
@@ -285,14 +287,18 @@ class ChatBackend:
                                 except msgspec.DecodeError:
                                     if not data.strip():
                                         continue
-                                    raise errors.BackendError(_MALFORMED) from None
+                                    try:  # a lone surrogate escape (SplitSurrogates), else malformed
+                                        chunk = mender.decode(data)
+                                    except (ValueError, msgspec.ValidationError):
+                                        raise errors.BackendError(_MALFORMED) from None
                                 error = chunk.error
-                                if error is None and event == "error":
-                                    # an error event whose data is the error object itself, with
-                                    # no "error" wrapper: its status and message are read there
-                                    error = msgspec.json.decode(data)
-                                status = chunk.status_code or _error_status(error)
-                                raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
+                                if error is not None or event == "error":
+                                    if error is None:
+                                        # an error event whose data is the error object itself,
+                                        # with no "error" wrapper: its status and message are there
+                                        error = json.loads(data)
+                                    status = chunk.status_code or _error_status(error)
+                                    raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
                             fed = assembler.feed(chunk)
                             if pushes:
                                 alane = assembler.lane()
