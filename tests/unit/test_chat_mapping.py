@@ -337,7 +337,12 @@ def test_tools_and_settings() -> None:
     cb = render(req, CEREBRAS)
     assert cb["tools"] == [
         {"type": "function", "function": {"name": "search", "description": "Search.", "parameters": tools[0].parameters, "strict": True}},
-        {"type": "function", "function": {"name": "noargs", "parameters": {"type": "object", "properties": {}}, "strict": False}},
+        {
+            "type": "function",
+            "function": {
+                "name": "noargs", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}, "strict": False,
+            },
+        },
     ]
     assert "tool_choice" not in cb  # auto is the default
     assert cb["parallel_tool_calls"] is False
@@ -843,7 +848,7 @@ def test_render_cache_encodes_an_agents_tools_once() -> None:
     assert cache.tools(agent) is whole  # kept: the same bytes object
     assert cache.tools(list(agent)) is whole  # another list of the same tool objects
     assert cache.tools(tools("a")) is not whole  # equal tools, other objects: rendered again
-    small = [FunctionTool(name="s")]
+    small = [FunctionTool(name="s", parameters={"type": "object"})]
     assert len(cache.tools(small)) < TOOLS_MIN_BYTES and cache.tools(small) is not cache.tools(small)
     for k in range(TOOLS_KEPT + 3):
         cache.tools(tools(str(k)))

@@ -80,7 +80,9 @@ OPENAI_COMPAT = Dialect(
 # Responses efforts -> the chat-completions set (none|low|medium|high).
 _EFFORT = {"minimal": "low", "xhigh": "high", "max": "high"}  # Responses efforts a chat server has no word for
 
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# a tool sent without parameters: no arguments, as a strict-mode schema says it (a backend that
+# enforces strict schemas, as OpenAI's, refuses an object without additionalProperties: false)
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 # ---------------------------------------------------------------------------------------------
