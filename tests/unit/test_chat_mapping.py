@@ -919,3 +919,24 @@ def test_split_surrogates_are_mended_per_string_and_lone_halves_replaced() -> No
     assert not m.held
     with pytest.raises(ValueError):
         m.decode("{not json")
+
+
+def test_reasoning_between_an_assistants_text_and_its_call_is_kept() -> None:
+    """A model that reasoned, wrote, reasoned again and called a tool: its text and call are one
+    chat message, which holds both reasonings (the second was dropped, as the message already had
+    one); the OpenAI-compatible dialect sends none."""
+    from hotloop.protocol.request import item_from_dict
+
+    items = [
+        item_from_dict({"type": "message", "role": "user", "content": "go"}),
+        item_from_dict({"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "first thought"}]}),
+        item_from_dict({"type": "message", "role": "assistant", "content": "Looking."}),
+        item_from_dict({"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "second thought"}]}),
+        item_from_dict({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+        item_from_dict({"type": "function_call_output", "call_id": "c1", "output": "done"}),
+    ]
+    msgs = render(request(items=items), CEREBRAS)["messages"]
+    assistant = [m for m in msgs if m["role"] == "assistant"]
+    assert len(assistant) == 1 and assistant[0]["content"] == "Looking." and assistant[0]["tool_calls"][0]["id"] == "c1"
+    assert assistant[0]["reasoning"] == "first thought\n\nsecond thought"
+    assert "reasoning" not in [m for m in render(request(items=items), OPENAI_COMPAT)["messages"] if m["role"] == "assistant"][0]

@@ -149,6 +149,14 @@ def _text_only(content: Union[str, list[Any]], dialect: Dialect, what: str, imag
     return "".join(out)
 
 
+def _add_reasoning(merged: dict[str, Any], reasoning: str) -> None:
+    """The reasoning that came before output merged into an assistant message: after the
+    reasoning it holds (a model that reasoned again between its text and its call), not dropped."""
+    if reasoning:
+        held = merged.get("reasoning")
+        merged["reasoning"] = f"{held}\n\n{reasoning}" if held else reasoning
+
+
 def _render_items(
     items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str
 ) -> str:
@@ -176,8 +184,7 @@ def _render_items(
             return False
         prev = last.get("content")
         merged = {**last, "content": f"{prev}\n\n{text}" if prev and text else prev or text}
-        if reasoning and "reasoning" not in merged:
-            merged["reasoning"] = reasoning
+        _add_reasoning(merged, reasoning)
         reasoning = ""
         messages[-1] = merged
         encoded[-1] = enc(merged)
@@ -219,8 +226,7 @@ def _render_items(
             if last is not None and last["role"] == "assistant":
                 # Consecutive assistant output (text, then calls) is one chat message.
                 merged = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
-                if reasoning and "reasoning" not in merged:
-                    merged["reasoning"] = reasoning
+                _add_reasoning(merged, reasoning)
                 reasoning = ""
                 messages[-1] = merged
                 encoded[-1] = enc(merged)
