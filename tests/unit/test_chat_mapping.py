@@ -629,6 +629,8 @@ def test_status_errors() -> None:
                                 "type": "exceed_context_size_error", "n_prompt_tokens": 4476, "n_ctx": 4096}})
     assert isinstance(llama, errors.ContextLengthExceeded) and llama.param == "input"
     assert isinstance(err(400, {"error": {"code": 400, "message": "too big", "type": "exceed_context_size_error"}}), errors.ContextLengthExceeded)
+    vllm = "The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure that `max_model_len` is no smaller than the number of text tokens."
+    assert isinstance(err(400, {"object": "error", "message": vllm, "type": "BadRequestError", "code": 400}), errors.ContextLengthExceeded)
     # a long delay reads as Codex parses it ("try again in Ns"), not as 3.6e+03s
     assert "Please try again in 3600s." in err(429, {}, {"retry-after": "3600"}).message
     assert "Please try again in 1.5s." in err(429, {}, {"retry-after": "1.5"}).message

@@ -37,6 +37,9 @@ _CONTEXT_PATTERNS = (
     "reduce the length",
     "context size",  # llama.cpp: "request (N tokens) exceeds the available context size (M tokens)"
     "exceed_context_size",  # llama.cpp's error type
+    # vLLM's V1 engine: "The decoder prompt (length N) is longer than the maximum model length of
+    # M. Make sure that `max_model_len` is no smaller than the number of text tokens."
+    "maximum model length",
 )
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _DURATION_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
