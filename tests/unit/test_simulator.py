@@ -160,6 +160,17 @@ def test_script_entry_objects_are_checked(tmp_path: Path, entry: dict) -> None:
         Script.load(path)
 
 
+@pytest.mark.parametrize("repeat", ["false", 1, None])
+def test_a_scripts_repeat_is_true_or_false(tmp_path: Path, repeat: object) -> None:
+    """``"repeat": "false"`` (a string) was read as true, and cycled the turns."""
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"turns": ["text"], "repeat": repeat}))
+    with pytest.raises(ValueError, match="repeat"):
+        Script.load(path)
+    path.write_text(json.dumps({"turns": ["text", "tools:1"], "repeat": False}))
+    assert Script.load(path).repeat is False
+
+
 def test_deterministic_under_seed() -> None:
     a = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))
     b = collect(SimulatorBackend(rate=0, seed=7), req(metadata={"sim": "reasoning,tokens:20"}))

@@ -227,7 +227,10 @@ class Script:
                 f"simulator script {path}: expected a list of directive strings (or entry objects), "
                 f"or {{\"turns\": [...]}}"
             )
-        return cls(turns, bool(data.get("repeat", False)) if isinstance(data, dict) else False)
+        repeat = data.get("repeat", False) if isinstance(data, dict) else False
+        if not isinstance(repeat, bool):  # ("false", a string, read as true, cycled the turns)
+            raise ValueError(f"simulator script {path}: \"repeat\" must be true or false, not {json.dumps(repeat)[:40]}")
+        return cls(turns, repeat)
 
     def at(self, turn: int) -> Directives:
         if self.repeat:
