@@ -258,3 +258,26 @@ def test_a_websocket_response_in_flight_is_retrievable(env: Env) -> None:
                 assert ev["type"] == "response.completed"
                 break
     assert env.client().responses.retrieve(rid).status == "completed"
+
+
+def test_two_deletes_at_once_answer_one_200_and_one_404(env: Env) -> None:
+    """Two DELETEs of one stored (and cached) response sent at the same moment: the store
+    deleted it once, and the other answered 200 all the same (it had seen the response in the
+    cache before its wait), where one sent after the first answers 404."""
+    import asyncio
+
+    async def race(c: httpx.AsyncClient) -> list[tuple[int, int]]:
+        outcomes = []
+        for i in range(12):
+            r = await c.post("/responses", json={"model": "hotloop-sim", "input": f"twice {i}"})
+            rid = r.json()["id"]
+            a, b = await asyncio.gather(c.delete(f"/responses/{rid}"), c.delete(f"/responses/{rid}"))
+            outcomes.append(tuple(sorted((a.status_code, b.status_code))))
+        return outcomes  # type: ignore[return-value]
+
+    async def main() -> list[tuple[int, int]]:
+        headers = {"Authorization": f"Bearer {env.keys['alice']}"}
+        async with httpx.AsyncClient(base_url=env.server.v1, headers=headers, timeout=30) as c:
+            return await race(c)
+
+    assert set(asyncio.run(main())) == {(200, 404)}

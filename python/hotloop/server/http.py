@@ -487,7 +487,9 @@ class HttpTransport:
         # (StoreBusy, retry-after) with nothing deleted, the queued writes still queued
         # (hotloop.pipeline.post.Persistence). With --workers the record the other workers read
         # is written in the delete's own transaction (hotloop.pipeline.shared).
-        if not await self.app.persistence.delete(response_id, scope) and not cached:
+        found = await self.app.persistence.delete(response_id, scope)
+        if not found and not (cached and self.app.engine.responses.get(response_id, scope) is not None):
+            # (cached before the wait, but gone after it: another DELETE of it answered 200 meanwhile)
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         self.app.engine.deleted(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
