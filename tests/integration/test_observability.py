@@ -272,3 +272,21 @@ def test_websocket_handshakes_are_logged_only_with_the_access_log(observed: Serv
         assert lines[before:] == [], lines[before:]  # not a line for the handshakes
         said = [o["message"] for o in lines]
         assert not [m for m in said if "WebSocket" in m or "websocket" in m], said
+
+
+def test_every_metric_the_dashboard_plots_is_exported(observed: Server) -> None:
+    """``dashboards/hotloop.json`` plots only metrics the server exports (by family: a labelled
+    counter nothing has counted yet has its ``# TYPE`` line and no sample)."""
+    root = Path(__file__).resolve().parents[2]
+    dashboard = json.loads((root / "dashboards" / "hotloop.json").read_text())
+    plotted = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", ())
+        for name in re.findall(r"\bhotloop_[a-z_]+", target["expr"])
+    }
+    assert len(plotted) >= 15
+    text = httpx.get(observed.base + "/metrics", headers=AUTH, timeout=5).text
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    exported = families | {f + "_total" for f in families} | {f + suffix for f in families for suffix in ("_bucket", "_count", "_sum")}
+    assert plotted <= exported, sorted(plotted - exported)
