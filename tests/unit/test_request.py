@@ -159,3 +159,20 @@ def test_unknown_tool_types_kept_until_forced() -> None:
 def test_function_tool_strict_defaults_true() -> None:
     p = prep({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})
     assert p.function_tools["f"].strict is True
+
+
+def test_an_item_kept_verbatim_holds_a_bounded_number_of_values() -> None:
+    """An item of a type hotloop keeps verbatim is walked by the classifiers and encoded for its
+    fingerprint and the store: 8 MB of empty objects (2.7 million values) held the event loop for
+    seconds. Above MAX_VERBATIM_VALUES it is a 400 naming the item, found with a bounded walk."""
+    from hotloop.protocol.request import MAX_VERBATIM_VALUES, json_weight
+
+    ok = {"type": "custom_tool_call_output", "call_id": "c", "output": [{} for _ in range(MAX_VERBATIM_VALUES // 2)]}
+    assert type(prep({"model": "m", "input": [{"role": "user", "content": "hi"}, ok]}).items[1]) is OtherItem
+    big = {"type": "x_blob", "data": [{} for _ in range(MAX_VERBATIM_VALUES + 10)]}
+    e = err({"model": "m", "input": [{"role": "user", "content": "hi"}, big]})
+    assert e.code == "invalid_value" and e.param == "input[1]" and "x_blob" in e.message
+    # the walk: values (keys included) and, with chars, string lengths; it stops at its limit
+    assert json_weight({"a": ["bc", 1, None]}, 100) == 1 + 1 + 1 + (1 + 2) + 1 + 1
+    assert json_weight({"a": ["bc", 1, None]}, 100, chars=False) == 6
+    assert json_weight([[]] * 10**6, 1000) == 1000

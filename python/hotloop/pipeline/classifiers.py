@@ -43,9 +43,10 @@ from hotloop.pipeline.classify import (
     SecretsClassifier,
     TextPath,
     Verdict,
-    item_texts,
 )
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, Item, ItemReference, Message, OtherItem, Reasoning
+from hotloop.protocol.request import (
+    FunctionCall, FunctionCallOutput, Item, ItemReference, Message, OtherItem, Reasoning, json_weight,
+)
 
 log = logging.getLogger("hotloop.classify")
 
@@ -320,8 +321,10 @@ def text_chars(items: Sequence[Item], limit: int) -> int:
     contents and parts' ``text``; enough to decide whether a scan runs off the event loop)."""
     n = 0
     for it in items:
-        if type(it) is OtherItem:  # its strings at any depth (classify.item_texts)
-            n += sum(len(t) for _, t in item_texts(it))
+        if type(it) is OtherItem:
+            # its strings at any depth (classify.item_texts), and its values: a walk of up to
+            # ``limit`` of them (an item of many small values costs a scan what its text would)
+            n += json_weight(it.data, limit - n)
         for field in ("content", "output", "arguments"):
             v = getattr(it, field, None)
             if type(v) is str:

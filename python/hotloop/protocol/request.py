@@ -257,6 +257,35 @@ MAX_MODEL_CHARS = 256
 MAX_NESTING = 256
 
 
+# Most JSON values (objects, arrays, strings, numbers... each one) in an input item of a type
+# hotloop keeps verbatim (a custom tool's call or output, a hosted tool's): each is walked by the
+# classifiers and encoded for the fingerprint and the store, so 8 MB of empty objects (2.7 million
+# values) held the event loop for seconds and took 800 MB
+MAX_VERBATIM_VALUES = 100_000
+
+
+def json_weight(obj: Any, limit: int, chars: bool = True) -> int:
+    """How much the JSON value ``obj`` holds: 1 for each value (an object's key included), plus
+    each string's length with ``chars``; counted until ``limit`` is reached (at most ``limit``
+    values are looked at, whatever ``obj`` holds)."""
+    n = 0
+    stack = [obj]
+    pop, extend = stack.pop, stack.extend
+    while stack and n < limit:
+        v = pop()
+        t = type(v)
+        n += 1
+        if t is str:
+            if chars:
+                n += len(v)
+        elif t is dict:
+            n += len(v)  # its keys
+            extend(v.values())
+        elif t is list:
+            extend(v)
+    return n
+
+
 def nests_deeper(obj: Any, limit: int) -> bool:
     """Whether the JSON value ``obj`` nests more than ``limit`` containers (iterative: any depth)."""
     level = [obj] if isinstance(obj, (list, tuple, dict)) else []
@@ -477,6 +506,12 @@ def decode_item(raw: Any, index: int, field: str = "input") -> Item:
         iid = raw.get("id")
         if iid is not None and not isinstance(iid, str):
             raise errors.InvalidType(f"Invalid type for '{where}.id': expected a string.", param=f"{where}.id")
+        if json_weight(raw, MAX_VERBATIM_VALUES + 1, chars=False) > MAX_VERBATIM_VALUES:
+            raise errors.InvalidValue(
+                f"Invalid '{where}': an item of type '{errors.clip(kind)}' may hold at most "
+                f"{MAX_VERBATIM_VALUES:,} JSON values.",
+                param=where,
+            )
         return OtherItem(type=kind, data=raw)
     try:
         return msgspec.convert(raw, cls)  # type: ignore[no-any-return]
