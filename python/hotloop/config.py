@@ -90,6 +90,8 @@ class Config:
     data_dir: str = field(default_factory=_default_data_dir)
     store_ttl_seconds: float = 30 * 24 * 3600.0
     store_max_responses: int = 10_000
+    # --store memory: estimated bytes of what it holds (hotloop.state.store.MemoryStore.max_bytes)
+    store_max_bytes: int = 256 * 1024 * 1024
     # seconds a SQLite write waits for another connection's write lock (hotloop.state.store.BUSY_TIMEOUT);
     # a DELETE's or usage listing's bound (README, Crash safety); 0 < it <= MAX_STORE_BUSY_TIMEOUT
     store_busy_timeout: float = 5.0

@@ -255,6 +255,32 @@ def test_memory_bound_counts_responses_without_items_of_their_own() -> None:
     assert m.get("r2999") is not None
 
 
+def test_memory_store_is_bounded_by_bytes() -> None:
+    """``max_bytes``: 24 responses of 24 MB of instructions each took 880 MB; what the store holds
+    is now estimated (strings, and each JSON value as Python holds it) and the oldest responses
+    leave past the bound, the newest one kept whatever its size; a chain's tombstones count their
+    items, and what leaves is no longer counted."""
+    budget = 1_000_000
+    m = MemoryStore(max_bytes=budget)
+    say = [{"type": "message", "role": "user", "content": "x"}]
+    for i in range(20):
+        m.put(StoredResponse({"id": f"r{i}", "instructions": "i" * 300_000}, say, [None], [1], 1))
+        assert m.bytes <= budget
+    assert m.get("r19") is not None and m.get("r0") is None
+    assert 2 <= len(m._live) <= 3
+    m.put(StoredResponse({"id": "huge", "instructions": "h" * 3 * budget}, say, [None], [1], 1))
+    assert m.get("huge") is not None and list(m._live) == ["huge"]  # the newest, alone
+    # a chain: its items stay with the tombstones while a descendant lives, and count
+    many = [{"type": "x_blob", "data": [{} for _ in range(2000)]}]
+    m.put(StoredResponse({"id": "c0"}, many, [None], [1], 1))
+    for i in range(1, 12):
+        m.put(StoredResponse({"id": f"c{i}"}, many, [None], [1], i + 1, parent_id=f"c{i - 1}", base_len=i))
+        assert m.bytes <= budget or list(m._live) == [f"c{i}"]
+    assert m.get("c11") is not None
+    held = sum(n.response_bytes + n.item_bytes for n in m._nodes.values())
+    assert m.bytes == held
+
+
 def test_reload_after_restart(tmp_path) -> None:
     path = tmp_path / "h.sqlite3"
     s = SQLiteStore(path)

@@ -264,24 +264,24 @@ MAX_NESTING = 256
 MAX_VERBATIM_VALUES = 100_000
 
 
-def json_weight(obj: Any, limit: int, chars: bool = True) -> int:
-    """How much the JSON value ``obj`` holds: 1 for each value (an object's key included), plus
-    each string's length with ``chars``; counted until ``limit`` is reached (at most ``limit``
-    values are looked at, whatever ``obj`` holds)."""
+def json_weight(obj: Any, limit: int, chars: bool = True, per_value: int = 1) -> int:
+    """How much the JSON value ``obj`` holds: ``per_value`` for each value (an object's key
+    included), plus each string's length with ``chars``; counted until ``limit`` is reached
+    (at most ``limit`` values are looked at, whatever ``obj`` holds)."""
     n = 0
     stack = [obj]
     pop, extend = stack.pop, stack.extend
     while stack and n < limit:
         v = pop()
         t = type(v)
-        n += 1
+        n += per_value
         if t is str:
             if chars:
                 n += len(v)
         elif t is dict:
-            n += len(v)  # its keys
+            n += per_value * len(v)  # its keys
             extend(v.values())
-        elif t is list:
+        elif t is list or t is tuple:
             extend(v)
     return n
 

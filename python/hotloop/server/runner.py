@@ -38,7 +38,7 @@ def make_store(config: Config) -> ResponseStore:
     if config.store_sync not in ("normal", "full"):
         raise ValueError(f"unknown store sync {config.store_sync!r}; choose 'normal' or 'full'")
     if config.store == "memory":
-        return MemoryStore(config.store_max_responses, config.store_ttl_seconds)
+        return MemoryStore(config.store_max_responses, config.store_ttl_seconds, max_bytes=config.store_max_bytes)
     if config.store == "sqlite":
         return SQLiteStore(
             config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync, config.store_busy_timeout

@@ -91,6 +91,7 @@ import hashlib
 import logging
 import secrets
 import sqlite3
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -103,7 +104,7 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 
 from hotloop import errors
-from hotloop.protocol.request import checked_tools
+from hotloop.protocol.request import checked_tools, json_weight
 from hotloop.state import create_private, fpkey
 
 _enc = msgspec.json.Encoder()
@@ -125,6 +126,10 @@ _SETTINGS_FIELDS = ("instructions", "tools")
 PRUNED_KEPT = 65_536  # pruned ids a store keeps until take_pruned() (the newest)
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_ITEMS = 1_000_000
+# the memory store's estimated bytes (MemoryStore.max_bytes): each string's characters and
+# VALUE_BYTES for each JSON value (a decoded dict, list, number... as Python holds it)
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+VALUE_BYTES = 64
 # Usage ledger rows the memory store keeps, one per (UTC day, model, key id): a model name is
 # a client's string, so distinct rows grew with requests; at the bound the oldest day's leave.
 MAX_LEDGER_ROWS = 100_000
@@ -384,7 +389,7 @@ class ResponseStore(Protocol):
 class _Node:
     """One stored response of the memory store (live, or a tombstone kept for its children)."""
 
-    __slots__ = ("rec", "at", "seq", "live", "children")
+    __slots__ = ("rec", "at", "seq", "live", "children", "response_bytes", "item_bytes")
 
     def __init__(self, rec: StoredResponse, at: float, seq: int) -> None:
         self.rec = rec
@@ -392,6 +397,10 @@ class _Node:
         self.seq = seq  # put order: ties of ``at`` resolve newest-first deterministically
         self.live = True
         self.children = 0
+        # estimated bytes (MemoryStore.max_bytes): the Response object and states (gone with a
+        # tombstone), and the own items (kept by a tombstone for its descendants)
+        self.response_bytes = _held(rec.response) + _held(rec.states)
+        self.item_bytes = _held(rec.items)
 
     @property
     def end(self) -> int:
@@ -416,20 +425,28 @@ class _Pruned:
                 return out
 
 
+def _held(value: Any) -> int:
+    return json_weight(value, sys.maxsize, per_value=VALUE_BYTES) if value else 0
+
+
 class MemoryStore(_Pruned):
     """Bounded in-memory store with the SQLite store's model (parent pointers, own items,
     tombstones). Bounded by live responses (oldest pruned first), by items held (tombstones
-    included) and by age. Nothing survives a restart."""
+    included), by estimated bytes (tombstones' items included; the newest response is kept
+    whatever its size) and by age. Nothing survives a restart."""
 
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_RESPONSES,
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
         max_items: int = DEFAULT_MAX_ITEMS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.max_responses = max_responses
         self.ttl_seconds = ttl_seconds
         self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.bytes = 0  # estimated bytes held (_Node.response_bytes and item_bytes)
         self.fingerprint_key = fpkey.PROCESS_KEY  # nothing outlives the process
         self.call_id_key = fpkey.CALL_ID_PROCESS_KEY  # likewise (a worker of --workers has its own)
         self.items = 0  # own items of every node, tombstones included
@@ -466,6 +483,7 @@ class MemoryStore(_Pruned):
                 node.children = old.children
                 self.items -= len(old.rec.items)
                 self.empty -= not old.rec.items
+                self.bytes -= old.response_bytes + old.item_bytes
                 if old.live:
                     self._unindex(rid, old)
                     del self._live[rid]
@@ -477,6 +495,7 @@ class MemoryStore(_Pruned):
             self._live[rid] = None
             self.items += len(rec.items)
             self.empty += not rec.items
+            self.bytes += node.response_bytes + node.item_bytes
             for i, it in enumerate(rec.items):
                 iid = _item_id(it)
                 if iid is not None and _minted(rec, i):
@@ -485,7 +504,8 @@ class MemoryStore(_Pruned):
             while self._live:
                 oldest = next(iter(self._live))
                 n = self._nodes[oldest]
-                if len(self._live) > self.max_responses or self.items + self.empty > self.max_items or n.at < cutoff:
+                over = len(self._live) > self.max_responses or self.items + self.empty > self.max_items
+                if over or n.at < cutoff or (self.bytes > self.max_bytes and oldest != rid):
                     self._kill(oldest, n)
                     self._pruned.append(oldest)
                 else:
@@ -524,10 +544,13 @@ class MemoryStore(_Pruned):
         del self._live[rid]
         self._unindex(rid, node)
         node.rec = node.rec._replace(response={"id": rid}, states=None)
+        self.bytes -= node.response_bytes
+        node.response_bytes = 0
         while not node.live and node.children == 0:
             del self._nodes[rid]
             self.items -= len(node.rec.items)
             self.empty -= not node.rec.items
+            self.bytes -= node.item_bytes
             pid = node.rec.parent_id
             parent = self._nodes.get(pid) if pid is not None else None
             if parent is None:
