@@ -14,7 +14,8 @@ from hotloop import errors
 from hotloop.config import Config
 from hotloop.pipeline import items as itemlib
 from hotloop.protocol.chunks import Finish, TextDelta
-from hotloop.protocol.request import decode_body
+from hotloop.pipeline.prepare import prepare
+from hotloop.protocol.request import decode_body, validate
 from hotloop.server.runner import make_app
 
 
@@ -219,6 +220,33 @@ def test_a_client_that_leaves_before_the_first_token_is_charged_its_input() -> N
 
     [row] = asyncio.run(asyncio.wait_for(main(), 30))
     assert row["responses"] == 1 and 1500 < row["input_tokens"] < 4000 and row["output_tokens"] == 0
+
+
+@pytest.mark.parametrize("text", ["word " * 2000, "中文字符" * 750])
+def test_a_client_that_leaves_before_the_first_token_is_charged_its_counted_input(text: str) -> None:
+    """... and charged what its input counts, once its counting (which runs while the backend
+    works) has ended: it was charged one token per four characters, 24% over for English and
+    half the count for CJK text."""
+
+    async def main() -> tuple[list[Any], int]:
+        app = make_app(Config(store="memory", sim_rate=0, sim_ttft=3.0))
+        await app.startup()
+        try:
+            start = asyncio.ensure_future(app.engine.start(_body(text, "tokens:4"), transport="sse"))
+            await asyncio.sleep(0.5)  # the backend works on it; the input is counted meanwhile
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+            await app.persistence.flush()
+            usage = await app.persistence.usage()
+            plan = prepare(validate(_body(text, "tokens:4")), None, app.engine.ids)
+            plan.settle()
+            return usage, plan.input_tokens
+        finally:
+            await app.shutdown()
+
+    [row], counted = asyncio.run(asyncio.wait_for(main(), 30))
+    assert row["responses"] == 1 and row["input_tokens"] == counted and row["output_tokens"] == 0
 
 
 @contextlib.asynccontextmanager

@@ -402,7 +402,11 @@ class Engine:
             if requested and isinstance(exc, asyncio.CancelledError):
                 # its client left while the backend worked on the request (prefill, queueing):
                 # charged its input, in its key's TPM budget and in the ledger, as a response
-                # cut short later is (a backend's refusal or error is not charged)
+                # cut short later is (a backend's refusal or error is not charged): its count
+                # when the counting has ended (it runs while the backend works), else its estimate
+                if not plan.settled and counts is not None and counts.done():
+                    if not counts.cancelled() and counts.exception() is None:
+                        plan.settle(counts.result())
                 charged = plan.input_estimate()
                 model = req.model or self.backend.default_model
                 usage = {"input_tokens": charged, "output_tokens": 0, "total_tokens": charged,
