@@ -942,3 +942,20 @@ def test_reasoning_between_an_assistants_text_and_its_call_is_kept() -> None:
     assert len(assistant) == 1 and assistant[0]["content"] == "Looking." and assistant[0]["tool_calls"][0]["id"] == "c1"
     assert assistant[0]["reasoning"] == "first thought\n\nsecond thought"
     assert "reasoning" not in [m for m in render(request(items=items), OPENAI_COMPAT)["messages"] if m["role"] == "assistant"][0]
+
+
+def test_a_backends_negative_token_counts_are_unknown() -> None:
+    """A backend reporting ``prompt_tokens: -500`` made the response's usage, the ledger and a
+    Prometheus counter go down, and refunded TPM: a negative count is unknown (hotloop's own
+    count is used), the others are kept."""
+    from hotloop.protocol.chunks import Usage
+
+    out = assemble([
+        chunk({"content": "hi"}),
+        chunk({}, "stop"),
+        msgspec.json.decode(json.dumps({"choices": [], "usage": {
+            "prompt_tokens": -500, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": -1},
+            "completion_tokens_details": {"reasoning_tokens": 2}}}), type=ChatChunk),
+    ])
+    [u] = [c for c in out if isinstance(c, Usage)]
+    assert (u.input_tokens, u.output_tokens, u.cached_tokens, u.reasoning_tokens) == (None, 7, None, 2)

@@ -364,3 +364,27 @@ def test_no_lane_without_an_open_item() -> None:
     assert turn.lane() is None
     turn.feed(Usage(output_tokens=1))
     assert turn.lane() is None
+
+
+@pytest.mark.parametrize("lane", [False, True])
+def test_reasoning_tokens_without_a_backend_count_are_the_reasoning_deltas(lane: bool) -> None:
+    """A response cut short while it reasoned (no usage chunk came) was recorded with
+    ``reasoning_tokens: 0`` while its reasoning deltas counted as output; read through the
+    item's lane or fed, each reasoning delta counts as a reasoning token."""
+    from hotloop.protocol.chunks import ReasoningDelta as R
+
+    turn = make_turn()
+    frames = turn.start() + turn.feed(R("a"))
+    if lane:
+        frames += _lane_read(turn.lane(), ["b", "c"])
+    else:
+        frames += turn.feed(R("b")) + turn.feed(R("c"))
+    frames += turn.fail(errors.BackendError("The model backend closed the connection mid-stream."))
+    usage = json.loads(frames[-1][1])["response"]["usage"]
+    assert usage["output_tokens"] == 3 and usage["output_tokens_details"]["reasoning_tokens"] == 3
+
+
+def test_a_backends_reasoning_count_is_never_above_its_output_count() -> None:
+    ev = run(make_turn(), [ReasoningDelta("think"), TextDelta("ok"), Usage(output_tokens=3, reasoning_tokens=40), Finish()])
+    usage = ev[-1]["response"]["usage"]
+    assert usage["output_tokens"] == 3 and usage["output_tokens_details"]["reasoning_tokens"] == 3

@@ -189,6 +189,7 @@ class Turn:
         self._usage: Usage | None = None
         self.error: errors.HotloopError | None = None  # what a failed response failed with
         self._output_tokens_seen = 0  # deltas counted, used when the backend reports no usage
+        self._reasoning_seen = 0  # ... of them, reasoning deltas (counted as its items close)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -494,6 +495,7 @@ class Turn:
                 "role": "assistant",
             }
         elif item.key == _REASONING:
+            self._reasoning_seen += len(item.parts)  # (a piece per delta, the lane's too)
             obj = {"id": item.item_id, "type": "reasoning"}
             if self._seal is not None:  # (in OpenAI's order: before the summary)
                 obj["encrypted_content"] = self._seal("".join(item.parts))
@@ -543,7 +545,7 @@ class Turn:
         input_tokens = self.input_tokens
         cached = self.cached_tokens
         output_tokens = self._output_tokens_seen
-        reasoning = 0
+        reasoning = self._reasoning_seen
         if u is not None:
             if u.input_tokens is not None:
                 input_tokens = u.input_tokens
@@ -557,7 +559,8 @@ class Turn:
                 cached = min(cached, u.cached_tokens)
             if u.reasoning_tokens is not None:
                 reasoning = u.reasoning_tokens
-        return usage_object(input_tokens, output_tokens, min(cached, input_tokens), reasoning, self.truncated_items)
+        # (reasoning is output: a backend's reasoning count above its output count is not kept)
+        return usage_object(input_tokens, output_tokens, min(cached, input_tokens), min(reasoning, output_tokens), self.truncated_items)
 
     def finish(self, reason: str = "stop") -> list[Frame]:
         """Close the open item and end with ``completed`` (or ``incomplete`` on a token limit)."""

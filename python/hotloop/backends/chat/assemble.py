@@ -532,9 +532,15 @@ def _arguments(value: object) -> str:
 def _usage(u: _Usage) -> Usage:
     p, c = u.prompt_tokens_details, u.completion_tokens_details
     return Usage(
-        input_tokens=u.prompt_tokens,
-        output_tokens=u.completion_tokens,
-        cached_tokens=p.cached_tokens if p is not None else None,
-        reasoning_tokens=c.reasoning_tokens if c is not None else None,
+        input_tokens=_count(u.prompt_tokens),
+        output_tokens=_count(u.completion_tokens),
+        cached_tokens=_count(p.cached_tokens) if p is not None else None,
+        reasoning_tokens=_count(c.reasoning_tokens) if c is not None else None,
     )
+
+
+def _count(n: int | None) -> int | None:
+    """A backend's token count, or None (unknown: hotloop's own count is used) for a negative
+    one, which would make the usage, the ledger and the counters go down, and refund TPM."""
+    return n if n is None or n >= 0 else None
 
