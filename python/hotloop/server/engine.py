@@ -1199,7 +1199,7 @@ class Run:
                 if not counts.cancelled() and counts.exception() is None:
                     self.plan.settle(counts.result())
                     turn.input_tokens, turn.cached_tokens = self.plan.input_tokens, self.plan.cached_tokens
-            self._release()
+            self.release()
             if turn.response["status"] not in ("completed", "incomplete") and not self.ledgered:
                 # The backend worked for it (a Run exists once its first chunk came): a response
                 # cut short or failed is charged what it used, in the ledger as in its key's TPM
@@ -1221,8 +1221,9 @@ class Run:
             self.ended = time.perf_counter()
             await _aclose(self._stream)
 
-    def _release(self) -> None:
-        """Free the concurrency slot and correct the token reservation to the real usage."""
+    def release(self) -> None:
+        """Free the concurrency slot and correct the token reservation to the real usage (once:
+        the first call does it)."""
         grant = self.grant
         if grant is not None and not grant.done:
             grant.finish(int(self.spent()["total_tokens"]))
@@ -1239,7 +1240,7 @@ class Run:
         return turn.spent_usage()
 
     def __del__(self) -> None:
-        self._release()  # a run never iterated (its client left first) still frees its slot
+        self.release()  # a run never iterated (its client left first) still frees its slot
 
     async def drain(self) -> dict[str, Any]:
         """Run to the end without streaming (non-streaming HTTP); the final Response."""

@@ -320,6 +320,10 @@ class HttpTransport:
                         # any connection, finds it cached. Not while the store's writer is
                         # behind: then the answer waits for the submission (Persistence.has_room).
                         answered = True
+                        # its reservation corrected first: the answer's x-ratelimit-* headers say
+                        # what is left now (they counted its whole reservation, max_output_tokens'
+                        # worth, so a client pacing itself by them waited for nothing)
+                        run.release()
                         await respond(200, encode(run.turn.response), _truncated(run.plan.truncated))
             response = run.turn.response
             self.app.engine.record(run, mark)
