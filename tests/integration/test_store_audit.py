@@ -121,17 +121,19 @@ def test_delete_while_streaming_is_not_undone_by_the_stream_end(env: Env) -> Non
     normally; afterwards it is gone everywhere."""
     client, http = env.client(), env.http()
     answers: list[httpx.Response] = []
+    t: threading.Thread | None = None
     with client.responses.create(model=MODEL, input="hello", stream=True, metadata=SLOW) as stream:
         for e in stream:
             if e.type == "response.created":
                 rid = e.response.id
-            elif e.type == "response.output_text.delta" and not answers:
+            elif e.type == "response.output_text.delta" and t is None:  # one DELETE (it answers after the end)
                 t = threading.Thread(target=lambda: answers.append(env.http().delete(f"/responses/{rid}")))
                 t.start()
             elif e.type == "response.completed":
                 assert e.response.status == "completed"
+    assert t is not None
     t.join(timeout=30)
-    assert answers and answers[0].status_code == 200, answers[0].text
+    assert len(answers) == 1 and answers[0].status_code == 200, answers
     assert answers[0].json() == {"id": rid, "object": "response", "deleted": True}
     time.sleep(0.5)  # (past the store's write lag)
     with pytest.raises(openai.NotFoundError):

@@ -62,6 +62,9 @@ class HttpTransport:
 
     def __init__(self, app: "HotloopApp") -> None:
         self.app = app
+        # DELETEs running, by response id (one entry per DELETE request in progress: bounded by
+        # the requests served at once): a second DELETE of an id waits for the first, then runs
+        self._deleting: dict[str, asyncio.Future[None]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
@@ -474,6 +477,19 @@ class HttpTransport:
             ) from None
 
     async def _delete(self, response_id: str, respond: Any, scope: str | None) -> None:
+        # Two DELETEs of one response at once: the second waits for the first (which deletes it,
+        # and answers 200), then finds nothing (404). Both ran at once, and both answered 200: the
+        # second saw the response cached before the first's delete took it out.
+        while (running := self._deleting.get(response_id)) is not None:
+            await asyncio.wait([running])
+        done = self._deleting[response_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._delete_one(response_id, respond, scope)
+        finally:
+            del self._deleting[response_id]
+            done.set_result(None)
+
+    async def _delete_one(self, response_id: str, respond: Any, scope: str | None) -> None:
         # A stored response still being generated (GET shows it in_progress) is deleted once it
         # has ended: deleting it now would be undone by its end, which caches and stores it
         # (before, such a DELETE was a 404, and the response was stored after all). Its stream
@@ -491,9 +507,7 @@ class HttpTransport:
         # (StoreBusy, retry-after) with nothing deleted, the queued writes still queued
         # (hotloop.pipeline.post.Persistence). With --workers the record the other workers read
         # is written in the delete's own transaction (hotloop.pipeline.shared).
-        found = await self.app.persistence.delete(response_id, scope)
-        if not found and not (cached and self.app.engine.responses.get(response_id, scope) is not None):
-            # (cached before the wait, but gone after it: another DELETE of it answered 200 meanwhile)
+        if not await self.app.persistence.delete(response_id, scope) and not cached:
             raise errors.NotFound(f"Response with id '{errors.clip(response_id)}' not found.")
         self.app.engine.deleted(response_id)
         await respond(200, encode({"id": response_id, "object": "response", "deleted": True}))
