@@ -959,3 +959,21 @@ def test_a_backends_negative_token_counts_are_unknown() -> None:
     ])
     [u] = [c for c in out if isinstance(c, Usage)]
     assert (u.input_tokens, u.output_tokens, u.cached_tokens, u.reasoning_tokens) == (None, 7, None, 2)
+
+
+def test_a_backends_token_counts_written_as_floats_are_read() -> None:
+    """``"prompt_tokens": 10.0``: the usage chunk was refused, and the whole response failed as a
+    malformed stream; a count written as a float is read (rounded down)."""
+    from hotloop.protocol.chunks import Usage
+
+    out = assemble([
+        chunk({"content": "hi"}),
+        chunk({}, "stop"),
+        msgspec.json.decode(
+            b'{"choices": [], "usage": {"prompt_tokens": 10.0, "completion_tokens": 7.9, '
+            b'"prompt_tokens_details": {"cached_tokens": 3.0}, "completion_tokens_details": {"reasoning_tokens": 2}}}',
+            type=ChatChunk,
+        ),
+    ])
+    [u] = [c for c in out if isinstance(c, Usage)]
+    assert (u.input_tokens, u.output_tokens, u.cached_tokens, u.reasoning_tokens) == (10, 7, 3, 2)

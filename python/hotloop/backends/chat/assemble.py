@@ -59,17 +59,19 @@ class _Choice(msgspec.Struct):
     finish_reason: str | None = None
 
 
+# Token counts as numbers: a server that writes them as floats (10.0) is read, not refused (a
+# refused usage chunk failed the whole response as a malformed stream); see _count
 class _PromptDetails(msgspec.Struct, gc=False):
-    cached_tokens: int | None = None
+    cached_tokens: int | float | None = None
 
 
 class _CompletionDetails(msgspec.Struct, gc=False):
-    reasoning_tokens: int | None = None
+    reasoning_tokens: int | float | None = None
 
 
 class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    prompt_tokens: int | float | None = None
+    completion_tokens: int | float | None = None
     prompt_tokens_details: _PromptDetails | None = None
     completion_tokens_details: _CompletionDetails | None = None
 
@@ -539,8 +541,13 @@ def _usage(u: _Usage) -> Usage:
     )
 
 
-def _count(n: int | None) -> int | None:
-    """A backend's token count, or None (unknown: hotloop's own count is used) for a negative
-    one, which would make the usage, the ledger and the counters go down, and refund TPM."""
-    return n if n is None or n >= 0 else None
+def _count(n: int | float | None) -> int | None:
+    """A backend's token count (a float one rounded down), or None (unknown: hotloop's own count
+    is used) for a negative or infinite one, which would make the usage, the ledger and the
+    counters go down (or fail to encode), and refund TPM."""
+    if type(n) is int:
+        return n if n >= 0 else None
+    if n is None or not 0 <= n < float("inf"):  # (NaN too)
+        return None
+    return int(n)
 
