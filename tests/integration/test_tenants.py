@@ -257,11 +257,20 @@ def test_token_counts_are_cached_per_key(tenants: Tenants) -> None:
             return int(h.get("/hotloop/stats").json()["token_cache"]["hits"])
 
     text = "a text only alice has sent: " + secrets.token_hex(16)
-    tenants.client("alice").responses.create(model="hotloop-sim", input=text, store=False)
+    # The model fails each (no output): the hits counted are the input's alone. An answer's
+    # items are counted too when it finishes, and the simulator's answers come from a corpus of
+    # a few thousand positions: one bob had been given in an earlier test was a hit of his own.
+    body = {"model": "hotloop-sim", "input": text, "store": False, "metadata": {"sim": "fail:server_error"}}
+
+    def create(name: str) -> None:
+        with tenants.http(name) as h:
+            assert h.post("/v1/responses", json=body).status_code == 502
+
+    create("alice")
     before = hits()
-    tenants.client("bob").responses.create(model="hotloop-sim", input=text, store=False)
+    create("bob")
     assert hits() == before  # bob's request counted the text itself
-    tenants.client("alice").responses.create(model="hotloop-sim", input=text, store=False)
+    create("alice")
     assert hits() > before  # alice's own count is found
 
 
