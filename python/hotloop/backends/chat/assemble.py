@@ -99,8 +99,8 @@ class SplitSurrogates:
     next. Such a chunk is decoded by ``json`` instead, and each text and arguments string is
     mended: a high surrogate at its end is held for the same string of the next chunk, the pair
     becomes its character, and a half left alone becomes U+FFFD (no event carries a lone
-    surrogate, which no UTF-8 encoder writes). One per stream; only chunks msgspec refused come
-    here, so a stream without surrogates pays nothing. Holds one character per string it saw
+    surrogate, which no UTF-8 encoder writes). One per stream, made at its first chunk msgspec
+    refused: a stream without surrogates pays nothing. Holds one character per string it saw
     end on a high surrogate (the response's choices, fields and tool calls: bounded with them)."""
 
     __slots__ = ("held",)

@@ -177,7 +177,7 @@ class ChatBackend:
                     feed_lane = decoder.feed_lane if _LANES else None
                     loop_time = asyncio.get_running_loop().time
                     decode = chunk_decoder.decode
-                    mender = SplitSurrogates()
+                    mender: SplitSurrogates | None = None  # made at the first chunk msgspec refuses
                     ordinary = _ordinary
                     done = False
                     # What push delivery decoded but did not deliver, for this loop: the
@@ -287,6 +287,8 @@ class ChatBackend:
                                 except msgspec.DecodeError:
                                     if not data.strip():
                                         continue
+                                    if mender is None:
+                                        mender = SplitSurrogates()
                                     try:  # a lone surrogate escape (SplitSurrogates), else malformed
                                         chunk = mender.decode(data)
                                     except (ValueError, msgspec.ValidationError):
