@@ -103,8 +103,16 @@ class Engine:
         self.completed = 0
         # --store-sync full: a stored response's write is finished before its terminal event is sent
         self.sync = config.store_sync == "full"
-        # One thread counts the tokens of large new inputs while the backend generates.
+        # Two threads count the tokens of large new inputs while the backend generates, and scan
+        # large texts for secrets (the counter and the scanner release the GIL): one takes the jobs
+        # of fewer than LARGE_JOB_CHARS characters, the other the larger ones, so that one
+        # request's huge input never holds up other requests' ordinary ones (counting 30 MB that
+        # is one unbroken run of letters takes about 10 s). Their queues hold at most three jobs
+        # per request in flight (a settings scan, a scan of the input, its count), and the
+        # deferred scans at most MAX_DEFERRED_SCANS: admission (--max-connections, the lanes of a
+        # WebSocket connection) bounds them.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize")
+        self._tokenize_large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-tokenize-large")
         self._deferred_scans = 0  # settings scans submitted by _classify_later and not done
         # The secrets classifier under its policy, then the user's (hotloop.pipeline.classifiers);
         # a bad --classifier raises ClassifierLoadError here, before the server starts.
@@ -333,9 +341,8 @@ class Engine:
                     # large texts of the request's own that the settings caches have not seen
                     # are scanned in the tokenizer thread (so too after the backend request)
                     if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS, tenant.id) >= CLASSIFY_OFFLOAD_CHARS:
-                        verdict, p = await asyncio.get_running_loop().run_in_executor(
-                            self._tokenize_pool, secrets.classify_settings, p, tenant.id
-                        )
+                        chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)
+                        verdict, p = await self._offload(chars, secrets.classify_settings, p, tenant.id)
                         p, settings_flags = self._settings_outcome(secrets, verdict, p, tenant)
                     else:
                         p, settings_flags = self.classify_settings(secrets, p, tenant)
@@ -501,9 +508,8 @@ class Engine:
         scanner releases the GIL), so the event loop serves other connections meanwhile."""
         states = parent.states if parent is not None else None
         if classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, classifiers.classify_turn, self.classifiers, p.items, states
-            )
+            chars = classifiers.text_chars(p.items, LARGE_JOB_CHARS)
+            outcome = await self._offload(chars, classifiers.classify_turn, self.classifiers, p.items, states)
         else:
             outcome = classifiers.classify_turn(self.classifiers, p.items, states)
         self._report(outcome, tenant)
@@ -597,7 +603,8 @@ class Engine:
                             )
                             plan.flags = tally
                             return finish()
-                        job = loop.run_in_executor(self._tokenize_pool, secrets.classify_settings, p, tenant.id)
+                        chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)
+                        job = self._offload(chars, secrets.classify_settings, p, tenant.id)
                         self._deferred_scans += 1
                         job.add_done_callback(lambda j: settings_done(j, tally))
                         return
@@ -643,6 +650,13 @@ class Engine:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_large.shutdown(wait=False, cancel_futures=True)
+
+    def _offload(self, chars: int, fn: Callable[..., _T], *args: Any) -> "asyncio.Future[_T]":
+        """Run ``fn(*args)`` in the tokenizer thread for a job of ``chars`` characters: the
+        large jobs' thread from ``LARGE_JOB_CHARS`` on (see ``_tokenize_large``)."""
+        pool = self._tokenize_large if chars >= LARGE_JOB_CHARS else self._tokenize_pool
+        return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _count_later(self, plan: Plan) -> "asyncio.Future[tuple[list[int], list[int]]] | None":
         """Tokenize the new input while the backend works; the counts are awaited only before
@@ -656,7 +670,7 @@ class Engine:
         if plan.settled:
             return None
         if plan.pending_chars >= INLINE_TOKENIZE_CHARS:
-            return asyncio.get_running_loop().run_in_executor(self._tokenize_pool, itemlib.count_pending, *plan.pending_texts())
+            return self._offload(plan.pending_chars, itemlib.count_pending, *plan.pending_texts())
         return _next_iteration(lambda: itemlib.count_pending(*plan.pending_texts()))
 
     async def count_input(self, plan: Plan) -> int:
@@ -779,6 +793,9 @@ def backend_kind(exc: BaseException) -> str:
 
 # New input with this much text (or more) is classified in the tokenizer thread; see Engine.classify.
 CLASSIFY_OFFLOAD_CHARS = 64 * 1024
+# Jobs of this many characters (or more) go to the tokenizer thread for large jobs (Engine._offload):
+# at most about 0.1 s of counting below it (a run of letters; prose takes a tenth of that).
+LARGE_JOB_CHARS = 256 * 1024
 # Deferred settings scans (flag policy) that may wait for the tokenizer thread at once. Each holds
 # its request's texts, and outlives its client once the request went out (its secret is still
 # logged), so clients that send large instructions and leave could otherwise queue them faster
