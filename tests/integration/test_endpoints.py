@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 import time
 
 import httpx
@@ -506,3 +507,30 @@ def test_a_method_not_allowed_says_which_are(server, method: str, path: str, all
     r = httpx.request(method, server.base + path, headers={"Authorization": "Bearer sk-test"}, timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == allow
     assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_changed_instructions_or_tools_leave_nothing_cached(client: OpenAI) -> None:
+    """A prompt is cached by its prefix, and instructions and tools come before the conversation:
+    a turn that changes them reports no cached tokens, whichever way the history is sent."""
+    text = "a long enough first message for the cache " * 20
+    first: list[Any] = [{"role": "user", "content": text}]
+    r1 = client.responses.create(model="hotloop-sim", input=first, instructions="Be brief.", tools=[WEATHER_TOOL])
+    same = client.responses.create(
+        model="hotloop-sim", previous_response_id=r1.id, input="and then?", instructions="Be brief.", tools=[WEATHER_TOOL]
+    )
+    assert same.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens  # type: ignore[union-attr]
+    for changed in ({"instructions": "Be verbose."}, {"instructions": None}, {"tools": []}):
+        settings: dict[str, Any] = {"instructions": "Be brief.", "tools": [WEATHER_TOOL], **changed}
+        if not settings["tools"]:
+            del settings["tools"]
+        chained = client.responses.create(model="hotloop-sim", previous_response_id=r1.id, input="and then?", **settings)
+        assert chained.usage.input_tokens_details.cached_tokens == 0, changed  # type: ignore[union-attr]
+        assert chained.usage.input_tokens > 0  # type: ignore[union-attr]
+    # the whole history sent again (its last item new: not one of the chained turns' inputs),
+    # matched by prefix
+    history: list[Any] = [*first, *[o.model_dump(exclude_none=True) for o in r1.output]]
+    history.append({"role": "user", "content": "what next?"})
+    hit = client.responses.create(model="hotloop-sim", input=history, instructions="Be brief.", tools=[WEATHER_TOOL])
+    assert hit.usage.input_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    miss = client.responses.create(model="hotloop-sim", input=history, instructions="Be verbose.", tools=[WEATHER_TOOL])
+    assert miss.usage.input_tokens_details.cached_tokens == 0  # type: ignore[union-attr]

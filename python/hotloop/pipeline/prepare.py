@@ -326,12 +326,13 @@ def prepare(
     cached = 0
     unchanged = False
     if parent is not None and base is not None:
-        # What a prompt cache would hold: the parent's whole conversation, plus the settings
-        # rendered before it (instructions, tools) when they did not change.
-        cached = base.tokens
+        # What a prompt cache would hold: the parent's whole conversation and the settings
+        # rendered before it (instructions, tools), when those did not change. A prompt is
+        # cached by its prefix, and the settings come first: changed, nothing of the
+        # conversation after them is served from the cache either.
         unchanged = same or (same_instructions and parent.response.get("tools") == p.tools)
         if unchanged:
-            cached += settings  # the part already counted; settle() adds the rest
+            cached = base.tokens + settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
     plan.supplied = frozenset(supplied)
     plan.tools_json = key
