@@ -292,6 +292,46 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
         assert "Traceback" not in server.logs()
 
 
+def test_a_client_that_pipelines_frames_then_stops_reading_is_let_go(tmp_path) -> None:
+    """A client sends more response.create frames than the connection queues, then reads nothing
+    and answers no ping (a hung process). Reading paused (the frames wait for room), so each
+    pong deadline was pushed back, and the running response waited to write for good: the
+    connection, its response and its queued frames were held until the client's socket closed.
+    Now a deadline that passes with the write buffer full and not drained once fails it."""
+    import os
+
+    args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "100000", "--ws-ping-interval", "0.5",
+            "--ws-ping-timeout", "0.5", "--metrics-public")
+    with run_server(tmp_path, *args) as server:
+        s, _ = _raw_websocket(server.port, rcvbuf=4096)  # no autotuning
+        try:
+            create = json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "go " + "word " * 200}).encode()
+            frames = []
+            for _ in range(150):  # past the queue's 64 and the reader's backlog: reading pauses
+                mask = os.urandom(4)
+                frames.append(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
+                              + bytes(b ^ mask[i % 4] for i, b in enumerate(create)))
+            s.sendall(b"".join(frames))
+
+            def active() -> int:
+                return int(httpx.get(server.base + "/hotloop/stats", timeout=5).json()["active_responses"])
+
+            deadline = time.monotonic() + 5
+            while active() == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert active() == 1
+            deadline = time.monotonic() + 15
+            while active() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert active() == 0
+            metrics = httpx.get(server.base + "/metrics", timeout=5).text
+            assert 'hotloop_open_connections{transport="websocket"} 0.0' in metrics
+            assert "hotloop_ws_queued_creates 0.0" in metrics
+        finally:
+            s.close()
+        assert "Traceback" not in server.logs()
+
+
 def test_a_client_whose_frames_wait_for_room_is_not_let_go_at_the_keepalive_timeout(tmp_path) -> None:
     """The connection's queue is full (frames wait behind a long response for
     ``ws_max_queued_bytes``), so the server stops reading it. The client's pongs are then among

@@ -347,6 +347,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._app_closed = False
         self._busy: Any = None
         self._pong = b""  # the pong of the latest ping, held while the client does not read (handle_ping)
+        self._drains = 0  # times the write buffer fell below its low-water mark (resume_writing)
+        self._drains_seen = -1  # ... when a pong deadline passed with reading paused (keepalive_timeout)
         self.close_timeout = CLOSE_TIMEOUT
         self._abort_timer: asyncio.TimerHandle | None = None  # a closing transport's bound (_closing)
         self._early = b""  # bytes that came after the handshake's request, before the 101 (data_received)
@@ -458,10 +460,15 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             # ws.py, and a message for the application waits: _deliver): the pong may be among
             # the bytes not read, so its absence says nothing of the client. The deadline runs
             # again from now, and once reading resumes a pong ends it (handle_pong) or it fails
-            # the connection as ever. (A client gone meanwhile is seen then, at the latest when
-            # the responses that hold the queue end.)
-            self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
-            return
+            # the connection as ever. Unless the client reads nothing either: the responses
+            # that hold the queue wait to write, and would wait for good (a client that
+            # pipelined its frames, then hung). Past a whole deadline with the write buffer
+            # full and not drained once, the connection fails as for a missing pong.
+            drains = self._drains
+            if self._writable._set or drains != self._drains_seen:
+                self._drains_seen = drains
+                self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
+                return
         # uvicorn writes a close frame and closes the transport, which first waits for its write
         # buffer to drain: a client that reads nothing never drains it, so the connection, its
         # responses (waiting to write) and their backend connections stayed for good. What it has
@@ -472,6 +479,7 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             t.abort()
 
     def resume_writing(self) -> None:
+        self._drains += 1
         pong, self._pong = self._pong, b""
         if pong and not self.transport.is_closing():
             self.transport.write(pong)
