@@ -13,7 +13,7 @@ from openai import OpenAI
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from tests.conftest import raw_until_terminal, run_server
+from tests.conftest import Server, raw_until_terminal, run_server
 
 
 def until_terminal(conn) -> list:
@@ -250,6 +250,23 @@ def test_a_client_that_pings_and_never_reads_gets_one_pong_held_not_all(server) 
         assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
 
 
+def _wait_until_let_go(server: Server) -> None:
+    """Wait for the connection's one response to start (and fill the buffers), then for the
+    server to let the connection go: no response running after at most 15 s."""
+
+    def active() -> int:
+        return int(httpx.get(server.base + "/hotloop/stats", timeout=5).json()["active_responses"])
+
+    deadline = time.monotonic() + 5
+    while active() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active() == 1
+    deadline = time.monotonic() + 15
+    while active() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert active() == 0
+
+
 def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path) -> None:
     """A client sends response.create and reads nothing. Its unanswered pings closed the
     connection gracefully, which waits for the write buffer to drain: never, so its response
@@ -266,18 +283,7 @@ def test_a_client_that_stops_reading_is_let_go_at_the_keepalive_timeout(tmp_path
             mask = os.urandom(4)
             s.sendall(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
                       + bytes(b ^ mask[i % 4] for i, b in enumerate(create)))
-
-            def active() -> int:
-                return int(httpx.get(server.base + "/hotloop/stats", timeout=5).json()["active_responses"])
-
-            deadline = time.monotonic() + 5
-            while active() == 0 and time.monotonic() < deadline:  # it starts, and fills the buffers
-                time.sleep(0.05)
-            assert active() == 1
-            deadline = time.monotonic() + 15
-            while active() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert active() == 0
+            _wait_until_let_go(server)
             closed = False
             s.settimeout(2)
             try:
@@ -312,18 +318,7 @@ def test_a_client_that_pipelines_frames_then_stops_reading_is_let_go(tmp_path) -
                 frames.append(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
                               + bytes(b ^ mask[i % 4] for i, b in enumerate(create)))
             s.sendall(b"".join(frames))
-
-            def active() -> int:
-                return int(httpx.get(server.base + "/hotloop/stats", timeout=5).json()["active_responses"])
-
-            deadline = time.monotonic() + 5
-            while active() == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert active() == 1
-            deadline = time.monotonic() + 15
-            while active() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert active() == 0
+            _wait_until_let_go(server)
             metrics = httpx.get(server.base + "/metrics", timeout=5).text
             assert 'hotloop_open_connections{transport="websocket"} 0.0' in metrics
             assert "hotloop_ws_queued_creates 0.0" in metrics
