@@ -21,9 +21,9 @@ from openai import OpenAI
 from hotloop import errors
 from hotloop.backends import simulator as simmod
 from hotloop.backends.base import BackendRequest
-from hotloop.backends.simulator import Script, SimulatorBackend, _example_arguments, example_value
+from hotloop.backends.simulator import Script, SimulatorBackend, _example_arguments, _example_document, example_value
 from hotloop.protocol.chunks import Failure, Finish, TextDelta, ToolCallDelta
-from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, InputText, Message
+from hotloop.protocol.request import FunctionCall, FunctionCallOutput, FunctionTool, InputText, Message, TextFormat
 from tests.conftest import Server, run_server
 
 WEATHER = {
@@ -385,3 +385,29 @@ def test_structured_examples_hold_to_patterns_steps_and_recursive_schemas() -> N
         value = example_value(model.model_json_schema())
         model.model_validate(value)  # raises on a value the schema refuses
     assert example_value({"type": "string", "pattern": r"(a)\1"}) == "example value"  # unwritable: as before
+
+
+def test_a_clients_pattern_is_matched_with_a_time_bound_and_never_fails_the_response() -> None:
+    """A string ``pattern`` was run with ``re`` against ``"example <property name>"``, on the event
+    loop and without bound: ``(a|aa)+c`` with a long property name held every connection for
+    seconds (each character doubling it); and an ECMA-262 pattern ``re`` cannot read
+    (``\\p{Lu}``), a malformed one, or one whose shortest match is huge failed the response (502)."""
+    name = "a" * 60
+    schema = {"type": "object", "properties": {name: {"type": "string", "pattern": "(a|aa)+c"}}, "required": [name]}
+    t0 = time.perf_counter()
+    value = example_value(schema)
+    assert time.perf_counter() - t0 < 5  # (with re: about 10^12 steps)
+    assert value[name] == "ac"  # written from the pattern
+    # many such patterns in one document: a bounded number of matches
+    many = {"type": "object", "properties": {f"{name}{i}": {"type": "string", "pattern": "(a|aa)+c"} for i in range(200)}}
+    t0 = time.perf_counter()
+    assert set(example_value(many).values()) == {"ac"}
+    assert time.perf_counter() - t0 < 5
+    for pattern in (r"^\p{Lu}\p{Ll}+$", "(a|b", "a{1000000000}", "(a{1000}){1000}"):
+        assert isinstance(example_value({"type": "string", "pattern": pattern}), str)  # no exception
+    for fmt in ({"type": "number", "minimum": 1e308, "multipleOf": 1e-10}, {"type": "string", "pattern": "(a|b"}):
+        doc = TextFormat(type="json_schema", name="f", schema={"type": "object", "properties": {"x": fmt}, "required": ["x"]})
+        try:
+            _example_document(doc)
+        except errors.InvalidValue:
+            pass  # a 400 at worst, never another exception (a 502)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, TypeGuard
 
 import msgspec
+import regex  # type: ignore[import-untyped]  # (tiktoken's own dependency) matching with a time bound
 
 from hotloop import errors, tokenizer
 from hotloop.backends.base import BackendRequest, model_object
@@ -287,10 +288,11 @@ class _TooLarge(ValueError):
 
 
 class _Budget:
-    __slots__ = ("left",)
+    __slots__ = ("left", "checks")
 
     def __init__(self, chars: int) -> None:
         self.left = chars
+        self.checks = MAX_PATTERN_CHECKS  # pattern matches left (_finds)
 
     def spend(self, chars: int) -> None:
         self.left -= chars
@@ -379,15 +381,58 @@ def _float(schema: dict[str, Any]) -> float:
     return v
 
 
-def _from_pattern(pattern: str) -> str | None:
+def _finds(pattern: str, text: str, budget: _Budget | None) -> bool | None:
+    """Whether ``pattern`` (a client's) finds ``text``: matched by ``regex``, whose matching is
+    bounded in time (``PATTERN_SECONDS``), on the event loop; ``re`` is not, and a pattern such
+    as ``(a|aa)+c`` backtracks there for ever. None when it cannot tell: a pattern it cannot
+    read, the bound passed, the document's matches spent (``MAX_PATTERN_CHECKS``)."""
+    if budget is not None:
+        if budget.checks <= 0:
+            return None
+        budget.checks -= 1
+    try:
+        # regex compiles counted repeats out, unbounded in time (a{1000000000} for good): only
+        # a pattern ``re`` reads whose repeats, nested, count to MAX_WRITTEN_CHARS at most
+        if not _tame(re._parser.parse(pattern)):  # type: ignore[attr-defined]
+            return None
+        return regex.search(pattern, text, timeout=PATTERN_SECONDS) is not None
+    except (re.error, regex.error, TimeoutError, ValueError, TypeError, RecursionError, OverflowError):
+        return None
+
+
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+
+
+def _tame(parsed: Any, scale: int = 1) -> bool:
+    """Whether the counted repeats of a parsed pattern, nested, count to ``MAX_WRITTEN_CHARS``
+    at most (an open-ended one counts its least)."""
+    for op, arg in parsed:
+        if str(op) in _REPEATS:
+            least, most, sub = arg
+            n = scale * max(1, least if most == re._constants.MAXREPEAT else most)  # type: ignore[attr-defined]
+            if n > MAX_WRITTEN_CHARS or not _tame(sub, n):
+                return False
+            continue
+        for part in arg if isinstance(arg, (tuple, list)) else (arg,):
+            if isinstance(part, re._parser.SubPattern):  # type: ignore[attr-defined]
+                if not _tame(part, scale):
+                    return False
+            elif isinstance(part, (tuple, list)):
+                if not all(_tame(x, scale) for x in part if isinstance(x, re._parser.SubPattern)):  # type: ignore[attr-defined]
+                    return False
+    return True
+
+
+def _from_pattern(pattern: str, budget: _Budget | None = None) -> str | None:
     """A short string ``pattern`` (a JSON schema's, read as a Python regular expression) finds,
-    or None when it is not one this can write (back-references, look-arounds that refuse it)."""
+    or None when it is not one this can write (back-references, look-arounds that refuse it,
+    more than ``MAX_WRITTEN_CHARS``)."""
     try:
         parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
         text = _write(parsed)
-    except (re.error, ValueError, RecursionError, TypeError):
+    except (re.error, ValueError, RecursionError, TypeError, OverflowError):
         return None
-    return text if re.search(pattern, text) else None
+    return None if _finds(pattern, text, budget) is False else text  # (unchecked: as written)
 
 
 _CATEGORY_CHAR = {"CATEGORY_DIGIT": "0", "CATEGORY_NOT_DIGIT": "a", "CATEGORY_WORD": "a", "CATEGORY_NOT_WORD": "-",
@@ -404,9 +449,12 @@ def _write(parsed: Any) -> str:
             out.append("a")
         elif name == "IN":
             out.append(_one_of(arg))
-        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+        elif name in _REPEATS:
             least, _, sub_pattern = arg
-            out.append(_write(sub_pattern) * least)
+            sub = _write(sub_pattern)
+            if len(sub) * least > MAX_WRITTEN_CHARS:  # before it is made: a{1000000000} is 1 GB
+                raise ValueError("too long")
+            out.append(sub * least)
         elif name == "SUBPATTERN":
             out.append(_write(arg[-1]))
         elif name == "ATOMIC_GROUP":
@@ -417,7 +465,10 @@ def _write(parsed: Any) -> str:
             continue  # anchors and look-arounds write nothing (re.search checks the result)
         else:
             raise ValueError(name)  # back-references, conditionals
-    return "".join(out)
+    text = "".join(out)
+    if len(text) > MAX_WRITTEN_CHARS:
+        raise ValueError("too long")
+    return text
 
 
 def _one_of(items: Any) -> str:
@@ -444,8 +495,8 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
     fmt = schema.get("format")
     text = _FORMATS.get(fmt, f"example {name}") if isinstance(fmt, str) else f"example {name}"
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and not re.search(pattern, text):
-        written = _from_pattern(pattern) if len(pattern) <= MAX_PATTERN_CHARS else None
+    if isinstance(pattern, str) and not _finds(pattern, text, budget):  # (unchecked: written)
+        written = _from_pattern(pattern, budget) if len(pattern) <= MAX_PATTERN_CHARS else None
         if written is not None:
             budget.spend(len(written) + 2)
             return written
@@ -461,6 +512,12 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
 
 SHALLOW_DEPTH = 4  # schema depth from which example_value writes the smallest valid value
 MAX_PATTERN_CHARS = 1000  # a longer string pattern is not written from (its format or name is used)
+MAX_WRITTEN_CHARS = 1000  # nor is one whose shortest match is longer
+# A client's pattern is matched for at most this long (_finds), and at most this many times per
+# document: 16 patterns that each take their whole bound hold the event loop 32 ms. Past them
+# (or the bound) a string is written from its pattern without a check.
+PATTERN_SECONDS = 0.002
+MAX_PATTERN_CHECKS = 16
 _SCALARS = ("null", "string", "integer", "number", "boolean")
 
 
@@ -558,7 +615,7 @@ def _example_document(fmt: TextFormat) -> str:
         return json.dumps({"answer": "example answer"})
     try:
         return json.dumps(example_value(fmt.schema or {"type": "object", "properties": {}}))
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError):
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError):
         raise errors.InvalidValue(
             "The simulator cannot build an answer from the schema of text.format.", param="text.format.schema"
         ) from None
