@@ -132,6 +132,7 @@ def test_incomplete_on_length() -> None:
     assert final["type"] == "response.incomplete"
     assert final["response"]["status"] == "incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["completed_at"] is None  # "only present when the status is completed"
     assert final["response"]["output"][0]["status"] == "incomplete"
 
 

@@ -576,11 +576,11 @@ class Turn:
             r["incomplete_details"] = {
                 "reason": "max_output_tokens" if reason == "length" else reason
             }
-            kind = ev.INCOMPLETE
+            kind = ev.INCOMPLETE  # completed_at stays null: "only present when the status is completed"
         else:
             r["status"] = "completed"
+            r["completed_at"] = int(self._clock())
             kind = ev.COMPLETED
-        r["completed_at"] = int(self._clock())
         self._phase = _DONE
         out.append(self._ev.response_event(kind, self._next(), r, self._encoded))
         return out
