@@ -138,9 +138,9 @@ def test_a_final_answer_without_100_continue_closes_the_connection(
     """A client that sent ``Expect: 100-continue`` and got a final response instead does not
     send its body: the connection was kept, the client's next request read as that body and
     dropped, and the read timeout closed it (with a 408 the client took for that request's).
-    Now the connection is closed after the response (which says so when hotloop writes it
-    itself; through uvicorn's send, with the access log on, it is closed all the same), and
-    a request pipelined ahead of it is answered first."""
+    Now the connection is closed after the response, which says so (through uvicorn's send too,
+    with the access log on: it said nothing there, and closed), and a request pipelined ahead
+    of it is answered first."""
     srv: Server = request.getfixturevalue(fixture)
     s = _connect(srv)
     try:
@@ -151,8 +151,7 @@ def test_a_final_answer_without_100_continue_closes_the_connection(
         assert [a[:3] for a in answers] == ([b"200"] if behind else []) + [b"404"], out
         head, _, body = answers[-1].partition(b"\r\n\r\n")
         assert json.loads(body)["error"]["type"] == "invalid_request_error"  # and nothing after it
-        if fixture == "srv":  # (uvicorn's send, with the access log on, writes no such header)
-            assert b"\r\nconnection: close\r\n" in head + b"\r\n"
+        assert b"\r\nconnection: close\r\n" in head + b"\r\n"  # (with the access log on too)
     finally:
         s.close()
 
@@ -172,8 +171,29 @@ def test_a_body_sent_after_a_final_answer_to_100_continue_is_read_not_reset(requ
         s.sendall(b"{" * size)  # a reset here would raise (BrokenPipeError / ConnectionResetError)
         out, closed = _drain(s, WAIT)
         assert out.startswith(b"HTTP/1.1 404"), out[:300]
-        assert fixture == "logged" or b"\r\nconnection: close\r\n" in out, out[:300]
+        assert b"\r\nconnection: close\r\n" in out, out[:300]
         assert closed is not None
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("fixture", ["srv", "logged"])
+def test_an_http10_request_expecting_100_continue_gets_no_interim_response(request: pytest.FixtureRequest, fixture: str) -> None:
+    """An HTTP/1.0 request's expectation is ignored (RFC 9110, 10.1.1): its client knows no
+    interim response and would read a 100 Continue as the answer. It got one before its body."""
+    srv: Server = request.getfixturevalue(fixture)
+    body = _body(200)
+    s = _connect(srv)
+    try:
+        s.sendall(b"POST /v1/responses/input_tokens HTTP/1.0\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        early, closed = _drain(s, 0.5)
+        assert early == b"" and closed is None, early
+        s.sendall(body)
+        out, closed = _drain(s, WAIT)
+        assert out.startswith(b"HTTP/1.1 200 "), out[:300]
+        assert b"100 Continue" not in out and json.loads(out.partition(b"\r\n\r\n")[2])["input_tokens"] > 0
+        assert closed is not None  # HTTP/1.0: closed after the answer
     finally:
         s.close()
 

@@ -361,6 +361,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             app = self.app
         existing = self.cycle
         keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        if http_version == "1.0":
+            # An HTTP/1.0 request's expectation is ignored (RFC 9110, 10.1.1): its client knows
+            # no interim response, and would read a 100 Continue as the answer.
+            self.expect_100_continue = False
         cycle = self.cycle = RequestResponseCycle(
             scope=scope,  # type: ignore[arg-type]
             transport=self.transport,
@@ -1059,6 +1063,14 @@ def _respond(
     keeps the connection's next (pipelined) request from starting, so a client that never reads
     cannot make the server buffer answer after answer."""
     if cycle.response_started or cycle.access_log or cycle.flow.write_paused:
+        if (
+            not cycle.response_started and cycle.waiting_for_100_continue and cycle.keep_alive
+            and http._awaits_continue(cycle) and not isinstance(cycle.transport, _ClosesLingering)
+        ):
+            # through uvicorn's send: a final answer instead of the 100 says connection: close
+            # too (uvicorn's own header for a cycle not kept alive), and closes lingering
+            cycle.keep_alive = False
+            cycle.transport = _ClosesLingering(cycle, http)
         return False
     # a final answer instead of the 100, no body byte yet: it says connection: close, and the
     # connection closes after a linger (on_response_complete), not at once (through uvicorn's
