@@ -63,6 +63,20 @@ class InvalidJSON(InvalidRequest):
     code = "invalid_json"
 
 
+class UndecodableBody(InvalidRequest):
+    """A request body that its ``Content-Encoding`` does not decode (corrupt, truncated)."""
+
+    code = "invalid_encoding"
+
+
+class UnsupportedEncoding(HotloopError):
+    """A request body in a content coding the server does not decode (RFC 9110, 15.5.16)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+
 class MissingParameter(InvalidRequest):
     code = "missing_required_parameter"
 

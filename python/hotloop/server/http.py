@@ -18,6 +18,7 @@ import logging
 import re
 import sys
 import time
+import zlib
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
 
@@ -194,7 +195,7 @@ class HttpTransport:
             raise errors.ModelNotFound(f"The model '{errors.clip(model_id)}' does not exist.", param="model")
         if path == "/v1/responses/input_tokens":
             self._method(method, "POST")
-            return await self._input_tokens(_receiver(scope, receive), respond, tenant)
+            return await self._input_tokens(scope, _receiver(scope, receive), respond, tenant)
         if path == "/v1/responses/compact":
             # OpenAI's standalone compaction answers with an encrypted window of the conversation
             # that only its own models read; a chat backend has no such form. Said plainly, not
@@ -227,10 +228,14 @@ class HttpTransport:
                 f"Method {errors.clip(method)} is not allowed here; use {allowed}.", headers={"allow": allowed}
             )
 
-    async def _body(self, receive: Receive) -> bytes | bytearray:
+    async def _body(self, receive: Receive, scope: Scope) -> bytes | bytearray:
         """The request body; hotloop's HTTP protocol hands a body it read directly into its own
-        buffer over as that ``bytearray`` (not copied again)."""
+        buffer over as that ``bytearray`` (not copied again). A body sent compressed
+        (``Content-Encoding``: :data:`_CODINGS`) is decoded, and bounded as it decodes."""
         limit = self.app.config.max_body_bytes
+        codings = _codings(scope)
+        if codings:
+            _supported(codings)  # before the body is read
         chunks: list[bytes | bytearray] = []
         size = 0
         while True:
@@ -243,7 +248,13 @@ class HttpTransport:
                 raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
             chunks.append(body)
             if not msg.get("more_body"):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                if not codings:
+                    return raw
+                if size < DECODE_INLINE_BYTES:
+                    return _decoded(raw, codings, limit)
+                # zlib lets go of the GIL while it inflates: the event loop serves others meanwhile
+                return await asyncio.get_running_loop().run_in_executor(None, _decoded, raw, codings, limit)
 
     async def _create(
         self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant, timing: list[str]
@@ -253,7 +264,7 @@ class HttpTransport:
         engine = self.app.engine
         # A full-history input is matched against the owner's cached prefixes by its raw bytes.
         req, prefix, raw = reuse.decode_create(
-            await self._body(_receiver(scope, receive)), engine.prefixes, tenant.id, engine.tools
+            await self._body(_receiver(scope, receive), scope), engine.prefixes, tenant.id, engine.tools
         )
         # A client that disconnects (an aborted stream, a timed-out JSON request) cancels the
         # generation, so the backend stops producing tokens nobody will read. hotloop's protocol
@@ -580,9 +591,9 @@ class HttpTransport:
         }
         await respond(200, encode(body))
 
-    async def _input_tokens(self, receive: Receive, respond: Any, tenant: Tenant) -> None:
+    async def _input_tokens(self, asgi: Scope, receive: Receive, respond: Any, tenant: Tenant) -> None:
         scope = tenant.scope
-        req = decode_body(await self._body(receive))
+        req = decode_body(await self._body(receive, asgi))
         parent = None
         if req.model is None:
             # ``model`` is optional here (OpenAI's reference, openai-python's
@@ -741,6 +752,77 @@ async def _disconnected(receive: Receive) -> None:
     while True:
         if (await receive())["type"] == "http.disconnect":
             return
+
+
+# Content codings a request body may be sent in (RFC 9110, 8.4.1), with zlib's window bits for
+# each; another is refused with 415 and an accept-encoding header naming these. Decoded, a body
+# is bounded by max_body_bytes as sent (413 past it, found as it inflates: a small body that
+# inflates to gigabytes stops there). One of DECODE_INLINE_BYTES or more (compressed) is
+# decoded off the event loop.
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_ACCEPTED = "gzip, deflate"
+DECODE_INLINE_BYTES = 64 * 1024
+MAX_CODINGS = 2
+
+
+def _codings(scope: Scope) -> list[str]:
+    """The request's content codings, in the order they were applied (``identity`` left out)."""
+    out: list[str] = []
+    for name, value in scope["headers"]:
+        if name == b"content-encoding":
+            out += [c.strip().lower() for c in value.decode("latin-1").split(",")]
+    return [c for c in out if c and c != "identity"]
+
+
+def _supported(codings: list[str]) -> None:
+    if len(codings) > MAX_CODINGS:  # each one inflates up to the limit: a body in layers of them
+        raise errors.UnsupportedEncoding(
+            f"The request body has {len(codings)} content codings; the server decodes at most {MAX_CODINGS}.",
+            headers={"accept-encoding": _ACCEPTED},
+        )
+    for coding in codings:
+        if coding not in _CODINGS:
+            raise errors.UnsupportedEncoding(
+                f"Unsupported Content-Encoding {errors.clip(coding, 40)!r}: send the body uncompressed, or in "
+                f"{_ACCEPTED}.",
+                headers={"accept-encoding": _ACCEPTED},
+            )
+
+
+def _decoded(body: bytes | bytearray, codings: list[str], limit: int) -> bytes:
+    """``body`` with its content codings undone, last applied first; at most ``limit`` bytes."""
+    data = bytes(body)
+    for coding in reversed(codings):
+        data = _inflate(data, coding, limit)
+    return data
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    """One coding undone: gzip (every member of it), or deflate (its zlib format, or the raw
+    deflate some clients send under that name)."""
+    wbits = _CODINGS[coding]
+    out: list[bytes] = []
+    size = 0
+    while True:
+        d = zlib.decompressobj(wbits)
+        try:
+            piece = d.decompress(data, limit + 1 - size)
+        except zlib.error:
+            if coding == "deflate" and wbits > 0:
+                wbits = -zlib.MAX_WBITS
+                continue
+            raise errors.UndecodableBody(f"The request body is not valid {coding} data.") from None
+        size += len(piece)
+        out.append(piece)
+        if size > limit or d.unconsumed_tail:
+            raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes once decoded.")
+        if not d.eof:
+            raise errors.UndecodableBody(f"The request body's {coding} data ends before its end.")
+        data = d.unused_data
+        if not data:
+            return b"".join(out)
+        if wbits != _CODINGS["gzip"]:  # (gzip members may follow one another; nothing else may)
+            raise errors.UndecodableBody(f"The request body has bytes after its {coding} data.")
 
 
 def _receiver(scope: Scope, receive: Receive) -> Receive:
