@@ -302,3 +302,19 @@ def test_a_chunked_body_with_trailer_fields_is_answered(server: Server) -> None:
         assert status == 200 and got["input_tokens"] > 0
     finally:
         s.close()
+
+
+def test_head_is_answered_wherever_get_is(server: Server) -> None:
+    """RFC 9110, 9.1: HEAD wherever GET works (uptime probes, proxies): GET's status and headers,
+    no body. It was a 405 on every route but /healthz."""
+    created = httpx.post(server.v1 + "/responses", json={"model": "hotloop-sim", "input": "hi"}, timeout=30).json()
+    for path in ("/v1/models", "/v1/models/hotloop-sim", f"/v1/responses/{created['id']}",
+                 f"/v1/responses/{created['id']}/input_items", "/v1/responses/resp_missing"):
+        get = httpx.get(server.base + path, timeout=10)
+        head = httpx.head(server.base + path, timeout=10)
+        assert head.status_code == get.status_code, path
+        assert head.content == b"" and head.headers["content-length"] == get.headers["content-length"], path
+    refused = httpx.put(server.base + "/v1/models", timeout=10)
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD"
+    refused = httpx.put(server.base + f"/v1/responses/{created['id']}", timeout=10)
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD, DELETE"

@@ -208,11 +208,13 @@ class HttpTransport:
             rest = path[len("/v1/responses/") :].split("/")
             rid_ = rest[0]
             if len(rest) == 1:
-                if method == "GET":
+                if method == "GET" or method == "HEAD":
                     return await self._retrieve(rid_, scope, respond, scope_)
                 if method == "DELETE":
                     return await self._delete(rid_, respond, scope_)
-                raise errors.MethodNotAllowed("Use GET or DELETE on /v1/responses/{id}.", headers={"allow": "GET, DELETE"})
+                raise errors.MethodNotAllowed(
+                    "Use GET or DELETE on /v1/responses/{id}.", headers={"allow": "GET, HEAD, DELETE"}
+                )
             if len(rest) == 2 and rest[1] == "input_items":
                 self._method(method, "GET")
                 return await self._input_items(rid_, scope, respond, scope_)
@@ -223,9 +225,12 @@ class HttpTransport:
 
     @staticmethod
     def _method(method: str, allowed: str) -> None:
-        if method != allowed:
+        """Refuse any other method than ``allowed``; where that is GET, HEAD is GET's answer
+        without its body (RFC 9110, 9.3.2: the protocol leaves the body out)."""
+        if method != allowed and not (method == "HEAD" and allowed == "GET"):
             raise errors.MethodNotAllowed(
-                f"Method {errors.clip(method)} is not allowed here; use {allowed}.", headers={"allow": allowed}
+                f"Method {errors.clip(method)} is not allowed here; use {allowed}.",
+                headers={"allow": "GET, HEAD" if allowed == "GET" else allowed},
             )
 
     async def _body(self, receive: Receive, scope: Scope) -> bytes | bytearray:
