@@ -77,6 +77,14 @@ class UnsupportedEncoding(HotloopError):
     code = "unsupported_content_encoding"
 
 
+class UnsupportedTransferCoding(HotloopError):
+    """A request body in a transfer coding other than chunked (RFC 9112, 6.1: 501)."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "unsupported_transfer_encoding"
+
+
 class MissingParameter(InvalidRequest):
     code = "missing_required_parameter"
 

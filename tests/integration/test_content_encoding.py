@@ -108,3 +108,26 @@ def test_the_openai_sdk_can_send_gzip_bodies(srv: Server) -> None:
                     http_client=httpx.Client(event_hooks={"request": [compress]}, timeout=30))
     r = client.responses.create(model="hotloop-sim", input="Say hello.")
     assert r.status == "completed" and r.output_text
+
+
+def test_a_transfer_coding_other_than_chunked_is_501(srv: Server) -> None:
+    """``Transfer-Encoding: gzip, chunked``: the parser undid the chunked framing and the gzip
+    was read as the body (a 400 for malformed JSON). RFC 9112, 6.1: 501."""
+    import socket
+
+    data = gzip.compress(json.dumps(_request("hi")).encode())
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    try:
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+        out = b""
+        while b"\r\n\r\n" not in out or not out.rstrip().endswith(b"}"):
+            piece = s.recv(65536)
+            if not piece:
+                break
+            out += piece
+    finally:
+        s.close()
+    assert out.startswith(b"HTTP/1.1 501 "), out[:200]
+    error = json.loads(out.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "unsupported_transfer_encoding" and error["type"] == "invalid_request_error"

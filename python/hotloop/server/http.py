@@ -771,11 +771,21 @@ MAX_CODINGS = 2
 
 
 def _codings(scope: Scope) -> list[str]:
-    """The request's content codings, in the order they were applied (``identity`` left out)."""
+    """The request's content codings, in the order they were applied (``identity`` left out).
+    A transfer coding other than chunked (which the protocol undoes) is refused: the parser
+    reads such a body as plain chunked bytes (RFC 9112, 6.1: 501)."""
     out: list[str] = []
     for name, value in scope["headers"]:
         if name == b"content-encoding":
             out += [c.strip().lower() for c in value.decode("latin-1").split(",")]
+        elif name == b"transfer-encoding":
+            for c in value.decode("latin-1").split(","):
+                c = c.strip().lower()
+                if c and c != "chunked":
+                    raise errors.UnsupportedTransferCoding(
+                        f"Unsupported Transfer-Encoding {errors.clip(c, 40)!r}: send the body chunked, "
+                        f"or with Content-Encoding {_ACCEPTED}."
+                    )
     return [c for c in out if c and c != "identity"]
 
 
