@@ -105,6 +105,18 @@ def test_a_full_history_client_is_bounded_by_what_follows_its_cached_prefix(serv
     assert_too_large(r, "bytes")
 
 
+def test_a_turn_with_no_model_output_after_its_cached_prefix_is_measured_as_from_scratch(server: Server) -> None:
+    """Two user items, then four that start with them and no model output among them: from
+    scratch all four are the client's turn (none is the model's), one over the limit. A prefix
+    hit counted only the two after the cached prefix and accepted it: the same body got 200 or
+    400 depending on what the cache held (another worker, a restart)."""
+    first = [user(f"alone {i} " + "a" * 200) for i in range(2)]
+    assert create(server, input=first, store=False).status_code == 200
+    grown = first + [user(f"then {i}") for i in range(2)]
+    assert_too_large(create(server, input=grown, store=False), "new items")
+    assert create(server, input=grown[:3], store=False).status_code == 200  # at the limit
+
+
 def test_the_output_sent_back_with_a_prefix_is_not_new_input(server: Server) -> None:
     first = create(server, input=[user("q " + "p" * 500), user("r " + "p" * 500)], store=False)
     assert first.status_code == 200, first.text

@@ -8,7 +8,10 @@ resends its history, the items after the longest cached prefix (and after the ou
 response that prefix produced, which the client sends back; :mod:`hotloop.pipeline.reuse`), and
 of those (all of them with no prefix cached) the items after the last one a model produced (an
 assistant message, a reasoning item, a tool call, or an ``item_reference`` to a stored item:
-:func:`turn_start`), every item when there is none (a first turn). The history before that was
+:func:`turn_start`), every item when there is none (a first turn); when none of the items after
+a cached prefix is the model's, the prefix's items after the model's last output in it count too
+(:func:`reused_tail`), so that a body is accepted or refused as from scratch, whatever the prefix
+cache holds. The history before that was
 the new input of earlier turns, bounded when they were sent: a server that restarted, or whose
 prefix cache let the conversation go or keeps only an early prefix of it (a conversation past
 the cache's per-entry byte budget stops being registered, and its last registered prefix keeps
@@ -45,7 +48,7 @@ import msgspec
 from hotloop import errors
 from hotloop.protocol.request import FunctionCall, Item, ItemReference, Message, OtherItem, Reasoning
 
-__all__ = ["InputTooLarge", "check", "input_bytes", "turn_start"]
+__all__ = ["InputTooLarge", "check", "input_bytes", "reused_tail", "turn_start"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -94,6 +97,15 @@ def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]]) -> int:
         if _produced(items[i]):
             return i + 1
     return 0
+
+
+def reused_tail(items: Sequence[Item], n: int) -> list[Item]:
+    """Of a cached prefix (the first ``n`` of ``items``), the items after the last one a model
+    produced: part of the client's own turn when nothing after the prefix is the model's."""
+    i = n
+    while i > 0 and not _produced(items[i - 1]):
+        i -= 1
+    return list(items[i:n])
 
 
 def check(items: Sequence[Item] | Sequence[dict[str, Any]], max_items: int, max_bytes: int) -> None:

@@ -329,8 +329,15 @@ class Engine:
             # what this turn adds, bounded before it is classified, tokenized or stored (pipeline.guard):
             # of a whole history, what follows the cached prefix and the model's last output in it
             new = p.items
-            if req.previous_response_id is None and type(req.input) is list and len(new) > 1:
-                new = new[guard.turn_start(new) :]
+            if req.previous_response_id is None and type(req.input) is list:
+                start = guard.turn_start(new)
+                if len(new) > 1:
+                    new = new[start:]
+                if not start and prefix is not None:
+                    # no model output after the cached prefix: from scratch the turn starts after
+                    # the model's last output before it, and is measured so here too (the same
+                    # body is accepted or refused whatever the prefix cache holds)
+                    new = guard.reused_tail(prefix.entry.context.items, prefix.n) + new
             guard.check(new, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
