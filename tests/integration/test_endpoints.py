@@ -497,8 +497,8 @@ def test_a_response_the_store_pruned_is_gone_from_the_process_too(tmp_path, stor
     "method,path,allow",
     [
         ("PUT", "/v1/responses", "GET, POST"),
-        ("PATCH", "/v1/responses/resp_x", "GET, DELETE"),
-        ("POST", "/v1/models", "GET"),
+        ("PATCH", "/v1/responses/resp_x", "GET, HEAD, DELETE"),
+        ("POST", "/v1/models", "GET, HEAD"),
         ("GET", "/v1/responses/input_tokens", "POST"),
     ],
 )
