@@ -30,7 +30,7 @@ from hotloop.server.logs import log_config
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, HttpReader, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.fpkey import KeyFileError
-from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore
+from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore, claim_store
 from hotloop.tenants.keys import open_key_store
 
 
@@ -236,29 +236,36 @@ def serve(config: Config, sock: Any = None, ready: int | None = None) -> int:
         return STARTUP_FAILURE
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     log = logging.getLogger("hotloop.server")
+    held: int | None = None  # the store's server lock (claim_store), held until the server ends
     try:
-        app = make_app(config)
-    except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError, StoreUnavailable) as exc:  # a bad setting, key file or store: say what
-        log.error("start-up failed: %s", exc)
-        return STARTUP_FAILURE
-    except Exception as exc:  # anything else start-up met (a data dir, a script, a store file): one line, exit 3
-        log.error("start-up failed: %s: %s", type(exc).__name__, exc)
-        log.debug("start-up failure", exc_info=True)
-        return STARTUP_FAILURE
-    server = _server_class()(uvicorn_config(app, config))
-    server.app, server.grace, server.ready = app, config.shutdown_grace, ready
-    try:
-        server.run(sockets=None if sock is None else [sock])
-    except SystemExit as exc:
-        # uvicorn exits 3 itself when the application's start-up (lifespan) or the bind failed,
-        # which it has logged: returned as such, so that a --workers worker exits 3 too (its
-        # supervisor tells a failed start from a crash by that code), not 1 with a traceback
-        if exc.code != STARTUP_FAILURE:
-            raise
-    code = 0 if server.started else STARTUP_FAILURE
-    if code == 0 and app.persistence.lost_at_shutdown():
-        code = WRITES_LOST
-    if app.persistence.stuck or app.stuck:  # a store call that never returned (logged): do not join its thread
-        logging.shutdown()
-        os._exit(code)
-    return code
+        try:
+            if config.store == "sqlite" and config.workers <= 1:  # (a --workers worker: its parent holds it)
+                held = claim_store(config.db_path, workers=False)
+            app = make_app(config)
+        except (ClassifierLoadError, ModelLimitsError, KeyFileError, ValueError, StoreUnavailable) as exc:  # a bad setting, key file or store: say what
+            log.error("start-up failed: %s", exc)
+            return STARTUP_FAILURE
+        except Exception as exc:  # anything else start-up met (a data dir, a script, a store file): one line, exit 3
+            log.error("start-up failed: %s: %s", type(exc).__name__, exc)
+            log.debug("start-up failure", exc_info=True)
+            return STARTUP_FAILURE
+        server = _server_class()(uvicorn_config(app, config))
+        server.app, server.grace, server.ready = app, config.shutdown_grace, ready
+        try:
+            server.run(sockets=None if sock is None else [sock])
+        except SystemExit as exc:
+            # uvicorn exits 3 itself when the application's start-up (lifespan) or the bind failed,
+            # which it has logged: returned as such, so that a --workers worker exits 3 too (its
+            # supervisor tells a failed start from a crash by that code), not 1 with a traceback
+            if exc.code != STARTUP_FAILURE:
+                raise
+        code = 0 if server.started else STARTUP_FAILURE
+        if code == 0 and app.persistence.lost_at_shutdown():
+            code = WRITES_LOST
+        if app.persistence.stuck or app.stuck:  # a store call that never returned (logged): do not join its thread
+            logging.shutdown()
+            os._exit(code)
+        return code
+    finally:
+        if held is not None:
+            os.close(held)

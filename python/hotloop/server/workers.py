@@ -778,6 +778,7 @@ def serve_workers(config: Config) -> int:
         print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
         return STARTUP_FAILURE
     created = None
+    held: int | None = None  # the store's server lock (claim_store), shared, until the workers are gone
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         created = tempfile.mkdtemp(prefix="hotloop-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = created  # before prometheus-client is imported
@@ -791,7 +792,14 @@ def serve_workers(config: Config) -> int:
         try:
             port = _probe(config.host, config.port)  # a port in use: exit 3, as a single server does
             socks = [_listen(config.host, port) for _ in range(config.workers)]
+            if config.store == "sqlite":  # shared with another --workers server's, never a single one's
+                from hotloop.state.store import claim_store
+
+                held = claim_store(config.db_path, workers=True)
             _prepare_store(config)
+        except ValueError as exc:  # another server's store
+            log.error("start-up failed: %s", exc)
+            return STARTUP_FAILURE
         except Exception as exc:  # the data dir or the store file (sqlite3.Error): one line, exit 3
             log.error("start-up failed: %s: %s", type(exc).__name__, exc)
             return STARTUP_FAILURE
@@ -807,5 +815,7 @@ def serve_workers(config: Config) -> int:
 
                 sqlite_limits.remove(sqlite_limits.limits_path(config.db_path))
     finally:
+        if held is not None:
+            os.close(held)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)

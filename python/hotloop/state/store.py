@@ -87,8 +87,10 @@ starts at once, instead of failing after the busy timeout).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import secrets
 import sqlite3
 import sys
@@ -272,6 +274,33 @@ def failure_kind(exc: BaseException) -> tuple[str, str, bool]:
     text = text if len(text) <= 200 else text[:200] + "..."
     expected = isinstance(exc, (sqlite3.Error, OSError, TransactionLost, errors.StoreUnavailable))
     return kind, f"{kind}: {text}" if text else kind, expected
+
+
+def claim_store(path: Path, *, workers: bool) -> int:
+    """Hold the lock that keeps an SQLite store to one server (``{path}-server-lock``, ``flock``)
+    for the life of the returned descriptor: exclusive for a single-process server, shared for
+    a ``--workers`` server's parent (its workers coordinate through the file: the deletion log,
+    the rate-limits file, no group-commit delay; and two such servers on one data directory, a
+    rolling restart, do too). A single-process server does none of that: next to another server
+    it kept serving from its caches what the other deleted, and the keys' limits were each
+    server's own. So it refuses to start beside any other, and a ``--workers`` server beside it
+    (``ValueError``, said at start-up). The kernel lets go of the lock when the process ends,
+    however it ends."""
+    lock = Path(f"{path}-server-lock")
+    lock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # (as create_private makes it)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if workers else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"another hotloop server is using the store {path}: run one server per data directory "
+            "(--data-dir), or one server with several processes (--workers)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class MissingParent(LookupError):
