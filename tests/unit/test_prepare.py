@@ -273,3 +273,19 @@ def test_an_unknown_call_id_is_echoed_clipped() -> None:
     e = ei.value
     assert e.status == 400 and e.param == "input[0].call_id"
     assert e.message.startswith("No tool call found for function call output with call_id ccc") and len(e.message) < 200
+
+
+def test_instructions_spelled_as_an_items_json_share_no_count_with_it() -> None:
+    """Items and settings share the token cache: instructions whose bytes were an item's
+    fingerprinted JSON took the item's count (and gave it theirs), so one request changed the
+    next ones' input_tokens (and could push them past the window)."""
+    cache = itemlib.TokenCache()
+    item = {"type": "message", "role": "user", "content": "hi"}
+    alone = plan_for({"model": "m", "input": [item]}, cache=cache).input_tokens
+    (decoded,) = validate(decode_body(json.dumps({"model": "m", "input": [item]}))).items
+    data = itemlib._encode_view(itemlib.semantic_view(decoded), "input[0]")  # the bytes its count is filed under
+    body = {"model": "m", "input": [item], "instructions": data.decode()}
+    fresh = plan_for(body, cache=itemlib.TokenCache()).input_tokens
+    for _ in range(3):
+        assert plan_for(body, cache=cache).input_tokens == fresh  # the same whatever the cache held
+    assert plan_for({"model": "m", "input": [item]}, cache=cache).input_tokens == alone

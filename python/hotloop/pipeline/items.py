@@ -184,7 +184,7 @@ def fingerprint(item: Item, param: str = "input") -> bytes:
 class TokenCache:
     """fingerprint -> token count, LRU-bounded by entries (default 100,000 items).
 
-    Not bounded by bytes because every entry has the same small size (a 16-byte key and an int
+    Not bounded by bytes because every entry has the same small size (a 16- or 17-byte key and an int
     value in an ordered dict, about 130 bytes): 100,000 entries are about 13 MB whatever the items
     held.
 
@@ -323,6 +323,9 @@ def analyze(items: Iterable[Item], cache: TokenCache | None = None) -> tuple[lis
     return fps, toks, sizes
 
 
+_SETTING = b"s"
+
+
 def blob_split(obj: Any, cache: TokenCache | None = None) -> tuple[int, str | None, bytes]:
     """A setting the model sees each turn (instructions text, one tool's schema): its cached token
     count, or the text still to count; and its fingerprint. -> ``(count, text_or_None, fp)``.
@@ -336,7 +339,10 @@ def blob_split(obj: Any, cache: TokenCache | None = None) -> tuple[int, str | No
             data = _canonical(obj)
         except RecursionError:
             raise _tool_too_deep() from None
-    fp = _fingerprint(data)
+    # One byte more than an item's fingerprint (split): a setting never finds an item's count in
+    # the cache they share, nor an item a setting's (instructions spelled as an item's JSON
+    # changed that item's count, for every request of the key)
+    fp = _SETTING + _fingerprint(data)
     n = cache.get(fp) if cache is not None else None
     if n is None:
         if isinstance(obj, str):
