@@ -224,3 +224,31 @@ def test_the_backends_own_context_length_refusal_keeps_a_websocket_parent(server
         ws.send(json.dumps({"type": "response.create", "model": "mock-model", "input": "small", "store": False,
                             "previous_response_id": rid}))
         assert raw_until_terminal(ws)[-1]["type"] == "response.completed"
+
+
+def test_a_whole_json_answer_instead_of_a_stream_is_read_on_every_transport(server: Server, mock: MockChatServer) -> None:
+    """A backend that answers the streaming request with one JSON document: a server that
+    ignores ``stream: true`` (its chat.completion), or one that answers an error with a 200.
+    Both were a retried 502 "closed the stream before finishing": the completion was thrown
+    away, and a context refusal (a 400 the client must act on) hidden."""
+    json_type = {"content-type": "application/json"}
+    completion = {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "mock-model",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Whole answer"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+    refusal = {"error": {"message": "This model's maximum context length is 4096 tokens.", "code": "context_length_exceeded"}}
+    for stream in (False, True):
+        mock.push(Reply(status=200, raw=json.dumps(completion).encode(), headers=json_type))
+        r = _post(server, stream)
+        assert r.status_code == 200, r.text
+        final = r.json() if not stream else json.loads(r.text.strip().split("data: ")[-1])["response"]
+        assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Whole answer"
+        assert final["usage"]["output_tokens"] == 2
+        mock.push(Reply(status=200, raw=json.dumps(refusal).encode(), headers=json_type))
+        r = _post(server, stream)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded" and "x-should-retry" not in r.headers
+    mock.push(Reply(status=200, raw=b'{"neither": "a completion nor an error"}', headers=json_type))
+    r = _post(server, False)
+    assert r.status_code == 502 and r.json()["error"]["message"] == "The model backend sent a malformed stream."

@@ -157,6 +157,33 @@ class ChatBackend:
 
     # -- streaming -----------------------------------------------------------------------------
 
+    async def _document(self, first: bytes, it: Any, model: str) -> ChatChunk:
+        """A 2xx answer that is one JSON document, not a stream (its first bytes ``first``, then
+        the rest from ``it``): a server that ignores ``stream: true`` (its ``chat.completion``,
+        taken as one chunk: its messages as deltas), or one that answers an error with a 200
+        (raised as the error it is, as one sent in a stream is: a context refusal a 400, not a
+        retried "closed the stream" 502). Anything else is a malformed stream."""
+        try:
+            doc = json.loads(await _whole_body(first, it))
+        except ValueError:  # (UnicodeDecodeError too)
+            raise errors.BackendError(_MALFORMED) from None
+        if not isinstance(doc, dict):
+            raise errors.BackendError(_MALFORMED)
+        error = doc.get("error")
+        if error is not None:
+            status = doc.get("status_code")
+            if not (isinstance(status, int) and 400 <= status <= 599):
+                status = _error_status(error)
+            raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
+        choices = doc.get("choices")
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise errors.BackendError(_MALFORMED)
+        doc["choices"] = [{k: v for k, v in c.items() if k != "message"} | {"delta": c.get("message") or {}} for c in choices]
+        try:
+            return chunk_decoder.decode(msgspec.json.encode(doc))
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, OverflowError):
+            raise errors.BackendError(_MALFORMED) from None
+
     async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
         """One response as chunks. The body loop is inlined (one async generator per response,
         not one per layer): each network read costs one resumption of this generator, or none
@@ -250,8 +277,11 @@ class ChatBackend:
 
                     pushes = slot is not None and hasattr(resp, "push")
                     if pushes:
-                        resp.push = push  # type: ignore[attr-defined]
                         slot.lanes = feed_lane is not None  # type: ignore[union-attr]
+                    # Until the body's first bytes are read, they are not pushed (nobody takes
+                    # pushed chunks before the first one anyway): they tell a stream from a whole
+                    # JSON document (_document)
+                    probe = True
                     it = resp.__aiter__()
                     while True:
                         if failed:
@@ -272,6 +302,16 @@ class ChatBackend:
                                 break
                             if not raw:
                                 continue  # woken by push delivery: see outs, carry, failed
+                            if probe:
+                                probe = False
+                                if raw.lstrip()[:1] == b"{":  # (an SSE stream starts with a field)
+                                    for out in assembler.feed(await self._document(raw, it, model)):
+                                        yielded = True
+                                        yield out
+                                    done = True
+                                    break
+                                if pushes:
+                                    resp.push = push  # type: ignore[attr-defined]
                             try:
                                 events = feed(raw)
                             except ValueError:
@@ -344,6 +384,17 @@ def _ordinary(event: str, data: str) -> ChatChunk | None:
     except msgspec.DecodeError:
         return None
     return None if chunk.error is not None else chunk
+
+
+async def _whole_body(first: bytes, it: Any) -> bytes:
+    """A body's bytes from ``first`` to its end, at most MAX_SSE_EVENT_BYTES."""
+    body = bytearray(first)
+    while len(body) <= MAX_SSE_EVENT_BYTES:
+        try:
+            body += await anext(it)
+        except StopAsyncIteration:
+            return bytes(body)
+    raise errors.BackendError(_MALFORMED)
 
 
 # OpenAI's error code words that say which status an error object without a number stands for
