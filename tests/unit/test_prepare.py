@@ -289,3 +289,15 @@ def test_instructions_spelled_as_an_items_json_share_no_count_with_it() -> None:
     for _ in range(3):
         assert plan_for(body, cache=cache).input_tokens == fresh  # the same whatever the cache held
     assert plan_for({"model": "m", "input": [item]}, cache=cache).input_tokens == alone
+
+
+def test_an_item_kept_verbatim_counts_the_same_with_or_without_its_status() -> None:
+    """Its count is cached under a fingerprint without id and status, but the text counted (and
+    rendered) kept the status: whichever spelling was counted first stood for the other."""
+    call = {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"}
+    spellings = [call, {**call, "status": "completed"}]
+    fresh = [plan_for({"model": "m", "input": [it]}, cache=itemlib.TokenCache()).input_tokens for it in spellings]
+    assert fresh[0] == fresh[1]
+    for order in (spellings, spellings[::-1]):
+        cache = itemlib.TokenCache()
+        assert [plan_for({"model": "m", "input": [it]}, cache=cache).input_tokens for it in order] == fresh

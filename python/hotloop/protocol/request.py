@@ -128,9 +128,11 @@ Item = Union[Message, FunctionCall, FunctionCallOutput, Reasoning, ItemReference
 
 def model_view(data: dict[str, Any]) -> dict[str, Any]:
     """What a model reads of an item kept verbatim (``OtherItem.data``): all of it but the id,
-    which the server may have minted (``input_items`` pages by id), so that the item renders and
-    counts the same sent with an id or without."""
-    return {k: v for k, v in data.items() if k != "id"} if "id" in data else data
+    which the server may have minted (``input_items`` pages by id), and the status (a client
+    may send it back or not), so that the item renders and counts the same either way: its
+    count is cached under a fingerprint that leaves both out (``items.semantic_view``), and a
+    count made with the status stood for the item without it, or the other way round."""
+    return {k: v for k, v in data.items() if k != "id" and k != "status"} if "id" in data or "status" in data else data
 
 _ITEM_TYPES: dict[str, type] = {
     "message": Message,
