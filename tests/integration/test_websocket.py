@@ -392,3 +392,24 @@ def test_pings_are_answered_while_frames_wait_for_room(tmp_path) -> None:
             assert b"\x8a\x0dare-you-there" in buf and time.monotonic() - t0 < 1.0
         finally:
             s.close()
+
+
+def test_a_create_and_a_bad_frame_in_one_write_leave_the_server_serving(server: Server) -> None:
+    """A valid response.create and, in the same write, a text frame that is not UTF-8: the reader
+    made the create's lane task, then read the disconnect the bad frame queued, without
+    suspending, and cancelled that task before it ran. Its entry stayed, and the reader's
+    cancel-and-await loop spun for good: the whole process stopped answering (and SIGTERM)."""
+    for _ in range(3):
+        s, buf = _raw_websocket(server.port)
+        try:
+            create = json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "hi"}).encode()
+            s.sendall(_ws_frame(0x1, create) + _ws_frame(0x1, b"\xff\xfe"))
+            deadline = time.monotonic() + 10
+            while b"\x88" not in buf and time.monotonic() < deadline:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        finally:
+            s.close()
+        assert httpx.get(server.base + "/healthz", timeout=5).status_code == 200

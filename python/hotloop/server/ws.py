@@ -257,12 +257,18 @@ class Connection:
             self._stopping = True  # the reader is done: nothing new starts, lanes must not cancel it
             deadlines.remove(self)
             while self._lane_tasks:  # every lane's response (and backend stream) is cancelled
-                tasks = list(self._lane_tasks.values())
-                for t in tasks:
+                tasks = list(self._lane_tasks.items())
+                for _, t in tasks:
                     t.cancel()
-                for t in tasks:
+                for lane, t in tasks:
                     with contextlib.suppress(BaseException):
                         await t
+                    if self._lane_tasks.get(lane) is t:
+                        # cancelled before its first step (made by a frame read in the same
+                        # iteration as the disconnect behind it): its body, which takes it off,
+                        # never ran, and awaiting it again would not suspend: the loop spun for
+                        # good, holding the event loop
+                        del self._lane_tasks[lane]
             finisher = self._finisher
             if finisher is not None:
                 if not finisher.done():
