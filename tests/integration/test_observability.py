@@ -86,6 +86,27 @@ def test_errors_are_counted(observed: Server) -> None:
     assert codes[("400", "previous_response_not_found")] >= 1
 
 
+def test_websocket_error_frames_are_counted_as_http_errors_are(observed: Server) -> None:
+    """Error frames the session sends itself (a frame that is not JSON, an unknown item type,
+    a wrong type) were not counted: only the errors of a response's own start were."""
+    def count(code: str) -> float:
+        return sum(s.value for s in samples(observed).get("hotloop_errors_total", []) if s.labels["code"] == code)
+
+    frames = {
+        "invalid_json": "{not json",
+        "invalid_value": json.dumps({"type": "response.create", "model": "m", "input": [{"type": "message", "role": "nobody", "content": "x"}]}),
+        "invalid_type": json.dumps({"type": "response.create", "model": "m", "input": 5}),
+    }
+    before = {code: count(code) for code in frames}
+    with ws_connect(observed.ws + "/responses", additional_headers=AUTH, open_timeout=10) as ws:
+        for code, frame in frames.items():
+            ws.send(frame)
+            event = json.loads(ws.recv(timeout=10))
+            assert event["type"] == "error" and event["error"]["code"] == code, event
+    for code in frames:
+        assert count(code) == before[code] + 1, code
+
+
 def test_a_backend_failure_is_counted_once(observed: Server) -> None:
     """A JSON response the backend fails mid-stream counts one backend error (not one for the
     failed response and another for the HTTP error answering it); model failures count none."""

@@ -350,6 +350,7 @@ class Connection:
                     # a continuation that failed validation evicts its parent, like any failure
                     assert self.cache is not None
                     self.cache.evict(action.evict, action.stream_id)
+                self._count_error(action.error)  # (hotloop_errors_total: every error frame)
                 await self._emit([ev.ws_error(action.error, action.stream_id)])
             elif isinstance(action, SteerEvent):
                 run = self._runs.get(action.response_id) if action.response_id is not None else None
