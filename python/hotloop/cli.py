@@ -4,6 +4,7 @@ manage API keys and read the usage ledger; ``hotloop --version``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hotloop import __version__
@@ -247,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = Config.from_env(**overrides)
         except ValueError as exc:  # a HOTLOOP_* value of the wrong type: said as argparse says a flag's
-            print(f"hotloop serve: error: {exc}", file=sys.stderr)
+            from hotloop.server.logs import startup_error
+
+            fmt = args.log_format or os.environ.get("HOTLOOP_LOG_FORMAT", "")
+            startup_error(fmt, f"error: {exc}", "hotloop serve: ")
             return 2
         if config.workers > 1:
             from hotloop.server.workers import serve_workers  # before prometheus-client is imported

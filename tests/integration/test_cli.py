@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -138,7 +139,7 @@ def test_what_start_up_meets_is_one_line_and_exit_3(tmp_path, workers: str) -> N
     (blocked / "hotloop.sqlite3").mkdir(parents=True)  # the database file is a directory
     bad_url = ("--backend", "openai-compat", "--base-url", "http://alice:pw/x@example.com/v1", "--model", "m")
     for args, env, says in (
-        (("--sim-script", str(tmp_path / "missing.json")), {"HOTLOOP_DATA_DIR": str(tmp_path / "d")}, "FileNotFoundError"),
+        (("--sim-script", str(tmp_path / "missing.json")), {"HOTLOOP_DATA_DIR": str(tmp_path / "d")}, f"simulator script {tmp_path / 'missing.json'}: [Errno 2]"),
         ((), {"HOTLOOP_DATA_DIR": str(blocked)}, "start-up failed"),
         (bad_url, {"HOTLOOP_DATA_DIR": str(tmp_path / "u")}, "not a valid http(s) URL: 'http://***@example.com/v1'"),
     ):
@@ -146,6 +147,26 @@ def test_what_start_up_meets_is_one_line_and_exit_3(tmp_path, workers: str) -> N
         assert p.returncode == 3, (args, p.stderr)
         assert says in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert p.stderr.count("started worker") <= int(workers), p.stderr  # no restarts
+
+
+def test_a_bad_simulator_script_is_named_and_json_logs_stay_json_from_the_first_line(tmp_path) -> None:
+    """A script that is not JSON was refused with json's message alone (no file, no flag); and
+    under --log-format json, a setting refused before logging was set up came out as text."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{bad")
+    env = {"HOTLOOP_DATA_DIR": str(tmp_path / "d")}
+    p = run(HOTLOOP, "serve", "--port", "0", "--sim-script", str(bad), env=env)
+    assert p.returncode == 3 and f"simulator script {bad}: Expecting property name" in p.stderr, p.stderr
+    for args, extra, code in (
+        (("--port", "70000"), {}, 3),
+        (("--port", "70000", "--workers", "2"), {}, 3),
+        (("--port", "0"), {"HOTLOOP_SHUTDOWN_GRACE": "x"}, 2),
+    ):
+        p = run(HOTLOOP, "serve", "--log-format", "json", *args, env={**env, **extra})
+        assert p.returncode == code, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert lines and all(json.loads(line)["level"] for line in lines), p.stderr
+        assert json.loads(lines[-1])["level"] == "error", p.stderr
 
 
 def test_keys_and_usage_say_in_one_line_when_they_cannot_open_the_store(tmp_path) -> None:

@@ -221,7 +221,10 @@ class Script:
 
     @classmethod
     def load(cls, path: str | Path) -> "Script":
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:  # (UnicodeDecodeError, JSONDecodeError): said with the file
+            raise ValueError(f"simulator script {path}: {exc}") from None
         turns = data if isinstance(data, list) else data.get("turns") if isinstance(data, dict) else None
         if not isinstance(turns, list) or not all(isinstance(t, (str, dict)) for t in turns):
             raise ValueError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,17 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def startup_error(fmt: str, message: str, prefix: str = "") -> None:
+    """One start-up error line on stderr, before logging is set up (a setting refused): a JSON
+    object under ``--log-format json``, as every later line is; else ``prefix`` and ``message``."""
+    if fmt == "json":
+        record = logging.LogRecord("hotloop.server", logging.ERROR, "", 0, message, None, None)
+        line = JsonFormatter().format(record)
+    else:
+        line = prefix + message
+    print(line, file=sys.stderr)
 
 
 def log_config(level: str, fmt: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from hotloop.pipeline.classifiers import ClassifierLoadError
 from hotloop.pipeline.post import Persistence
 from hotloop.pipeline.shared import SharedPersistence
 from hotloop.server.app import HotloopApp, make_tenancy
-from hotloop.server.logs import log_config
+from hotloop.server.logs import log_config, startup_error
 from hotloop.server.httpproto import BoundedHttpToolsProtocol, HttpReader, Limits
 from hotloop.server.wsproto import CorkedWebSocketProtocol
 from hotloop.state.fpkey import KeyFileError
@@ -232,7 +232,7 @@ def serve(config: Config, sock: Any = None, ready: int | None = None) -> int:
     try:
         config.check()
     except ValueError as exc:
-        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
+        startup_error(config.log_format, f"start-up failed: {exc}", "hotloop: ")
         return STARTUP_FAILURE
     logging.config.dictConfig(log_config(config.log_level, config.log_format))
     log = logging.getLogger("hotloop.server")

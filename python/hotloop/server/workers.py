@@ -775,7 +775,9 @@ def serve_workers(config: Config) -> int:
     try:
         config.check()  # first: a refused configuration leaves nothing behind
     except ValueError as exc:
-        print(f"hotloop: start-up failed: {exc}", file=sys.stderr)
+        from hotloop.server.logs import startup_error
+
+        startup_error(config.log_format, f"start-up failed: {exc}", "hotloop: ")
         return STARTUP_FAILURE
     created = None
     held: int | None = None  # the store's server lock (claim_store), shared, until the workers are gone
