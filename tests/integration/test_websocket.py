@@ -327,6 +327,67 @@ def test_a_client_that_pipelines_frames_then_stops_reading_is_let_go(tmp_path) -
         assert "Traceback" not in server.logs()
 
 
+def test_a_client_that_pipelines_frames_and_reads_with_a_short_stall_is_kept(tmp_path) -> None:
+    """The other side of the rule above: a client whose frames wait for room (reading paused)
+    that reads what it is sent, and stalls once across a pong deadline for less than the pong
+    timeout, is kept: the server's writes were held up for less than a whole timeout."""
+    import os
+    import select
+
+    timeout = 3.0
+    args = ("--store", "memory", "--sim-rate", "0", "--sim-output-tokens", "100000", "--ws-ping-interval",
+            str(timeout), "--ws-ping-timeout", str(timeout))
+    with run_server(tmp_path, *args) as server:
+        s, buf = _raw_websocket(server.port, rcvbuf=4096)
+        frames = bytearray(buf)
+        try:
+            create = json.dumps({"type": "response.create", "model": "hotloop-sim", "input": "go " + "word " * 200,
+                                 "store": False}).encode()
+            pipelined = []
+            for _ in range(150):
+                mask = os.urandom(4)
+                pipelined.append(bytes([0x81, 0x80 | 126]) + len(create).to_bytes(2, "big") + mask
+                                 + bytes(b ^ mask[i % 4] for i, b in enumerate(create)))
+            s.sendall(b"".join(pipelined))
+            s.setblocking(False)
+            t0 = time.monotonic()
+            first_ping: float | None = None
+            stalled = False
+            total = 0
+            while time.monotonic() < t0 + 4 * timeout:
+                now = time.monotonic()
+                if first_ping is not None and not stalled and now >= first_ping + 2 * timeout - 1.5:
+                    stalled = True  # no reading across the second pong deadline: 2 s (the buffers fill)
+                    time.sleep(2.0)
+                    continue
+                if not select.select([s], [], [], 0.05)[0]:
+                    continue
+                try:
+                    data = s.recv(1 << 20)
+                except BlockingIOError:
+                    continue
+                assert data, "closed by the server"  # (a reset raises ConnectionResetError)
+                total += len(data)
+                frames += data
+                while len(frames) >= 4:  # the server's frames (unmasked): find its first ping
+                    n, h = frames[1] & 0x7F, 2
+                    if n == 126:
+                        n, h = int.from_bytes(frames[2:4], "big"), 4
+                    elif n == 127:
+                        if len(frames) < 10:
+                            break
+                        n, h = int.from_bytes(frames[2:10], "big"), 10
+                    if len(frames) < h + n:
+                        break
+                    if frames[0] & 0xF == 0x9 and first_ping is None:
+                        first_ping = time.monotonic()
+                    del frames[: h + n]
+            assert stalled and total > 1_000_000
+        finally:
+            s.close()
+        assert "keepalive" not in server.logs() and "Traceback" not in server.logs()
+
+
 def test_a_client_whose_frames_wait_for_room_is_not_let_go_at_the_keepalive_timeout(tmp_path) -> None:
     """The connection's queue is full (frames wait behind a long response for
     ``ws_max_queued_bytes``), so the server stops reading it. The client's pongs are then among

@@ -347,8 +347,8 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._app_closed = False
         self._busy: Any = None
         self._pong = b""  # the pong of the latest ping, held while the client does not read (handle_ping)
-        self._drains = 0  # times the write buffer fell below its low-water mark (resume_writing)
-        self._drains_seen = -1  # ... when a pong deadline passed with reading paused (keepalive_timeout)
+        self._write_paused_at: float | None = None  # since when writes are held up (pause_writing)
+        self._paused_deadline: float | None = None  # the last pong deadline passed with reading paused
         self.close_timeout = CLOSE_TIMEOUT
         self._abort_timer: asyncio.TimerHandle | None = None  # a closing transport's bound (_closing)
         self._early = b""  # bytes that came after the handshake's request, before the 101 (data_received)
@@ -462,11 +462,13 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
             # again from now, and once reading resumes a pong ends it (handle_pong) or it fails
             # the connection as ever. Unless the client reads nothing either: the responses
             # that hold the queue wait to write, and would wait for good (a client that
-            # pipelined its frames, then hung). Past a whole deadline with the write buffer
-            # full and not drained once, the connection fails as for a missing pong.
-            drains = self._drains
-            if self._writable._set or drains != self._drains_seen:
-                self._drains_seen = drains
+            # pipelined its frames, then hung). When the server's writes to it have been held
+            # up (the write buffer over its high-water mark) since before the previous such
+            # deadline, a whole timeout without taking any, the connection fails as for a
+            # missing pong; a client that stalls for less is kept.
+            paused_at, last = self._write_paused_at, self._paused_deadline
+            if paused_at is None or last is None or paused_at > last:
+                self._paused_deadline = self.loop.time()
                 self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
                 return
         # uvicorn writes a close frame and closes the transport, which first waits for its write
@@ -478,8 +480,12 @@ class CorkedWebSocketProtocol(WebSocketsSansIOProtocol):
         if t is not None and t.is_closing() and t.get_write_buffer_size():
             t.abort()
 
+    def pause_writing(self) -> None:
+        self._write_paused_at = self.loop.time()
+        super().pause_writing()
+
     def resume_writing(self) -> None:
-        self._drains += 1
+        self._write_paused_at = None
         pong, self._pong = self._pong, b""
         if pong and not self.transport.is_closing():
             self.transport.write(pong)
