@@ -78,11 +78,15 @@ class UnsupportedEncoding(HotloopError):
 
 
 class UnsupportedTransferCoding(HotloopError):
-    """A request body in a transfer coding other than chunked (RFC 9112, 6.1: 501)."""
+    """A request body in a transfer coding other than chunked (RFC 9112, 6.1: 501). Not to be
+    retried (the SDKs retry a 5xx unless told not to)."""
 
     status = 501
     type = "invalid_request_error"
     code = "unsupported_transfer_encoding"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
 
 
 class MissingParameter(InvalidRequest):

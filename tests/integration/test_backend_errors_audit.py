@@ -249,6 +249,9 @@ def test_a_whole_json_answer_instead_of_a_stream_is_read_on_every_transport(serv
         r = _post(server, stream)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "context_length_exceeded" and "x-should-retry" not in r.headers
-    mock.push(Reply(status=200, raw=b'{"neither": "a completion nor an error"}', headers=json_type))
-    r = _post(server, False)
-    assert r.status_code == 502 and r.json()["error"]["message"] == "The model backend sent a malformed stream."
+    lone = json.dumps(completion).replace("Whole answer", "a\\ud83d").encode()  # a lone surrogate escape
+    for raw in (b'{"neither": "a completion nor an error"}', b'{"a":' * 100_000 + b"1" + b"}" * 100_000, lone):
+        mock.push(Reply(status=200, raw=raw, headers=json_type))
+        r = _post(server, False)
+        assert r.status_code == 502 and r.json()["error"]["message"] == "The model backend sent a malformed stream."
+    assert "Traceback" not in server.logs()

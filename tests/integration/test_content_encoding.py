@@ -63,6 +63,17 @@ def test_a_compressed_body_is_answered_as_the_same_body_sent_plain(srv: Server, 
     assert created.status_code == 200 and created.json()["status"] == "completed", created.text
 
 
+def test_a_body_that_inflates_past_what_is_decoded_inline_is_decoded_whole(srv: Server) -> None:
+    """Past 1 MiB decoded, a body is decoded again in a thread: the same answer."""
+    text = " ".join(f"w{i}" for i in range(400_000))  # 2.7 MB: past the inline MiB, under the 4 MiB limit
+    body = json.dumps(_request(text)).encode()
+    plain = _post(srv, "/responses/input_tokens", body, None)
+    for coding, encode in (("gzip", gzip.compress), ("deflate, gzip", lambda b: gzip.compress(zlib.compress(b)))):
+        packed = _post(srv, "/responses/input_tokens", encode(body), coding)
+        assert plain.status_code == packed.status_code == 200, packed.text
+        assert packed.json() == plain.json()
+
+
 def test_a_body_that_inflates_past_the_limit_is_413_and_corrupt_data_400(srv: Server) -> None:
     bomb = gzip.compress(b'{"model": "hotloop-sim", "input": "' + b"a" * (LIMIT * 4) + b'"}')
     assert len(bomb) < LIMIT // 100
@@ -131,3 +142,4 @@ def test_a_transfer_coding_other_than_chunked_is_501(srv: Server) -> None:
     assert out.startswith(b"HTTP/1.1 501 "), out[:200]
     error = json.loads(out.partition(b"\r\n\r\n")[2])["error"]
     assert error["code"] == "unsupported_transfer_encoding" and error["type"] == "invalid_request_error"
+    assert b"\r\nx-should-retry: false\r\n" in out.partition(b"\r\n\r\n")[0] + b"\r\n"  # (a 5xx: the SDKs would retry it)

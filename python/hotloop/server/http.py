@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs
 
@@ -256,10 +257,14 @@ class HttpTransport:
                 raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if not codings:
                     return raw
-                if size < DECODE_INLINE_BYTES:
-                    return _decoded(raw, codings, limit)
-                # zlib lets go of the GIL while it inflates: the event loop serves others meanwhile
-                return await asyncio.get_running_loop().run_in_executor(None, _decoded, raw, codings, limit)
+                try:  # inline up to DECODE_INLINE_BYTES decoded (whatever the size sent: a bomb is small)
+                    return _decoded(raw, codings, min(limit, DECODE_INLINE_BYTES))
+                except errors.PayloadTooLarge:
+                    if limit <= DECODE_INLINE_BYTES:
+                        raise
+                # larger: again, in a thread of its own (zlib lets go of the GIL while it inflates,
+                # so the event loop serves others meanwhile), one body at a time
+                return await asyncio.get_running_loop().run_in_executor(_decoder(), _decoded, raw, codings, limit)
 
     async def _create(
         self, scope: Scope, receive: Receive, send: Send, respond: Any, rid: str, tenant: Tenant, timing: list[str]
@@ -762,12 +767,21 @@ async def _disconnected(receive: Receive) -> None:
 # Content codings a request body may be sent in (RFC 9110, 8.4.1), with zlib's window bits for
 # each; another is refused with 415 and an accept-encoding header naming these. Decoded, a body
 # is bounded by max_body_bytes as sent (413 past it, found as it inflates: a small body that
-# inflates to gigabytes stops there). One of DECODE_INLINE_BYTES or more (compressed) is
-# decoded off the event loop.
+# inflates to gigabytes stops there). A body is decoded on the event loop while it decodes to
+# DECODE_INLINE_BYTES at most (about 1 ms); a larger one is decoded again, whole, in a thread
+# of its own (_decoder: one body at a time, so a few hundred bytes sent again and again cost
+# that thread's time, never the event loop's).
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 _ACCEPTED = "gzip, deflate"
-DECODE_INLINE_BYTES = 64 * 1024
+DECODE_INLINE_BYTES = 1024 * 1024
 MAX_CODINGS = 2
+_DECODER: list[ThreadPoolExecutor] = []
+
+
+def _decoder() -> ThreadPoolExecutor:
+    if not _DECODER:
+        _DECODER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-decode"))
+    return _DECODER[0]
 
 
 def _codings(scope: Scope) -> list[str]:

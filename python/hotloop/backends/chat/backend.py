@@ -165,7 +165,7 @@ class ChatBackend:
         retried "closed the stream" 502). Anything else is a malformed stream."""
         try:
             doc = json.loads(await _whole_body(first, it))
-        except ValueError:  # (UnicodeDecodeError too)
+        except (ValueError, RecursionError):  # (UnicodeDecodeError too; a document nested too deep)
             raise errors.BackendError(_MALFORMED) from None
         if not isinstance(doc, dict):
             raise errors.BackendError(_MALFORMED)
@@ -181,7 +181,8 @@ class ChatBackend:
         doc["choices"] = [{k: v for k, v in c.items() if k != "message"} | {"delta": c.get("message") or {}} for c in choices]
         try:
             return chunk_decoder.decode(msgspec.json.encode(doc))
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, OverflowError):
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, OverflowError, ValueError, RecursionError):
+            # (a lone surrogate escape in its text: UnicodeEncodeError, a ValueError)
             raise errors.BackendError(_MALFORMED) from None
 
     async def stream(self, req: BackendRequest) -> AsyncIterator[Chunk]:
