@@ -10,7 +10,7 @@ of those (all of them with no prefix cached) the items after the last one a mode
 assistant message, a reasoning item, a tool call, or an ``item_reference`` to a stored item:
 :func:`turn_start`), every item when there is none (a first turn); when none of the items after
 a cached prefix is the model's, the prefix's items after the model's last output in it count too
-(:func:`reused_tail`), so that a body is accepted or refused as from scratch, whatever the prefix
+(:func:`turn_start` over the prefix), so that a body is accepted or refused as from scratch, whatever the prefix
 cache holds. The history before that was
 the new input of earlier turns, bounded when they were sent: a server that restarted, or whose
 prefix cache let the conversation go or keeps only an early prefix of it (a conversation past
@@ -48,7 +48,7 @@ import msgspec
 from hotloop import errors
 from hotloop.protocol.request import FunctionCall, Item, ItemReference, Message, OtherItem, Reasoning
 
-__all__ = ["InputTooLarge", "check", "input_bytes", "reused_tail", "turn_start"]
+__all__ = ["InputTooLarge", "check", "input_bytes", "turn_start"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -90,22 +90,14 @@ def _produced(item: Item | dict[str, Any]) -> bool:
     return False
 
 
-def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]]) -> int:
+def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]], end: int | None = None) -> int:
     """Where the client's own turn starts in a whole history (or in what follows its cached
-    prefix): after the last item a model produced (0 when there is none: a first turn)."""
-    for i in range(len(items) - 1, -1, -1):
-        if _produced(items[i]):
-            return i + 1
+    prefix), or in its first ``end`` items: after the last item a model produced (0 when there
+    is none: a first turn)."""
+    for i in range(len(items) if end is None else end, 0, -1):
+        if _produced(items[i - 1]):
+            return i
     return 0
-
-
-def reused_tail(items: Sequence[Item], n: int) -> list[Item]:
-    """Of a cached prefix (the first ``n`` of ``items``), the items after the last one a model
-    produced: part of the client's own turn when nothing after the prefix is the model's."""
-    i = n
-    while i > 0 and not _produced(items[i - 1]):
-        i -= 1
-    return list(items[i:n])
 
 
 def check(items: Sequence[Item] | Sequence[dict[str, Any]], max_items: int, max_bytes: int) -> None:

@@ -337,7 +337,8 @@ class Engine:
                     # no model output after the cached prefix: from scratch the turn starts after
                     # the model's last output before it, and is measured so here too (the same
                     # body is accepted or refused whatever the prefix cache holds)
-                    new = guard.reused_tail(prefix.entry.context.items, prefix.n) + new
+                    own = prefix.entry.context.items
+                    new = own[guard.turn_start(own, prefix.n) : prefix.n] + new
             guard.check(new, self._max_new_items, self._max_new_bytes)
             marks.append(clock())
             try:
@@ -347,8 +348,8 @@ class Engine:
                 if secrets is not None and not later:  # flag-only: after the backend request too
                     # large texts of the request's own that the settings caches have not seen
                     # are scanned in the tokenizer thread (so too after the backend request)
-                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS, tenant.id) >= CLASSIFY_OFFLOAD_CHARS:
-                        chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)
+                    chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)  # (its thread: _offload)
+                    if chars >= CLASSIFY_OFFLOAD_CHARS:
                         verdict, p = await self._offload(chars, secrets.classify_settings, p, tenant.id)
                         p, settings_flags = self._settings_outcome(secrets, verdict, p, tenant)
                     else:
@@ -514,8 +515,8 @@ class Engine:
         (``CLASSIFY_OFFLOAD_CHARS`` of text or more) is scanned in the tokenizer thread (the native
         scanner releases the GIL), so the event loop serves other connections meanwhile."""
         states = parent.states if parent is not None else None
-        if classifiers.text_chars(p.items, CLASSIFY_OFFLOAD_CHARS) >= CLASSIFY_OFFLOAD_CHARS:
-            chars = classifiers.text_chars(p.items, LARGE_JOB_CHARS)
+        chars = classifiers.text_chars(p.items, LARGE_JOB_CHARS)  # (its thread: _offload)
+        if chars >= CLASSIFY_OFFLOAD_CHARS:
             outcome = await self._offload(chars, classifiers.classify_turn, self.classifiers, p.items, states)
         else:
             outcome = classifiers.classify_turn(self.classifiers, p.items, states)
@@ -602,7 +603,8 @@ class Engine:
                 tally = outcome.tally()
                 flags = None
                 if secrets is not None:  # flag-only: neither changes p nor raises
-                    if secrets.settings_chars(p, CLASSIFY_OFFLOAD_CHARS, tenant.id) >= CLASSIFY_OFFLOAD_CHARS:
+                    chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)  # (its thread: _offload)
+                    if chars >= CLASSIFY_OFFLOAD_CHARS:
                         if self._deferred_scans >= MAX_DEFERRED_SCANS:
                             log.warning(
                                 "the secrets scan of the instructions, tools or format of a request for key %s "
@@ -610,7 +612,6 @@ class Engine:
                             )
                             plan.flags = tally
                             return finish()
-                        chars = secrets.settings_chars(p, LARGE_JOB_CHARS, tenant.id)
                         job = self._offload(chars, secrets.classify_settings, p, tenant.id)
                         self._deferred_scans += 1
                         job.add_done_callback(lambda j: settings_done(j, tally))
