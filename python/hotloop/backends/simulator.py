@@ -384,22 +384,31 @@ def _float(schema: dict[str, Any]) -> float:
     return v
 
 
-def _finds(pattern: str, text: str, budget: _Budget | None) -> bool | None:
-    """Whether ``pattern`` (a client's) finds ``text``: matched by ``regex``, whose matching is
-    bounded in time (``PATTERN_SECONDS``), on the event loop; ``re`` is not, and a pattern such
-    as ``(a|aa)+c`` backtracks there for ever. None when it cannot tell: a pattern it cannot
-    read, the bound passed, the document's matches spent (``MAX_PATTERN_CHECKS``)."""
+def _parse(pattern: str) -> Any:
+    """``pattern`` as Python's ``re`` reads it (its parser's tree), or None when it cannot."""
+    try:
+        return re._parser.parse(pattern)  # type: ignore[attr-defined]
+    except (re.error, ValueError, TypeError, RecursionError, OverflowError):
+        return None
+
+
+def _finds(pattern: str, parsed: Any, text: str, budget: _Budget | None) -> bool | None:
+    """Whether ``pattern`` (a client's; ``parsed``: :func:`_parse`'s) finds ``text``: matched by
+    ``regex``, whose matching is bounded in time (``PATTERN_SECONDS``), on the event loop;
+    ``re`` is not, and a pattern such as ``(a|aa)+c`` backtracks there for ever. None when it
+    cannot tell: a pattern ``re`` cannot read, one whose counted repeats ``regex`` would expand
+    for ever when it compiles (``a{1000000000}``: only one whose repeats, nested, count to
+    MAX_WRITTEN_CHARS at most is matched), the bound passed, the document's matches spent
+    (``MAX_PATTERN_CHECKS``)."""
+    if parsed is None or budget is not None and budget.checks <= 0:
+        return None
     if budget is not None:
-        if budget.checks <= 0:
-            return None
         budget.checks -= 1
     try:
-        # regex compiles counted repeats out, unbounded in time (a{1000000000} for good): only
-        # a pattern ``re`` reads whose repeats, nested, count to MAX_WRITTEN_CHARS at most
-        if not _tame(re._parser.parse(pattern)):  # type: ignore[attr-defined]
+        if not _tame(parsed):
             return None
         return regex.search(pattern, text, timeout=PATTERN_SECONDS) is not None
-    except (re.error, regex.error, TimeoutError, ValueError, TypeError, RecursionError, OverflowError):
+    except (regex.error, TimeoutError, ValueError, TypeError, RecursionError, OverflowError):
         return None
 
 
@@ -426,16 +435,15 @@ def _tame(parsed: Any, scale: int = 1) -> bool:
     return True
 
 
-def _from_pattern(pattern: str, budget: _Budget | None = None) -> str | None:
-    """A short string ``pattern`` (a JSON schema's, read as a Python regular expression) finds,
-    or None when it is not one this can write (back-references, look-arounds that refuse it,
-    more than ``MAX_WRITTEN_CHARS``)."""
+def _from_pattern(pattern: str, parsed: Any, budget: _Budget | None = None) -> str | None:
+    """A short string ``pattern`` (a JSON schema's, read as a Python regular expression;
+    ``parsed``: :func:`_parse`'s) finds, or None when it is not one this can write
+    (back-references, look-arounds that refuse it, more than ``MAX_WRITTEN_CHARS``)."""
     try:
-        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
         text = _write(parsed)
-    except (re.error, ValueError, RecursionError, TypeError, OverflowError):
+    except (ValueError, RecursionError, TypeError, OverflowError):
         return None
-    return None if _finds(pattern, text, budget) is False else text  # (unchecked: as written)
+    return None if _finds(pattern, parsed, text, budget) is False else text  # (unchecked: as written)
 
 
 _CATEGORY_CHAR = {"CATEGORY_DIGIT": "0", "CATEGORY_NOT_DIGIT": "a", "CATEGORY_WORD": "a", "CATEGORY_NOT_WORD": "-",
@@ -498,8 +506,9 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
     fmt = schema.get("format")
     text = _FORMATS.get(fmt, f"example {name}") if isinstance(fmt, str) else f"example {name}"
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and not _finds(pattern, text, budget):  # (unchecked: written)
-        written = _from_pattern(pattern, budget) if len(pattern) <= MAX_PATTERN_CHARS else None
+    parsed = _parse(pattern) if isinstance(pattern, str) else None
+    if parsed is not None and isinstance(pattern, str) and not _finds(pattern, parsed, text, budget):  # (unchecked: written)
+        written = _from_pattern(pattern, parsed, budget) if len(pattern) <= MAX_PATTERN_CHARS else None
         if written is not None:
             budget.spend(len(written) + 2)
             return written

@@ -820,13 +820,13 @@ def _supported(codings: list[str]) -> None:
 
 def _decoded(body: bytes | bytearray, codings: list[str], limit: int) -> bytes:
     """``body`` with its content codings undone, last applied first; at most ``limit`` bytes."""
-    data = bytes(body)
+    data = body
     for coding in reversed(codings):
         data = _inflate(data, coding, limit)
-    return data
+    return data  # type: ignore[return-value]  # (bytes: codings is never empty here)
 
 
-def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+def _inflate(data: bytes | bytearray, coding: str, limit: int) -> bytes:
     """One coding undone: gzip (every member of it), or deflate (its zlib format, or the raw
     deflate some clients send under that name)."""
     wbits = _CODINGS[coding]

@@ -157,6 +157,13 @@ class ChatBackend:
 
     # -- streaming -----------------------------------------------------------------------------
 
+    def _sent_error(self, error: Any, status: object, model: str) -> errors.HotloopError:
+        """An error object a backend sent with a 2xx (in its stream, or as its whole answer),
+        with the ``status_code`` beside it (when a 4xx/5xx status) or else the status it says
+        (_error_status)."""
+        code = status if isinstance(status, int) and 400 <= status <= 599 else _error_status(error)
+        return status_error(code, {}, {"error": error}, backend=self.name, model=model)
+
     async def _document(self, first: bytes, it: Any, model: str) -> ChatChunk:
         """A 2xx answer that is one JSON document, not a stream (its first bytes ``first``, then
         the rest from ``it``): a server that ignores ``stream: true`` (its ``chat.completion``,
@@ -171,10 +178,7 @@ class ChatBackend:
             raise errors.BackendError(_MALFORMED)
         error = doc.get("error")
         if error is not None:
-            status = doc.get("status_code")
-            if not (isinstance(status, int) and 400 <= status <= 599):
-                status = _error_status(error)
-            raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
+            raise self._sent_error(error, doc.get("status_code"), model)
         choices = doc.get("choices")
         if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
             raise errors.BackendError(_MALFORMED)
@@ -340,8 +344,7 @@ class ChatBackend:
                                         # an error event whose data is the error object itself,
                                         # with no "error" wrapper: its status and message are there
                                         error = json.loads(data)
-                                    status = chunk.status_code or _error_status(error)
-                                    raise status_error(status, {}, {"error": error}, backend=self.name, model=model)
+                                    raise self._sent_error(error, chunk.status_code, model)
                             fed = assembler.feed(chunk)
                             if pushes:
                                 alane = assembler.lane()
