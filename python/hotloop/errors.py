@@ -101,6 +101,10 @@ class InvalidValue(InvalidRequest):
     code = "invalid_value"
 
 
+class EmptyString(InvalidRequest):
+    code = "empty_string"
+
+
 class UnsupportedParameter(InvalidRequest):
     code = "unsupported_parameter"
 

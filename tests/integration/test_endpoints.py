@@ -256,6 +256,29 @@ def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> No
     assert [i.id for i in client.responses.input_items.list(r3.id, order="asc").data][0] == out.id
 
 
+def test_an_empty_item_id_is_refused_and_a_blank_cursor_is_a_cursor(server, client: OpenAI) -> None:
+    """An item id of "" is OpenAI's 400 ``empty_string`` (a page ending on it sent the SDK's
+    auto-pager back to the first page for ever), whatever the item's type; and ``after=`` (blank)
+    is the cursor "", not no cursor: no page starts over."""
+    items: list[dict[str, Any]] = [
+        {"type": "message", "id": "", "role": "user", "content": "a"},
+        {"type": "function_call", "id": "", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "custom_tool_call", "id": "", "call_id": "c2", "name": "g", "input": "x"},
+        {"type": "item_reference", "id": ""},
+    ]
+    for item in items:
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input=[{"role": "user", "content": "first"}, item])  # type: ignore[list-item]
+        assert (ei.value.code, ei.value.param) == ("empty_string", "input[1].id"), item
+        assert "empty string" in ei.value.message
+    r = client.responses.create(model="hotloop-sim", input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    url = f"{server.v1}/responses/{r.id}/input_items"
+    blank = httpx.get(url, params={"after": "", "order": "", "limit": ""}, headers={"Authorization": "Bearer sk-test"}, timeout=10)
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "after", blank.text
+    whole = httpx.get(url, params={"order": "", "limit": ""}, headers={"Authorization": "Bearer sk-test"}, timeout=10)
+    assert whole.status_code == 200 and len(whole.json()["data"]) == 2  # blank order and limit: the defaults
+
+
 def test_items_of_every_type_get_ids_and_page(client: OpenAI) -> None:
     """Items kept verbatim (custom tool calls and outputs) get ids too, so input_items pages
     through all of them; a minted id is not what the model reads (same input token count)."""

@@ -473,8 +473,13 @@ def convert_body(obj: dict[str, Any]) -> CreateRequest:
         raise errors.InvalidJSON(TOO_DEEP) from None
 
 
-def decode_item(raw: Any, index: int, field: str = "input") -> Item:
-    """Validate one input item. ``index`` names it in errors (``input[3].content``)."""
+def decode_item(raw: Any, index: int, field: str = "input", stored: bool = False) -> Item:
+    """Validate one input item. ``index`` names it in errors (``input[3].content``).
+
+    An empty ``id`` is refused (``empty_string``, as OpenAI does): the id is what
+    ``input_items`` pages by, and a page ending on ``""`` sent the SDKs' auto-pagination back
+    to the first page for ever. ``stored``: an item read back from the store, which may hold one
+    from before that rule (read as it was written)."""
     where = f"{field}[{index}]"
     if not isinstance(raw, dict):
         if isinstance(raw, str):
@@ -501,6 +506,11 @@ def decode_item(raw: Any, index: int, field: str = "input") -> Item:
             )
     if not isinstance(kind, str):
         raise errors.InvalidType(f"Invalid type for '{where}.type': expected a string.", param=f"{where}.type")
+    if not stored and raw.get("id") == "":
+        raise errors.EmptyString(
+            f"Invalid '{where}.id': empty string. Expected a string with minimum length 1, but got an empty string instead.",
+            param=f"{where}.id",
+        )
     cls = _ITEM_TYPES.get(kind)
     if cls is None:
         # kept verbatim, but its id is what the store, ``input_items`` and the chain's id
@@ -888,4 +898,4 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
 
 def item_from_dict(d: dict[str, Any]) -> Item:
     """Inverse of :func:`item_to_dict` for stored items (already validated once)."""
-    return decode_item(d, 0, "item")
+    return decode_item(d, 0, "item", stored=True)
