@@ -216,16 +216,25 @@ def test_input_items_list_fields_stored_without_their_defaults(client: OpenAI) -
         {"type": "reasoning", "id": "rs_listed1", "content": [{"type": "reasoning_text", "text": "I think"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello there"}]},
         {"type": "message", "role": "user", "content": "and now?"},
+        {"type": "function_call", "call_id": "c_img", "name": "look", "arguments": "{}"},
+        # openai-python types this image's detail Optional (ResponseInputImageContentParam)
+        {"type": "function_call_output", "call_id": "c_img", "output": [
+            {"type": "input_text", "text": "seen"},
+            {"type": "input_image", "image_url": "https://example.com/b.png", "detail": None}]},
     ]
     rid = client.responses.create(model="hotloop-sim", input=sent).id  # type: ignore[arg-type]
     items = client.responses.input_items.list(rid, order="asc").data
     assert [type(i).__name__ for i in items] == [
-        "ResponseInputMessageItem", "ResponseReasoningItem", "ResponseOutputMessage", "ResponseInputMessageItem"]
+        "ResponseInputMessageItem", "ResponseReasoningItem", "ResponseOutputMessage", "ResponseInputMessageItem",
+        "ResponseFunctionToolCallItem", "ResponseFunctionToolCallOutputItem"]
     image = items[0].content[1]  # type: ignore[union-attr]
     assert image.type == "input_image" and image.detail == "auto"
     assert items[1].summary == []  # type: ignore[union-attr]
     text = items[2].content[0]  # type: ignore[union-attr]
     assert text.annotations == [] and text.logprobs == []  # type: ignore[union-attr]
+    out_image = items[5].output[1]  # type: ignore[union-attr,index]
+    assert type(out_image).__name__ == "ResponseInputImage" and out_image.detail == "auto"  # typed, not a dict
+    assert out_image.image_url == "https://example.com/b.png"
 
 
 def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:

@@ -43,7 +43,13 @@ class Refusal(msgspec.Struct, tag="refusal", **_PART):  # type: ignore[call-arg]
 class InputImage(msgspec.Struct, tag="input_image", **_PART):  # type: ignore[call-arg]
     image_url: str | None = None
     file_id: str | None = None
-    detail: str = "auto"
+    # null is "auto": openai-python types an image in a function_call_output with
+    # ``detail: Optional[...]`` (ResponseInputImageContentParam), and its callers send None
+    detail: str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.detail is None:
+            self.detail = "auto"
 
 
 class InputFile(msgspec.Struct, tag="input_file", **_PART):  # type: ignore[call-arg]
@@ -877,6 +883,13 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
     kind = d.get("type")
     if kind == "reasoning":
         return d if "summary" in d else {**d, "summary": []}
+    if kind == "function_call_output":  # its parts, as a message's (an image's ``detail``)
+        output = d.get("output")
+        if isinstance(output, list):
+            parts = [_listed_part(p) for p in output]
+            if any(a is not b for a, b in zip(parts, output)):
+                d = {**d, "output": parts}
+        return d
     if kind != "message":
         return d
     content = d.get("content")
