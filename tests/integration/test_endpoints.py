@@ -358,6 +358,12 @@ def test_input_tokens_counts_with_tokenizer(client: OpenAI) -> None:
     assert long.input_tokens - short.input_tokens == 200  # " hello" is one o200k token
     with_tools = client.responses.input_tokens.count(model="hotloop-sim", input="hello", tools=[WEATHER_TOOL])
     assert with_tools.input_tokens > short.input_tokens
+    # ``input`` is optional here (openai-python's InputTokenCountParams): the fixed cost of
+    # instructions and tools, counted alone
+    tools_only = client.responses.input_tokens.count(model="hotloop-sim", tools=[WEATHER_TOOL])
+    assert 0 < tools_only.input_tokens < with_tools.input_tokens
+    told = client.responses.input_tokens.count(model="hotloop-sim", instructions="Answer in French. " * 10)
+    assert told.input_tokens >= 40
 
 
 def test_unknown_fields_are_ignored(server) -> None:

@@ -759,8 +759,11 @@ def _missing_or_mistyped(value: Any, param: str, expected: str) -> errors.Hotloo
     return errors.InvalidType(f"Invalid type for '{param}': expected {expected}.", param=param)
 
 
-def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
-    """Check the request's settings and decode its own input items (not the chained context)."""
+def validate(req: CreateRequest, *, websocket: bool = False, counting: bool = False) -> Prepared:
+    """Check the request's settings and decode its own input items (not the chained context).
+
+    ``counting``: for ``POST /v1/responses/input_tokens``, where ``input`` is optional
+    (openai-python's InputTokenCountParams): instructions and tools alone are counted."""
     if req.model is None:
         raise errors.MissingParameter("Missing required parameter: 'model'.", param="model")
     if not req.model:
@@ -772,7 +775,7 @@ def validate(req: CreateRequest, *, websocket: bool = False) -> Prepared:
     if not req.model.isprintable():
         # a tab, a line break, an escape: in no model id, and the ledger's and logs' keys
         raise errors.InvalidValue("Invalid 'model': the model name must not contain control characters.", param="model")
-    if req.input is None and req.previous_response_id is None and req.prompt is None and req.generate is not False:
+    if req.input is None and req.previous_response_id is None and req.prompt is None and req.generate is not False and not counting:
         # A warm-up (``generate: false``) may prepare only tools and instructions: its input
         # is then empty (wire reference 1.8: "the tools, instructions, and/or custom messages").
         raise errors.MissingParameter("Missing required parameter: 'input'.", param="input")

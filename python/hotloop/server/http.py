@@ -615,7 +615,7 @@ class HttpTransport:
             parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
             model = parent.response.get("model") if parent is not None else None
             req.model = model if isinstance(model, str) and model else self.app.backend.default_model
-        p = validate(req)
+        p = validate(req, counting=True)
         if parent is None:
             parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
         stored = await self.app.engine.stored_items(p, parent, scope)
