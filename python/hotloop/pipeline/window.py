@@ -96,19 +96,23 @@ def upper_bound(plan: "Plan") -> int:
     return plan.input_estimate() + pending  # the estimate's own share of pending text over-counts: safe
 
 
-def exceeded(tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: int | None) -> errors.HotloopError:
+def exceeded(
+    tokens: int, allowed: int, limits: ModelLimits, max_output_tokens: int | None, truncation: str | None = None
+) -> errors.HotloopError:
+    """The 400 of an input over the window; it advises ``truncation: "auto"`` only to a request
+    that did not already set it (with it, what is left after truncation is still too long)."""
     window = limits.context_window
+    advice = "" if truncation == "auto" else ", or set truncation to 'auto'"
     if max_output_tokens is not None:
         msg = (
             f"This model's maximum context length is {window} tokens. However, you requested "
             f"{tokens + max_output_tokens} tokens ({tokens} in the input, {max_output_tokens} in the "
-            "output). Please reduce the length of the input or of max_output_tokens, or set "
-            "truncation to 'auto'."
+            f"output). Please reduce the length of the input or of max_output_tokens{advice}."
         )
     else:
         msg = (
             f"This model's maximum context length is {window} tokens. However, your input has {tokens} "
-            "tokens. Please reduce the length of the input, or set truncation to 'auto'."
+            f"tokens. Please reduce the length of the input{advice}."
         )
     return WindowExceeded(msg, param="input")
 
@@ -307,7 +311,7 @@ def fit(plan: "Plan", limits: ModelLimits, max_output_tokens: int | None, trunca
     dropped = truncate(plan, allowed) if truncation == "auto" else 0
     if plan.input_tokens > allowed:
         # the same 400 as with "disabled": the input as sent, not what dropping left of it
-        raise exceeded(tokens, allowed, limits, max_output_tokens)
+        raise exceeded(tokens, allowed, limits, max_output_tokens, truncation)
     return dropped
 
 
@@ -335,5 +339,5 @@ def _fit_dropped(
         if _floor(spans)[0] == 0:
             ctx.dropped = _remembered(latest, 0)
     if allowed is not None and plan.input_tokens > allowed:
-        raise exceeded(tokens, allowed, limits, max_output_tokens)
+        raise exceeded(tokens, allowed, limits, max_output_tokens, truncation)
     return dropped
