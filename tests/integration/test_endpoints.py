@@ -257,6 +257,10 @@ def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> No
     with pytest.raises(openai.BadRequestError) as ei:  # the same item referenced twice
         client.responses.create(model="hotloop-sim", input=[ref, ref, {"role": "user", "content": "next"}])  # type: ignore[list-item]
     assert "Duplicate item found" in ei.value.message
+    for twice in ([ref, again], [again, ref]):  # a stored item referenced and sent itself, in either order
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.responses.create(model="hotloop-sim", input=[*twice, {"role": "user", "content": "next"}])  # type: ignore[list-item]
+        assert ei.value.param == "input" and "Duplicate item found" in ei.value.message, ei.value.message
     # nothing changed: the chain continues, and its items are listed once each, to the pager's end
     r2 = client.responses.create(model="hotloop-sim", previous_response_id=r1.id, input=[{"role": "user", "content": "next"}])
     ids = [i.id for i in client.responses.input_items.list(r2.id, order="asc", limit=1)]

@@ -192,7 +192,8 @@ def _without_id(item: Item) -> Item:
 
 
 def _resolve_reference(
-    ref: ItemReference, index: int, base: Context | None, seen: list[Item], stored: dict[str, Item] | None
+    ref: ItemReference, index: int, base: Context | None, seen: list[Item], stored: dict[str, Item] | None,
+    items: list[Item],
 ) -> Item:
     for it in seen:
         if getattr(it, "id", None) == ref.id:
@@ -201,11 +202,22 @@ def _resolve_reference(
     if found is None and stored:
         found = stored.get(ref.id)
     if found is None:
+        if any(type(it) is not ItemReference and getattr(it, "id", None) == ref.id for it in items[index + 1 :]):
+            # the item itself comes later in this input (so no store was searched for it): the
+            # input holds it twice, as a reference after it does (prepare); not "not found"
+            raise _duplicate(ref.id)
         raise errors.ItemNotFound(
             f"Item with id '{errors.clip(ref.id)}' not found. Items are not persisted when `store` is set to false.",
             param=f"input[{index}]",
         )
     return found
+
+
+def _duplicate(item_id: str) -> errors.HotloopError:
+    return errors.InvalidRequest(
+        f"Duplicate item found with id {errors.clip(item_id)}. Remove duplicate items from your input and try again.",
+        param="input",
+    )
 
 
 _encode = msgspec.json.encode
@@ -269,7 +281,7 @@ def prepare(
     for i, item in enumerate(p.items):
         referenced = type(item) is ItemReference
         if referenced:
-            item = _resolve_reference(item, i, base, new, stored)  # type: ignore[arg-type]
+            item = _resolve_reference(item, i, base, new, stored, p.items)  # type: ignore[arg-type]
             rid = item_id_of(item)
             if rid is not None and base is not None and base.position(rid) is not None:
                 # A reference to an item the chain already holds (a client resending its history
@@ -302,11 +314,7 @@ def prepare(
                 # again with previous_response_id: input_items pages by id, and a chain holds
                 # each item once (a reference names an item, and may name one in the chain, but
                 # not one this input already holds: input_items paged such a duplicate forever)
-                raise errors.InvalidRequest(
-                    f"Duplicate item found with id {errors.clip(given)}. Remove duplicate items from "
-                    "your input and try again.",
-                    param="input",
-                )
+                raise _duplicate(given)
             supplied.add(given)
         new.append(_with_id(item, ids))
     fps, toks, missing, sizes = itemlib.split(new, cache)
