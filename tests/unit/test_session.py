@@ -37,6 +37,17 @@ def test_malformed_frames_are_errors_not_closes() -> None:
     # valid JSON holding a number beyond a double: not "not valid JSON"
     [a] = sess.receive('{"type": "response.create", "model": "m", "input": "x", "temperature": 1e400}', 1.0)
     assert isinstance(a, SendError) and a.error.code == "invalid_value" and "out of range" in a.error.message
+    for known in ('"metadata": {"k": -1e400}', '"input": [{"role": "user", "content": "x", "n": [1e400]}]'):
+        [a] = sess.receive('{"type": "response.create", "model": "m", "input": "x", ' + known + "}", 1.0)
+        assert isinstance(a, SendError) and "out of range" in a.error.message, known
+
+
+def test_a_number_beyond_a_double_in_a_field_the_request_does_not_know_is_ignored() -> None:
+    """Unknown top-level fields are ignored, whatever they hold, as over HTTP (whose body decoder
+    skips them): a small frame with ``"x": 1e400`` runs, the field dropped."""
+    sess = s()
+    [a] = sess.receive('{"type": "response.create", "model": "m", "input": "x", "x": 1e400, "y": {"z": [-1e999]}}', 1.0)
+    assert isinstance(a, RunCreate) and a.request.model == "m" and a.request.input == "x"
 
 
 def test_a_transport_decoder_takes_large_create_frames_with_the_same_admission() -> None:

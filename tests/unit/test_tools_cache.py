@@ -273,10 +273,11 @@ _SMALL_FRAMES = [
     (_create(tools=[{"type": "web_search"}]), False),  # under 128 bytes: not kept
     (json.dumps({"type": "response.steer", "input": "tools" + _PAD, "tools": [_TOOL]}), False),
     (json.dumps({"type": "response.create", "input": _PAD, "tools": [_TOOL]}), True),  # no model
-    # numbers out of range: in a field the request does not have, shadowed by a later key, in the tools
-    (_create(tools=[_TOOL])[:-1] + ', "x": 1e400}', False),
-    (_create(tools=[_TOOL])[:-1] + ', "x": 1.8e308}', False),
-    (_create(tools=[_TOOL])[:-1] + ', "input": 1e400, "input": "hi"}', False),
+    # numbers out of range: in a field the request does not have (ignored, as over HTTP),
+    # shadowed by a later key, in a field it has, in the tools
+    (_create(tools=[_TOOL])[:-1] + ', "x": 1e400}', True),
+    (_create(tools=[_TOOL])[:-1] + ', "x": 1.8e308}', True),
+    (_create(tools=[_TOOL])[:-1] + ', "input": 1e400, "input": "hi"}', True),
     (_create(tools=[_TOOL])[:-1] + ', "temperature": 1e400}', False),
     (_create(tools=[{**_TOOL, "x": 1}]).replace('"x": 1', '"x": ' + "9" * 400 + ".0"), False),
     ('{"type": "response.create", "model": "m", "input": "a", "tools": ' + _TOOLS_JSON + ', "tools": null}', False),

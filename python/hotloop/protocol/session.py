@@ -59,6 +59,7 @@ Steering (``response.steer``, beta). Choices the wire contract leaves open:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
@@ -153,6 +154,45 @@ class Ended(msgspec.Struct):
 Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
+_decode_wide = msgspec.json.Decoder(dict[str, Any], float_hook=float).decode  # 1e400: inf
+# the frame's own fields besides the request's (what receive and _steer read)
+_FRAME_FIELDS = frozenset(CreateRequest.__struct_fields__) | {"type", "stream_id", "input", "response_id"}
+
+
+def _out_of_range(data: str | bytes) -> dict[str, Any] | None:
+    """A frame holding a number beyond a double, without the top-level fields it does not know
+    (ignored as ever, as the HTTP body's decoder ignores them, number and all); None when a
+    field it knows holds such a number. Only after ``_decode`` refused the frame. (A known field
+    given twice, out of range then not, is read as its last value, as every duplicate key is
+    here; the HTTP body's decoder refuses that one.)"""
+    try:
+        frame = _decode_wide(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    out = {}
+    for key, value in frame.items():
+        if not _finite(value):
+            if key in _FRAME_FIELDS:
+                return None
+            continue
+        out[key] = value
+    return out
+
+
+def _finite(value: Any) -> bool:
+    """Whether no float in a decoded JSON value is infinite (a number beyond a double)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is float:
+            if v in (math.inf, -math.inf):
+                return False
+        elif t is dict:
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+    return True
 # Frames from OFFERED_BYTES on are offered to Session.decode_create first (the transport's
 # decoder: from FAST_DECODE_BYTES on, one that matches a resent history by its bytes; below,
 # one that takes an agent's tools from its cache without decoding them, declining frames
@@ -367,9 +407,14 @@ class Session:
             frame = _decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             if isinstance(exc, msgspec.ValidationError) and str(exc).startswith("Number out of range"):
-                # valid JSON, with a number beyond a double (1e400)
-                return self._error(errors.InvalidValue("Invalid value: a number in the frame is out of range."), None)
-            return self._error(errors.InvalidJSON("The frame is not a valid JSON object."), None)
+                # valid JSON, with a number beyond a double (1e400): refused where the request
+                # reads it, ignored in a field it does not know, as over HTTP (_out_of_range)
+                wide = _out_of_range(data)
+                if wide is None:
+                    return self._error(errors.InvalidValue("Invalid value: a number in the frame is out of range."), None)
+                frame = wide
+            else:
+                return self._error(errors.InvalidJSON("The frame is not a valid JSON object."), None)
         except RecursionError:
             return self._error(errors.InvalidJSON("The frame's JSON is nested too deeply."), None)
         kind = frame.get("type")
