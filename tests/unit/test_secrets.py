@@ -29,6 +29,7 @@ from hotloop.protocol.request import (
     OtherItem,
     OutputText,
     decode_body,
+    decode_item,
     validate,
 )
 
@@ -808,3 +809,47 @@ def test_an_output_schema_or_a_tool_choice_nested_past_the_bound_is_refused(extr
     with pytest.raises(errs.InvalidValue) as ei:
         validate(decode_body(body))
     assert ei.value.param == param
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_secret_split_across_parts_the_backend_joins_is_found_and_redacted(impl: str) -> None:
+    """A backend reads an assistant message's, a tool output's and a reasoning item's text parts
+    joined with nothing between them: a key split across two or three parts (a tool output
+    streamed in pieces) reached the model whole, no part holding all of it. Under redact the
+    first part it touches gets the marker and the rest of it is cut from the others; under flag
+    and block it is one finding; a part's own secrets are redacted as ever beside it."""
+    scanner = SCANNERS[impl]
+    tok = "ghp_" + rnd(ALNUM, 36)
+    items = [
+        decode_item({"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_text", "text": "here: " + tok[:12]}, {"type": "input_text", "text": tok[12:] + " end"}]}, 0),
+        decode_item({"role": "assistant", "content": [
+            {"type": "output_text", "text": KEY + " x " + tok[:5]}, {"type": "output_text", "text": tok[5:20]},
+            {"type": "output_text", "text": tok[20:] + " y"}]}, 1),
+        decode_item({"type": "reasoning", "id": "rs_1", "content": [
+            {"type": "reasoning_text", "text": tok[:30]}, {"type": "reasoning_text", "text": tok[30:]}]}, 2),
+        decode_item({"type": "function_call_output", "call_id": "c", "output": [  # nothing crosses
+            {"type": "input_text", "text": "ab"}, {"type": "input_text", "text": "cd"}]}, 3),
+    ]
+    c = classify.SecretsClassifier("redact", scanner)
+    verdict, state = c.classify(items, c.initial_state())
+    assert isinstance(verdict, classify.Redact)
+    out, msg, rs, same = verdict.items
+    assert [p.text for p in out.output] == ["here: [REDACTED:github_token]", " end"]  # type: ignore[union-attr]
+    assert [p.text for p in msg.content] == [  # type: ignore[union-attr]
+        "[REDACTED:aws_access_key_id] x [REDACTED:github_token]", "", " y"]
+    assert [p.text for p in rs.content] == ["[REDACTED:github_token]", ""]  # type: ignore[union-attr]
+    assert same is items[3]
+    assert [(f.item_index, f.kind) for f in verdict.findings] == [
+        (0, "github_token"), (1, "aws_access_key_id"), (1, "github_token"), (2, "github_token")]
+    assert state.findings == 4
+    # a secret a part holds whole, the next part starting with letters: that part is not cut
+    whole = decode_item({"role": "assistant", "content": [
+        {"type": "output_text", "text": "key " + tok}, {"type": "output_text", "text": "fine"}]}, 0)
+    verdict, state = c.classify([whole], c.initial_state())
+    assert isinstance(verdict, classify.Redact) and state.findings == 1
+    assert [p.text for p in verdict.items[0].content] == ["key [REDACTED:github_token]", "fine"]  # type: ignore[union-attr]
+    for policy, want in (("flag", classify.Flag), ("block", classify.Block)):
+        c = classify.SecretsClassifier(policy, scanner)  # type: ignore[arg-type]
+        verdict, _ = c.classify(items[:1], c.initial_state())
+        assert isinstance(verdict, want) and verdict.findings[0].path == ("output", 0, "text")

@@ -36,6 +36,7 @@ well-known credential formats (``hotloop._accel.SecretScanner``, one native call
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import hmac
@@ -302,6 +303,65 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     return []
 
 
+def _joined_runs(item: Item) -> list[list[tuple[TextPath, str]]]:
+    """The runs of two or more non-empty text parts of ``item`` a backend reads one after the
+    other (:meth:`SecretsClassifier._seams`): a message's content parts, a function call
+    output's parts, a reasoning item's content parts; images and files between them do not
+    separate them (the assistant's and the tool's images go after the text). Reasoning summary
+    parts are read one a line, and are not joined."""
+    parts: Any
+    if isinstance(item, Message):
+        parts, field = item.content, "content"
+    elif isinstance(item, FunctionCallOutput):
+        parts, field = item.output, "output"
+    elif isinstance(item, Reasoning):
+        parts, field = item.content or [], "content"
+    else:
+        return []
+    if isinstance(parts, str) or len(parts) < 2:
+        return []
+    run: list[tuple[TextPath, str]] = []
+    for i, part in enumerate(parts):
+        attr = "refusal" if isinstance(part, Refusal) else "text"
+        text = getattr(part, attr, None)
+        if isinstance(text, str) and text:
+            run.append(((field, i, attr), text))
+    return [run] if len(run) >= 2 else []
+
+
+def _seam_edits(
+    item: Item,
+    edits: list[tuple[TextPath, str]],
+    leaf_spans: dict[TextPath, list[tuple[str, int, int]]],
+    seams: list[tuple[TextPath, str, int, int, str]],
+) -> list[tuple[TextPath, str]]:
+    """``edits`` with the parts a crossing secret touches redacted again from their own text:
+    their own findings and their share of the crossing ones, overlapping spans merged."""
+    by_path: dict[TextPath, list[tuple[int, int, str]]] = {}
+    for path, kind, lo, hi, marker in seams:
+        by_path.setdefault(path, []).append((lo, hi, marker))
+    texts = dict(_joined_runs(item)[0])
+    out = [(path, text) for path, text in edits if path not in by_path]
+    for path, cuts in by_path.items():
+        cuts += [(s, e, f"[REDACTED:{kind}]") for kind, s, e in leaf_spans.get(path, ())]
+        cuts.sort()
+        text = texts[path]
+        pieces: list[str] = []
+        at = 0
+        for s, e, marker in cuts:
+            if e <= at:
+                continue  # inside a span already cut
+            if s < at:  # overlaps the last cut: extends it
+                at = e
+                continue
+            pieces.append(text[at:s])
+            pieces.append(marker)
+            at = e
+        pieces.append(text[at:])
+        out.append((path, "".join(pieces)))
+    return out
+
+
 def with_texts(item: Any, edits: Sequence[tuple[TextPath, str]]) -> Any:
     """A copy of ``item`` with the text at each path of ``edits`` replaced (structs are immutable
     values), built once: each list of parts is copied once, whatever the number of edits. An
@@ -556,6 +616,7 @@ class SecretsClassifier:
         key: Finding | None = None  # a finding in an object's key, which cannot be redacted
         for index, item in enumerate(items):
             edits: list[tuple[TextPath, str]] = []
+            leaf_spans: dict[TextPath, list[tuple[str, int, int]]] = {}
             for path, text in item_texts(item):
                 if not text:
                     continue
@@ -567,8 +628,17 @@ class SecretsClassifier:
                 findings.extend(Finding(index, path, kind, s, e) for kind, s, e in spans)
                 if path[-1] == KEY:
                     key = key or findings[-1]
-                elif redacting:  # a call id: one marker per secret (two calls keep two ids)
-                    edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else result[0]))
+                else:
+                    leaf_spans[path] = spans
+                    if redacting:  # a call id: one marker per secret (two calls keep two ids)
+                        edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else result[0]))
+            seams = self._seams(item, leaf_spans)
+            if seams:
+                capped = capped or seams[0]
+                # one finding a secret (in the part it starts in), however many parts it spans
+                findings.extend(Finding(index, path, kind, s, e) for path, kind, s, e, marker in seams[1] if marker)
+                if redacting:
+                    edits = _seam_edits(item, edits, leaf_spans, seams[1])
             if edits:
                 new_items[index] = with_texts(item, edits)
         if not findings:
@@ -587,6 +657,49 @@ class SecretsClassifier:
         if self.policy == "redact" and not capped:
             return Redact(labels=labels, findings=tuple(findings), items=tuple(new_items)), state
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=tuple(findings[:1])), state
+
+    def _seams(
+        self, item: Item, found: dict[TextPath, list[tuple[str, int, int]]]
+    ) -> tuple[bool, list[tuple[TextPath, str, int, int, str]]] | None:
+        """The secrets that cross from one text part of ``item`` into the next: a backend reads
+        an assistant message's, a function call output's and a reasoning item's parts joined
+        with nothing between them (and a user message's one after the other), so a key split
+        across two parts (a tool output streamed in pieces) reaches the model whole although no
+        part holds it. Each crossing secret as one span per part it touches (the part's path,
+        the kind, the span in that part, and the text its redaction puts there: the marker in
+        the first part, nothing in the others); None when none crosses. A match that begins
+        inside a secret its first part's own scan ``found`` is not one: that secret is redacted
+        there, and what follows it (``ghp_...`` then a part starting with letters) is not.
+        With whether the joined scan hit the scanner's ``max_matches``."""
+        runs = _joined_runs(item)
+        if not runs:
+            return None
+        out: list[tuple[TextPath, str, int, int, str]] = []
+        capped = False
+        for run in runs:
+            joined = "".join(text for _, text in run)
+            spans = self.scanner.scan(joined)
+            if not spans:
+                continue
+            capped = capped or len(spans) >= self.scanner.max_matches
+            starts: list[int] = []
+            at = 0
+            for _, text in run:
+                starts.append(at)
+                at += len(text)
+            for kind, s, e in spans:
+                first = bisect.bisect_right(starts, s) - 1
+                last = bisect.bisect_left(starts, e) - 1
+                if first == last:
+                    continue  # inside one part: its own scan found it
+                local = s - starts[first]
+                if any(a <= local < b for _, a, b in found.get(run[first][0], ())):
+                    continue
+                for j in range(first, last + 1):
+                    path, text = run[j]
+                    lo, hi = max(s - starts[j], 0), min(e - starts[j], len(text))
+                    out.append((path, kind, lo, hi, f"[REDACTED:{kind}]" if j == first else ""))
+        return (capped, out) if out else None
 
     def _reason(self, kinds: Sequence[str], capped: bool, where: str = "") -> str:
         if capped and self.policy == "redact":
