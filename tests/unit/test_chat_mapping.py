@@ -698,6 +698,29 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+def test_a_message_between_calls_and_their_outputs_goes_after_the_outputs(dialect) -> None:
+    """A steer's successor has its steering input before the outputs of the parent's calls
+    (prepended, as ``response.steer.pending`` says); a chat server wants the tool messages right
+    after the assistant message with ``tool_calls`` (OpenAI refuses anything between): the
+    message goes after the outputs, whether the turn is rendered whole or continues a cached
+    rendering; a message no output follows stays where it is."""
+    first = items([user("weather?"), fcall("call_1"), fcall("call_2")])
+    steered = first + items([user("Use Celsius please."), fout("call_1", "21C"), fout("call_2", "18C"), user("and?")])
+    cache = RenderCache(dialect)
+    for conversation in (first, steered):
+        req = msgspec.structs.replace(request([]), items=conversation)
+        assert encode_request(req, dialect, cache) == encode_request(req, dialect)
+    assert cache.hits == 1
+    msgs = render(msgspec.structs.replace(request([]), items=steered), dialect)["messages"]
+    assert [(m["role"], m.get("content")) for m in msgs] == [
+        ("user", "weather?"), ("assistant", None), ("tool", "21C"), ("tool", "18C"),
+        ("user", "Use Celsius please."), ("user", "and?")]
+    # no output follows: as it was sent (a strict server refuses it, as it would have)
+    alone = render(msgspec.structs.replace(request([]), items=items([user("q"), fcall("call_1"), user("stop")])), dialect)
+    assert [m["role"] for m in alone["messages"]] == ["user", "assistant", "user"]
+
+
 _raw_item = st.one_of(
     st.builds(lambda r, t: {"role": r, "content": t}, st.sampled_from(["user", "system", "developer", "assistant"]), st.text(max_size=12)),
     st.builds(lambda c, a: {"type": "function_call", "call_id": f"call_{c}", "name": "f", "arguments": a}, st.integers(0, 3), st.text(max_size=8)),
@@ -710,14 +733,18 @@ _raw_item = st.one_of(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(_raw_item, min_size=1, max_size=4), min_size=1, max_size=5), st.sampled_from(DIALECTS), st.booleans())
 def test_render_cache_gives_identical_bytes(turns: list[list[dict[str, Any]]], dialect, instructions: bool) -> None:
+    from hotloop.backends.chat.render import _answers_first
+
     cache = RenderCache(dialect)
     chained: list[Item] = []
+    kept = 0  # renderings a continuation may extend: all but those ending with messages that wait for outputs
     for k, raw in enumerate(turns):
         chained = chained + items(raw)  # the same item objects carry over, as in a chained turn
         req = request([], instructions="Be brief." if instructions else None)
         req = msgspec.structs.replace(req, items=chained)
         assert encode_request(req, dialect, cache) == encode_request(req, dialect)
-    assert cache.hits == len(turns) - 1
+        kept += k < len(turns) - 1 and not _answers_first(chained, set())[1]
+    assert cache.hits == kept
 
 
 def test_render_cache_long_chain_in_bounded_pieces() -> None:

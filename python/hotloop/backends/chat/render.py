@@ -157,14 +157,53 @@ def _add_reasoning(merged: dict[str, Any], reasoning: str) -> None:
         merged["reasoning"] = f"{held}\n\n{reasoning}" if held else reasoning
 
 
+def _answers_first(items: list[Any], open_calls: set[str]) -> tuple[list[Any], bool]:
+    """``items`` in the order their messages are sent: a user, system or developer message that
+    comes while the model's calls are open (``open_calls``: unanswered) waits for the outputs
+    that follow it at once, and goes out after them. Strict chat servers refuse an assistant
+    message with ``tool_calls`` that tool messages do not follow (OpenAI: "An assistant message
+    with 'tool_calls' must be followed by tool messages"), and a WebSocket steer's successor has
+    its steering input before the outputs (prepended, as ``response.steer.pending`` says).
+
+    ``open_calls`` is updated to the calls still open after ``items`` (the state a cached
+    rendering carries to its continuation). The flag: ``items`` end with such a message, which
+    outputs in the next items would move (a rendering a continuation cannot extend). A message
+    that anything but an output follows goes out before it, and the calls it came after count
+    as abandoned: a later output does not move it."""
+    if not open_calls and not any(type(it) is FunctionCall for it in items):
+        return items, False
+    out: list[Any] = []
+    held: list[Any] = []
+    for it in items:
+        t = type(it)
+        if t is FunctionCallOutput:
+            open_calls.discard(it.call_id)
+        elif t is Message and it.role != "assistant" and open_calls:
+            held.append(it)
+            continue
+        else:
+            if held:
+                out += held
+                held.clear()
+                open_calls.clear()
+            if t is FunctionCall:
+                open_calls.add(it.call_id)
+        out.append(it)
+    return out + held, bool(held)
+
+
 def _render_items(
-    items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str
-) -> str:
-    """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``).
+    items: list[Any], dialect: Dialect, messages: list[dict[str, Any]], encoded: list[bytes], reasoning: str,
+    open_calls: set[str],
+) -> tuple[str, bool]:
+    """Append the chat messages of ``items`` to ``messages`` (and their JSON to ``encoded``), in
+    the order :func:`_answers_first` gives them (``open_calls``: the calls open before them,
+    updated).
 
     Messages already in the lists are never mutated (a merge replaces the last one), so a cached
     rendering can be extended safely. Returns the reasoning (:func:`reasoning_text`) still
-    waiting for the assistant message it preceded.
+    waiting for the assistant message it preceded, and whether the rendering ends with messages
+    that outputs in the next items would move (not to be extended).
     """
     enc = _encoder.encode
 
@@ -202,7 +241,8 @@ def _render_items(
                                             *_content(images, dialect)]})
         shown.clear()
 
-    for item in items:
+    ordered, tentative = _answers_first(items, open_calls)
+    for item in ordered:
         if shown and not isinstance(item, FunctionCallOutput):
             show()
         if isinstance(item, Message):
@@ -269,7 +309,7 @@ def _render_items(
             # The server resolves references before calling a backend; one left here is a bug.
             raise errors.ServerError()
     show()
-    return reasoning
+    return reasoning, tentative
 
 
 MAX_PIECES = 64  # pieces of a cached conversation's messages before they are joined into one
@@ -282,10 +322,11 @@ class _Rendered:
     message (kept apart: a function call that follows merges into it) and its JSON, and the
     reasoning still waiting for the assistant message it preceded."""
 
-    __slots__ = ("items", "pieces", "last", "last_json", "reasoning", "size")
+    __slots__ = ("items", "pieces", "last", "last_json", "reasoning", "size", "open_calls")
 
     def __init__(
-        self, items: list[Any], pieces: list[bytes], last: dict[str, Any] | None, last_json: bytes, reasoning: str, size: int
+        self, items: list[Any], pieces: list[bytes], last: dict[str, Any] | None, last_json: bytes, reasoning: str, size: int,
+        open_calls: frozenset[str] = frozenset(),
     ) -> None:
         self.items = items
         self.pieces = pieces
@@ -293,6 +334,7 @@ class _Rendered:
         self.last_json = last_json
         self.reasoning = reasoning
         self.size = size
+        self.open_calls = open_calls  # the model's calls no output answered yet (_answers_first)
 
 
 # Rendered tool arrays a RenderCache keeps (RenderCache.tools): 16, of TOOLS_MIN_BYTES to
@@ -361,9 +403,11 @@ class RenderCache:
             messages, encoded = ([hit.last], [hit.last_json]) if hit.last is not None else ([], [])
             size -= len(hit.last_json)
             rest = items[n:]
+            open_calls = set(hit.open_calls)
         else:
             pieces, size, messages, encoded, reasoning, rest = [], 0, [], [], "", items
-        reasoning = _render_items(rest, self.dialect, messages, encoded, reasoning)
+            open_calls = set()
+        reasoning, tentative = _render_items(rest, self.dialect, messages, encoded, reasoning, open_calls)
         last, last_json = (messages[-1], encoded[-1]) if messages else (None, b"")
         if len(encoded) > 1:  # sealed: every message but the last (a new piece, shared from now on)
             done = b",".join(encoded[:-1])
@@ -372,8 +416,10 @@ class RenderCache:
             if len(pieces) > MAX_PIECES:  # one copy per MAX_PIECES turns keeps writes few-vectored
                 pieces = [b"".join(pieces)]
         size += len(last_json)
-        entry = _Rendered(list(items), pieces, last, last_json, reasoning, size)
-        if entry.size <= self.max_bytes // 4:
+        entry = _Rendered(list(items), pieces, last, last_json, reasoning, size, frozenset(open_calls))
+        # (a rendering that ends with messages waiting for the calls' outputs is not kept: the
+        # outputs in the next turn's items go before them; that turn renders whole, once)
+        if entry.size <= self.max_bytes // 4 and not tentative:
             self._d[key] = entry
             self.bytes += entry.size
             while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
@@ -390,7 +436,7 @@ def _system(req: BackendRequest) -> list[dict[str, Any]]:
 def render_messages(req: BackendRequest, dialect: Dialect) -> list[dict[str, Any]]:
     """The ``messages`` array for the conversation in ``req``."""
     messages = _system(req)
-    _render_items(req.items, dialect, messages, [_encoder.encode(m) for m in messages], "")
+    _render_items(req.items, dialect, messages, [_encoder.encode(m) for m in messages], "", set())
     return messages
 
 
