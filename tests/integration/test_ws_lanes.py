@@ -288,6 +288,34 @@ def test_steer_during_a_tool_call_turn_waits_for_the_tool_output(paced: Server) 
     assert own[1]["content"][0]["text"] == "and Rome"
 
 
+def test_a_steered_response_cut_by_its_token_limit_after_complete_calls_waits_for_their_outputs(paced: Server) -> None:
+    """A response whose token limit ends it incomplete after it emitted complete calls owes the
+    client those calls as much as a completed one: a steer waits for their outputs (pending,
+    the complete calls as stubs), instead of an automatic successor the model would read with
+    calls and no outputs (which strict chat servers refuse)."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    with ws_connect(paced.ws + "/responses") as ws:
+        ws.send(create(input="weather in paris and rome?", tools=tools, max_output_tokens=16, metadata={"sim": "tools:3,rate:40"}))
+        first = recv(ws)
+        rid = first["response"]["id"]
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "Also Berlin."}))
+        events = [first]
+        while not any(e["type"] in ("response.steer.pending", "response.steer.failed") for e in events) and not (
+            sum(e["type"] == "response.created" for e in events) > 1
+        ):
+            events.append(recv(ws))
+        kinds = [e["type"] for e in events]
+        end = events[kinds.index("response.incomplete")]["response"]
+        assert end["incomplete_details"] == {"reason": "max_output_tokens"}
+        complete = [it for it in end["output"] if it["type"] == "function_call" and it["status"] == "completed"]
+        assert complete and len(complete) < 3, end["output"]  # cut during a later call
+        assert kinds[-1] == "response.steer.pending", kinds
+        assert events[-1]["required_input"] == [
+            {"type": "function_call_output", "call_id": c["call_id"], "name": "get_weather"} for c in complete]
+        assert kinds.count("response.created") == 1  # nothing started by itself
+        assert_well_formed(events)
+
+
 def test_an_error_in_a_continuation_names_the_clients_own_input(paced: Server) -> None:
     """Pending steering input goes before the continuation's own input; an error about that input
     still names its place in what the client sent, and the steering input comes back."""

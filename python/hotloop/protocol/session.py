@@ -644,7 +644,7 @@ class Session:
                 for s in steers:
                     out.append(_failed(s, "successor_creation_failed", f"Response '{rid}' failed; no "
                                        "successor was created.", lane))
-            elif ended.status == "completed" and ended.open_calls:
+            elif ended.open_calls:  # (completed or incomplete) with complete calls: their outputs first
                 for s in steers:
                     out.append(
                         SteerEvent(

@@ -566,11 +566,15 @@ class Connection:
         response = run.response
         status = str(response["status"])
         calls: list[dict[str, Any]] = []
-        if status == "completed":
+        if status in ("completed", "incomplete"):
+            # the calls the client owes outputs for: every complete one, also of a response that
+            # ended incomplete after them (its token limit; a steer never cuts one short), so a
+            # steer waits for them (pending) instead of a successor the model would read with
+            # calls and no outputs (which strict chat servers refuse)
             calls = [
                 {"type": "function_call_output", "call_id": it["call_id"], "name": it["name"]}
                 for it in response["output"]
-                if it.get("type") == "function_call"
+                if it.get("type") == "function_call" and it.get("status", "completed") == "completed"
             ]
         return Ended(rid, status, calls)
 
