@@ -388,6 +388,34 @@ def test_a_steer_larger_than_a_turn_may_add_leaves_the_response_running(tmp_path
     assert kinds[-1] == "response.completed" and events[-1]["response"]["id"] == rid
 
 
+def test_a_successor_that_cannot_start_is_told_in_the_steer_failed_not_an_error_frame(tmp_path: Path) -> None:
+    """A steer whose automatic successor is refused when it starts (here: its input over the
+    model's context window): the steers' ``response.steer.failed`` says why, and no bare
+    ``error`` frame comes on the lane, where it read as the failure of the client's own next
+    request there (queued behind it, which then runs)."""
+    from tests.integration.test_context_window import MODEL, PARAGRAPH, limits_file
+
+    with run_server(tmp_path, "--sim-rate", str(RATE), "--store", "memory", "--model-limits", str(limits_file(tmp_path))) as srv:
+        with ws_connect(srv.ws + "/responses") as ws:
+            ws.send(create(model=MODEL, input="write", metadata={"sim": "text,tokens:30"}, stream_id="a"))
+            rid = recv(ws)["response"]["id"]
+            ws.send(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": PARAGRAPH * 8}))
+            ws.send(create(model=MODEL, input="next", metadata={"sim": "text,tokens:3"}, stream_id="a"))
+            events = [e for e in collect(ws, 2) if not e["type"].endswith(".delta")]
+            while not any(e["type"] == "response.steer.failed" for e in events):
+                events.append(recv(ws))
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds, kinds
+    assert kinds.count("response.steer.accepted") == 1
+    ends = [e for e in events if e["type"] in ("response.incomplete", "response.completed")]
+    assert ends[0]["response"]["id"] == rid and ends[0]["response"]["incomplete_details"] == {"reason": "steered"}
+    [failed] = [e for e in events if e["type"] == "response.steer.failed"]
+    assert failed["error"]["code"] == "successor_creation_failed" and failed["stream_id"] == "a"
+    assert "maximum context length" in failed["error"]["message"], failed
+    assert failed["steer"]["input"] == PARAGRAPH * 8  # the input it could not commit, back
+    assert ends[-1]["type"] == "response.completed" and ends[-1]["response"]["id"] != rid  # the client's own runs
+
+
 def test_steer_failures(paced: Server) -> None:
     with ws_connect(paced.ws + "/responses") as ws:
         ws.send(create(metadata={"sim": "text,tokens:3"}, stream_id="q"))

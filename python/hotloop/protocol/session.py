@@ -144,11 +144,13 @@ class Close(msgspec.Struct):
 class Ended(msgspec.Struct):
     """How a lane's response ended, as the transport reports it to :meth:`Session.lane_done`.
 
-    ``response_id`` is ``None`` when it never started (an error frame was sent instead)."""
+    ``response_id`` is ``None`` when it never started (an error frame was sent instead; for an
+    automatic successor none is: ``refusal`` says why in its steers' ``response.steer.failed``)."""
 
     response_id: str | None = None
     status: str = ""  # completed | incomplete | failed
     open_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)  # required_input stubs
+    refusal: str = ""  # the error message of a successor that could not start
 
 
 Action = Union[RunCreate, SendError, SteerEvent, StopResponse, Close]
@@ -627,9 +629,10 @@ class Session:
         rid = ended.response_id
         if rid is None:
             # it never started: the input it was to commit comes back
+            why = f" {ended.refusal}" if ended.refusal else ""
             for s in action.steers:
                 out.append(_failed(s, "successor_creation_failed", "The response that was to commit this "
-                                   "input could not be created.", lane))
+                                   f"input could not be created.{why}", lane))
         else:
             self._active.pop(rid, None)
             self._known[rid] = (lane, ended.status)

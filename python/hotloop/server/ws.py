@@ -424,6 +424,16 @@ class Connection:
         if self.app.metrics is not None:
             self.app.metrics.error(exc)
 
+    async def _refused(self, action: RunCreate, exc: errors.HotloopError) -> Ended:
+        """A response that could not start: its ``error`` frame; for an automatic successor
+        (a steer's), which the client never sent, none: the steers' ``response.steer.failed``
+        says why (an error frame on the lane would read as the failure of the client's own
+        next request there)."""
+        if action.successor_of is not None:
+            return Ended(refusal=exc.message)
+        await self.send_frame(ev.ws_error(exc, action.request.stream_id)[1])
+        return Ended()
+
     async def _run(self, engine: Engine, action: RunCreate) -> Ended:
         req = action.request
         stream_id = req.stream_id
@@ -438,8 +448,7 @@ class Connection:
             raise _Disconnected() from None
         except errors.HotloopError as exc:
             self._count_error(exc)
-            await self.send_frame(ev.ws_error(exc, stream_id)[1])
-            return Ended()
+            return await self._refused(action, exc)
         rid_ = request_id()  # this response's request id (logs, the backend's x-request-id)
         prev = req.previous_response_id
         session = self.session
@@ -468,13 +477,11 @@ class Connection:
                 if own_string:
                     exc.param = "input"  # its string input, which became a message after them
             self._count_error(exc)
-            await self.send_frame(ev.ws_error(exc, stream_id)[1])
-            return Ended()
+            return await self._refused(action, exc)
         except Exception:
             log.exception("unhandled error starting a websocket response (request %s)", rid_)
             self._count_error(errors.ServerError())
-            await self.send_frame(ev.ws_error(errors.ServerError(), stream_id)[1])
-            return Ended()
+            return await self._refused(action, errors.ServerError())
         rid = str(run.response["id"])
         self._runs[rid] = run
         session.started(stream_id, rid, req)
