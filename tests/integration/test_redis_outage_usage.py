@@ -12,6 +12,7 @@ is still queued on that process (``Persistence.delete`` flushes first).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -44,5 +45,59 @@ def test_usage_answers_503_promptly_while_redis_is_down(tmp_path: Path) -> None:
             assert got.headers.get("x-should-retry") == "true"
             assert time.monotonic() - t0 < BOUND
             redis.start()  # the server's queued ledger write lands before it stops
+    finally:
+        redis.stop()
+
+
+def test_responses_running_when_redis_goes_away_are_answered_and_websocket_turns_go_on(tmp_path: Path) -> None:
+    """A ``store: true`` response that started before the outage and ends after its write queue's
+    lag ran out waited for room: room comes only when its write ahead succeeds or gives up (10
+    minutes), so its client got no answer (JSON), or no end of the stream (SSE), until Redis came
+    back, and a WebSocket's next turn, ``store: false`` too, waited behind it. While Redis is
+    unreachable only the queue's count and byte bounds hold: each is answered, new ``store:
+    true`` requests get the documented 503, and the queued writes land once Redis is back."""
+    import threading
+
+    from websockets.sync.client import connect as ws_connect
+
+    redis = Redis(tmp_path)
+    redis.start()
+    try:
+        # 20 tokens at 20 tokens/s: about a second each
+        with run_server(tmp_path, "--store", "redis", "--redis-url", redis.url, "--sim-rate", "20") as a:
+            body = {"model": "hotloop-sim", "input": "hi", "store": True, "metadata": {"sim": "text,tokens:20"}}
+            assert httpx.post(a.v1 + "/responses", json=body, timeout=30).status_code == 200
+            got: dict[int, tuple[int, float]] = {}
+
+            def post(i: int) -> None:
+                t = time.monotonic()
+                try:
+                    r = httpx.post(a.v1 + "/responses", json={**body, "input": f"q{i}"}, timeout=BOUND * 3)
+                    got[i] = (r.status_code, time.monotonic() - t)
+                except httpx.HTTPError:
+                    got[i] = (0, time.monotonic() - t)
+
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
+            for th in threads:
+                th.start()
+                time.sleep(0.3)
+            redis.stop()  # while they run
+            for th in threads:
+                th.join()
+            assert sorted(got) == [0, 1, 2] and all(code == 200 and took < BOUND * 2 for code, took in got.values()), got
+            later = httpx.post(a.v1 + "/responses", json=body, timeout=BOUND * 3)
+            assert later.status_code == 503, later.text  # the queue's oldest write waited past the lag
+            with ws_connect(a.ws + "/responses") as ws:
+                for store in (True, False):
+                    ws.send(json.dumps({"type": "response.create", **body, "store": store}))
+                    t = time.monotonic()
+                    while True:
+                        e = json.loads(ws.recv(timeout=BOUND * 2))
+                        if e["type"] in ("response.completed", "response.failed", "error"):
+                            break
+                    assert time.monotonic() - t < BOUND * 2
+                    if not store:
+                        assert e["type"] == "response.completed", e
+            redis.start()  # the queued writes land before the server stops
     finally:
         redis.stop()

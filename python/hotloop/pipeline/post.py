@@ -94,6 +94,7 @@ DEFAULT_MAX_LAG = 0.2  # seconds the oldest queued write may wait before submiss
 LOST_IDS = 1024  # failed writes remembered by id (Persistence.lost)
 WRITE_BATCH = 64  # queued jobs written together (one store transaction, one commit)
 CLOSE_FLUSH_SECONDS = 30.0  # the bound on writing the queue out at shutdown
+ADMIT_POLL_SECONDS = 0.25  # how often a submission waiting for room looks at it again (_enqueue)
 ITEM_OVERHEAD = 256  # estimated bytes of a stored item beyond its strings (ids, fps, row)
 # A failure kind (SQLITE_FULL, SQLITE_IOERR_WRITE...) is logged at its first occurrence, then at
 # most once per this many seconds, with the count of writes that failed meanwhile (_FailureLog)
@@ -765,8 +766,14 @@ class Persistence:
         fut = asyncio.get_running_loop().create_future()
         self._blocked.append((job, fut))
         self._wake()  # a turn waits for room: no commit delay
-        await asyncio.shield(fut)
-        return job.seq
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), ADMIT_POLL_SECONDS)
+                return job.seq
+            except TimeoutError:
+                # the room can change without the writer taking a batch (a store that became
+                # unreachable meanwhile: SharedPersistence._has_room); looked at again
+                self._admit()
 
     def _finished(self, seq: int) -> None:
         self._done = seq

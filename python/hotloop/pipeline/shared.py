@@ -155,10 +155,21 @@ class SharedPersistence(Persistence):
 
     def writable(self) -> bool:
         """Whether a new ``store: true`` response may start: the store takes writes, or the
-        write queue still has room for it."""
+        write queue still has room for it (its oldest write has not waited ``--store-max-lag``)."""
         if getattr(self.store, "available", True):
             return True
-        return not self._blocked and self._has_room(0)
+        return not self._blocked and Persistence._has_room(self, 0)
+
+    def _has_room(self, nbytes: int) -> bool:
+        """:meth:`Persistence._has_room`, but while the store is unreachable only the queue's
+        count and byte bounds hold, not its lag: a response that started before the queue filled
+        is queued when it ends, instead of its client waiting (its answer, or a WebSocket's next
+        turn, ``store: false`` too) until Redis is back or its write ahead gives up after 10
+        minutes. No write made it durable sooner; new ``store: true`` requests are refused
+        meanwhile (:meth:`writable`), so what joins the queue is what was running."""
+        if getattr(self.store, "available", True):
+            return super()._has_room(nbytes)
+        return len(self._jobs) < self.max_pending and self._jobs_bytes + nbytes <= self.max_pending_bytes
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await self._call_on(self._readers, fn, *args)
