@@ -101,3 +101,40 @@ def test_responses_running_when_redis_goes_away_are_answered_and_websocket_turns
             redis.start()  # the queued writes land before the server stops
     finally:
         redis.stop()
+
+
+def test_a_redis_that_refuses_writes_after_a_failed_snapshot_is_unavailable_not_a_bug(tmp_path: Path) -> None:
+    """A Redis whose last RDB snapshot failed refuses writes with ``MISCONF`` (a full or
+    vanished disk), which redis-py raises as a plain ``ResponseError``: every request of a key
+    with rate limits was a 500 with a traceback, and a store write was dropped at once. It is
+    now one of the errors that mean unavailable: a 503, and writes retried."""
+    import asyncio
+    import shutil
+
+    from hotloop import errors
+    from hotloop.state.redis_store import Breaker, once, redis_errors, sync_client
+    from hotloop.tenants.redis_limits import RedisLimiter
+
+    redis = Redis(tmp_path)
+    redis.start()
+    try:
+        client = sync_client(redis.url)
+        shutil.rmtree(redis.tmp)  # its working directory: where a snapshot is written
+        client.config_set("save", "3600 1")  # writes refused while the last background save failed
+        client.set("a", "1")
+        client.bgsave()
+        deadline = time.monotonic() + 10
+        while client.info("persistence")["rdb_last_bgsave_status"] != "err":
+            assert time.monotonic() < deadline, "the snapshot did not fail"
+            time.sleep(0.05)
+        with pytest.raises(redis_errors()):
+            client.set("b", "1")
+        with pytest.raises(errors.StoreUnavailable):
+            once(Breaker(), lambda: client.set("b", "1"))
+        limits = RedisLimiter(redis.url)
+        with pytest.raises(errors.StoreUnavailable) as ei:
+            asyncio.run(limits._call("take", ["k1"], [10, 1, 0]))
+        assert ei.value.status == 503
+        client.config_set("save", "")  # (else it refuses to stop without its snapshot)
+    finally:
+        redis.stop()

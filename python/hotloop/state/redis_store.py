@@ -86,6 +86,7 @@ the shutdown flush bound, ``hotloop.pipeline.post.CLOSE_FLUSH_SECONDS``) is logg
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -167,15 +168,36 @@ _dec = msgspec.msgpack.Decoder(ext_hook=_ext)
 T = TypeVar("T")
 
 
+@functools.lru_cache(maxsize=None)
 def redis_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "Redis cannot be reached" (not a bug in a script), or cannot
     take writes now: out of memory (``maxmemory``), a read-only replica, a primary that lost its
-    link (a 503, as when it is down; a 500 with a traceback before)."""
-    import redis
-    from redis.exceptions import MasterDownError, OutOfMemoryError, ReadOnlyError
+    link, a server still loading its data set (``LOADING``), one that refuses writes because its
+    last snapshot failed (``MISCONF``), one busy in a script (``BUSY``), a cluster slot moving
+    (``TRYAGAIN``), a user whose ACL does not allow a command (``NOPERM``): a 503, and writes
+    retried, as when it is down (a 500 with a traceback, and a write dropped at once, before).
 
+    redis-py raises a plain ``ResponseError`` for ``MISCONF`` and ``BUSY``; their prefixes are
+    given classes of their own here (subclasses of it, so nothing that catches it changes) in
+    the error table its parsers share."""
+    import redis
+    from redis._parsers.base import BaseParser
+    from redis.exceptions import (
+        BusyLoadingError, MasterDownError, NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError,
+        TryAgainError,
+    )
+
+    class SnapshotFailedError(ResponseError):
+        """``MISCONF``: the server refuses writes while its RDB snapshots fail."""
+
+    class ScriptBusyError(ResponseError):
+        """``BUSY``: the server runs a script past its time limit."""
+
+    table: dict[str, Any] = BaseParser.EXCEPTION_CLASSES
+    misconf: type[BaseException] = table.setdefault("MISCONF", SnapshotFailedError)
+    busy: type[BaseException] = table.setdefault("BUSY", ScriptBusyError)
     return (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError, OutOfMemoryError,
-            ReadOnlyError, MasterDownError)
+            ReadOnlyError, MasterDownError, BusyLoadingError, TryAgainError, NoPermissionError, misconf, busy)
 
 
 class RedisVersionError(errors.StoreUnavailable):
@@ -251,6 +273,7 @@ def sync_client(url: str) -> Any:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    redis_errors()  # (its error classes registered before any reply is parsed)
     return redis.Redis.from_url(
         url,
         socket_timeout=SOCKET_TIMEOUT,

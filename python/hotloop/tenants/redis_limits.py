@@ -214,6 +214,7 @@ class RedisLimiter:
             from redis.asyncio.retry import Retry  # (the synchronous one warns, converted, on an asyncio client)
             from redis.backoff import NoBackoff
 
+            redis_errors()  # (its error classes registered before any reply is parsed)
             self._client = aredis.Redis.from_url(
                 self.url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT, retry=Retry(NoBackoff(), 0)
             )
