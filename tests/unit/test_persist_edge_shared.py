@@ -172,3 +172,30 @@ def test_other_workers_deletions_are_heard_while_every_reader_thread_is_busy(tmp
             await p.close(timeout=10)
 
     asyncio.run(main())
+
+
+def test_the_delete_subscription_is_tried_again_within_a_quarter_second(monkeypatch: Any) -> None:
+    """While Redis is unreachable the delete subscriber tries again with a backoff capped at
+    SUBSCRIBER_RETRY_CAP_SECONDS, not the store's 2 s: a DELETE made through another process as
+    Redis returns is not heard until the subscription is back, and this process served the
+    response from its cache until then (up to 2 s)."""
+    import types
+
+    import pytest
+
+    from hotloop.pipeline import shared
+    from tests.conftest import free_port
+
+    delays: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+        if len(delays) >= 10:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    me = types.SimpleNamespace(forget=None, deleted=None, evict=None)
+    with pytest.raises(asyncio.CancelledError):  # Redis refuses every connection
+        asyncio.run(shared.SharedPersistence._listen(me, f"redis://127.0.0.1:{free_port()}/0"))  # type: ignore[arg-type]
+    assert len(delays) == 10 and delays[0] == 0.05
+    assert max(delays) == shared.SUBSCRIBER_RETRY_CAP_SECONDS == 0.25, delays

@@ -67,6 +67,10 @@ VISIBILITY_BOUND = sum(READ_RETRY_DELAYS)
 # flow dropped without FIN or RST: a NAT or load balancer idle timeout, a partition) when the
 # ping has had no answer for as long again: deletes it may have missed are then forgotten.
 SUBSCRIBER_HEARTBEAT_SECONDS = 5.0
+# The delete subscription is tried again at most this long after a failure (not the store's 2 s
+# backoff): until it is back, a DELETE made through another process once Redis returned was not
+# heard here, and this process's cache served the response for up to that long.
+SUBSCRIBER_RETRY_CAP_SECONDS = 0.25
 READER_THREADS = 2
 DELETE_POLL_SECONDS = 0.05  # how often a worker on a shared SQLite file reads the deletions
 DELETE_SETTLE_SECONDS = 2 * DELETE_POLL_SECONDS  # a DELETE's answer waits this after its row
@@ -333,6 +337,7 @@ class SharedPersistence(Persistence):
         from redis.backoff import NoBackoff
 
         breaker = Breaker()
+        breaker.CAP = SUBSCRIBER_RETRY_CAP_SECONDS  # (about 4 connection attempts a second while Redis is down)
         missed = False  # whether deletes may have been published while no subscription listened
         beat = SUBSCRIBER_HEARTBEAT_SECONDS
         loop = asyncio.get_running_loop()
