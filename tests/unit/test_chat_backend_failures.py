@@ -152,3 +152,35 @@ def test_a_delay_too_large_for_milliseconds_and_a_long_digit_code_map_without_cr
     limited = status_error(429, {"retry-after": "1e306"}, None, backend="b", model="m")
     assert isinstance(limited, errors.RateLimited)
     assert _error_status({"code": "4" * 5000}) == 500
+
+
+@pytest.mark.parametrize("which", BACKENDS)
+def test_the_model_list_is_read_once_for_concurrent_callers_and_within_a_bound(which: str, mock: MockChatServer) -> None:
+    """``GET /models`` was read whole into memory (a gateway's 800 MB took the server to 1.7 GB),
+    once per caller asking while the cache was stale. Callers at once share one fetch, and a
+    list over MAX_MODELS_BYTES is refused unread: the default model is offered instead."""
+    from hotloop.backends.chat import backend as chat_backend
+    from hotloop.backends.chat.httpx_body import MAX_MODELS_BYTES
+
+    def models_gets() -> int:
+        return sum(r.method == "GET" and r.path == "/v1/models" for r in mock.other_requests)
+
+    async def main() -> tuple[list[list[str]], int, list[str], int]:
+        backend = _backend(which, mock)
+        await backend.start()
+        try:
+            before = models_gets()
+            backend._models_at = -chat_backend.MODELS_TTL  # stale
+            lists = await asyncio.gather(*(backend.list_models() for _ in range(8)))
+            shared = models_gets() - before
+            mock.model_fields["mock-model"] = {"pad": "x" * (MAX_MODELS_BYTES + 1)}
+            backend._models_at = -chat_backend.MODELS_TTL
+            big = await backend.list_models()
+            return [[m["id"] for m in ms] for ms in lists], shared, [m["id"] for m in big], models_gets() - before
+        finally:
+            mock.model_fields.clear()
+            await backend.close()
+
+    lists, shared, big, gets = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert lists == [["gpt-oss-120b", "mock-model"]] * 8 and shared == 1
+    assert big == ["mock-model"] and gets == 2  # the default model: the list was not read

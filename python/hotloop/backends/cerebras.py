@@ -30,7 +30,7 @@ from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutErr
 from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
-from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs
+from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_models_body
 from hotloop.backends.chat.statuses import parse_body, transport_failure, withhold
 from hotloop.config import Config
 
@@ -139,12 +139,12 @@ class CerebrasBackend(ChatBackend):
     async def _get_models(self) -> bytes:
         client = self._require_client()
         try:
-            resp = await client.get(MODELS_PATH, cast_to=httpx.Response)
+            resp = await client.get(MODELS_PATH, cast_to=httpx.Response, stream=True)
         except APIStatusError as exc:
             raise self._status_error(exc, self.default_model) from None
         except APIConnectionError:  # includes APITimeoutError
             raise errors.BackendUnavailable("Could not connect to the model backend.") from None
-        return resp.content
+        return await read_models_body(resp, self.name)
 
     def _status_error(self, exc: APIStatusError, model: str) -> errors.HotloopError:
         # The answer's own status and body, as the lean transport reads them: the SDK's

@@ -29,7 +29,7 @@ import httpx
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
 from hotloop.backends.chat.http1 import lean_pool, post_chat_stream, redact_url, url_problem
-from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body
+from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body, read_models_body
 from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
 
@@ -175,9 +175,4 @@ class OpenAICompatBackend(ChatBackend):
         if resp.status_code >= 400:
             payload = await read_error_body(resp)
             raise status_error(resp.status_code, resp.headers, payload, backend=self.name, model=self.default_model)
-        try:
-            return await resp.aread()
-        except httpx.HTTPError:
-            raise errors.BackendUnavailable("Could not read the model backend's model list.") from None
-        finally:
-            await resp.aclose()
+        return await read_models_body(resp, self.name)

@@ -96,6 +96,7 @@ class ChatBackend:
         # context windows the backend's /models reported, by model id (vLLM: max_model_len)
         self.context_windows: dict[str, int] = {}
         self._models_at = -MODELS_TTL
+        self._models_fetch: asyncio.Future[list[dict[str, Any]]] | None = None  # the fetch under way
         self._renders = RenderCache(self.dialect)
         self._pool: Pool | None = None  # the lean transport's pool; None: the sdk transport
 
@@ -119,10 +120,18 @@ class ChatBackend:
     # -- models --------------------------------------------------------------------------------
 
     async def list_models(self) -> list[dict[str, Any]]:
-        """The backend's ``/models``, cached for ``MODELS_TTL`` seconds; the default model on error."""
-        now = time.monotonic()
-        if now - self._models_at < MODELS_TTL:
+        """The backend's ``/models``, cached for ``MODELS_TTL`` seconds; the default model on error.
+        Callers that ask while a fetch is under way share it (each started its own, and a large
+        list was then read into memory once per caller)."""
+        if time.monotonic() - self._models_at < MODELS_TTL:
             return self._models
+        fetch = self._models_fetch
+        if fetch is None or fetch.done() or fetch.get_loop() is not asyncio.get_running_loop():
+            fetch = self._models_fetch = asyncio.ensure_future(self._fetch_models())
+        return await asyncio.shield(fetch)  # (a caller that leaves does not cancel the others')
+
+    async def _fetch_models(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
         try:
             try:
                 async with asyncio.timeout(MODELS_TIMEOUT):

@@ -19,6 +19,7 @@ from hotloop.backends.chat.statuses import TransientBackendError, parse_body
 log = logging.getLogger("hotloop.backends")
 
 MAX_ERROR_BODY_BYTES = 64 * 1024  # read of a non-2xx body
+MAX_MODELS_BYTES = 4 * 1024 * 1024  # read of a model list (a few hundred bytes a model)
 DRAIN_TIMEOUT = 1.0  # after [DONE], how long to wait for the body's end (keeps the connection)
 
 
@@ -118,6 +119,23 @@ class HttpxBody:
 # only weak references to its tasks); each ends within DRAIN_TIMEOUT, so this holds at most the
 # bodies released in the last DRAIN_TIMEOUT seconds.
 _DRAINING: set["asyncio.Future[None]"] = set()
+
+
+async def read_models_body(resp: httpx.Response, backend: str) -> bytes:
+    """A model list's body, read up to ``MAX_MODELS_BYTES`` (a backend or gateway that sends
+    more is refused, not read into memory)."""
+    buf = bytearray()
+    try:
+        async for raw in resp.aiter_bytes():
+            buf += raw
+            if len(buf) > MAX_MODELS_BYTES:
+                log.warning("%s backend: the model list is over %d MiB; not read", backend, MAX_MODELS_BYTES >> 20)
+                raise errors.BackendError("The model backend's model list is too large.")
+    except httpx.HTTPError:
+        raise errors.BackendUnavailable("Could not read the model backend's model list.") from None
+    finally:
+        await resp.aclose()
+    return bytes(buf)
 
 
 async def read_error_body(resp: httpx.Response) -> object:
