@@ -603,6 +603,14 @@ def test_retry_after_headers() -> None:
     assert retry_after({"x-ratelimit-reset-requests": "250ms"}) == 0.25
     assert retry_after({"retry-after": "soon"}) is None
     assert retry_after({}) is None
+    # at most a day, however far off the backend says (it became a 302-digit header)
+    day = 86400.0
+    assert retry_after({"retry-after-ms": "1e305"}) == day
+    assert retry_after({"retry-after": "Tue, 31 Dec 9999 23:59:59 GMT"}) == day
+    assert retry_after({"x-ratelimit-reset-requests-day": "9e99"}) == day
+    assert retry_after({"x-ratelimit-reset-requests-day": "9e99", "x-ratelimit-remaining-requests-day": "0"}) == day
+    unavailable = status_error(503, {"retry-after": "99999999"}, {"message": "busy"}, backend="test", model="m1")
+    assert unavailable.headers["retry-after"] == "86400", unavailable.headers
 
 
 def test_status_errors() -> None:
@@ -619,7 +627,7 @@ def test_status_errors() -> None:
     rl = err(429, {"message": "Too many tokens"}, {"x-ratelimit-reset-tokens-minute": "2.5", "x-ratelimit-remaining-tokens-minute": "0"})
     assert rl.retry_after == 2.5 and rl.headers == {"retry-after": "3", "retry-after-ms": "2500"}  # delta-seconds: whole
     big = err(429, {}, {"retry-after": "2299690000"})
-    assert big.headers == {"retry-after": "2299690000", "retry-after-ms": "2299690000000"}  # not 2.29969e+09
+    assert big.headers == {"retry-after": "86400", "retry-after-ms": "86400000"}  # at most a day; never 2.29969e+09
     assert "x-request-id" not in rl.headers and "Too many tokens" not in rl.message
     ctx = err(400, {"message": "Please reduce the length of the messages or completion.", "type": "invalid_request_error", "code": "context_length_exceeded"})
     assert isinstance(ctx, errors.ContextLengthExceeded) and ctx.code == "context_length_exceeded" and ctx.status == 400

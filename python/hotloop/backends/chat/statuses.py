@@ -75,7 +75,7 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     """
     asked = _asked_delay(headers, now)
     if asked is not None:
-        return asked
+        return asked  # (at most MAX_RETRY_AFTER_SECONDS)
     exhausted: list[float] = []
     resets: list[float] = []
     for name, value in headers.items():
@@ -90,13 +90,24 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
         if remaining is not None and _seconds(remaining) == 0:
             exhausted.append(v)
     if exhausted:
-        return max(exhausted)
-    return min(resets) if resets else None
+        return min(max(exhausted), MAX_RETRY_AFTER_SECONDS)
+    return min(min(resets), MAX_RETRY_AFTER_SECONDS) if resets else None
+
+
+# The longest delay passed on to clients (a day: a daily quota's reset). A backend's
+# ``retry-after-ms: 1e305`` became a 302-digit ``retry-after``, a date in the year 9999 one of
+# 251,605,624,559 seconds.
+MAX_RETRY_AFTER_SECONDS = 86400.0
 
 
 def _asked_delay(headers: Mapping[str, str], now: float | None = None) -> float | None:
     """The delay the backend asked for in so many words: ``retry-after-ms``, then ``retry-after``
-    (seconds or an HTTP date); ``None`` without one."""
+    (seconds or an HTTP date), at most ``MAX_RETRY_AFTER_SECONDS``; ``None`` without one."""
+    asked = _asked(headers, now)
+    return None if asked is None else min(asked, MAX_RETRY_AFTER_SECONDS)
+
+
+def _asked(headers: Mapping[str, str], now: float | None = None) -> float | None:
     ms = headers.get("retry-after-ms")
     if ms is not None:
         v = _seconds(ms)
