@@ -656,3 +656,22 @@ def test_waiters_cancelled_at_random_never_leak_or_exceed_slots() -> None:
             assert pool.open == 0
 
     run(main())
+
+
+def test_a_backend_url_with_a_query_is_refused_at_start_up() -> None:
+    """``?api-version=...`` (Azure's style) was accepted: the lean transport sent requests
+    without it and the sdk one put the path after it. Both backends refuse it before serving."""
+    from hotloop.backends.cerebras import CerebrasBackend
+    from hotloop.backends.chat.http1 import url_problem
+    from hotloop.backends.openai_compat import OpenAICompatBackend
+    from hotloop.config import Config
+
+    for url in ("http://h/openai/deployments/x?api-version=2024-10-21", "https://u:secret@h/v1#frag"):
+        problem = url_problem(url)
+        assert problem is not None and "query or a fragment" in problem and "secret" not in problem, problem
+    assert url_problem("http://h/v1") is None
+    url = "http://h/openai?api-version=1"
+    why = OpenAICompatBackend(Config(backend="openai-compat", base_url=url, model="m")).missing()
+    assert why is not None and "query" in why
+    why = CerebrasBackend(Config(backend="cerebras", base_url=url, model="m", backend_api_key="csk-x")).missing()
+    assert why is not None and "query" in why

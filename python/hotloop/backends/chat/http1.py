@@ -222,6 +222,10 @@ def url_problem(url: str) -> str | None:
         return f"not a valid http(s) URL: {redact_url(url)!r} ({URL_ADVICE})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"not an http(s) URL: {redact_url(url)!r}"
+    if parts.query or parts.fragment:
+        # (Azure's ``?api-version=``): the lean transport sent its requests without it, the sdk
+        # one put the path after it
+        return f"a URL with a query or a fragment, which a backend URL cannot have: {redact_url(url)!r}"
     return None
 
 
