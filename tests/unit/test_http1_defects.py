@@ -675,3 +675,23 @@ def test_a_backend_url_with_a_query_is_refused_at_start_up() -> None:
     assert why is not None and "query" in why
     why = CerebrasBackend(Config(backend="cerebras", base_url=url, model="m", backend_api_key="csk-x")).missing()
     assert why is not None and "query" in why
+
+
+def test_an_unreadable_no_proxy_entry_is_named_not_the_base_url(monkeypatch: Any) -> None:
+    """``NO_PROXY=localhost,[::1]`` makes httpx refuse to build its client; start-up blamed the
+    (valid) base URL. It now names the proxy environment and says how to write the entry."""
+    import asyncio as aio
+
+    from hotloop.backends.cerebras import CerebrasBackend
+    from hotloop.backends.chat.http1 import PROXY_ENV_PROBLEM
+    from hotloop.backends.openai_compat import OpenAICompatBackend
+    from hotloop.config import Config
+
+    monkeypatch.setenv("NO_PROXY", "localhost,[::1]")
+    for backend in (
+        OpenAICompatBackend(Config(backend="openai-compat", base_url="http://127.0.0.1:9/v1", model="m")),
+        CerebrasBackend(Config(backend="cerebras", base_url="http://127.0.0.1:9", model="m", backend_api_key="csk-x")),
+    ):
+        with pytest.raises(ValueError) as ei:
+            aio.run(backend.start())
+        assert str(ei.value) == PROXY_ENV_PROBLEM and "NO_PROXY" in str(ei.value)

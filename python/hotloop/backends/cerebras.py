@@ -29,7 +29,7 @@ from cerebras.cloud.sdk import APIConnectionError, APIStatusError, APITimeoutErr
 
 from hotloop import errors
 from hotloop.backends.chat import CEREBRAS, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, open_chat_stream, redact_url, url_problem
+from hotloop.backends.chat.http1 import PROXY_ENV_PROBLEM, lean_pool, open_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_models_body
 from hotloop.backends.chat.statuses import parse_body, transport_failure, withhold
 from hotloop.config import Config
@@ -90,8 +90,10 @@ class CerebrasBackend(ChatBackend):
                 max_retries=0,
                 warm_tcp_connection=False,
             )
-        except httpx.InvalidURL:  # its message may quote a piece of the password
-            raise ValueError(f"not a valid http(s) URL: {redact_url(self._base_url or '')!r}") from None
+        except httpx.InvalidURL:  # (its message may quote a piece of a password)
+            # the base URL passed url_problem (missing), or is the SDK's own: what httpx refused
+            # is in the environment
+            raise ValueError(PROXY_ENV_PROBLEM) from None
         if self._config.backend_transport == "lean":
             client = self._client
             headers = {k: v for k, v in client.default_headers.items() if isinstance(v, str)}

@@ -28,7 +28,7 @@ import httpx
 
 from hotloop import __version__, errors
 from hotloop.backends.chat import OPENAI_COMPAT, Body, ChatBackend, status_error
-from hotloop.backends.chat.http1 import lean_pool, post_chat_stream, redact_url, url_problem
+from hotloop.backends.chat.http1 import PROXY_ENV_PROBLEM, lean_pool, post_chat_stream, redact_url, url_problem
 from hotloop.backends.chat.httpx_body import HttpxBody, http_timeout, quiet_http_logs, read_error_body, read_models_body
 from hotloop.backends.chat.statuses import transport_failure, withhold
 from hotloop.config import Config
@@ -101,8 +101,9 @@ class OpenAICompatBackend(ChatBackend):
                 timeout=self._timeout,
                 limits=_LIMITS,
             )
-        except httpx.InvalidURL:  # its message may quote a piece of the password
-            raise ValueError(f"not a valid http(s) URL: {redact_url(self._base_url)!r}") from None
+        except httpx.InvalidURL:  # (its message may quote a piece of a password)
+            # the base URL passed url_problem (missing): what httpx refused is in the environment
+            raise ValueError(PROXY_ENV_PROBLEM) from None
         if self._config.backend_transport == "lean":
             lean_headers = {**headers, **_POST_HEADERS}
             self._pool = lean_pool(self._base_url, lean_headers, self._config, self.name)

@@ -141,6 +141,14 @@ def ssl_context() -> ssl.SSLContext:
     return ctx
 
 
+# Why the HTTP client could not be built from a base URL url_problem accepted: the proxy
+# variables it reads (httpx reads NO_PROXY's "[::1]" as a host pattern, and refuses it).
+PROXY_ENV_PROBLEM = (
+    "the proxy environment (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY) holds an entry that cannot be "
+    "read as a URL or a host; write an IPv6 address in NO_PROXY without brackets (::1, not [::1])"
+)
+
+
 def proxy_for(url: str) -> str | None:
     """The proxy the environment configures for ``url`` (``None``: connect directly)."""
     parts = urlsplit(url)
