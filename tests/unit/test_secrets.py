@@ -853,3 +853,36 @@ def test_a_secret_split_across_parts_the_backend_joins_is_found_and_redacted(imp
         c = classify.SecretsClassifier(policy, scanner)  # type: ignore[arg-type]
         verdict, _ = c.classify(items[:1], c.initial_state())
         assert isinstance(verdict, want) and verdict.findings[0].path == ("output", 0, "text")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_secret_its_object_key_names_is_found_in_the_value(impl: str) -> None:
+    """The keyword kinds (a password, an Authorization header) need the key and the value
+    together, and structured fields were scanned one string at a time: ``{"PGPASSWORD": ...}``
+    in a shell call's env, an MCP tool's ``headers``, ``metadata.password`` reached the backend
+    and the store. The value is redacted (the key stays: it names what the JSON refers to)."""
+    scanner = SCANNERS[impl]
+    c = classify.SecretsClassifier("redact", scanner)
+    env = {"PGPASSWORD": PW + "!x9", "HOME": "/root", "api_key_name": "production"}
+    item = OtherItem(type="local_shell_call", data={"type": "local_shell_call", "call_id": "c1",
+                                                    "action": {"type": "exec", "command": ["ls"], "env": env}})
+    verdict, _ = c.classify([item], c.initial_state())
+    assert isinstance(verdict, classify.Redact), verdict
+    assert verdict.items[0].data["action"]["env"] == {  # type: ignore[union-attr]
+        "PGPASSWORD": "[REDACTED:generic_secret]", "HOME": "/root", "api_key_name": "production"}
+    assert [f.path for f in verdict.findings] == [("action", "env", "PGPASSWORD")]
+    bearer = "Zq8" + rnd(ALNUM, 24)
+    tool = {"type": "mcp", "server_label": "x", "server_url": "https://x.example", "headers": {"Authorization": "Bearer " + bearer}}
+    p = validate(decode_body(msgspec.json.encode(
+        {"model": "m", "input": "x", "tools": [tool], "metadata": {"password": PW + "!x9", "note": "hello"}})))
+    verdict, out = c.classify_settings(p)
+    assert isinstance(verdict, classify.Redact)
+    assert [f.path for f in verdict.findings] == [("tools", 0, "headers", "Authorization"), ("metadata", "password")]
+    assert out.tools[0]["headers"] == {"Authorization": "Bearer [REDACTED:authorization_header]"}
+    assert out.req.metadata == {"password": "[REDACTED:generic_secret]", "note": "hello"}
+    assert bearer not in msgspec.json.encode(out.tools).decode()
+    # a value the scanner finds alone is one finding, not two
+    alone = OtherItem(type="x_call", data={"type": "x_call", "token": KEY})
+    verdict, _ = c.classify([alone], c.initial_state())
+    assert isinstance(verdict, classify.Redact) and len(verdict.findings) == 1
+    assert verdict.items[0].data["token"] == "[REDACTED:aws_access_key_id]"  # type: ignore[union-attr]

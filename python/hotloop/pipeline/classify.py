@@ -44,7 +44,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeVar, Union
 
 import msgspec
@@ -301,6 +301,26 @@ def item_texts(item: Item) -> list[tuple[TextPath, str]]:
     if isinstance(item, OtherItem):
         return string_leaves(item.data, (), OTHER_SKIP_KEYS)
     return []
+
+
+# Object keys that may name a secret their value holds (:meth:`SecretsClassifier._leaf_spans`):
+# the words of the scanner's keyword kinds (generic_secret, authorization_header,
+# aws_secret_access_key); a key of more characters is not looked at with its value.
+_PAIR_KEY = re.compile(r"(?i)pass|pwd|secret|token|key|auth")
+MAX_PAIR_KEY_CHARS = 64
+
+
+def redacted(text: str, spans: Sequence[tuple[str, int, int]]) -> str:
+    """``text`` with each of ``spans`` (sorted, apart) replaced by ``[REDACTED:<kind>]``: the
+    scanner's ``redact`` for spans it did not find alone."""
+    parts: list[str] = []
+    at = 0
+    for kind, s, e in spans:
+        parts.append(text[at:s])
+        parts.append(f"[REDACTED:{kind}]")
+        at = e
+    parts.append(text[at:])
+    return "".join(parts)
 
 
 def _joined_runs(item: Item) -> list[list[tuple[TextPath, str]]]:
@@ -608,7 +628,6 @@ class SecretsClassifier:
         if self.policy == "off":
             return ALLOW, state
         redacting = self.policy == "redact"
-        run: Callable[[str], Any] = self.scanner.redact if redacting else self.scanner.scan
         cap = self.scanner.max_matches
         findings: list[Finding] = []
         new_items: list[Item] = list(items)
@@ -620,8 +639,7 @@ class SecretsClassifier:
             for path, text in item_texts(item):
                 if not text:
                     continue
-                result = run(text)
-                spans = result[1] if redacting else result
+                spans = self._leaf_spans(path, text)
                 if not spans:
                     continue
                 capped = capped or len(spans) >= cap
@@ -631,7 +649,7 @@ class SecretsClassifier:
                 else:
                     leaf_spans[path] = spans
                     if redacting:  # a call id: one marker per secret (two calls keep two ids)
-                        edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else result[0]))
+                        edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else redacted(text, spans)))
             seams = self._seams(item, leaf_spans)
             if seams:
                 capped = capped or seams[0]
@@ -726,7 +744,7 @@ class SecretsClassifier:
         if p.tools:
             found += self._scan_tools(p.tools)
         for path, text in other_settings_texts(req):
-            spans = self.scanner.scan(text)
+            spans = self._leaf_spans(path, text)
             if spans:
                 found.append((path, text, spans))
         if not found:
@@ -744,7 +762,7 @@ class SecretsClassifier:
             reason = self._reason(kinds, False, " in a name, which cannot be redacted")
             return Block(reason=reason, labels=labels, code="secret_detected", findings=(names[0],)), p
         if self.policy == "redact" and not capped:
-            texts = {path: self.scanner.redact(text)[0] for path, text, _ in found}  # rare: scan again
+            texts = {path: redacted(text, spans) for path, text, spans in found}
             return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=findings[:1]), p
 
@@ -804,9 +822,32 @@ class SecretsClassifier:
             with self._lock:
                 hits = self._tools.get(shared)
             if hits is None:
-                hits = [(path, spans) for path, text in tools_texts(tools) if (spans := self.scanner.scan(text))]
+                hits = [(path, spans) for path, text in tools_texts(tools) if (spans := self._leaf_spans(path, text))]
                 with self._lock:
                     self._tools[shared] = hits
             texts = dict(tools_texts(tools)) if hits else {}
             return [(path, texts[path], spans) for path, spans in hits]
-        return [(path, text, spans) for path, text in tools_texts(tools) if (spans := self.scanner.scan(text))]
+        return [(path, text, spans) for path, text in tools_texts(tools) if (spans := self._leaf_spans(path, text))]
+
+    def _leaf_spans(self, path: TextPath, text: str) -> list[tuple[str, int, int]]:
+        """The secrets of one text at ``path``: the scanner's, and, for a string under an object
+        key that may name one (``{"password": "..."}``, ``{"Authorization": "Bearer ..."}``, an
+        MCP tool's headers, ``metadata``, an ``env``), those the key and the value say together
+        (``key: value``), in the value: a keyword kind needs both, and each was scanned alone.
+        Sorted, overlapping spans merged."""
+        spans: list[tuple[str, int, int]] = self.scanner.scan(text)
+        key = path[-1] if path else None
+        if type(key) is not str or len(key) > MAX_PAIR_KEY_CHARS or _PAIR_KEY.search(key) is None:
+            return spans
+        off = len(key) + 2
+        named = [(kind, max(s - off, 0), e - off) for kind, s, e in self.scanner.scan(f"{key}: {text}") if e > off]
+        if not named:
+            return spans
+        merged: list[tuple[str, int, int]] = []
+        for kind, s, e in sorted(spans + named, key=lambda x: (x[1], -x[2])):
+            if merged and s < merged[-1][2]:
+                last = merged[-1]
+                merged[-1] = (last[0], last[1], max(last[2], e))
+            else:
+                merged.append((kind, s, e))
+        return merged
