@@ -191,6 +191,24 @@ def test_a_fork_off_a_response_still_running_on_another_lane_says_so(paced: Serv
         assert fork["type"] == "response.completed" and fork["response"]["previous_response_id"] == parent, fork
 
 
+def test_continuing_a_response_still_running_elsewhere_says_it_is_in_progress(paced: Server) -> None:
+    """A stored response still streaming on one connection, named as the parent over HTTP or on
+    another connection: the same refusal a lane of its own connection gets ("still in
+    progress"), not "not found" while GET shows it ``in_progress``."""
+    with ws_connect(paced.ws + "/responses") as ws, ws_connect(paced.ws + "/responses") as other:
+        ws.send(create(input="base", store=True, metadata={"sim": "text,tokens:60"}))
+        parent = recv(ws)["response"]["id"]
+        assert httpx.get(f"{paced.v1}/responses/{parent}", timeout=10).json()["status"] == "in_progress"
+        r = httpx.post(f"{paced.v1}/responses", json={"model": "hotloop-sim", "input": "fork", "previous_response_id": parent}, timeout=10)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "previous_response_not_found" and "still in progress" in err["message"], err
+        other.send(create(input="fork", previous_response_id=parent))
+        e = recv(other)
+        assert e["type"] == "error" and "still in progress" in e["error"]["message"], e
+        collect(ws, 1)
+
+
 def test_closing_the_socket_cancels_every_lane(tmp_path: Path) -> None:
     with run_server(tmp_path, "--sim-rate", "50", "--store", "memory") as srv:
         with ws_connect(srv.ws + "/responses") as ws:

@@ -50,6 +50,7 @@ from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state import fpkey
 from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache, Sent
+from hotloop.state.store import visible
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
 
 log = logging.getLogger("hotloop.engine")
@@ -210,8 +211,26 @@ class Engine:
             if hit is not None and not self.responses.evicted_since(response_id, generation):
                 self.responses.put(hit)  # (deleted while it loaded: used by this request, not kept)
         if hit is None:
+            if self._running(response_id, scope):
+                # still being generated (over HTTP, or on another connection): its output is not
+                # known yet; the code clients handle for a parent they cannot continue, with a
+                # message that says why (it said "not found" while GET showed it in_progress)
+                raise errors.PreviousResponseNotFound(
+                    response_id,
+                    f"Previous response with id '{errors.clip(response_id)}' is still in progress; continue from "
+                    "it once it has completed.",
+                )
             raise errors.PreviousResponseNotFound(response_id)
         return hit
+
+    def _running(self, response_id: str, scope: str | None) -> bool:
+        """Whether a stored response ``scope`` may see is being generated now (a scan of the
+        responses in flight; only on a miss)."""
+        for run in self.runs:
+            r = run.turn.response
+            if r.get("id") == response_id:
+                return bool(r.get("store", True)) and visible(run.tenant.id, scope)
+        return False
 
     # -- one response --------------------------------------------------------------------------
 
