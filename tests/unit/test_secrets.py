@@ -886,3 +886,19 @@ def test_a_secret_its_object_key_names_is_found_in_the_value(impl: str) -> None:
     verdict, _ = c.classify([alone], c.initial_state())
     assert isinstance(verdict, classify.Redact) and len(verdict.findings) == 1
     assert verdict.items[0].data["token"] == "[REDACTED:aws_access_key_id]"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_password_is_redacted_to_its_end_not_to_the_first_character_its_class_lacks(impl: str) -> None:
+    """The scanner's password value stops at the first character its class does not hold ("$",
+    ".", "(", "ñ"): ``DB_PASSWORD=Kx9mQ2vL7pZ4$wR8tY`` was stored as ``...]$wR8tY``. The value is
+    redacted on to the next white space, quote, comma or backslash; what follows stays."""
+    c = classify.SecretsClassifier("redact", SCANNERS[impl])
+    head = "Kx9mQ2vL7pZ4"
+    for tail, after in (("$wR8tY", " next"), (".wR8tY", '", x'), ("(abc)", ";"), ("ñab", "\\nmore"), ("", " x")):
+        text = f"DB_PASSWORD={head}{tail}{after}"
+        item = Message(role="user", content=[InputText(text=text)])
+        verdict, _ = c.classify([item], c.initial_state())
+        assert isinstance(verdict, classify.Redact), text
+        assert verdict.items[0].content[0].text == "DB_PASSWORD=[REDACTED:generic_secret]" + after, text  # type: ignore[union-attr]
+        assert (verdict.findings[0].start, verdict.findings[0].end) == (12, 12 + len(head + tail))

@@ -310,6 +310,31 @@ _PAIR_KEY = re.compile(r"(?i)pass|pwd|secret|token|key|auth")
 MAX_PAIR_KEY_CHARS = 64
 
 
+# The kinds whose value the scanner ends at the first character its class does not hold (a
+# password's "$", ".", "(" or "ñ"), and :func:`whole_values` takes on to the value's real end.
+_OPEN_VALUE_KINDS = frozenset({"generic_secret"})
+_VALUE_END = re.compile(r"""[\s"'`,;<>\\]""")
+MAX_VALUE_TAIL_CHARS = 128
+
+
+def whole_values(text: str, spans: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """``spans`` with each password-like value (``_OPEN_VALUE_KINDS``) taken on to the next
+    white space, quote, comma, semicolon, angle bracket or backslash (at most
+    ``MAX_VALUE_TAIL_CHARS`` more): the scanner's value class stops at the first character it
+    does not hold, and ``DB_PASSWORD=Kx9mQ2vL7pZ4$wR8tY`` was redacted to ``...]$wR8tY``, its
+    tail kept. Never into the next span."""
+    if not spans or all(kind not in _OPEN_VALUE_KINDS for kind, _, _ in spans):
+        return spans
+    out: list[tuple[str, int, int]] = []
+    for i, (kind, s, e) in enumerate(spans):
+        if kind in _OPEN_VALUE_KINDS:
+            limit = min(len(text), e + MAX_VALUE_TAIL_CHARS, spans[i + 1][1] if i + 1 < len(spans) else len(text))
+            m = _VALUE_END.search(text, e, limit)
+            e = m.start() if m is not None else limit
+        out.append((kind, s, e))
+    return out
+
+
 def redacted(text: str, spans: Sequence[tuple[str, int, int]]) -> str:
     """``text`` with each of ``spans`` (sorted, apart) replaced by ``[REDACTED:<kind>]``: the
     scanner's ``redact`` for spans it did not find alone."""
@@ -738,7 +763,7 @@ class SecretsClassifier:
         found: list[tuple[TextPath, str, list[tuple[str, int, int]]]] = []
         req = p.req
         if req.instructions:
-            spans = self._scan_text(req.instructions, owner)
+            spans = whole_values(req.instructions, self._scan_text(req.instructions, owner))
             if spans:
                 found.append((("instructions",), req.instructions, spans))
         if p.tools:
@@ -835,12 +860,12 @@ class SecretsClassifier:
         MCP tool's headers, ``metadata``, an ``env``), those the key and the value say together
         (``key: value``), in the value: a keyword kind needs both, and each was scanned alone.
         Sorted, overlapping spans merged."""
-        spans: list[tuple[str, int, int]] = self.scanner.scan(text)
+        spans: list[tuple[str, int, int]] = whole_values(text, self.scanner.scan(text))
         key = path[-1] if path else None
         if type(key) is not str or len(key) > MAX_PAIR_KEY_CHARS or _PAIR_KEY.search(key) is None:
             return spans
         off = len(key) + 2
-        named = [(kind, max(s - off, 0), e - off) for kind, s, e in self.scanner.scan(f"{key}: {text}") if e > off]
+        named = [(kind, max(s - off, 0), e - off) for kind, s, e in whole_values(f"{key}: {text}", self.scanner.scan(f"{key}: {text}")) if e > off]
         if not named:
             return spans
         merged: list[tuple[str, int, int]] = []
