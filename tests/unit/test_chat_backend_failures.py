@@ -184,3 +184,12 @@ def test_the_model_list_is_read_once_for_concurrent_callers_and_within_a_bound(w
     lists, shared, big, gets = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     assert lists == [["gpt-oss-120b", "mock-model"]] * 8 and shared == 1
     assert big == ["mock-model"] and gets == 2  # the default model: the list was not read
+
+
+def test_a_password_in_a_backends_error_message_is_redacted_to_its_end() -> None:
+    """A backend's message passed on to clients had its credentials redacted by the scanner's
+    own span, which stops at a "$": ``DB_PASSWORD=[REDACTED:generic_secret]$wR8tY`` kept the
+    password's tail."""
+    exc = status_error(400, {}, {"error": {"message": "connection refused: DB_PASSWORD=Kx9mQ2vL7pZ4$wR8tY rejected"}},
+                       backend="test", model="m")
+    assert "wR8tY" not in exc.message and "DB_PASSWORD=[REDACTED:generic_secret] rejected" in exc.message, exc.message

@@ -902,3 +902,32 @@ def test_a_password_is_redacted_to_its_end_not_to_the_first_character_its_class_
         assert isinstance(verdict, classify.Redact), text
         assert verdict.items[0].content[0].text == "DB_PASSWORD=[REDACTED:generic_secret]" + after, text  # type: ignore[union-attr]
         assert (verdict.findings[0].start, verdict.findings[0].end) == (12, 12 + len(head + tail))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_keyword_in_one_part_names_the_secret_in_the_next(impl: str) -> None:
+    """A keyword kind split at its key (``["export DB_PASSWORD=", "Kx9m..."]``): the joined scan
+    found it inside the second part, which its own scan could not (the keyword is in the first),
+    and it was skipped as found. A password value that runs on into the next part, or whose
+    value class ends early there, is cut to its end in every part."""
+    scanner = SCANNERS[impl]
+    c = classify.SecretsClassifier("redact", scanner)
+    bearer = "Zq8" + rnd(ALNUM, 24)
+
+    def parts(*texts: str) -> Any:
+        return decode_item({"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_text", "text": t} for t in texts]}, 0)
+
+    cases = [
+        (("export DB_PASSWORD=", "Kx9mQ2vL7pZ4wR8t\n"), ["export DB_PASSWORD=", "[REDACTED:generic_secret]\n"]),
+        (('{"Authorization": "Bearer ', bearer + '"}'), ['{"Authorization": "Bearer ', '[REDACTED:authorization_header]"}']),
+        (("DB_PASSWORD=Kx9mQ2vL7pZ4", "wR8tYq3N next"), ["DB_PASSWORD=[REDACTED:generic_secret]", " next"]),
+        (("DB_PASSWORD=Kx9m", "Q2vL7pZ4wR8t$tail99 next"), ["DB_PASSWORD=[REDACTED:generic_secret]", " next"]),
+    ]
+    for texts, want in cases:
+        verdict, _ = c.classify([parts(*texts)], c.initial_state())
+        assert isinstance(verdict, classify.Redact), texts
+        assert [p.text for p in verdict.items[0].output] == want, texts  # type: ignore[union-attr]
+        assert len(verdict.findings) == 1, verdict.findings
+        block = classify.SecretsClassifier("block", scanner)
+        assert isinstance(block.classify([parts(*texts)], block.initial_state())[0], classify.Block), texts

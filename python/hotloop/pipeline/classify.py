@@ -389,7 +389,7 @@ def _seam_edits(
     out = [(path, text) for path, text in edits if path not in by_path]
     for path, cuts in by_path.items():
         cuts += [(s, e, f"[REDACTED:{kind}]") for kind, s, e in leaf_spans.get(path, ())]
-        cuts.sort()
+        cuts.sort(key=lambda c: (c[0], c[2] == ""))  # at one start, a marker before a cut without one
         text = texts[path]
         pieces: list[str] = []
         at = 0
@@ -710,9 +710,12 @@ class SecretsClassifier:
         across two parts (a tool output streamed in pieces) reaches the model whole although no
         part holds it. Each crossing secret as one span per part it touches (the part's path,
         the kind, the span in that part, and the text its redaction puts there: the marker in
-        the first part, nothing in the others); None when none crosses. A match that begins
-        inside a secret its first part's own scan ``found`` is not one: that secret is redacted
-        there, and what follows it (``ghp_...`` then a part starting with letters) is not.
+        the first part, nothing in the others); None when none crosses. Also a secret that lies
+        in one part but that part's own scan could not find (its keyword ends the part before:
+        ``["DB_PASSWORD=", "Kx9m..."]``). A match that begins inside a secret its first part's
+        own scan ``found`` is not one (that secret is redacted there, and a token followed by a
+        part that starts with letters keeps those letters), unless it is a password value
+        (``_OPEN_VALUE_KINDS``) that runs to its part's end: its rest in the next part is cut too.
         With whether the joined scan hit the scanner's ``max_matches``."""
         runs = _joined_runs(item)
         if not runs:
@@ -725,6 +728,7 @@ class SecretsClassifier:
             if not spans:
                 continue
             capped = capped or len(spans) >= self.scanner.max_matches
+            spans = whole_values(joined, spans)
             starts: list[int] = []
             at = 0
             for _, text in run:
@@ -733,15 +737,23 @@ class SecretsClassifier:
             for kind, s, e in spans:
                 first = bisect.bisect_right(starts, s) - 1
                 last = bisect.bisect_left(starts, e) - 1
+                own = found.get(run[first][0], ())
+                lo, hi = s - starts[first], e - starts[first]
                 if first == last:
-                    continue  # inside one part: its own scan found it
-                local = s - starts[first]
-                if any(a <= local < b for _, a, b in found.get(run[first][0], ())):
+                    if not any(a < hi and lo < b for _, a, b in own):  # its keyword is in a part before
+                        out.append((run[first][0], kind, lo, hi, f"[REDACTED:{kind}]"))
                     continue
+                end = len(run[first][1])
+                inside = [b for _, a, b in own if a <= lo < b]
+                if inside and not (kind in _OPEN_VALUE_KINDS and max(inside) == end):
+                    continue
+                # (a value its part's own scan found runs on: that finding and its marker stand,
+                # and the rest is cut from the parts after it)
+                marker = "" if inside else f"[REDACTED:{kind}]"
                 for j in range(first, last + 1):
                     path, text = run[j]
                     lo, hi = max(s - starts[j], 0), min(e - starts[j], len(text))
-                    out.append((path, kind, lo, hi, f"[REDACTED:{kind}]" if j == first else ""))
+                    out.append((path, kind, lo, hi, marker if j == first else ""))
         return (capped, out) if out else None
 
     def _reason(self, kinds: Sequence[str], capped: bool, where: str = "") -> str:
