@@ -199,3 +199,29 @@ def test_the_delete_subscription_is_tried_again_within_a_quarter_second(monkeypa
         asyncio.run(shared.SharedPersistence._listen(me, f"redis://127.0.0.1:{free_port()}/0"))  # type: ignore[arg-type]
     assert len(delays) == 10 and delays[0] == 0.05
     assert max(delays) == shared.SUBSCRIBER_RETRY_CAP_SECONDS == 0.25, delays
+
+
+def test_while_redis_is_unreachable_the_queue_admits_by_count_and_bytes_and_one_record_always() -> None:
+    """While the store retries its writes, a finished response's record joins the queue within
+    its count and byte bounds, whatever the lag (its client is answered instead of waiting for
+    Redis), and one record always may join an empty queue, however large, as ever."""
+    import types
+
+    from hotloop.pipeline.post import Persistence
+    from hotloop.pipeline.shared import SharedPersistence
+
+    store = types.SimpleNamespace(available=False, batch=None)
+    p = SharedPersistence.__new__(SharedPersistence)
+    Persistence.__init__(p, store, max_pending=3, max_pending_bytes=1000)  # type: ignore[arg-type]
+    assert p._has_room(2000)  # empty: one record always
+    for _ in range(3):
+        p._jobs.append(p._job("put", None, 100))
+        p._jobs_bytes += 100
+    p._jobs[0] = p._jobs[0]._replace(at=p._jobs[0].at - 60)  # its oldest write waited a minute: past the lag
+    assert not p._has_room(10)  # the count bound
+    p._jobs.pop()
+    p._jobs_bytes -= 100
+    assert p._has_room(10) and not p._has_room(900)  # within the count, then the byte bound
+    assert not p.writable()  # a new store: true response is still refused (its oldest waited)
+    store.available = True
+    assert not p._has_room(10)  # reachable again: the lag bound holds, as ever

@@ -171,7 +171,7 @@ class SharedPersistence(Persistence):
         turn, ``store: false`` too) until Redis is back or its write ahead gives up after 10
         minutes. No write made it durable sooner; new ``store: true`` requests are refused
         meanwhile (:meth:`writable`), so what joins the queue is what was running."""
-        if getattr(self.store, "available", True):
+        if getattr(self.store, "available", True) or not self._jobs:  # (one job always may, as ever)
             return super()._has_room(nbytes)
         return len(self._jobs) < self.max_pending and self._jobs_bytes + nbytes <= self.max_pending_bytes
 
