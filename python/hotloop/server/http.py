@@ -547,19 +547,19 @@ class HttpTransport:
         )
 
     async def _input_items(self, response_id: str, scope: Scope, respond: Any, owner: str | None) -> None:
-        # blank values kept: ``after=`` is a cursor (the id ""), not no cursor, which sent a
-        # client paging from such an id back to the first page
-        q = parse_qs(scope.get("query_string", b"").decode(), keep_blank_values=True)
+        # a blank value is no value (``after=&limit=``: a client writing its unset parameters);
+        # no item has the id "" (refused since: empty_string), which paged back to the start
+        q = parse_qs(scope.get("query_string", b"").decode())
         after = q.get("after", [None])[0]
         # ``before`` (a parameter of input_items.list in earlier openai-python/openai-node
         # versions, and in clients generated from that spec): the page just before that item;
         # it used to be ignored, so such a client got the first page whatever its cursor
         before = q.get("before", [None])[0]
-        order = q.get("order", [""])[0] or "desc"
+        order = q.get("order", ["desc"])[0]
         if order not in ("asc", "desc"):
             raise errors.InvalidValue(f"Invalid 'order': '{errors.clip(order)}'. Expected 'asc' or 'desc'.", param="order")
         try:
-            limit = int(q.get("limit", [""])[0] or "20")
+            limit = int(q.get("limit", ["20"])[0])
         except ValueError:
             raise errors.InvalidType("Invalid 'limit': expected an integer.", param="limit") from None
         if not 1 <= limit <= 100:
