@@ -308,7 +308,11 @@ def _render_items(
         elif isinstance(item, ItemReference):
             # The server resolves references before calling a backend; one left here is a bug.
             raise errors.ServerError()
-    show()
+    if shown:
+        # images of the last outputs, after them: outputs in the next items would go before
+        # these (after the run of tool messages they join), so this rendering is not extended
+        show()
+        tentative = True
     return reasoning, tentative
 
 
