@@ -269,7 +269,7 @@ def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> No
     assert [i.id for i in client.responses.input_items.list(r3.id, order="asc").data][0] == out.id
 
 
-def test_an_empty_item_id_is_refused_and_a_blank_cursor_is_a_cursor(server, client: OpenAI) -> None:
+def test_an_empty_item_id_is_refused_and_blank_parameters_are_none(server, client: OpenAI) -> None:
     """An item id of "" is OpenAI's 400 ``empty_string`` (a page ending on it sent the SDK's
     auto-pager back to the first page for ever: a blank ``after=`` is no cursor), whatever the
     item's type; blank query parameters are no parameters."""
