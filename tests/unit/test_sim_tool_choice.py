@@ -185,3 +185,35 @@ def test_none_over_http_answers_with_a_message(srv: Server) -> None:
         {"type": "function", "name": "apply_patch", "parameters": EDIT.parameters}],
         tool_choice={"type": "function", "name": "apply_patch"}, metadata={"sim": "tools:1"}, store=False)
     assert [(o.type, getattr(o, "name", None)) for o in r.output] == [("function_call", "apply_patch")]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "apply_patch"}]}],
+                         ids=["required", "allowed-required"])
+def test_a_required_choice_makes_a_turn_that_asked_for_text_call_a_tool(choice: Any) -> None:
+    """``tool_choice: "required"`` (or allowed tools in ``required`` mode) wins over a directive
+    that asks for text, as the README says the choice wins: one call, of a tool it may call,
+    after the reasoning asked for; a turn that asked for calls keeps them."""
+    sim = SimulatorBackend(rate=0, seed=3)
+    allowed = "exec_command" if choice == "required" else "apply_patch"
+    for spec in ("text", "tokens:5", "reasoning"):
+        chunks = collect(sim, req(choice, metadata={"sim": spec}))
+        assert [name for name, _ in calls(chunks)] == [allowed] and text(chunks) == "", spec
+        assert any(isinstance(c, ReasoningDelta) for c in chunks) == (spec == "reasoning")
+    assert len(calls(collect(sim, req(choice, metadata={"sim": "tools:2"})))) == 2
+
+
+def test_the_arguments_of_a_tool_called_many_times_are_made_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tools:64`` made one tool's arguments 64 times, each with a budget of its own (64 x 16
+    pattern matches on the event loop); they are the same every time, and now made once."""
+    from hotloop.backends import simulator
+
+    made: list[str] = []
+
+    def counted(tool: FunctionTool) -> str:
+        made.append(tool.name)
+        return _example_arguments(tool)
+
+    monkeypatch.setattr(simulator, "_example_arguments", counted)
+    chunks = collect(SimulatorBackend(rate=0, seed=3), req(NAMED_EDIT, metadata={"sim": "tools:8"}))
+    assert len(calls(chunks)) == 8 and len({args for _, args in calls(chunks)}) == 1
+    assert made == ["apply_patch"]

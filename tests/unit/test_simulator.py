@@ -267,3 +267,44 @@ def test_an_answer_that_runs_past_the_corpus_end_keeps_its_words_apart() -> None
     for back in range(1, 8):
         words = "".join(_sentence(corpus.take(n - back, 12))).split()
         assert len(words) == 12 and set(words) <= set(_WORDS), words
+
+
+def test_schema_examples_are_bounded_by_what_they_look_at_and_write() -> None:
+    """Bounds of the schema example (simulator arguments and text.format documents), each of
+    which a small request could get past: a property looked at costs a character of the budget
+    even when not written (N optional properties and N other names required were N x N work,
+    never charged); an integer costs its digits (a ``minimum`` of 1e308 writes 309: 12 MB of
+    arguments came out of a 100,000-character budget); a pattern longer than MAX_PATTERN_CHARS is
+    neither parsed nor compiled (a 100 KB one took 0.9 s on the event loop)."""
+    from hotloop.backends import simulator
+
+    many = {"type": "object", "properties": {f"p{i}": {"type": "null"} for i in range(simulator.MAX_ARGUMENT_CHARS + 1)},
+            "required": ["q"]}
+    with pytest.raises(simulator._TooLarge):
+        example_value(many)
+    huge = {"type": "array", "minItems": 400, "items": {"type": "integer", "minimum": 1e308}}
+    with pytest.raises(simulator._TooLarge):
+        example_value(huge)
+    assert len(str(example_value({"type": "integer", "minimum": 1e308}))) == 309
+    long = "a" * (simulator.MAX_PATTERN_CHARS + 1)
+    assert simulator._parse(long) is None and simulator._parse("a+") is not None
+    assert example_value({"type": "string", "pattern": long}, "x") == "example x"
+    # the same required set, whatever its size, and allOf's parts joined
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    assert example_value(merged) == {"a": 1, "b": "example b"}
+
+
+def test_nested_models_are_written_whole_at_any_ordinary_depth() -> None:
+    """Five nested Pydantic models ($ref, property, $ref...) reached the depth limit of 8, and
+    the innermost required fields came out null: invalid, and ``responses.parse`` failed. Only
+    a schema that recurses through required properties still ends in null."""
+    defs = {
+        "Point": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}, "required": ["lat", "lon"]},
+        "Geo": {"type": "object", "properties": {"point": {"$ref": "#/$defs/Point"}}, "required": ["point"]},
+        "Address": {"type": "object", "properties": {"geo": {"$ref": "#/$defs/Geo"}}, "required": ["geo"]},
+        "Customer": {"type": "object", "properties": {"address": {"$ref": "#/$defs/Address"}}, "required": ["address"]},
+    }
+    order = {"$defs": defs, "type": "object", "properties": {"customer": {"$ref": "#/$defs/Customer"}}, "required": ["customer"]}
+    point = example_value(order)["customer"]["address"]["geo"]["point"]
+    assert isinstance(point["lat"], float) and isinstance(point["lon"], float), point

@@ -30,6 +30,7 @@ Deterministic: the same seed and the same conversation give the same output.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import random
@@ -335,16 +336,23 @@ def _resolve(ref: Any, root: Any) -> Any:
 def _merged(schema: dict[str, Any], root: Any, depth: int) -> dict[str, Any]:
     """``allOf``: its schemas' keys together (properties and required lists joined)."""
     out = {k: v for k, v in schema.items() if k != "allOf"}
+    # one dict and one list, added to (a copy of each per part made a long allOf N x N)
+    props: dict[str, Any] = dict(out.get("properties", {}))
+    required: list[Any] = list(out.get("required", []))
     for sub in schema["allOf"]:
         while isinstance(sub, dict) and "$ref" in sub and depth <= 8:
             sub, depth = _resolve(sub["$ref"], root), depth + 1
         for k, v in sub.items():
             if k == "properties":
-                out["properties"] = {**out.get("properties", {}), **v}
+                props.update(v)
             elif k == "required":
-                out["required"] = [*out.get("required", []), *v]
+                required.extend(v)
             else:
                 out.setdefault(k, v)
+    if props or "properties" in out:
+        out["properties"] = props
+    if required or "required" in out:
+        out["required"] = required
     return out
 
 
@@ -384,8 +392,13 @@ def _float(schema: dict[str, Any]) -> float:
     return v
 
 
+@functools.lru_cache(maxsize=256)
 def _parse(pattern: str) -> Any:
-    """``pattern`` as Python's ``re`` reads it (its parser's tree), or None when it cannot."""
+    """``pattern`` as Python's ``re`` reads it (its parser's tree), or None when it cannot (or
+    when it is longer than ``MAX_PATTERN_CHARS``: neither parsed nor compiled, on the event loop,
+    where a 100 KB one took about 0.9 s). Kept per pattern (a schema repeats them)."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return None
     try:
         return re._parser.parse(pattern)  # type: ignore[attr-defined]
     except (re.error, ValueError, TypeError, RecursionError, OverflowError):
@@ -523,6 +536,10 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
 
 
 SHALLOW_DEPTH = 4  # schema depth from which example_value writes the smallest valid value
+# ... and from which it writes null (a schema that recurses through required properties ends).
+# Each $ref, property, items and anyOf is a level: five nested Pydantic models reach 10, and at
+# 8 their innermost required fields came out null (invalid; responses.parse failed).
+MAX_SCHEMA_DEPTH = 32
 MAX_PATTERN_CHARS = 1000  # a longer string pattern is not written from (its format or name is used)
 MAX_WRITTEN_CHARS = 1000  # nor is one whose shortest match is longer
 # A client's pattern is matched for at most this long (_finds), and at most this many times per
@@ -546,7 +563,7 @@ def example_value(
         root = schema
     if budget is None:
         budget = _Budget(MAX_ARGUMENT_CHARS)
-    if depth > 8:
+    if depth > MAX_SCHEMA_DEPTH:
         budget.spend(4)
         return None
     deep = depth >= SHALLOW_DEPTH  # past it: the smallest value that still fits (a recursive schema ends)
@@ -576,11 +593,17 @@ def example_value(
     budget.spend(1)
     if typ == "object":
         props: dict[str, Any] = schema.get("properties", {})
-        required = schema.get("required", list(props))
+        listed = schema.get("required", list(props))
+        if not isinstance(props, dict) or not isinstance(listed, list):
+            raise TypeError("properties must be an object and required an array")
+        # a set (a list made this N x N: N optional properties, N other names required); each
+        # property looked at costs a character of the budget, written or not
+        required = {r for r in listed if isinstance(r, str)}
         out = {}
         for k in props:
+            budget.spend(1)
             if k in required:
-                budget.spend(len(k) + 3)
+                budget.spend(len(k) + 2)
                 out[k] = example_value(props[k], k, depth + 1, root=root, budget=budget)
         return out
     if typ == "array":
@@ -591,7 +614,9 @@ def example_value(
             raise _TooLarge("the arguments would be too large")
         return [example_value(items, name, depth + 1, root=root, budget=budget) for _ in range(n)]
     if typ == "integer":
-        return _integer(schema)
+        number = _integer(schema)
+        budget.spend(len(str(number)))  # (a bound of 1e308 writes 309 digits)
+        return number
     if typ == "number":
         return _float(schema)
     if typ == "boolean":
@@ -753,12 +778,15 @@ class SimulatorBackend:
                 text_pieces = _sentence(self._corpus.take(start, n_answer))
             for piece in text_pieces:
                 plan.append(("t", piece))
+        made: dict[int, str] = {}  # a tool's arguments, made once a response (tools:64 made them 64 times)
         for k in range(d.tools):
             if d.calls:
                 name, args = d.calls[k].name, d.calls[k].arguments
             else:
                 tool = self._tool_for(req, k)
-                name, args = tool.name, _example_arguments(tool)
+                if id(tool) not in made:
+                    made[id(tool)] = _example_arguments(tool)
+                name, args = tool.name, made[id(tool)]
             call_id = f"call_{seed & 0xFFFFFFFF:08x}{k:02d}"
             pieces = _pieces(args)
             plan.append(("c", ToolCallDelta(index=k, call_id=call_id, name=name)))
@@ -846,11 +874,20 @@ def _under_choice(d: Directives, req: BackendRequest) -> Directives:
       arguments and order, scripted calls of other tools are not made, and a turn left with no
       call of X calls it once with arguments made from its schema (as the agent default does);
       ``tools:N`` calls X N times.
-    - ``"auto"``, ``"required"``, allowed tools: unchanged (a scripted call of a tool the request
-      does not have, or does not allow, is a 400 in ``stream``: the script and the request disagree).
+    - ``"required"`` (or allowed tools with ``mode: "required"``): at least one call; a turn that
+      asked for none (``text``, ``tokens:N``, ``reasoning``, a scripted text turn) makes one,
+      of the first tool it may call, with arguments made from its schema, after its reasoning.
+    - ``"auto"``, allowed tools: unchanged (a scripted call of a tool the request does not have,
+      or does not allow, is a 400 in ``stream``: the script and the request disagree).
     """
     choice = req.tool_choice
-    if choice == "none":
+    required = choice == "required" or (
+        isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode") == "required"
+    )
+    if required:
+        if not d.tools and not d.calls and _callable(req):
+            d.tools, d.text = 1, False
+    elif choice == "none":
         if d.tools:
             d.tools, d.calls, d.text = 0, (), True
     elif isinstance(choice, dict) and choice.get("type") == "function":
