@@ -194,3 +194,18 @@ def test_the_redis_store_without_its_package_is_one_line_naming_the_extra(tmp_pa
         p = run(HOTLOOP, *args, env=env)
         assert p.returncode == code, (args, p.stderr)
         assert "pip install 'hotloop[redis]'" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_a_reader_that_stops_early_is_no_store_failure(tmp_path) -> None:
+    """``hotloop keys list | head`` (the reader gone before the output is written): it printed
+    "cannot open the store: BrokenPipeError" and exited 1, which a ``pipefail`` script reads as
+    a failure. It exits 0, quietly."""
+    env = {**os.environ, "HOTLOOP_DATA_DIR": str(tmp_path / "d")}
+    made = run(HOTLOOP, "keys", "create", "alice", env=env)
+    assert made.returncode == 0, made.stderr
+    proc = subprocess.Popen([HOTLOOP, "keys", "list"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before it writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 0, err
+    assert "BrokenPipe" not in err and "cannot open the store" not in err, err

@@ -10,6 +10,7 @@ tables.
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 import time
@@ -175,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args)
     try:
         return _run(args, config)
+    except BrokenPipeError:
+        # the reader stopped (``| head``): not the store's failure; quiet, as CLIs are (stdout
+        # pointed at /dev/null so that the interpreter's own flush at exit does not fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except StoreBusy:  # the usage listing's move of an earlier version's rows, locked out
         print(f"hotloop {args.command}: {_LOCKED}", file=sys.stderr)
         return 1
