@@ -137,6 +137,8 @@ else:
 
 #: the one secret pattern table; both ``SecretScanner`` implementations are built from it
 SECRET_PATTERNS = _pure.SECRET_PATTERNS
+#: redaction of given spans (not twins: plain Python under both implementations)
+splice, redact_spans = _pure.splice, _pure.redact_spans
 #: the kinds of plain delta (``plain_delta``, ``DeltaLane``), the same in both implementations
 PLAIN_NOTHING, PLAIN_TEXT, PLAIN_REASONING, PLAIN_ARGUMENTS = (
     _pure.PLAIN_NOTHING, _pure.PLAIN_TEXT, _pure.PLAIN_REASONING, _pure.PLAIN_ARGUMENTS,

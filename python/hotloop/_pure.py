@@ -19,7 +19,7 @@ import operator
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
@@ -752,6 +752,32 @@ def shannon_entropy(s: str) -> float:
     return math.log2(n) - total / n
 
 
+def splice(text: str, cuts: Iterable[tuple[int, int, str]]) -> str:
+    """``text`` with each cut ``(start, end, replacement)``, in order of start, replaced; a cut
+    that starts inside the one before extends it (its own replacement dropped), and one that
+    ends inside it is dropped. Not a twin: the redaction of spans the scanner did not find alone
+    (:func:`redact_spans`), and of overlapping ones (``hotloop.pipeline.classify``)."""
+    parts: list[str] = []
+    at = 0
+    for s, e, replacement in cuts:
+        if e <= at:
+            continue
+        if s < at:
+            at = e
+            continue
+        parts.append(text[at:s])
+        parts.append(replacement)
+        at = e
+    parts.append(text[at:])
+    return "".join(parts)
+
+
+def redact_spans(text: str, spans: Iterable[tuple[str, int, int]]) -> str:
+    """``text`` with each of ``spans`` (``(kind, start, end)``, the scanner's: sorted, apart)
+    replaced by ``[REDACTED:<kind>]``: what ``SecretScanner.redact`` makes of its own scan."""
+    return splice(text, ((s, e, f"[REDACTED:{kind}]") for kind, s, e in spans))
+
+
 _KIND_RE = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -870,16 +896,7 @@ class SecretScanner:
 
     def redact(self, text: str) -> tuple[str, list[tuple[str, int, int]]]:
         spans = self.scan(text)
-        if not spans:
-            return text, spans
-        parts: list[str] = []
-        at = 0
-        for kind, s, e in spans:
-            parts.append(text[at:s])
-            parts.append(f"[REDACTED:{kind}]")
-            at = e
-        parts.append(text[at:])
-        return "".join(parts), spans
+        return (redact_spans(text, spans) if spans else text), spans
 
 
 # -- TokenCounter ------------------------------------------------------------------------------

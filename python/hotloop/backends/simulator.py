@@ -340,7 +340,7 @@ def _merged(schema: dict[str, Any], root: Any, depth: int) -> dict[str, Any]:
     props: dict[str, Any] = dict(out.get("properties", {}))
     required: list[Any] = list(out.get("required", []))
     for sub in schema["allOf"]:
-        while isinstance(sub, dict) and "$ref" in sub and depth <= 8:
+        while isinstance(sub, dict) and "$ref" in sub and depth <= MAX_SCHEMA_DEPTH:
             sub, depth = _resolve(sub["$ref"], root), depth + 1
         for k, v in sub.items():
             if k == "properties":
@@ -521,7 +521,7 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
     pattern = schema.get("pattern")
     parsed = _parse(pattern) if isinstance(pattern, str) else None
     if parsed is not None and isinstance(pattern, str) and not _finds(pattern, parsed, text, budget):  # (unchecked: written)
-        written = _from_pattern(pattern, parsed, budget) if len(pattern) <= MAX_PATTERN_CHARS else None
+        written = _from_pattern(pattern, parsed, budget)  # (parsed: at most MAX_PATTERN_CHARS)
         if written is not None:
             budget.spend(len(written) + 2)
             return written

@@ -50,6 +50,7 @@ from typing import Any, Literal, Protocol, TypeVar, Union
 import msgspec
 
 from hotloop import _accel
+from hotloop._accel import redact_spans, splice
 from hotloop.pipeline.items import MAX_DEPTH
 from hotloop.state import fpkey
 from hotloop.protocol.request import (
@@ -335,19 +336,6 @@ def whole_values(text: str, spans: list[tuple[str, int, int]]) -> list[tuple[str
     return out
 
 
-def redacted(text: str, spans: Sequence[tuple[str, int, int]]) -> str:
-    """``text`` with each of ``spans`` (sorted, apart) replaced by ``[REDACTED:<kind>]``: the
-    scanner's ``redact`` for spans it did not find alone."""
-    parts: list[str] = []
-    at = 0
-    for kind, s, e in spans:
-        parts.append(text[at:s])
-        parts.append(f"[REDACTED:{kind}]")
-        at = e
-    parts.append(text[at:])
-    return "".join(parts)
-
-
 def _joined_runs(item: Item) -> list[list[tuple[TextPath, str]]]:
     """The runs of two or more non-empty text parts of ``item`` a backend reads one after the
     other (:meth:`SecretsClassifier._seams`): a message's content parts, a function call
@@ -390,20 +378,7 @@ def _seam_edits(
     for path, cuts in by_path.items():
         cuts += [(s, e, f"[REDACTED:{kind}]") for kind, s, e in leaf_spans.get(path, ())]
         cuts.sort(key=lambda c: (c[0], c[2] == ""))  # at one start, a marker before a cut without one
-        text = texts[path]
-        pieces: list[str] = []
-        at = 0
-        for s, e, marker in cuts:
-            if e <= at:
-                continue  # inside a span already cut
-            if s < at:  # overlaps the last cut: extends it
-                at = e
-                continue
-            pieces.append(text[at:s])
-            pieces.append(marker)
-            at = e
-        pieces.append(text[at:])
-        out.append((path, "".join(pieces)))
+        out.append((path, splice(texts[path], cuts)))
     return out
 
 
@@ -674,7 +649,7 @@ class SecretsClassifier:
                 else:
                     leaf_spans[path] = spans
                     if redacting:  # a call id: one marker per secret (two calls keep two ids)
-                        edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else redacted(text, spans)))
+                        edits.append((path, redact_call_id(text, spans, self._call_id_key) if path == CALL_ID else redact_spans(text, spans)))
             seams = self._seams(item, leaf_spans)
             if seams:
                 capped = capped or seams[0]
@@ -799,7 +774,7 @@ class SecretsClassifier:
             reason = self._reason(kinds, False, " in a name, which cannot be redacted")
             return Block(reason=reason, labels=labels, code="secret_detected", findings=(names[0],)), p
         if self.policy == "redact" and not capped:
-            texts = {path: redacted(text, spans) for path, text, spans in found}
+            texts = {path: redact_spans(text, spans) for path, text, spans in found}
             return Redact(labels=labels, findings=findings, items=()), redact_settings(p, texts)
         return Block(reason=self._reason(kinds, capped), labels=labels, code="secret_detected", findings=findings[:1]), p
 
@@ -876,8 +851,8 @@ class SecretsClassifier:
         key = path[-1] if path else None
         if type(key) is not str or len(key) > MAX_PAIR_KEY_CHARS or _PAIR_KEY.search(key) is None:
             return spans
-        off = len(key) + 2
-        named = [(kind, max(s - off, 0), e - off) for kind, s, e in whole_values(f"{key}: {text}", self.scanner.scan(f"{key}: {text}")) if e > off]
+        joined, off = f"{key}: {text}", len(key) + 2
+        named = [(kind, max(s - off, 0), e - off) for kind, s, e in whole_values(joined, self.scanner.scan(joined)) if e > off]
         if not named:
             return spans
         merged: list[tuple[str, int, int]] = []

@@ -176,9 +176,10 @@ def _safe(message: str) -> str:
         from hotloop._accel import SECRET_PATTERNS, SecretScanner
 
         _scanner = SecretScanner(SECRET_PATTERNS)
-    from hotloop.pipeline.classify import redacted, whole_values  # (a password to its value's end)
+    from hotloop._accel import redact_spans
+    from hotloop.pipeline.classify import whole_values  # (a password to its value's end)
 
-    return redacted(text, whole_values(text, _scanner.scan(text)))  # type: ignore[attr-defined]
+    return redact_spans(text, whole_values(text, _scanner.scan(text)))  # type: ignore[attr-defined]
 
 
 # What a server's internals look like in an error message: a traceback or one of its frames, a
