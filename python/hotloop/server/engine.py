@@ -211,7 +211,7 @@ class Engine:
             if hit is not None and not self.responses.evicted_since(response_id, generation):
                 self.responses.put(hit)  # (deleted while it loaded: used by this request, not kept)
         if hit is None:
-            if self._running(response_id, scope):
+            if self.in_flight(response_id, scope) is not None:
                 # still being generated (over HTTP, or on another connection): its output is not
                 # known yet; the code clients handle for a parent they cannot continue, with a
                 # message that says why (it said "not found" while GET showed it in_progress)
@@ -223,14 +223,15 @@ class Engine:
             raise errors.PreviousResponseNotFound(response_id)
         return hit
 
-    def _running(self, response_id: str, scope: str | None) -> bool:
-        """Whether a stored response ``scope`` may see is being generated now (a scan of the
-        responses in flight; only on a miss)."""
+    def in_flight(self, response_id: str, scope: str | None) -> "Run | None":
+        """The stored (``store: true``) response ``response_id`` still being generated, if
+        ``scope`` may see it (another tenant's, or one not stored, is None: unknown, as any
+        unknown id). A scan of the responses in flight (as many as the server runs at once)."""
         for run in self.runs:
             r = run.turn.response
             if r.get("id") == response_id:
-                return bool(r.get("store", True)) and visible(run.tenant.id, scope)
-        return False
+                return run if r.get("store", True) and visible(run.tenant.id, scope) else None
+        return None
 
     # -- one response --------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hotloop.state.context import item_id_of
 from hotloop.state.prefix import Prefix
-from hotloop.state.store import UsageRow, page_items, visible
+from hotloop.state.store import UsageRow, page_items
 from hotloop.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -447,8 +447,8 @@ class HttpTransport:
             # ``status: "in_progress"``, ``usage: null``, the output items begun (those finished
             # in their final form, the open one as its ``response.output_item.added`` showed it).
             # Before, it was a 404 until its end, for a response the client had seen created.
-            # ``store: false`` and another tenant's stay a 404 (_in_flight).
-            run = self._in_flight(response_id, scope)
+            # ``store: false`` and another tenant's stay a 404 (Engine.in_flight).
+            run = self.app.engine.in_flight(response_id, scope)
             if run is not None:
                 response = run.turn.response
         if response is None:
@@ -467,16 +467,6 @@ class HttpTransport:
                 param="stream",
             )
         await respond(200, encode(response))
-
-    def _in_flight(self, response_id: str, scope: str | None) -> "Run | None":
-        """The stored (``store: true``) response ``response_id`` still being generated, if
-        ``scope`` may see it (another tenant's, or one not stored, is None: a 404 as for any
-        unknown id). A scan of the responses in flight (as many as the server runs at once)."""
-        for run in self.app.engine.runs:
-            r = run.turn.response
-            if r.get("id") == response_id:
-                return run if r.get("store", True) and visible(run.tenant.id, scope) else None
-        return None
 
     async def _finished(self, run: "Run") -> None:
         """Wait for a response in flight to leave the engine's runs (by then ``Engine.complete``
@@ -516,7 +506,7 @@ class HttpTransport:
         # (before, such a DELETE was a 404, and the response was stored after all). Its stream
         # is not cut short (its client may be another process); the DELETE waits for it, within
         # a bound (_finished). One that ends without being stored (its client left) is a 404.
-        run = self._in_flight(response_id, scope)
+        run = self.app.engine.in_flight(response_id, scope)
         if run is not None:
             await self._finished(run)
         # a response the store already pruned may still be cached here: it answered GET, so it
@@ -537,7 +527,7 @@ class HttpTransport:
         # (one still being generated is known too: GET shows it; it is not background either)
         known = (
             self.app.engine.responses.get(response_id, scope) is not None
-            or self._in_flight(response_id, scope) is not None
+            or self.app.engine.in_flight(response_id, scope) is not None
             or await self.app.persistence.get_response(response_id, scope) is not None
         )
         if not known:
@@ -566,7 +556,7 @@ class HttpTransport:
             raise errors.InvalidValue("Invalid 'limit': it must be between 1 and 100.", param="limit")
         hit = self.app.engine.responses.get(response_id, owner)
         # a stored response still being generated lists the input it will list once done (_retrieve)
-        live = _live_input(self._in_flight(response_id, owner)) if hit is None else None
+        live = _live_input(self.app.engine.in_flight(response_id, owner)) if hit is None else None
         if before is not None:
             # every item (the persistence pages without ``before``), then the page from them
             if hit is not None:
