@@ -15,7 +15,7 @@ tokens at the seam, while each chat item sits between special tokens, so per-ite
 
 from __future__ import annotations
 
-import base64
+import binascii
 import gzip
 import hashlib
 import threading
@@ -66,7 +66,12 @@ def _vocabulary() -> dict[bytes, int]:
         digest = hashlib.sha256(raw).hexdigest()
         if digest != O200K_SHA256:
             raise VocabularyError(f"o200k_base vocabulary checksum mismatch: {digest}")
-        _ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+        # Lines of "<base64 token> <rank>". The checksum above fixes the file, whose ranks run
+        # 0, 1, 2, ... in line order: the ranks are the line numbers, not parsed (b64decode per
+        # line and int() per rank took 0.38 s of every start-up, this 0.11 s).
+        fields = raw.split()
+        tokens = fields[0::2]
+        _ranks = dict(zip(map(binascii.a2b_base64, tokens), range(len(tokens))))
     return _ranks
 
 

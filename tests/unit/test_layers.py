@@ -52,3 +52,17 @@ def test_wire_event_names_live_in_events_module_only() -> None:
 def test_vocabulary_ships_with_package() -> None:
     data = resources.files("hotloop").joinpath("data/o200k_base.tiktoken.gz")
     assert data.is_file()
+
+
+def test_the_vocabulary_is_the_shipped_files_tokens_and_ranks() -> None:
+    """The start-up parse (ranks taken from line order) gives what reading each line's own rank
+    gives, as tiktoken's ``load_tiktoken_bpe`` does."""
+    import base64
+    import gzip
+
+    from hotloop import tokenizer
+
+    raw = gzip.decompress(resources.files("hotloop").joinpath("data/o200k_base.tiktoken.gz").read_bytes())
+    expected = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+    assert len(expected) == 199998
+    assert tokenizer._vocabulary() == expected
