@@ -63,6 +63,12 @@ class InvalidJSON(InvalidRequest):
     code = "invalid_json"
 
 
+class BinaryFrame(InvalidRequest):
+    """A binary WebSocket frame: the protocol's events are JSON text frames."""
+
+    code = "unsupported_frame_type"
+
+
 class UndecodableBody(InvalidRequest):
     """A request body that its ``Content-Encoding`` does not decode (corrupt, truncated)."""
 

@@ -180,6 +180,28 @@ def test_stream_id_lane_limit() -> None:
     assert isinstance(a, SendError) and a.error.code == "websocket_stream_limit_reached" and a.stream_id == "c"
 
 
+def test_a_refused_frame_takes_no_lane() -> None:
+    """Frames refused for what they hold (here: a ``model`` that is no string) on new ``stream_id``s use none of the
+    connection's lane slots; the next valid request on a new lane runs."""
+    sess = s(max_lanes=2)
+    for i in range(5):
+        frame = {"type": "response.create", "model": ["m"], "input": "x", "stream_id": f"bad{i}"}
+        [a] = sess.receive(json.dumps(frame), 1)
+        assert isinstance(a, SendError) and a.error.param == "model" and a.stream_id == f"bad{i}"
+    assert sess.lanes == set()
+    for sid in ("good", "also"):
+        [a] = sess.receive(json.dumps({"type": "response.create", "model": "m", "input": "x", "stream_id": sid}), 1)
+        assert isinstance(a, RunCreate) and a.lane == sid
+    [a] = sess.receive(json.dumps({"type": "response.create", "model": "m", "input": "x", "stream_id": "third"}), 1)
+    assert isinstance(a, SendError) and a.error.code == "websocket_stream_limit_reached"
+
+
+def test_a_binary_frame_is_refused_with_a_code() -> None:
+    [a] = s().receive(b'{"type": "response.create"}', 1)
+    assert isinstance(a, SendError)
+    assert (a.error.status, a.error.type, a.error.code) == (400, "invalid_request_error", "unsupported_frame_type")
+
+
 def test_expire_says_why_then_closes_once() -> None:
     s = Session(opened_at=0.0, max_age=60.0)
     actions = s.expire()

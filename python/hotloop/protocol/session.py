@@ -372,13 +372,10 @@ class Session:
         return sum(len(st.queue) for st in self._lanes.values())
 
     def lane_allowed(self, stream_id: str) -> bool:
-        if stream_id in self.lanes:
-            return True
-        if len(self.lanes) >= self.max_lanes:
-            return False
-        if STREAM_ID_RE.match(stream_id):
-            self.lanes.add(stream_id)
-        return True
+        """Whether a request may run on lane ``stream_id``: one the connection has, or a new one
+        while it has fewer than ``max_lanes``. A lane counts once a request on it is accepted
+        (:meth:`_accept`): a frame refused for what it holds takes none of the slots."""
+        return stream_id in self.lanes or len(self.lanes) < self.max_lanes
 
     def _lane(self, lane: Lane) -> _LaneState:
         st = self._lanes.get(lane)
@@ -395,7 +392,10 @@ class Session:
         # Past the age limit (closing) every frame is still answered as ever, except that a
         # ``response.create`` is refused (_admit) on its lane instead of starting.
         if isinstance(data, bytes):
-            return self._error(errors.InvalidRequest("Binary frames are not supported; send JSON text frames."), None)
+            return self._error(
+                errors.BinaryFrame("Binary frames are not supported; send JSON text frames."),
+                None,
+            )
         fast = self.decode_create
         if fast is not None and len(data) >= OFFERED_BYTES and not self.closing:
             got = fast(data)
@@ -510,6 +510,8 @@ class Session:
         return None
 
     def _accept(self, req: CreateRequest, size: int, decoded: Any) -> list[Action]:
+        if req.stream_id is not None:
+            self.lanes.add(req.stream_id)  # a valid id: _admit refused any other
         self.queued += 1
         return self._submit(RunCreate(req, size=size, decoded=decoded))
 
