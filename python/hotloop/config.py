@@ -122,6 +122,7 @@ class Config:
     ws_max_queued_bytes: int = 64 * 1024 * 1024  # their bytes (past it the connection is not read)
     ws_cache_entries: int = 1  # responses cached per connection and lane (OpenAI: the most recent)
     ws_cache_bytes: int = 64 * 1024 * 1024  # all lanes of one connection; a larger response is not cached
+    ws_cache_total_bytes: int = 1024 * 1024 * 1024  # all connections together (oldest first)
     response_cache_entries: int = 256  # process-wide cache of stored responses
     response_cache_items: int = 200_000
     response_cache_bytes: int = 128 * 1024 * 1024  # one entry at most a quarter (larger: from the store)

@@ -20,7 +20,7 @@ from websockets.sync.client import connect as ws_connect
 # What a tenant's key sees: which process answered, and counts of what it is doing
 TENANT_VIEW = {"pid", "view", "active_responses", "completed_responses", "store", "gc", "native"}
 # Fields that must never reach a tenant's key (per response, or moving with each response's size/reuse)
-PRIVATE = {"turns", "token_cache", "response_cache", "prefix_cache", "tools_cache"}
+PRIVATE = {"turns", "token_cache", "response_cache", "prefix_cache", "tools_cache", "ws_connection_caches"}
 
 
 @pytest.fixture(scope="module")

@@ -474,3 +474,36 @@ def test_a_create_and_a_bad_frame_in_one_write_leave_the_server_serving(server: 
         finally:
             s.close()
         assert httpx.get(server.base + "/healthz", timeout=5).status_code == 200
+
+
+def test_connections_caches_share_the_process_byte_budget(tmp_path) -> None:
+    """``ws_cache_total_bytes``: each connection within its own bound, together over the process's
+    budget, the oldest cached response goes (a ``store: false`` one cannot be continued, as any
+    uncached one), and a closed connection gives its bytes back (``/hotloop/stats``)."""
+    env = {"HOTLOOP_WS_CACHE_TOTAL_BYTES": str(600_000)}
+    with run_server(tmp_path, "--sim-rate", "0", env=env) as s:
+        client = OpenAI(api_key="k", base_url=s.v1, max_retries=0)
+
+        def caches() -> dict:
+            return httpx.get(s.base + "/hotloop/stats", timeout=10).json()["ws_connection_caches"]
+
+        with client.responses.connect() as one, client.responses.connect() as two:
+            one.response.create(model="hotloop-sim", input="a " * 100_000, store=False)
+            first = until_terminal(one)[-1].response
+            held = caches()
+            assert held["entries"] == 1 and 200_000 < held["bytes"] <= 600_000 and held["max_bytes"] == 600_000
+            one.response.create(model="hotloop-sim", input="more", previous_response_id=first.id, store=False)
+            again = until_terminal(one)[-1].response  # cached: continued
+            assert again.status == "completed"
+            two.response.create(model="hotloop-sim", input="b " * 250_000, store=False)
+            assert until_terminal(two)[-1].type == "response.completed"
+            after = caches()
+            assert after["entries"] == 1 and after["bytes"] <= 600_000  # one's went to make room
+            one.response.create(model="hotloop-sim", input="more", previous_response_id=again.id, store=False)
+            [e] = until_terminal(one)
+            assert e.type == "error" and e.error.code == "previous_response_not_found"
+            two.close()
+            deadline = time.monotonic() + 10
+            while caches()["entries"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert caches() == {"entries": 0, "bytes": 0, "max_bytes": 600_000}

@@ -317,6 +317,30 @@ def test_connection_cache_does_not_keep_an_oversize_response() -> None:
     assert (len(conn), conn.nbytes) == (0, 0)
 
 
+def test_connections_share_one_byte_budget_oldest_first() -> None:
+    """Each connection under its own bound, all of them over the process's: the oldest entries
+    go, whichever connection holds them; a closed connection gives its bytes back."""
+    from hotloop.state.context import CacheBudget
+
+    budget = CacheBudget(max_bytes=1000)
+    one, two, three = (ConnectionCache(max_bytes=800, budget=budget) for _ in range(3))
+    one.put(_entry("a"), nbytes=400)
+    two.put(_entry("b"), nbytes=400)
+    assert (budget.nbytes, len(budget)) == (800, 2)
+    three.put(_entry("c"), nbytes=400)  # 1200 > 1000: one's "a" goes
+    assert one.get("a") is None and (len(one), one.nbytes) == (0, 0)
+    assert two.get("b") is not None and three.get("c") is not None
+    assert (budget.nbytes, len(budget)) == (800, 2)
+    two.put(_entry("b2"), nbytes=300)  # supersedes "b" on its lane: 700 in all
+    assert two.get("b") is None and budget.nbytes == 700
+    three.evict("c")
+    assert budget.nbytes == 300
+    one.put(_entry("big"), nbytes=1001)  # over the budget itself: not cached, nothing dropped
+    assert one.get("big") is None and two.get("b2") is not None and budget.nbytes == 300
+    two.clear()
+    assert (budget.nbytes, len(budget)) == (0, 0)
+
+
 # -- through the engine ------------------------------------------------------------------------
 
 

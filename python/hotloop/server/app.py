@@ -232,6 +232,10 @@ class HotloopApp:
                 "hits": eng.prefixes.hits, "raw_hits": eng.prefixes.raw_hits,
                 "body_hits": eng.prefixes.body_hits, "misses": eng.prefixes.misses,
             },
+            "ws_connection_caches": {
+                "entries": len(eng.conn_cache_budget), "bytes": eng.conn_cache_budget.nbytes,
+                "max_bytes": eng.conn_cache_budget.max_bytes,
+            },
             "tools_cache": {"entries": len(eng.tools), "bytes": eng.tools.nbytes, "hits": eng.tools.hits, "misses": eng.tools.misses},
             "turns": [
                 {"transport": t, "cpu_us": round(c, 1), "pre_us": round(p, 1), "events": e, "context_items": n}

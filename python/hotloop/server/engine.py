@@ -48,7 +48,7 @@ from hotloop.protocol.objects import IdGen, response_object, wants_encrypted_rea
 from hotloop.protocol.request import CreateRequest, Item, ItemReference, Prepared, validate
 from hotloop.protocol.turn import STEERED, Turn
 from hotloop.state import fpkey
-from hotloop.state.context import CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
+from hotloop.state.context import CacheBudget, CachedResponse, ConnectionCache, Deletions, ResponseCache, entry_nbytes
 from hotloop.state.prefix import Prefix, PrefixCache, Sent
 from hotloop.state.store import visible
 from hotloop.tenants import ANONYMOUS, Grant, LimitExceeded, Tenancy, Tenant
@@ -94,6 +94,8 @@ class Engine:
         )
         # Responses deleted, for the WebSocket connections' caches (hotloop.state.context.Deletions).
         self.deletions = Deletions()
+        # What the WebSocket connections' caches hold together (hotloop.state.context.CacheBudget).
+        self.conn_cache_budget = CacheBudget(config.ws_cache_total_bytes)
         # Inputs of finished responses, for clients that resend the whole history (pipeline.reuse).
         self.prefixes = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
         # An agent's tool definitions, decoded and checked once per key (pipeline.settings).

@@ -150,7 +150,11 @@ class Connection:
             check_steer=self._check_steer,
             finishing=self._finishing,
         )
-        self.cache = ConnectionCache(cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes, deletions=self.app.engine.deletions)
+        engine = self.app.engine
+        self.cache = ConnectionCache(
+            cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes, deletions=engine.deletions,
+            budget=engine.conn_cache_budget,
+        )
         return self.session
 
     def _check_steer(self, items: list[Any]) -> None:

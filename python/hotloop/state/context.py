@@ -568,6 +568,40 @@ class Deletions:
         return g > generation if g is not None else self._forgotten > generation
 
 
+class CacheBudget:
+    """The bytes all WebSocket connections' caches hold together (``ws_cache_total_bytes``,
+    default 1 GiB): past it the process's oldest cached responses go first, whichever connection
+    holds them (as if each had passed its own ``max_bytes``). Each connection's own bound alone
+    would let ``max_connections`` connections hold 64 MiB each.
+
+    Entries are ordered by when they were cached; a connection that closes gives its entries
+    back (:meth:`ConnectionCache.clear`)."""
+
+    def __init__(self, max_bytes: int = 1024 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        # (the cache's id, response id) -> the cache, oldest first
+        self._order: OrderedDict[tuple[int, str], ConnectionCache] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def _add(self, cache: ConnectionCache, response_id: str, n: int) -> None:
+        self._order[(id(cache), response_id)] = cache
+        self._bytes += n
+        while self._bytes > self.max_bytes:
+            (_, oldest), holder = next(iter(self._order.items()))
+            holder._drop(oldest)  # calls _remove
+
+    def _remove(self, cache: ConnectionCache, response_id: str, n: int) -> None:
+        if self._order.pop((id(cache), response_id), None) is not None:
+            self._bytes -= n
+
+
 class ConnectionCache:
     """The WebSocket connection's own cache of its most recent response(s), per lane.
 
@@ -581,17 +615,19 @@ class ConnectionCache:
     process-wide cache and the store like any miss (so only a ``store: false`` response is lost).
 
     ``deletions``: the process's :class:`Deletions`; a response deleted after it was cached here
-    is not served (and is dropped).
+    is not served (and is dropped). ``budget``: the process's :class:`CacheBudget`, which may
+    drop this cache's oldest entries to make room for another connection's.
     """
 
     def __init__(
         self, max_entries: int = 1, max_lanes: int = 32, max_bytes: int = 64 * 1024 * 1024,
-        deletions: Deletions | None = None,
+        deletions: Deletions | None = None, budget: CacheBudget | None = None,
     ) -> None:
         self.max_entries = max(1, max_entries)
         self.max_lanes = max_lanes
         self.max_bytes = max_bytes
         self.deletions = deletions
+        self.budget = budget
         self._lanes: dict[str | None, OrderedDict[str, CachedResponse]] = {None: OrderedDict()}
         # id -> (lane, bytes, the deletions' generation when cached), oldest first
         self._order: OrderedDict[str, tuple[str | None, int, int]] = OrderedDict()
@@ -633,11 +669,14 @@ class ConnectionCache:
         self._bytes += n
         while len(d) > self.max_entries:
             self._drop(next(iter(d)))
-        if n > self.max_bytes:
+        budget = self.budget
+        if n > self.max_bytes or (budget is not None and n > budget.max_bytes):
             self._drop(rid)  # too large to keep; the lane's older responses were still superseded
             return
         while self._bytes > self.max_bytes:
             self._drop(next(iter(self._order)))
+        if budget is not None:
+            budget._add(self, rid, n)
 
     def _drop(self, response_id: str) -> None:
         found = self._order.pop(response_id, None)
@@ -645,6 +684,8 @@ class ConnectionCache:
             lane, n, _ = found
             self._bytes -= n
             del self._lanes[lane][response_id]
+            if self.budget is not None:
+                self.budget._remove(self, response_id, n)
 
     def evict(self, response_id: str, lane: str | None = None) -> None:
         """Drop ``response_id`` if it belongs to ``lane`` (a failed fork from another lane keeps it)."""
@@ -653,6 +694,10 @@ class ConnectionCache:
             self._drop(response_id)
 
     def clear(self) -> None:
+        budget = self.budget
+        if budget is not None:
+            for rid, (_, n, _) in self._order.items():
+                budget._remove(self, rid, n)
         self._lanes = {None: OrderedDict()}
         self._order.clear()
         self._bytes = 0
