@@ -274,6 +274,27 @@ def test_an_early_413_on_a_keep_alive_connection_reads_the_body(srv: Server, bas
     assert _settled(srv, baseline, 5.0) == baseline
 
 
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(srv: Server, baseline: int) -> None:
+    """A ``Content-Length`` over the body limit is a 413 at once: in place of the ``100 Continue``
+    its client waits for (then connection: close), and before any of its body was sent."""
+    a = exchange(srv.port, _post(b"/v1/responses", 4 * MAX_BODY, b"Expect: 100-continue\r\n"))
+    assert not a.data.startswith(b"HTTP/1.1 100"), a.data[:100]
+    a.refused(413, "request_too_large")
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    try:
+        s.sendall(_post(b"/v1/responses", 4 * MAX_BODY))  # the head only: no body byte yet
+        a = Answer(b"", "", 0.0, s)
+        while not a.data.endswith(b"}"):
+            chunk = s.recv(1 << 16)
+            assert chunk, a.data
+            a.data += chunk
+        [(status, _, body)] = a.responses()
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    finally:
+        s.close()
+    assert _settled(srv, baseline, 5.0) == baseline
+
+
 def test_a_client_that_keeps_its_socket_open_is_closed_within_the_bound(srv: Server, baseline: int) -> None:
     """The client reads the refusal and its FIN but never closes: the server does, at most the
     linger later."""

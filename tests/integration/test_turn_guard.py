@@ -65,6 +65,21 @@ def test_the_limits_bound_a_whole_input_when_nothing_is_reused(server: Server) -
     assert responses_recorded(server) - before == 2  # refused requests are no responses
 
 
+def test_the_count_endpoint_refuses_what_a_turn_may_not_add(server: Server) -> None:
+    """``POST /v1/responses/input_tokens`` counts no input that ``POST /v1/responses`` refuses."""
+
+    def count(**body: Any) -> httpx.Response:
+        return httpx.post(server.v1 + "/responses/input_tokens", json={"model": "hotloop-sim", **body}, timeout=30)
+
+    assert_too_large(count(input="x" * MAX_BYTES), f"the {MAX_BYTES} bytes")
+    assert_too_large(count(input=[user(f"u{i}") for i in range(MAX_ITEMS + 1)]), f"at most {MAX_ITEMS} new items")
+    ok = count(input=[user(f"u{i}") for i in range(MAX_ITEMS)])
+    assert ok.status_code == 200 and ok.json()["input_tokens"] > 0, ok.text
+    # a whole history: only what follows the model's last output is this turn's
+    history = [user("a" * (MAX_BYTES // 2)), {"type": "message", "role": "assistant", "content": "b" * (MAX_BYTES // 2)}]
+    assert count(input=[*history, user("c")]).status_code == 200
+
+
 def test_the_openai_sdk_gets_a_bad_request_error(server: Server) -> None:
     client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:

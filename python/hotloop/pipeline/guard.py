@@ -100,6 +100,15 @@ def turn_start(items: Sequence[Item] | Sequence[dict[str, Any]], end: int | None
     return 0
 
 
+def turn_items(items: list[Item], chained: bool, whole: bool) -> list[Item]:
+    """What a request's turn adds, without a cached prefix: all of ``items`` after
+    ``previous_response_id`` (``chained``) or for a string input; of a whole history (``whole``:
+    an input list), what follows the model's last output in it."""
+    if not chained and whole and len(items) > 1:
+        return items[turn_start(items) :]
+    return items
+
+
 def check(items: Sequence[Item] | Sequence[dict[str, Any]], max_items: int, max_bytes: int) -> None:
     """Raise :class:`InputTooLarge` if ``items`` (a turn's new input items) are more than
     ``max_items`` or their JSON more than ``max_bytes``."""

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs
 import msgspec
 
 from hotloop import __version__, errors
-from hotloop.pipeline import reuse
+from hotloop.pipeline import guard, reuse
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol.events import Frame
@@ -242,6 +242,12 @@ class HttpTransport:
         codings = _codings(scope)
         if codings:
             _supported(codings)  # before the body is read
+        if _declared_length(scope) > limit:
+            # refused before any of it is read (and instead of a 100 Continue): the limit is on
+            # the body as sent, coded or not. A client waiting for the 100 gets this instead, and
+            # connection: close (httpproto); another's body is read and dropped, as after any
+            # early answer on a keep-alive connection.
+            raise errors.PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
         chunks: list[bytes | bytearray] = []
         size = 0
         while True:
@@ -606,6 +612,11 @@ class HttpTransport:
             model = parent.response.get("model") if parent is not None else None
             req.model = model if isinstance(model, str) and model else self.app.backend.default_model
         p = validate(req, counting=True)
+        # the per-turn bound of POST /v1/responses (README, Bounds): an input that request refuses
+        # is not counted either (a 30 MB one took the tokenizer thread about 10 s)
+        cfg = self.app.config
+        new = guard.turn_items(p.items, req.previous_response_id is not None, type(req.input) is list)
+        guard.check(new, cfg.max_turn_input_items, cfg.max_turn_input_bytes)
         if parent is None:
             parent = await self.app.engine.resolve(req.previous_response_id, None, scope)
         stored = await self.app.engine.stored_items(p, parent, scope)
@@ -774,6 +785,15 @@ def _decoder() -> ThreadPoolExecutor:
     if not _DECODER:
         _DECODER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-decode"))
     return _DECODER[0]
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's ``Content-Length`` (0 when it has none: chunked, or no body). The parser has
+    refused a malformed or conflicting one before the request got here."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def _codings(scope: Scope) -> list[str]:
