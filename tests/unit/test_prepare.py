@@ -42,6 +42,19 @@ def test_deferred_settings_keep_cached_tokens() -> None:
     assert inline.cached_tokens >= 6000
 
 
+def test_a_continuation_on_another_model_reports_nothing_cached() -> None:
+    """A prompt cache is per model: continued on the same model the parent's conversation is
+    cached, on another one none of it (the input tokens are the same either way)."""
+    first = plan_for({"model": "big", "input": "hello " * 50})
+    response = response_object(first.prepared, "resp_1", 0)
+    response["output"] = []
+    parent = finished(first, response)
+    same = plan_for({"model": "big", "input": "more", "previous_response_id": "resp_1"}, parent)
+    other = plan_for({"model": "tiny", "input": "more", "previous_response_id": "resp_1"}, parent)
+    assert same.cached_tokens >= 50 and other.cached_tokens == 0
+    assert same.input_tokens == other.input_tokens
+
+
 def test_settings_sent_differently_are_counted_again() -> None:
     """The parent's settings count is reused only for the very same instructions and tools: a
     tool with its keys in another order, or 1 where the parent had 1.0, is counted again (its

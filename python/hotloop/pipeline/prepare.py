@@ -337,8 +337,11 @@ def prepare(
         # What a prompt cache would hold: the parent's whole conversation and the settings
         # rendered before it (instructions, tools), when those did not change. A prompt is
         # cached by its prefix, and the settings come first: changed, nothing of the
-        # conversation after them is served from the cache either.
-        unchanged = same or (same_instructions and parent.response.get("tools") == p.tools)
+        # conversation after them is served from the cache either. A prompt cache is the
+        # model's own: after a change of model nothing is cached.
+        unchanged = parent.response.get("model") == p.req.model and (
+            same or (same_instructions and parent.response.get("tools") == p.tools)
+        )
         if unchanged:
             cached = base.tokens + settings  # the part already counted; settle() adds the rest
     plan = Plan(p, parent, new, fps, toks, missing, missing_blobs, settings, cached, cache, unchanged, sizes)
