@@ -422,6 +422,18 @@ class HttpTransport:
                         corked(False)
                         corked = None
                     run.emit = emit
+        except (_ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            # The head has gone out: no other answer can be sent (a second head would be the
+            # server's own error). The stream ends here; the failure is logged, once.
+            if isinstance(exc, errors.HotloopError):
+                log.warning("SSE stream of request %s ended early: %s", rid, type(exc).__name__)
+            else:
+                log.exception("SSE stream of request %s ended early", rid)
+            if self.app.metrics is not None:
+                self.app.metrics.error(exc if isinstance(exc, errors.HotloopError) else errors.ServerError())
+            return
         finally:
             run.emit = None  # no cycle through the closures
             run.emit_deltas = None
