@@ -147,7 +147,7 @@ class AuthenticationFailed(HotloopError):
 
 
 class PermissionDenied(HotloopError):
-    """A valid key asking for what only the admin key may read (per-key metrics)."""
+    """A valid key asking for what only the admin key may read (/metrics)."""
 
     status = 403
     type = "invalid_request_error"

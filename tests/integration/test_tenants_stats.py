@@ -68,6 +68,23 @@ def test_a_tenants_key_sees_counts_and_no_other_tenants_turns(keyed: tuple[Serve
     assert len(transports) >= 2 and {"json", "ws"} <= set(transports), transports
 
 
+def test_metrics_are_the_operators_not_a_tenants(keyed: tuple[Server, dict[str, str]]) -> None:
+    """/metrics is the whole server's activity (every tenant's tokens, the kinds of secrets they
+    sent): a tenant's key gets a 403, as it gets the reduced /hotloop/stats; the admin key all."""
+    s, keys = keyed
+    r = httpx.post(
+        s.v1 + "/responses", json={"model": "hotloop-sim", "input": "bob's token ghp_" + "a1B2c3D4e5" * 4},
+        headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    as_alice = httpx.get(s.base + "/metrics", headers={"Authorization": f"Bearer {keys['alice']}"}, timeout=10)
+    assert as_alice.status_code == 403 and "hotloop_tokens_total" not in as_alice.text
+    err = as_alice.json()["error"]
+    assert err["type"] == "invalid_request_error" and "admin" in err["message"]
+    admin = httpx.get(s.base + "/metrics", headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=10)
+    assert admin.status_code == 200 and "hotloop_tokens_total" in admin.text
+
+
 def test_bad_keys_are_still_refused(keyed: tuple[Server, dict[str, str]]) -> None:
     s, _ = keyed
     for secret in (None, "hl-" + "x" * 43, "sk-nope"):

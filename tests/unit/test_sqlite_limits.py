@@ -80,6 +80,28 @@ def test_the_file_is_beside_the_store_and_starts_empty(tmp_path: Path) -> None:
     assert not any(tmp_path.glob("hotloop-limits*"))
 
 
+def test_the_file_and_its_companions_are_private_in_a_shared_directory(tmp_path: Path) -> None:
+    """Its keys' ids and bucket levels are each tenant's activity: 0600 as the store file, in a
+    data directory other users may list (0755)."""
+    import os
+    import stat
+
+    tmp_path.chmod(0o755)
+    p = sqlite_limits.limits_path(tmp_path / "hotloop.sqlite3")
+    old = os.umask(0o022)
+    try:
+        sqlite_limits.create(p)
+        with sqlite3.connect(p) as db:
+            db.execute("INSERT INTO buckets VALUES ('k', 'rpm', 3, 0.0, 1.0)")
+        made = sorted(tmp_path.glob("hotloop-limits*"))
+        assert {f.name for f in made} >= {"hotloop-limits.sqlite3", "hotloop-limits.sqlite3-lock"}
+        for f in made:
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    finally:
+        os.umask(old)
+        sqlite_limits.remove(p)
+
+
 def test_requests_per_minute_are_shared(pair: tuple[SQLiteLimiter, SQLiteLimiter], clock: Clock) -> None:
     a, b = pair
     limits = Limits(rpm=3)

@@ -143,11 +143,12 @@ class HttpTransport:
         path: str = scope["path"].rstrip("/") or "/"
         if path == "/metrics" and self.app.metrics is not None:
             self._method(method, "GET")
-            if self.app.metrics.per_key and tenant is not None and tenant.key_hash:
-                # per-key series are every key's usage (and name): the admin key's, as /hotloop/usage
+            if tenant is not None and not self.app.tenancy.operator(tenant):
+                # the whole server's activity (every tenant's tokens and responses, the kinds of
+                # secrets they sent, cache hits), which /hotloop/stats keeps from tenants' keys
+                # (Tenancy.operator); per-key series hold every key's usage and name besides
                 raise errors.PermissionDenied(
-                    "Per-key metrics (--metrics-per-key) are served to the admin key (--api-key) only, "
-                    "or to anyone with --metrics-public."
+                    "Metrics are served to the admin key (--api-key) only, or to anyone with --metrics-public."
                 )
             return await respond(200, self.app.metrics.render(), content_type=METRICS_CONTENT_TYPE.encode())
         if path in _PUBLIC:

@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from hotloop import errors
+from hotloop.state import create_private
 from hotloop.state.store import locked
 from hotloop.tenants.keys import Limits
 from hotloop.tenants.limits import DEFAULT_MAX_KEYS, Bucket, Grant, LimitExceeded, MemoryLimiter, SharedGrant
@@ -131,7 +132,7 @@ def _lock(path: Path, *, create: bool) -> tuple[int, bool] | None:
     lock = _lock_path(path)
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
         except FileNotFoundError:
             return None
         try:
@@ -164,6 +165,8 @@ def _unlink(path: Path) -> None:
 
 
 def _prepare(path: Path, empty: bool) -> None:
+    # (its keys' ids and bucket levels are each tenant's activity: private as the store file is)
+    create_private(str(path))
     db = _connect(path, BUSY_SECONDS, create=True)
     try:
         db.execute("PRAGMA journal_mode=WAL")
