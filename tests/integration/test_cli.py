@@ -209,3 +209,24 @@ def test_a_reader_that_stops_early_is_no_store_failure(tmp_path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(30) == 0, err
     assert "BrokenPipe" not in err and "cannot open the store" not in err, err
+
+
+def test_a_store_file_that_cannot_be_written_stops_start_up(tmp_path) -> None:
+    """SQLite opens a file it may only read read-only, without a word: the server started, and
+    then answered every response ``completed`` while storing none. Start-up now fails, in one
+    line (run without the capability that lets root write anyway)."""
+    from hotloop.state.store import SQLiteStore
+    from hotloop.tenants.keys import SQLiteKeyStore
+
+    db = tmp_path / "hotloop.sqlite3"
+    SQLiteStore(db).close()  # a store an earlier server made: its schema whole, nothing to add
+    SQLiteKeyStore(str(db)).close()
+    db.chmod(0o400)
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"] if os.geteuid() == 0 else []
+    p = subprocess.run(
+        [*prefix, HOTLOOP, "serve", "--port", "0"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "HOTLOOP_DATA_DIR": str(tmp_path)},
+    )
+    assert p.returncode == 3, p.stderr
+    assert "start-up failed" in p.stderr and "can be read but not written" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "uvicorn running" not in p.stderr.lower()

@@ -309,3 +309,64 @@ def test_a_real_full_disk_is_logged_once_per_kind_and_the_writer_recovers(
         await p.close()
 
     asyncio.run(main())
+
+
+def test_a_delete_the_file_refuses_to_write_is_a_503_in_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A DELETE (and a usage listing) whose write fails otherwise than locked out (here the file
+    refuses every write: SQLITE_READONLY; a full disk or an I/O error alike) is a 503 to retry,
+    logged in one line without a traceback; nothing is deleted, and once the file takes writes
+    again the delete goes through. It was an unhandled error: a 500 and a traceback."""
+    from hotloop import errors
+
+    store = SQLiteStore(tmp_path / "ro.sqlite3")
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        p = Persistence(store, commit_delay=0.0)
+        entry = _entry("resp_ro1")
+        await p.submit(entry)
+        await p.flush()
+        with store._lock:
+            store._db.execute("PRAGMA query_only = ON")
+        for _ in range(3):
+            with pytest.raises(errors.StoreUnavailable) as info:
+                await p.delete("resp_ro1")
+            assert info.value.status == 503 and "retry" in info.value.message
+        logged = _store_logs(caplog)
+        assert len(logged) == 1 and "a delete" in logged[0].getMessage() and "answered 503" in logged[0].getMessage()
+        _no_traceback(logged, caplog)
+        assert store.get("resp_ro1") is not None  # nothing deleted
+        with store._lock:
+            store._db.execute("PRAGMA query_only = OFF")
+        assert await p.delete("resp_ro1") is True
+        assert store.get("resp_ro1") is None
+        await p.close()
+
+    asyncio.run(main())
+    store.close()
+
+
+def test_a_delete_that_outwaits_the_writer_is_logged_as_a_locked_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A DELETE refused because the store's writer (retrying a batch another connection locks
+    out) did not finish within the busy timeout says so in the log, at most once a minute, as a
+    DELETE locked out of the file itself does."""
+    store = SQLiteStore(tmp_path / "busy.sqlite3", busy_timeout=0.3)
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        p = Persistence(store, commit_delay=0.0)
+        gate = asyncio.Event()
+
+        async def never() -> None:
+            await gate.wait()
+
+        p.flush = never  # type: ignore[method-assign]  # the writer, behind a lock, never done
+        for _ in range(2):
+            with pytest.raises(post.StoreBusy):
+                await p.delete("resp_x")
+        lines = [r.getMessage() for r in _store_logs(caplog) if "answered 503" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("a delete: the store's writer"), lines
+        gate.set()
+
+    asyncio.run(main())
+    store.close()

@@ -1035,15 +1035,19 @@ class Persistence:
         bound = getattr(self.store, "busy_timeout", None)
         return None if bound is None else time.monotonic() + bound
 
-    async def _settled(self, deadline: float | None) -> None:
-        """:meth:`flush`, within ``deadline`` (:class:`StoreBusy` past it; nothing is lost)."""
+    async def _settled(self, deadline: float | None, what: str) -> None:
+        """:meth:`flush`, within ``deadline`` (:class:`StoreBusy` past it, logged as the store
+        logs its own, for the request ``what``; nothing is lost)."""
         if deadline is None:
             await self.flush()
             return
         try:
             await asyncio.wait_for(self.flush(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            raise StoreBusy() from None
+            busy = getattr(self.store, "_busy", None)
+            if busy is None:
+                raise StoreBusy() from None
+            raise busy(what, "the store's writer, retrying a batch locked out of the file, did not finish in time") from None
 
     def _store_delete(
         self, response_id: str, scope: str | None, deadline: float | None, on_delete: Callable[..., None] | None = None
@@ -1067,7 +1071,7 @@ class Persistence:
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
         """:raises StoreBusy: a SQLite store locked out past the request's bound (nothing deleted)."""
         deadline = self._deadline()
-        await self._settled(deadline)  # a write submitted earlier must not resurrect what is deleted now
+        await self._settled(deadline, "a delete")  # a write submitted earlier must not resurrect what is deleted now
         return bool(await self._call(self._store_delete, response_id, scope, deadline))
 
     async def usage(
@@ -1078,5 +1082,5 @@ class Persistence:
 
         :raises StoreBusy: a SQLite store locked out past the request's bound."""
         deadline = self._deadline()
-        await self._settled(deadline)
+        await self._settled(deadline, "a usage listing")
         return await self._call(self._store_usage, key, since, after, limit, deadline)  # type: ignore[no-any-return]

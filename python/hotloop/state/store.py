@@ -980,6 +980,8 @@ class SQLiteStore(_Pruned):
         self.busy_timeout = busy
         self._busy_logged = -BUSY_LOG_SECONDS  # monotonic time of the last StoreBusy line
         self._busy_unlogged = 0  # StoreBusy raised since that line
+        self._unwritable_logged = -BUSY_LOG_SECONDS  # the same for writes that failed otherwise
+        self._unwritable_count = 0
         # One connection used from one thread at a time (the writer thread); the lock makes
         # occasional use from another thread (tests, the CLI) safe too.
         self._db = sqlite3.connect(self.path, timeout=self.busy_timeout, check_same_thread=False, isolation_level=None)
@@ -989,6 +991,7 @@ class SQLiteStore(_Pruned):
         self._settings = _SettingsBlobs()  # instructions and tools encoded lately (put)
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         with self._lock:
+            self._writable()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")
@@ -1013,6 +1016,29 @@ class SQLiteStore(_Pruned):
             self.call_id_key = self._call_id_key()
             self._db.executescript(_INDEXES)
             self._tidy_at_open("orphaned item bodies are collected at the next open", self._collect_orphans)
+
+    def _writable(self) -> None:
+        """Refuse a file this process can only read: SQLite opens it read-only without a word,
+        and every later write (each response's, the usage ledger's, a delete) would fail while
+        the server answered ``completed``. A write, rolled back, says so (``BEGIN IMMEDIATE``
+        alone does not); one another connection holds the lock for does not: the file is
+        written, and this one waits for it."""
+        try:
+            with self._waiting(min(OPEN_WAIT, self.busy_timeout)):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("CREATE TABLE hotloop_write_probe (x)")
+                finally:
+                    self._db.execute("ROLLBACK")
+        except sqlite3.OperationalError as exc:
+            if locked(exc):
+                return
+            if exc.sqlite_errorcode == sqlite3.SQLITE_READONLY or "readonly" in str(exc):
+                raise errors.StoreUnavailable(
+                    f"the store file {self.path} can be read but not written (its permissions, or a "
+                    "read-only file system): the server would lose every response"
+                ) from None
+            raise
 
     def _waiting(self, seconds: float) -> contextlib.AbstractContextManager[None]:
         """The connection's statements inside wait at most ``seconds`` (0: not at all) for
@@ -1436,19 +1462,39 @@ class SQLiteStore(_Pruned):
             response.update(_dec.decode(row[0]))  # the keys are there (null): their places are kept
         return response
 
-    def _busy(self, what: str) -> StoreBusy:
+    def _busy(self, what: str, why: str | None = None) -> StoreBusy:
         """The :class:`StoreBusy` of a client's request (``what``) locked out, logged in one line,
-        at most one per ``BUSY_LOG_SECONDS`` with a count."""
+        at most one per ``BUSY_LOG_SECONDS`` with a count. ``why``: what held it up, if not
+        another connection's write lock."""
         now = time.monotonic()
         self._busy_unlogged += 1
         if now - self._busy_logged >= BUSY_LOG_SECONDS:
+            held = why or (
+                f"another connection held the SQLite write lock of {self.path} past the busy timeout "
+                f"({self.busy_timeout:g} s)"
+            )
             log.warning(
-                "%s: another connection held the SQLite write lock of %s past the busy timeout (%g s); "
-                "answered 503 (%d such request(s) since the last line; at most one line per %g s)",
-                what, self.path, self.busy_timeout, self._busy_unlogged, BUSY_LOG_SECONDS,
+                "%s: %s; answered 503 (%d such request(s) since the last line; at most one line per %g s)",
+                what, held, self._busy_unlogged, BUSY_LOG_SECONDS,
             )
             self._busy_logged, self._busy_unlogged = now, 0
         return StoreBusy()
+
+    def _unwritable(self, what: str, exc: sqlite3.Error) -> errors.StoreUnavailable:
+        """The answer to a client's request (``what``) whose write failed otherwise than locked
+        out (a full disk, an I/O error, a file made read-only): a 503 to retry, nothing of it
+        done (its transaction rolled back), one line in the log (at most one per
+        ``BUSY_LOG_SECONDS``, with a count) and no traceback."""
+        now = time.monotonic()
+        self._unwritable_count += 1
+        if now - self._unwritable_logged >= BUSY_LOG_SECONDS:
+            log.warning(
+                "%s: the store %s could not be written: %s; answered 503 (%d such request(s) since the "
+                "last line; at most one line per %g s)",
+                what, self.path, failure_kind(exc)[1], self._unwritable_count, BUSY_LOG_SECONDS,
+            )
+            self._unwritable_logged, self._unwritable_count = now, 0
+        return errors.StoreUnavailable("The response store could not be written. Please retry shortly.")
 
     @contextlib.contextmanager
     def _request_write(self, what: str, wait: float | None) -> Iterator[None]:
@@ -1465,9 +1511,9 @@ class SQLiteStore(_Pruned):
         try:
             with self._waiting(deadline - time.monotonic()):
                 yield
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             if not locked(exc):
-                raise
+                raise self._unwritable(what, exc) from None
             raise self._busy(what) from exc
         finally:
             self._lock.release()
