@@ -203,6 +203,20 @@ def retrieved(fut: Any) -> None:
         fut.exception()
 
 
+class QuotaExhausted(HotloopError):
+    """The model backend's quota for this server's account is used up (OpenAI's
+    ``insufficient_quota``): retrying does not help until its operator acts, so the answer says
+    ``x-should-retry: false`` (the SDKs retry a 429 otherwise) and carries OpenAI's type and code
+    (Codex tells it apart from a rate limit by them)."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
 class RateLimited(HotloopError):
     status = 429
     type = "rate_limit_exceeded"

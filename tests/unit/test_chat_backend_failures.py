@@ -111,6 +111,25 @@ def test_a_delay_that_is_not_finite_is_no_delay() -> None:
 
 
 @pytest.mark.parametrize("which", BACKENDS)
+def test_a_backend_out_of_quota_is_said_so_and_not_retried(which: str, mock: MockChatServer) -> None:
+    """OpenAI's ``insufficient_quota`` 429 (the account hotloop uses has no quota left) went on as
+    a retryable rate limit: the SDKs sent it again and again, for the same answer, and Codex
+    could not tell it from one. It is the same 429 with OpenAI's type and code, not retried by
+    hotloop, and ``x-should-retry: false`` for the SDKs."""
+    body = {"error": {"message": "You exceeded your current quota, please check your plan and billing details.",
+                      "type": "insufficient_quota", "param": None, "code": "insufficient_quota"}}
+    for reply in (body, {"error": {**body["error"], "code": None}}):  # known by its type alone too
+        _, exc = _stream(which, mock, Reply.error(429, reply))
+        assert isinstance(exc, errors.QuotaExhausted), exc
+        assert (exc.status, exc.type, exc.code) == (429, "insufficient_quota", "insufficient_quota")
+        assert exc.headers == {"x-should-retry": "false"} and "quota" in exc.message
+        assert len(mock.requests) == 1  # not retried
+    # a plain rate limit is still one
+    _, exc = _stream(which, mock, Reply.error(429, {"error": {"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}}))
+    assert type(exc) is errors.RateLimited
+
+
+@pytest.mark.parametrize("which", BACKENDS)
 def test_a_503_passes_on_the_delay_its_backend_asked_for(which: str, mock: MockChatServer) -> None:
     """An overloaded backend's 503 with ``retry-after`` reached the client as a 503 without it
     (HTTP headers, and a WebSocket error frame's ``error.headers``), so openai-python and Codex

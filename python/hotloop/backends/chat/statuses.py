@@ -150,6 +150,13 @@ def _error_fields(body: object) -> tuple[str, str]:
     return "", ""
 
 
+def _error_type(body: object) -> str:
+    """The ``type`` of an OpenAI-style error object (``""`` if none)."""
+    inner = body.get("error") if isinstance(body, dict) else None
+    kind = (inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}).get("type")
+    return kind if isinstance(kind, str) else ""
+
+
 # The backends' own credentials, registered when a backend starts (withhold): a backend's error
 # message that quotes one never repeats it, to a client or in the log. Bounded by the backends
 # one process starts.
@@ -225,6 +232,13 @@ def status_error(
     """
     message, code = _error_fields(body)
     log.warning("%s backend answered HTTP %d: %s", backend, status, _safe(message) or "(no message)")
+    if status == 429 and (code == "insufficient_quota" or _error_type(body) == "insufficient_quota"):
+        # the account hotloop uses has no quota left (OpenAI's answer, and many a compatible
+        # provider's): not a rate limit that passes
+        return errors.QuotaExhausted(
+            f"The model backend's quota for this server is exhausted (model '{errors.clip(model)}'); "
+            "retrying will not help until the server's operator restores it."
+        )
     if status == 429:
         # The backend's x-ratelimit-* headers describe hotloop's own account with it: they decide
         # the delay and are never passed on.
