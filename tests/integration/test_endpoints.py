@@ -235,6 +235,7 @@ def test_input_items_list_fields_stored_without_their_defaults(client: OpenAI) -
     out_image = items[5].output[1]  # type: ignore[union-attr,index]
     assert type(out_image).__name__ == "ResponseInputImage" and out_image.detail == "auto"  # typed, not a dict
     assert out_image.image_url == "https://example.com/b.png"
+    assert items[5].status == "completed"  # type: ignore[union-attr]  # required by the SDKs' type
 
 
 def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:

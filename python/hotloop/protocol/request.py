@@ -882,7 +882,8 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
     content parts (``input_text``, ``output_text`` for the assistant) and a ``status``; the SDKs
     type a listed message by that form. Fields stored without their default value are listed
     with it (an ``output_text``'s ``annotations`` and ``logprobs``, an ``input_image``'s
-    ``detail``, a reasoning item's ``summary``). The stored item itself stays as it was sent."""
+    ``detail``, a reasoning item's ``summary``; a tool output's ``status``). The stored item
+    itself stays as it was sent."""
     kind = d.get("type")
     if kind == "reasoning":
         return d if "summary" in d else {**d, "summary": []}
@@ -892,7 +893,8 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
             parts = [_listed_part(p) for p in output]
             if any(a is not b for a, b in zip(parts, output)):
                 d = {**d, "output": parts}
-        return d
+        # and a status, which the SDKs' listed output item requires (openai-python, -node)
+        return d if d.get("status") is not None else {**d, "status": "completed"}
     if kind != "message":
         return d
     content = d.get("content")
