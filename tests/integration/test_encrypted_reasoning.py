@@ -71,6 +71,28 @@ def test_returned_with_include(server: Server) -> None:
     assert httpx.get(f"{server.v1}/responses/{js['id']}", timeout=10).json() == js
 
 
+def test_retrieve_with_include_returns_it(server: Server) -> None:
+    """GET /v1/responses/{id} with ``include[]=reasoning.encrypted_content`` (how the SDKs write
+    ``retrieve(id, include=[...])``) returns each reasoning item with the token a create asking
+    for it gets; without ``include`` the stored response as it is."""
+    client = OpenAI(api_key="k", base_url=server.v1, max_retries=0)
+    for summary in (None, {"summary": "auto"}):
+        extra: dict[str, Any] = {"reasoning": summary} if summary else {}
+        sealed_js = httpx.post(server.v1 + "/responses", json=body(include=INCLUDE, **extra), timeout=30).json()
+        plain = httpx.post(server.v1 + "/responses", json=body(**extra), timeout=30).json()
+        assert "encrypted_content" not in json.dumps(plain)
+        got = client.responses.retrieve(plain["id"], include=["reasoning.encrypted_content"])  # type: ignore[list-item]
+        item = got.output[0]
+        assert item.type == "reasoning" and item.encrypted_content == sealed_js["output"][0]["encrypted_content"]
+        raw = httpx.get(f"{server.v1}/responses/{plain['id']}?include=reasoning.encrypted_content", timeout=10).json()
+        assert list(raw["output"][0])[:3] == ["id", "type", "encrypted_content"]
+        assert raw == {**plain, "output": [raw["output"][0], *plain["output"][1:]]}
+        assert httpx.get(f"{server.v1}/responses/{plain['id']}", timeout=10).json() == plain  # stored unchanged
+        # a value it does not know is ignored, as create ignores it
+        other = httpx.get(f"{server.v1}/responses/{plain['id']}?include[]=nope", timeout=10)
+        assert other.status_code == 200 and other.json() == plain
+
+
 def test_returned_when_not_stored(server: Server) -> None:
     events, _ = sse(server, body(store=False, reasoning={"summary": "auto"}))
     item = sealed_item(events)

@@ -29,8 +29,9 @@ from hotloop import __version__, errors
 from hotloop.pipeline import guard, reuse
 from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
+from hotloop.protocol import sealed
 from hotloop.protocol.events import Frame
-from hotloop.protocol.request import decode_body, item_to_dict, listed_item, validate
+from hotloop.protocol.request import ENCRYPTED_REASONING, decode_body, item_to_dict, listed_item, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -453,7 +454,11 @@ class HttpTransport:
     # admin key): another tenant's response answers exactly like one that does not exist.
 
     async def _retrieve(self, response_id: str, asgi: Scope, respond: Any, scope: str | None) -> None:
-        stream = parse_qs(asgi.get("query_string", b"").decode()).get("stream", ["false"])[0].lower()
+        query = parse_qs(asgi.get("query_string", b"").decode())
+        stream = query.get("stream", ["false"])[0].lower()
+        # include[] (openai-python and -node write the brackets), as create reads it: values
+        # unknown here are ignored; one has an effect (_with_encrypted_reasoning)
+        include = query.get("include[]", []) + query.get("include", [])
         if stream not in _BOOLS:
             raise errors.InvalidValue(
                 f"Invalid 'stream': '{errors.clip(stream)}'. Expected 'true' or 'false'.", param="stream"
@@ -485,6 +490,8 @@ class HttpTransport:
                 "this server does not offer background responses. Omit 'stream' to retrieve the response.",
                 param="stream",
             )
+        if ENCRYPTED_REASONING in include:
+            response = _with_encrypted_reasoning(response)
         await respond(200, encode(response))
 
     async def _finished(self, run: "Run") -> None:
@@ -798,6 +805,27 @@ def _decoder() -> ThreadPoolExecutor:
     if not _DECODER:
         _DECODER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotloop-decode"))
     return _DECODER[0]
+
+
+def _with_encrypted_reasoning(response: dict[str, Any]) -> dict[str, Any]:
+    """``response`` with each reasoning item of its output carrying ``encrypted_content``, as a
+    response created with ``include: ["reasoning.encrypted_content"]`` has it: the token of the
+    item's text (:func:`sealed.seal`, what the turn seals: its content's text, else its
+    summary's). The stored response is not changed."""
+    output = response.get("output")
+    if not isinstance(output, list) or not any(
+        isinstance(it, dict) and it.get("type") == "reasoning" and "encrypted_content" not in it for it in output
+    ):
+        return response
+    items = []
+    for it in output:
+        if isinstance(it, dict) and it.get("type") == "reasoning" and "encrypted_content" not in it:
+            parts = it.get("content") or it.get("summary") or []
+            text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            head = {k: it[k] for k in ("id", "type") if k in it}
+            it = {**head, "encrypted_content": sealed.seal(text), **it}  # (OpenAI's order)
+        items.append(it)
+    return {**response, "output": items}
 
 
 def _declared_length(scope: Scope) -> int:
