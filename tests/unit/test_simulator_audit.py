@@ -387,6 +387,39 @@ def test_structured_examples_hold_to_patterns_steps_and_recursive_schemas() -> N
     assert example_value({"type": "string", "pattern": r"(a)\1"}) == "example value"  # unwritable: as before
 
 
+def test_structured_examples_hold_to_lengths_with_patterns_unique_items_tuples_and_min_properties() -> None:
+    """More of what pydantic (``responses.parse``) and zod check: a pattern with a ``minLength``
+    (a hash), ``uniqueItems`` (a set, a list of distinct numbers or enum values), ``prefixItems``
+    (a tuple) and ``minProperties``. The simulator wrote ``"0"`` for the hash, the same item
+    twice, one item for a pair and no property."""
+    from enum import Enum
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Commit(BaseModel):
+        sha: str = Field(pattern=r"^[0-9a-f]+$", min_length=40, max_length=40)
+        ticket: str = Field(pattern=r"^[A-Z]{2}-\d+$", min_length=8)
+        tags: set[str] = Field(min_length=2)
+        colors: set[Color] = Field(min_length=2)
+        steps: Annotated[list[int], Field(min_length=3, json_schema_extra={"uniqueItems": True})]
+        bounded: Annotated[list[int], Field(min_length=3, json_schema_extra={"uniqueItems": True, "items": {"type": "integer", "maximum": 5}})]
+        pair: tuple[int, str]
+
+    value = example_value(Commit.model_json_schema())
+    got = Commit.model_validate(value)  # raises on a value the schema refuses
+    assert len(got.sha) == 40 and len(got.tags) == 2 and len(got.colors) == 2
+    assert len(set(value["steps"])) == 3 and len(set(value["bounded"])) == 3 and max(value["bounded"]) <= 5
+    assert value["pair"][0] == 1 and isinstance(value["pair"][1], str)
+    some = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": [], "minProperties": 1}
+    assert example_value(some) == {"a": "example a"}
+    assert example_value({**some, "required": ["b"]}) == {"b": 1}  # the required one counts
+
+
 def test_a_clients_pattern_is_matched_with_a_time_bound_and_never_fails_the_response() -> None:
     """A string ``pattern`` was run with ``re`` against ``"example <property name>"``, on the event
     loop and without bound: ``(a|aa)+c`` with a long property name held every connection for

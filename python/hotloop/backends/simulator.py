@@ -448,12 +448,13 @@ def _tame(parsed: Any, scale: int = 1) -> bool:
     return True
 
 
-def _from_pattern(pattern: str, parsed: Any, budget: _Budget | None = None) -> str | None:
+def _from_pattern(pattern: str, parsed: Any, budget: _Budget | None = None, least: int = 0) -> str | None:
     """A short string ``pattern`` (a JSON schema's, read as a Python regular expression;
-    ``parsed``: :func:`_parse`'s) finds, or None when it is not one this can write
+    ``parsed``: :func:`_parse`'s) finds, at least ``least`` characters long where its repeats
+    allow (a ``minLength`` beside the pattern), or None when it is not one this can write
     (back-references, look-arounds that refuse it, more than ``MAX_WRITTEN_CHARS``)."""
     try:
-        text = _write(parsed)
+        text = _write(parsed, [least])
     except (ValueError, RecursionError, TypeError, OverflowError):
         return None
     return None if _finds(pattern, parsed, text, budget) is False else text  # (unchecked: as written)
@@ -463,8 +464,12 @@ _CATEGORY_CHAR = {"CATEGORY_DIGIT": "0", "CATEGORY_NOT_DIGIT": "a", "CATEGORY_WO
                   "CATEGORY_SPACE": " ", "CATEGORY_NOT_SPACE": "a"}
 
 
-def _write(parsed: Any) -> str:
+def _write(parsed: Any, need: list[int] | None = None) -> str:
+    """The shortest string ``parsed`` matches, lengthened by the first repeats with room (more
+    than their least count) while ``need[0]`` (characters still wanted) is above what is written."""
     out = []
+    if need is None:
+        need = [0]
     for op, arg in parsed:
         name = str(op)
         if name == "LITERAL":
@@ -474,17 +479,21 @@ def _write(parsed: Any) -> str:
         elif name == "IN":
             out.append(_one_of(arg))
         elif name in _REPEATS:
-            least, _, sub_pattern = arg
+            least, most, sub_pattern = arg
             sub = _write(sub_pattern)
-            if len(sub) * least > MAX_WRITTEN_CHARS:  # before it is made: a{1000000000} is 1 GB
+            count = least
+            short = need[0] - len(sub) * least - sum(map(len, out))
+            if short > 0 and sub and most > least:  # (most: MAXREPEAT when unbounded)
+                count = min(most, least + -(-short // len(sub)))
+            if len(sub) * count > MAX_WRITTEN_CHARS:  # before it is made: a{1000000000} is 1 GB
                 raise ValueError("too long")
-            out.append(sub * least)
+            out.append(sub * count)
         elif name == "SUBPATTERN":
-            out.append(_write(arg[-1]))
+            out.append(_write(arg[-1], need=[need[0] - sum(map(len, out))]))
         elif name == "ATOMIC_GROUP":
-            out.append(_write(arg))
+            out.append(_write(arg, need=[need[0] - sum(map(len, out))]))
         elif name == "BRANCH":
-            out.append(_write(arg[1][0]))
+            out.append(_write(arg[1][0], need=[need[0] - sum(map(len, out))]))
         elif name in ("AT", "ASSERT", "ASSERT_NOT"):
             continue  # anchors and look-arounds write nothing (re.search checks the result)
         else:
@@ -520,12 +529,13 @@ def _string(schema: dict[str, Any], name: str, budget: _Budget) -> str:
     text = _FORMATS.get(fmt, f"example {name}") if isinstance(fmt, str) else f"example {name}"
     pattern = schema.get("pattern")
     parsed = _parse(pattern) if isinstance(pattern, str) else None
+    shortest, longest = schema.get("minLength"), schema.get("maxLength")
     if parsed is not None and isinstance(pattern, str) and not _finds(pattern, parsed, text, budget):  # (unchecked: written)
-        written = _from_pattern(pattern, parsed, budget)  # (parsed: at most MAX_PATTERN_CHARS)
+        least = min(int(shortest), MAX_WRITTEN_CHARS) if _number(shortest) and shortest > 0 else 0
+        written = _from_pattern(pattern, parsed, budget, least)  # (parsed: at most MAX_PATTERN_CHARS)
         if written is not None:
             budget.spend(len(written) + 2)
             return written
-    shortest, longest = schema.get("minLength"), schema.get("maxLength")
     if _number(shortest) and len(text) < shortest:
         budget.spend(int(shortest))
         text += "x" * (int(shortest) - len(text))
@@ -599,20 +609,35 @@ def example_value(
         # a set (a list made this N x N: N optional properties, N other names required); each
         # property looked at costs a character of the budget, written or not
         required = {r for r in listed if isinstance(r, str)}
-        out = {}
+        fewest = schema.get("minProperties")
+        wanted = int(fewest) if _number(fewest) and not deep else 0  # (minProperties: optional ones too)
+        out: dict[str, Any] = {}
         for k in props:
             budget.spend(1)
-            if k in required:
+            if k in required or len(required) + len(out) < wanted:
+                if k not in required:
+                    wanted -= 1  # (counted once: it is in out from now on)
                 budget.spend(len(k) + 2)
                 out[k] = example_value(props[k], k, depth + 1, root=root, budget=budget)
         return out
     if typ == "array":
         items = schema.get("items", {"type": "string"})
+        prefix = schema.get("prefixItems")
+        prefix = [p for p in prefix if isinstance(p, dict)] if isinstance(prefix, list) else []
         least, most = schema.get("minItems"), schema.get("maxItems")
         n = int(least) if _number(least) and least >= 1 else 0 if deep or (_number(most) and most < 1) else 1
+        n = max(n, len(prefix))  # (a tuple's positions: each one written)
         if n * 2 > budget.left:  # every value costs a character or more (and its comma)
             raise _TooLarge("the arguments would be too large")
-        return [example_value(items, name, depth + 1, root=root, budget=budget) for _ in range(n)]
+        unique = schema.get("uniqueItems") is True
+        values: list[Any] = []
+        for i in range(n):
+            sub = prefix[i] if i < len(prefix) else items if isinstance(items, dict) else {}
+            v = example_value(sub, name, depth + 1, root=root, budget=budget)
+            if unique and v in values:
+                v = _another(sub, name, i, values, depth + 1, root, budget, v)
+            values.append(v)
+        return values
     if typ == "integer":
         number = _integer(schema)
         budget.spend(len(str(number)))  # (a bound of 1e308 writes 309 digits)
@@ -624,6 +649,37 @@ def example_value(
     if typ == "null":
         return None
     return _string(schema, name, budget)
+
+
+def _another(
+    schema: dict[str, Any], name: str, i: int, taken: list[Any], depth: int, root: Any, budget: _Budget, value: Any
+) -> Any:
+    """For ``uniqueItems``: a value of ``schema`` other than those ``taken`` (item ``i``): the next
+    of an ``enum``, a number moved within its bounds, a string written for another name; else
+    ``value`` as it is (the simulator does not search further)."""
+    while isinstance(schema, dict) and "$ref" in schema:
+        schema = _resolve(schema["$ref"], root)
+    if not isinstance(schema, dict):
+        return value
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        return next((e for e in enum if e not in taken), value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        hi, xhi = schema.get("maximum"), schema.get("exclusiveMaximum")
+        lo, xlo = schema.get("minimum"), schema.get("exclusiveMinimum")
+        step = schema.get("multipleOf")
+        unit = step if _number(step) and step > 0 else 1
+        for k in (*range(1, len(taken) + 2), *range(-1, -len(taken) - 2, -1)):
+            v = value + k * unit
+            if (_number(hi) and v > hi) or (_number(xhi) and v >= xhi) or (_number(lo) and v < lo) or (_number(xlo) and v <= xlo):
+                continue
+            if v not in taken:
+                return v
+        return value
+    if isinstance(value, str) and "pattern" not in schema and "format" not in schema:
+        v = example_value(schema, f"{name} {i + 1}", depth, root=root, budget=budget)
+        return v if v not in taken else value
+    return value
 
 
 def _example_arguments(tool: FunctionTool) -> str:
