@@ -631,11 +631,17 @@ def example_value(
             raise _TooLarge("the arguments would be too large")
         unique = schema.get("uniqueItems") is True
         values: list[Any] = []
+        seen: set[str] = set()  # (uniqueItems: the values' canonical JSON)
         for i in range(n):
             sub = prefix[i] if i < len(prefix) else items if isinstance(items, dict) else {}
             v = example_value(sub, name, depth + 1, root=root, budget=budget)
-            if unique and v in values:
-                v = _another(sub, name, i, values, depth + 1, root, budget, v)
+            if unique:
+                key = _key(v)
+                if key in seen:
+                    v = _another(sub, name, i, seen, depth + 1, root, budget, v)
+                    if _key(v) == key:  # no other value found: the rest may repeat (no more searches)
+                        unique = False
+                seen.add(_key(v))
             values.append(v)
         return values
     if typ == "integer":
@@ -651,34 +657,45 @@ def example_value(
     return _string(schema, name, budget)
 
 
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+UNIQUE_TRIES = 64  # numbers a uniqueItems array tries beyond the index's own (then a repeat stays)
+
+
 def _another(
-    schema: dict[str, Any], name: str, i: int, taken: list[Any], depth: int, root: Any, budget: _Budget, value: Any
+    schema: dict[str, Any], name: str, i: int, taken: set[str], depth: int, root: Any, budget: _Budget, value: Any
 ) -> Any:
-    """For ``uniqueItems``: a value of ``schema`` other than those ``taken`` (item ``i``): the next
-    of an ``enum``, a number moved within its bounds, a string written for another name; else
-    ``value`` as it is (the simulator does not search further)."""
-    while isinstance(schema, dict) and "$ref" in schema:
+    """For ``uniqueItems``: a value of ``schema`` whose :func:`_key` is not ``taken`` (item
+    ``i``): the first such ``enum`` value, a number moved by ``i`` steps within its bounds (or
+    the nearest free one in ``UNIQUE_TRIES``), a string written for another name; else ``value``
+    as it is (the simulator searches no further)."""
+    for _ in range(MAX_SCHEMA_DEPTH):
+        if not (isinstance(schema, dict) and "$ref" in schema):
+            break
         schema = _resolve(schema["$ref"], root)
     if not isinstance(schema, dict):
         return value
     enum = schema.get("enum")
     if isinstance(enum, list):
-        return next((e for e in enum if e not in taken), value)
+        return next((e for e in enum[:UNIQUE_TRIES] if _key(e) not in taken), value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         hi, xhi = schema.get("maximum"), schema.get("exclusiveMaximum")
         lo, xlo = schema.get("minimum"), schema.get("exclusiveMinimum")
         step = schema.get("multipleOf")
         unit = step if _number(step) and step > 0 else 1
-        for k in (*range(1, len(taken) + 2), *range(-1, -len(taken) - 2, -1)):
+        for k in (i, *range(1, UNIQUE_TRIES), *range(-1, -UNIQUE_TRIES, -1)):
             v = value + k * unit
             if (_number(hi) and v > hi) or (_number(xhi) and v >= xhi) or (_number(lo) and v < lo) or (_number(xlo) and v <= xlo):
                 continue
-            if v not in taken:
+            if _key(v) not in taken:
+                budget.spend(len(str(v)))
                 return v
         return value
     if isinstance(value, str) and "pattern" not in schema and "format" not in schema:
         v = example_value(schema, f"{name} {i + 1}", depth, root=root, budget=budget)
-        return v if v not in taken else value
+        return v if _key(v) not in taken else value
     return value
 
 
