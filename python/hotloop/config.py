@@ -103,6 +103,9 @@ class Config:
     max_turn_input_items: int = 10_000
     max_turn_input_bytes: int = 8 * 1024 * 1024
     max_connections: int = 10_000  # open client connections, HTTP and WebSocket (beyond: 503)
+    # WebSocket connections one tenant's key may hold open in a process (beyond: a 429 at the
+    # handshake); not the admin key's, nor open mode's (one tenant: max_connections bounds it)
+    ws_max_connections_per_key: int = 1_000
     shutdown_grace: int = 30  # seconds responses in flight may take to finish on SIGTERM/SIGINT
     request_read_timeout: float = 30.0  # seconds for a request's head and body to arrive (then 408, closed)
     # milliseconds a pushed delta (chat backends, lean transport) may wait so that several backend
@@ -249,6 +252,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 _AT_LEAST_ONE = (
     "workers", "max_connections", "max_body_bytes", "backend_max_connections", "ws_max_queued", "ws_max_in_flight",
+    "ws_max_connections_per_key",
 )
 _SECONDS_OR_ZERO = ("shutdown_grace", "store_max_lag")
 _POSITIVE_SECONDS = (

@@ -203,6 +203,15 @@ def retrieved(fut: Any) -> None:
         fut.exception()
 
 
+class TooManyConnections(HotloopError):
+    """A tenant's key holds as many WebSocket connections as one key may
+    (``ws_max_connections_per_key``): a 429 at the handshake."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "websocket_connection_limit_reached"
+
+
 class QuotaExhausted(HotloopError):
     """The model backend's quota for this server's account is used up (OpenAI's
     ``insufficient_quota``): retrying does not help until its operator acts, so the answer says

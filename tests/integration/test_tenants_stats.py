@@ -1,12 +1,13 @@
 """``/hotloop/stats`` is the operators' view: the admin key, and every caller in open mode, see it
 all (the per-response ring, cache sizes and hit counts); a tenant's key sees only counts of the
 server's activity (no per-response figures, no cache sizes or hits: those move with each of
-another tenant's responses, a side channel between tenants). Real server processes.
-
-Relies on /tmp/w/patches/tenants2-stats.patch (server/http.py and server/app.py)."""
+another tenant's responses, a side channel between tenants); ``/metrics`` is the admin key's
+alone; and one key holds at most ``ws_max_connections_per_key`` WebSocket connections. Real
+server processes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -101,3 +102,44 @@ def test_open_mode_sees_everything_without_a_key(tmp_path: Path) -> None:
             body = stats(s, secret).json()
             assert PRIVATE <= set(body) and body["view"] == "all", sorted(body)
             assert len(body["turns"]) >= 1 and body["token_cache"]["misses"] >= 1
+
+
+def test_one_key_cannot_take_every_websocket_connection(tmp_path: Path) -> None:
+    """``ws_max_connections_per_key``: a tenant's key holding that many WebSocket connections
+    gets a 429 at the next handshake (OpenAI's error shape), while another key connects; a
+    closed connection gives its place back. The admin key is not counted."""
+    import time
+
+    from websockets.exceptions import InvalidStatus
+
+    data = tmp_path / "data"
+    keys = {name: create_key(data, name) for name in ("alice", "bob")}
+    env = {"HOTLOOP_DATA_DIR": str(data), "HOTLOOP_API_KEY": ADMIN_KEY, "HOTLOOP_WS_MAX_CONNECTIONS_PER_KEY": "2"}
+
+    def connect(secret: str):  # type: ignore[no-untyped-def]
+        return ws_connect(s.ws + "/responses", open_timeout=10, additional_headers={"Authorization": f"Bearer {secret}"})
+
+    with run_server(tmp_path, "--sim-rate", "0", env=env) as s:
+        first, second = connect(keys["alice"]), connect(keys["alice"])
+        with pytest.raises(InvalidStatus) as info:
+            connect(keys["alice"])
+        refused = info.value.response
+        assert refused.status_code == 429
+        err = json.loads(refused.body)["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_exceeded", "websocket_connection_limit_reached")
+        assert "(2)" in err["message"]
+        with connect(keys["bob"]) as bob, connect(ADMIN_KEY), connect(ADMIN_KEY), connect(ADMIN_KEY):
+            assert send_create(bob, input="hi")[-1]["type"] == "response.completed"
+        assert send_create(first, input="still here")[-1]["type"] == "response.completed"
+        second.close()
+        deadline = time.monotonic() + 10
+        while True:  # (the server sees the close a moment later)
+            try:
+                third = connect(keys["alice"])
+                break
+            except InvalidStatus:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert send_create(third, input="again")[-1]["type"] == "response.completed"
+        third.close()
+        first.close()

@@ -58,6 +58,9 @@ class HotloopApp:
         # requests being served by transport: HTTP requests, SSE streams (an HTTP request streaming
         # counts as sse, not http), WebSocket connections
         self.open_connections: dict[str, int] = {"http": 0, "sse": 0, "websocket": 0}
+        # WebSocket connections open per tenant's key id (ws._count_connection; at most one entry
+        # per key with a connection open)
+        self.ws_per_key: dict[str, int] = {}
         # the server's connection count and refusals (hotloop.server.httpproto.Limits), set by the
         # uvicorn configuration that serves it (runner.uvicorn_config)
         self.limits: Any = None

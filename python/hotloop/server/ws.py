@@ -52,12 +52,40 @@ async def serve_websocket(app: "HotloopApp", scope: Scope, receive: Receive, sen
         if path != "/v1/responses":
             raise errors.NotFound(f"WebSocket mode is served on /v1/responses, not {errors.clip(path)}.")
         tenant = await app.tenancy.authenticate(scope)  # once per connection; it belongs to this key
+        counted = _count_connection(app, tenant)
     except errors.HotloopError as exc:
         await _reject(scope, send, exc)
         return
-    await send({"type": "websocket.accept"})
-    conn = Connection(app, send, scope.get("extensions"), tenant)
-    await conn.serve(receive)
+    try:
+        await send({"type": "websocket.accept"})
+        conn = Connection(app, send, scope.get("extensions"), tenant)
+        await conn.serve(receive)
+    finally:
+        if counted:
+            held = app.ws_per_key
+            held[tenant.id] -= 1
+            if not held[tenant.id]:
+                del held[tenant.id]
+
+
+def _count_connection(app: "HotloopApp", tenant: Tenant) -> bool:
+    """Count one more WebSocket connection of ``tenant`` (True), or refuse it past
+    ``ws_max_connections_per_key`` (:class:`errors.TooManyConnections`): one key must not take
+    every connection the server has (``max_connections``) from the others. Open mode (one
+    tenant) and the admin key are not counted (False)."""
+    if not tenant.key_hash or tenant.admin:
+        return False
+    held = app.ws_per_key
+    n = held.get(tenant.id, 0)
+    most = app.config.ws_max_connections_per_key
+    if n >= most:
+        raise errors.TooManyConnections(
+            f"This API key has {n} WebSocket connections open to this server, the most one key may hold "
+            f"({most}). Close one, or reuse a connection: it runs many responses, one after another "
+            "or on lanes (stream_id)."
+        )
+    held[tenant.id] = n + 1
+    return True
 
 async def _reject(scope: Scope, send: Send, exc: errors.HotloopError) -> None:
     if "websocket.http.response" in scope.get("extensions", {}):
