@@ -1044,10 +1044,15 @@ class Persistence:
         try:
             await asyncio.wait_for(self.flush(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            busy = getattr(self.store, "_busy", None)
-            if busy is None:
-                raise StoreBusy() from None
-            raise busy(what, "the store's writer, retrying a batch locked out of the file, did not finish in time") from None
+            raise self._waited_out(what) from None
+
+    def _waited_out(self, what: str) -> StoreBusy:
+        """The 503 of a request (``what``) that waited out its bound for the writer, logged as the
+        store logs its own (at most once a minute)."""
+        busy = getattr(self.store, "_busy", None)
+        if busy is None:
+            return StoreBusy()
+        return busy(what, "the store's writer, retrying a batch locked out of the file, did not finish in time")  # type: ignore[no-any-return]
 
     def _store_delete(
         self, response_id: str, scope: str | None, deadline: float | None, on_delete: Callable[..., None] | None = None

@@ -216,11 +216,12 @@ class SharedPersistence(Persistence):
         if not getattr(self.store, "available", True):
             raise errors.StoreUnavailable()
 
-    async def _settled(self, deadline: float | None) -> None:
+    async def _settled(self, deadline: float | None, what: str) -> None:
         """:meth:`flush`, but a 503 as soon as the store is known to be unreachable (Redis: a
         request does not wait on the writer's retries, up to ``write_retry_seconds``) or the
-        request's ``deadline`` (SQLite: :class:`StoreBusy`, see :class:`Persistence`) has passed.
-        What it queued stays queued (a cancelled flush loses nothing)."""
+        request's (``what``) ``deadline`` (SQLite: :class:`StoreBusy`, logged as
+        :class:`Persistence` does) has passed. What it queued stays queued (a cancelled flush
+        loses nothing)."""
         task = asyncio.ensure_future(self.flush())
         try:
             while True:
@@ -231,7 +232,7 @@ class SharedPersistence(Persistence):
                     return
                 self._reachable()
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise StoreBusy()
+                    raise self._waited_out(what)
         finally:
             if not task.done():
                 task.cancel()
@@ -241,7 +242,7 @@ class SharedPersistence(Persistence):
     ) -> list[dict[str, Any]]:
         self._reachable()
         deadline = self._deadline()
-        await self._settled(deadline)
+        await self._settled(deadline, "a usage listing")
         return await self._call(self._store_usage, key, since, after, limit, deadline)  # type: ignore[no-any-return]
 
     async def delete(self, response_id: str, scope: str | None = None) -> bool:
@@ -249,7 +250,7 @@ class SharedPersistence(Persistence):
         deadline = self._deadline()
         # a write on its way (another worker's) lands first
         await self._again(super().get_response, response_id, scope, until=deadline)
-        await self._settled(deadline)  # a write submitted earlier must not resurrect what is deleted now
+        await self._settled(deadline, "a delete")  # a write submitted earlier must not resurrect what is deleted now
         # SQLite: the record for the other workers in the delete's own transaction (module docstring)
         on_delete = _append if self._deletions is not None else None
         deleted = bool(await self._call(self._store_delete, response_id, scope, deadline, on_delete))
