@@ -196,7 +196,9 @@ def test_continuing_a_response_still_running_elsewhere_says_it_is_in_progress(pa
     another connection: the same refusal a lane of its own connection gets ("still in
     progress"), not "not found" while GET shows it ``in_progress``."""
     with ws_connect(paced.ws + "/responses") as ws, ws_connect(paced.ws + "/responses") as other:
-        ws.send(create(input="base", store=True, metadata={"sim": "text,tokens:60"}))
+        # 4 s at RATE: still running while the others ask on a loaded machine (60 tokens, 0.3 s,
+        # had ended first under CI's load)
+        ws.send(create(input="base", store=True, metadata={"sim": "text,tokens:800"}))
         parent = recv(ws)["response"]["id"]
         assert httpx.get(f"{paced.v1}/responses/{parent}", timeout=10).json()["status"] == "in_progress"
         r = httpx.post(f"{paced.v1}/responses", json={"model": "hotloop-sim", "input": "fork", "previous_response_id": parent}, timeout=10)
