@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -418,6 +419,32 @@ def test_structured_examples_hold_to_lengths_with_patterns_unique_items_tuples_a
     some = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": [], "minProperties": 1}
     assert example_value(some) == {"a": "example a"}
     assert example_value({**some, "required": ["b"]}) == {"b": 1}  # the required one counts
+    assert example_value({**some, "minProperties": 2}) == {"a": "example a", "b": 1}
+    assert example_value({**some, "required": ["a"], "minProperties": 2}) == {"a": "example a", "b": 1}
+    assert example_value({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}) == {"key1": 1, "key2": 1}
+    # a pattern lengthened to its minLength exactly where what follows the repeat is fixed
+    for pattern, length, want in ((r"^\d+px$", 4, "00px"), (r"^[a-z]+\.com$", 8, "aaaa.com"), (r"^v\d+\.\d+$", 6, "v000.0")):
+        assert example_value({"type": "string", "pattern": pattern, "minLength": length, "maxLength": length}) == want
+    # draft 7's tuple: items as a list
+    assert example_value({"type": "array", "items": [{"type": "integer"}, {"type": "boolean"}], "minItems": 2}) == [1, True]
+    # numbers kept within a double and integers integers
+    huge = example_value({"type": "array", "minItems": 3, "uniqueItems": True, "items": {"type": "number", "multipleOf": 1e308}})
+    assert all(math.isfinite(v) for v in huge)
+    halves = example_value({"type": "array", "minItems": 3, "uniqueItems": True, "items": {"type": "integer", "minimum": 0, "multipleOf": 0.5}})
+    assert halves == [0, 1, 2]
+
+
+def test_unique_enum_values_count_against_the_arguments_bound() -> None:
+    """Each distinct enum value a ``uniqueItems`` array takes is charged to the arguments' bound:
+    an enum of large strings in nested arrays made 25 MB of arguments from a small schema."""
+    from hotloop.backends.simulator import _TooLarge
+
+    big = {"type": "string", "enum": ["a", *("x" * 5000 + str(i) for i in range(63))]}
+    inner = {"type": "array", "items": big, "minItems": 64, "uniqueItems": True}
+    with pytest.raises(_TooLarge):
+        example_value({"type": "array", "items": inner, "minItems": 20})
+    small = example_value({"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "minItems": 3, "uniqueItems": True})
+    assert small == ["a", "b", "c"]
 
 
 def test_a_clients_pattern_is_matched_with_a_time_bound_and_never_fails_the_response() -> None:

@@ -454,7 +454,9 @@ def _from_pattern(pattern: str, parsed: Any, budget: _Budget | None = None, leas
     allow (a ``minLength`` beside the pattern), or None when it is not one this can write
     (back-references, look-arounds that refuse it, more than ``MAX_WRITTEN_CHARS``)."""
     try:
-        text = _write(parsed, [least])
+        text = _write(parsed)
+        if len(text) < least:  # again, the first repeats with room taking what is missing
+            text = _write(parsed, [least - len(text)])
     except (ValueError, RecursionError, TypeError, OverflowError):
         return None
     return None if _finds(pattern, parsed, text, budget) is False else text  # (unchecked: as written)
@@ -465,8 +467,8 @@ _CATEGORY_CHAR = {"CATEGORY_DIGIT": "0", "CATEGORY_NOT_DIGIT": "a", "CATEGORY_WO
 
 
 def _write(parsed: Any, need: list[int] | None = None) -> str:
-    """The shortest string ``parsed`` matches, lengthened by the first repeats with room (more
-    than their least count) while ``need[0]`` (characters still wanted) is above what is written."""
+    """The shortest string ``parsed`` matches, lengthened by ``need[0]`` characters (or a few
+    more: whole repetitions) where its first repeats have room (more than their least count)."""
     out = []
     if need is None:
         need = [0]
@@ -482,18 +484,19 @@ def _write(parsed: Any, need: list[int] | None = None) -> str:
             least, most, sub_pattern = arg
             sub = _write(sub_pattern)
             count = least
-            short = need[0] - len(sub) * least - sum(map(len, out))
-            if short > 0 and sub and most > least:  # (most: MAXREPEAT when unbounded)
-                count = min(most, least + -(-short // len(sub)))
+            if need[0] > 0 and sub and most > least:  # (most: MAXREPEAT when unbounded)
+                more = min(most - least, -(-need[0] // len(sub)), MAX_WRITTEN_CHARS)
+                count += more
+                need[0] -= more * len(sub)
             if len(sub) * count > MAX_WRITTEN_CHARS:  # before it is made: a{1000000000} is 1 GB
                 raise ValueError("too long")
             out.append(sub * count)
         elif name == "SUBPATTERN":
-            out.append(_write(arg[-1], need=[need[0] - sum(map(len, out))]))
+            out.append(_write(arg[-1], need))
         elif name == "ATOMIC_GROUP":
-            out.append(_write(arg, need=[need[0] - sum(map(len, out))]))
+            out.append(_write(arg, need))
         elif name == "BRANCH":
-            out.append(_write(arg[1][0], need=[need[0] - sum(map(len, out))]))
+            out.append(_write(arg[1][0], need))
         elif name in ("AT", "ASSERT", "ASSERT_NOT"):
             continue  # anchors and look-arounds write nothing (re.search checks the result)
         else:
@@ -610,19 +613,29 @@ def example_value(
         # property looked at costs a character of the budget, written or not
         required = {r for r in listed if isinstance(r, str)}
         fewest = schema.get("minProperties")
-        wanted = int(fewest) if _number(fewest) and not deep else 0  # (minProperties: optional ones too)
+        # minProperties: optional properties too, in order, as many as the required ones lack
+        optional = max(0, min(int(fewest), len(props)) - len(required & props.keys())) if _number(fewest) and not deep else 0
         out: dict[str, Any] = {}
         for k in props:
             budget.spend(1)
-            if k in required or len(required) + len(out) < wanted:
+            if k in required or optional > 0:
                 if k not in required:
-                    wanted -= 1  # (counted once: it is in out from now on)
+                    optional -= 1
                 budget.spend(len(k) + 2)
                 out[k] = example_value(props[k], k, depth + 1, root=root, budget=budget)
+        extra = schema.get("additionalProperties")
+        if _number(fewest) and not deep and len(out) < fewest and isinstance(extra, dict):
+            # a map (pydantic's dict[str, X] with min_length): keys of its own
+            for i in range(len(out), min(int(fewest), MAX_ARGUMENT_CHARS // 4)):
+                k = f"key{i + 1}"
+                budget.spend(len(k) + 3)
+                out[k] = example_value(extra, k, depth + 1, root=root, budget=budget)
         return out
     if typ == "array":
         items = schema.get("items", {"type": "string"})
         prefix = schema.get("prefixItems")
+        if isinstance(items, list):  # draft 7's tuple (zod-to-json-schema writes it): items are prefixItems
+            prefix, items = items, schema.get("additionalItems", {})
         prefix = [p for p in prefix if isinstance(p, dict)] if isinstance(prefix, list) else []
         least, most = schema.get("minItems"), schema.get("maxItems")
         n = int(least) if _number(least) and least >= 1 else 0 if deep or (_number(most) and most < 1) else 1
@@ -668,9 +681,9 @@ def _another(
     schema: dict[str, Any], name: str, i: int, taken: set[str], depth: int, root: Any, budget: _Budget, value: Any
 ) -> Any:
     """For ``uniqueItems``: a value of ``schema`` whose :func:`_key` is not ``taken`` (item
-    ``i``): the first such ``enum`` value, a number moved by ``i`` steps within its bounds (or
-    the nearest free one in ``UNIQUE_TRIES``), a string written for another name; else ``value``
-    as it is (the simulator searches no further)."""
+    ``i``): the enum's ``i``-th value, a number moved by ``i`` steps within its bounds (or the
+    nearest free one in ``UNIQUE_TRIES``), a string written for another name; else ``value``
+    as it is (the simulator searches no further: a string of a ``pattern`` or ``format``, say)."""
     for _ in range(MAX_SCHEMA_DEPTH):
         if not (isinstance(schema, dict) and "$ref" in schema):
             break
@@ -679,14 +692,27 @@ def _another(
         return value
     enum = schema.get("enum")
     if isinstance(enum, list):
-        return next((e for e in enum[:UNIQUE_TRIES] if _key(e) not in taken), value)
+        # item i takes the enum's value i (one look, whatever the array's length)
+        if i < len(enum) and (key := _key(enum[i])) not in taken:
+            budget.spend(len(key))
+            return enum[i]
+        return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         hi, xhi = schema.get("maximum"), schema.get("exclusiveMaximum")
         lo, xlo = schema.get("minimum"), schema.get("exclusiveMinimum")
         step = schema.get("multipleOf")
-        unit = step if _number(step) and step > 0 else 1
+        unit: float = step if _number(step) and step > 0 else 1
+        if isinstance(value, int) and unit != int(unit):
+            if not (1 / unit).is_integer():
+                return value  # no integer step keeps the multiple
+            unit = 1
+        if isinstance(value, int):
+            unit = int(unit)
         for k in (i, *range(1, UNIQUE_TRIES), *range(-1, -UNIQUE_TRIES, -1)):
-            v = value + k * unit
+            move = k * unit
+            v = value + move
+            if not (math.isfinite(move) and math.isfinite(v)):  # (1e308 steps: no Infinity written)
+                continue
             if (_number(hi) and v > hi) or (_number(xhi) and v >= xhi) or (_number(lo) and v < lo) or (_number(xlo) and v <= xlo):
                 continue
             if _key(v) not in taken:
@@ -696,7 +722,7 @@ def _another(
     if isinstance(value, str) and "pattern" not in schema and "format" not in schema:
         v = example_value(schema, f"{name} {i + 1}", depth, root=root, budget=budget)
         return v if _key(v) not in taken else value
-    return value
+    return value  # a string of a pattern or format: the simulator makes one (the array repeats it)
 
 
 def _example_arguments(tool: FunctionTool) -> str:
