@@ -230,3 +230,9 @@ def test_a_store_file_that_cannot_be_written_stops_start_up(tmp_path) -> None:
     assert p.returncode == 3, p.stderr
     assert "start-up failed" in p.stderr and "can be read but not written" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and "uvicorn running" not in p.stderr.lower()
+    # hotloop usage only reads: the file will do
+    p = subprocess.run(
+        [*prefix, HOTLOOP, "usage"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "HOTLOOP_DATA_DIR": str(tmp_path)},
+    )
+    assert p.returncode == 0 and not p.stderr, p.stderr

@@ -34,14 +34,17 @@ from hotloop.state.store import MemoryStore, ResponseStore, SQLiteStore, claim_s
 from hotloop.tenants.keys import open_key_store
 
 
-def make_store(config: Config) -> ResponseStore:
+def make_store(config: Config, serving: bool = True) -> ResponseStore:
+    """The store ``config`` names; ``serving``: for a server (an SQLite file it can only read is
+    refused), else for a command that only reads it (``hotloop usage``)."""
     if config.store_sync not in ("normal", "full"):
         raise ValueError(f"unknown store sync {config.store_sync!r}; choose 'normal' or 'full'")
     if config.store == "memory":
         return MemoryStore(config.store_max_responses, config.store_ttl_seconds, max_bytes=config.store_max_bytes)
     if config.store == "sqlite":
         return SQLiteStore(
-            config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync, config.store_busy_timeout
+            config.db_path, config.store_max_responses, config.store_ttl_seconds, config.store_sync, config.store_busy_timeout,
+            writable=serving,
         )
     if config.store == "redis":
         from hotloop.state.redis_store import RedisStore

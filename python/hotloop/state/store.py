@@ -955,11 +955,14 @@ class SQLiteStore(_Pruned):
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
         sync: str = "normal",
         busy_timeout: float | None = None,
+        writable: bool = True,
     ) -> None:
         """``sync``: ``normal`` (WAL with synchronous=NORMAL: a committed write survives the
         process being killed, the last ones may not survive a power cut) or ``full``
         (synchronous=FULL: every commit is on disk when ``put`` returns). ``busy_timeout``:
-        seconds a write waits for another connection's write lock (``None``: ``BUSY_TIMEOUT``)."""
+        seconds a write waits for another connection's write lock (``None``: ``BUSY_TIMEOUT``).
+        ``writable``: refuse a file this process can only read (a server; ``hotloop usage``,
+        which only reads, takes one)."""
         if sync not in ("normal", "full"):
             raise ValueError(f"unknown store sync {sync!r}; choose 'normal' or 'full'")
         busy = BUSY_TIMEOUT if busy_timeout is None else float(busy_timeout)
@@ -991,7 +994,8 @@ class SQLiteStore(_Pruned):
         self._settings = _SettingsBlobs()  # instructions and tools encoded lately (put)
         self._pruned: deque[str] = deque(maxlen=PRUNED_KEPT)  # see take_pruned
         with self._lock:
-            self._writable()
+            if writable:
+                self._writable()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL" if sync == "full" else "PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=OFF")

@@ -149,7 +149,7 @@ def _usage(args: argparse.Namespace, config: Config) -> int:
 
     ids: list[str | None] = [None] if args.key is None else [*_key_ids(args.key, config)]
     try:
-        store = make_store(config)
+        store = make_store(config, serving=False)  # (it reads: a read-only file will do)
     except KeyFileError as exc:
         print(f"hotloop usage: {exc}", file=sys.stderr)
         return 1
