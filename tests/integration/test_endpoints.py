@@ -235,7 +235,15 @@ def test_input_items_list_fields_stored_without_their_defaults(client: OpenAI) -
     out_image = items[5].output[1]  # type: ignore[union-attr,index]
     assert type(out_image).__name__ == "ResponseInputImage" and out_image.detail == "auto"  # typed, not a dict
     assert out_image.image_url == "https://example.com/b.png"
-    assert items[5].status == "completed"  # type: ignore[union-attr]  # required by the SDKs' type
+    assert items[4].status == items[5].status == "completed"  # type: ignore[union-attr]  # required by the SDKs' types
+    custom = [
+        {"type": "custom_tool_call", "call_id": "c_custom", "name": "grep", "input": "x"},
+        {"type": "custom_tool_call_output", "call_id": "c_custom", "output": "found"},
+    ]
+    rid = client.responses.create(model="hotloop-sim", input=custom).id  # type: ignore[arg-type]
+    listed = client.responses.input_items.list(rid, order="asc").data
+    assert [(i.type, i.status) for i in listed] == [  # type: ignore[union-attr]
+        ("custom_tool_call", "completed"), ("custom_tool_call_output", "completed")]
 
 
 def test_duplicate_item_ids_are_refused_and_change_nothing(client: OpenAI) -> None:

@@ -882,8 +882,8 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
     content parts (``input_text``, ``output_text`` for the assistant) and a ``status``; the SDKs
     type a listed message by that form. Fields stored without their default value are listed
     with it (an ``output_text``'s ``annotations`` and ``logprobs``, an ``input_image``'s
-    ``detail``, a reasoning item's ``summary``; a tool output's ``status``). The stored item
-    itself stays as it was sent."""
+    ``detail``, a reasoning item's ``summary``; a call's and a call output's ``status``). The
+    stored item itself stays as it was sent."""
     kind = d.get("type")
     if kind == "reasoning":
         return d if "summary" in d else {**d, "summary": []}
@@ -896,6 +896,10 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
         # and a status, which the SDKs' listed output item requires (openai-python, -node)
         return d if d.get("status") is not None else {**d, "status": "completed"}
     if kind != "message":
+        # a call or a call's output (function_call, custom_tool_call, computer_call_output...)
+        # sent without a status: listed with one, which the SDKs' types of them require
+        if isinstance(kind, str) and kind.endswith(("_call", "_call_output")) and d.get("status") is None:
+            return {**d, "status": "completed"}
         return d
     content = d.get("content")
     if isinstance(content, str):
