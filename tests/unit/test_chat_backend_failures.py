@@ -124,6 +124,10 @@ def test_a_backend_out_of_quota_is_said_so_and_not_retried(which: str, mock: Moc
         assert (exc.status, exc.type, exc.code) == (429, "insufficient_quota", "insufficient_quota")
         assert exc.headers == {"x-should-retry": "false"} and "quota" in exc.message
         assert len(mock.requests) == 1  # not retried
+    # the same error object inside a 200 stream (as a proxy passes it on)
+    _, exc = _stream(which, mock, Reply.stream([chunk({"role": "assistant", "content": ""}), body]))
+    assert isinstance(exc, errors.QuotaExhausted) and exc.headers == {"x-should-retry": "false"}, exc
+    assert len(mock.requests) == 1
     # a plain rate limit is still one
     _, exc = _stream(which, mock, Reply.error(429, {"error": {"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}}))
     assert type(exc) is errors.RateLimited

@@ -411,14 +411,15 @@ async def _whole_body(first: bytes, it: Any) -> bytes:
 
 
 # OpenAI's error code words that say which status an error object without a number stands for
-_CODE_STATUS = {"context_length_exceeded": 400, "rate_limit_exceeded": 429}
+_CODE_STATUS = {"context_length_exceeded": 400, "rate_limit_exceeded": 429, "insufficient_quota": 429}
 
 
 def _error_status(error: object) -> int:
     """The HTTP status an error object sent inside a 200 stream stands for: its ``status_code``,
     ``code`` or ``status`` when that is a 4xx/5xx status, as a number (vLLM, OpenRouter) or as a
     string of digits (LiteLLM's proxy: ``"code": "429"``), or an OpenAI code word that names one
-    (``context_length_exceeded``: 400, not retried; ``rate_limit_exceeded``: 429); 500 otherwise."""
+    (``context_length_exceeded``: 400, not retried; ``rate_limit_exceeded`` and
+    ``insufficient_quota``: 429); 500 otherwise."""
     if isinstance(error, dict):
         code = error.get("code")
         word = _CODE_STATUS.get(code) if isinstance(code, str) else None
