@@ -196,6 +196,30 @@ def test_a_refused_frame_takes_no_lane() -> None:
     assert isinstance(a, SendError) and a.error.code == "websocket_stream_limit_reached"
 
 
+def test_a_request_refused_before_it_starts_gives_its_new_lane_back() -> None:
+    """A ``response.create`` the engine refuses (validation: ``temperature: 9``, a missing
+    ``model``; a limit) before it becomes a response takes no lane slot either, unless a response
+    ran on that lane before or another request waits there."""
+    sess = s(max_lanes=2)
+    mk = lambda sid: json.dumps({"type": "response.create", "model": "m", "input": "x", "stream_id": sid})
+    for i in range(5):
+        [run] = sess.receive(mk(f"bad{i}"), 1)
+        assert isinstance(run, RunCreate)
+        assert sess.lane_done(run.lane, Ended(), run) == []  # refused: no response id
+    assert sess.lanes == set() and set(sess._lanes) <= {None}
+    [a] = sess.receive(mk("a"), 1)
+    sess.started("a", "resp_a", a.request)
+    sess.lane_done("a", Ended("resp_a", "completed"), a)
+    [again] = sess.receive(mk("a"), 1)
+    sess.lane_done("a", Ended(), again)  # refused, on a lane a response ran on: kept
+    [b] = sess.receive(mk("b"), 1)
+    assert sess.receive(mk("b"), 1) == []  # queued behind it
+    sess.lane_done("b", Ended(), b)  # refused, but another request waits on b: kept
+    assert sess.lanes == {"a", "b"}
+    [err] = sess.receive(mk("c"), 1)
+    assert isinstance(err, SendError) and err.error.code == "websocket_stream_limit_reached"
+
+
 def test_a_binary_frame_is_refused_with_a_code() -> None:
     [a] = s().receive(b'{"type": "response.create"}', 1)
     assert isinstance(a, SendError)

@@ -274,6 +274,7 @@ class Session:
         self.opened_at = opened_at
         self.max_lanes = max_lanes
         self.lanes: set[str] = set()  # named lanes seen (the default lane does not count)
+        self._ran: set[str] = set()  # named lanes a response started on (a subset of lanes)
         self.max_age = max_age
         self.max_queued = max_queued
         self.max_in_flight = max(1, max_in_flight)
@@ -374,7 +375,9 @@ class Session:
     def lane_allowed(self, stream_id: str) -> bool:
         """Whether a request may run on lane ``stream_id``: one the connection has, or a new one
         while it has fewer than ``max_lanes``. A lane counts once a request on it is accepted
-        (:meth:`_accept`): a frame refused for what it holds takes none of the slots."""
+        (:meth:`_accept`), and stops counting if that request is refused before it becomes a
+        response and none ever ran on it (:meth:`lane_done`): a frame refused for what it holds
+        takes none of the slots."""
         return stream_id in self.lanes or len(self.lanes) < self.max_lanes
 
     def _lane(self, lane: Lane) -> _LaneState:
@@ -602,6 +605,8 @@ class Session:
         st.steers = []
         st.ending = ""
         self._active[response_id] = lane
+        if lane is not None:
+            self._ran.add(lane)
 
     def in_progress(self, response_id: str) -> bool:
         """Whether ``response_id`` is a response of this connection that has not sent its terminal
@@ -668,6 +673,11 @@ class Session:
                 st.running = True
                 out.append(RunCreate(successor, steers=steers, successor_of=rid))
                 return out
+        if rid is None and lane is not None and lane not in self._ran and not st.queue and st.pending_parent is None:
+            # refused before it became a response (the engine's validation, a limit), on a lane
+            # no response ever ran on, and nothing else waits there: the lane takes no slot
+            self.lanes.discard(lane)
+            del self._lanes[lane]
         if self.closing:
             # what waited behind this response (its refusals and errors), then the close if
             # nothing runs any more
