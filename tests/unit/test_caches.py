@@ -341,6 +341,31 @@ def test_connections_share_one_byte_budget_oldest_first() -> None:
     assert (budget.nbytes, len(budget)) == (0, 0)
 
 
+def test_the_budget_makes_room_in_the_largest_owners_connections_first() -> None:
+    """One tenant's connections filling the budget drop their own oldest responses, not another
+    tenant's older one; once owners hold alike, the oldest of the largest goes."""
+    from hotloop.state.context import CacheBudget
+
+    budget = CacheBudget(max_bytes=1000)
+    bob = ConnectionCache(max_bytes=800, budget=budget, owner="bob")
+    bob.put(_entry("b1"), nbytes=200)  # the oldest of all
+    alice = [ConnectionCache(max_bytes=800, budget=budget, owner="alice") for _ in range(4)]
+    for i, conn in enumerate(alice):
+        conn.put(_entry(f"a{i}"), nbytes=300)  # the third and the fourth pass 1000: alice's a0, a1 go
+    assert bob.get("b1") is not None
+    assert [c.get(f"a{i}") is not None for i, c in enumerate(alice)] == [False, False, True, True]
+    assert (budget.nbytes, budget.owner_bytes("alice"), budget.owner_bytes("bob")) == (800, 600, 200)
+    bob.put(_entry("b2"), "lane", nbytes=300)  # 1100: alice (600) still holds the most
+    assert bob.get("b1") is not None and bob.get("b2") is not None and alice[2].get("a2") is None
+    assert (budget.nbytes, budget.owner_bytes("alice"), budget.owner_bytes("bob")) == (800, 300, 500)
+    bob.put(_entry("b3"), "other", nbytes=300)  # 1100: now bob holds the most: his oldest, b1
+    assert bob.get("b1") is None and alice[3].get("a3") is not None
+    for c in alice:
+        c.clear()
+    bob.clear()
+    assert (budget.nbytes, len(budget), budget.owner_bytes("alice")) == (0, 0, 0)
+
+
 # -- through the engine ------------------------------------------------------------------------
 
 

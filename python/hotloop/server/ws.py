@@ -181,7 +181,7 @@ class Connection:
         engine = self.app.engine
         self.cache = ConnectionCache(
             cfg.ws_cache_entries, max_bytes=cfg.ws_cache_bytes, deletions=engine.deletions,
-            budget=engine.conn_cache_budget,
+            budget=engine.conn_cache_budget, owner=self.tenant.id,
         )
         return self.session
 

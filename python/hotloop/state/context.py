@@ -570,36 +570,54 @@ class Deletions:
 
 class CacheBudget:
     """The bytes all WebSocket connections' caches hold together (``ws_cache_total_bytes``,
-    default 1 GiB): past it the process's oldest cached responses go first, whichever connection
-    holds them (as if each had passed its own ``max_bytes``). Each connection's own bound alone
-    would let ``max_connections`` connections hold 64 MiB each.
+    default 1 GiB): past it cached responses go, oldest first, of the owner (the tenant) whose
+    connections hold the most bytes, so that one tenant's connections make room among their own
+    before any other's lose a response. Each connection's own bound alone would let
+    ``max_connections`` connections hold 64 MiB each.
 
-    Entries are ordered by when they were cached; a connection that closes gives its entries
-    back (:meth:`ConnectionCache.clear`)."""
+    A connection that closes gives its entries back (:meth:`ConnectionCache.clear`). Finding the
+    largest owner looks at every owner with bytes cached (at most one per tenant with a
+    connection open), once per response dropped."""
 
     def __init__(self, max_bytes: int = 1024 * 1024 * 1024) -> None:
         self.max_bytes = max_bytes
         self._bytes = 0
-        # (the cache's id, response id) -> the cache, oldest first
-        self._order: OrderedDict[tuple[int, str], ConnectionCache] = OrderedDict()
+        self._entries = 0
+        # owner -> [its bytes, (the cache's id, response id) -> the cache, oldest first]
+        self._owners: dict[str, tuple[list[int], OrderedDict[tuple[int, str], ConnectionCache]]] = {}
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._entries
+
+    def owner_bytes(self, owner: str) -> int:
+        held = self._owners.get(owner)
+        return held[0][0] if held is not None else 0
 
     def _add(self, cache: ConnectionCache, response_id: str, n: int) -> None:
-        self._order[(id(cache), response_id)] = cache
+        held = self._owners.get(cache.owner)
+        if held is None:
+            held = self._owners[cache.owner] = ([0], OrderedDict())
+        held[1][(id(cache), response_id)] = cache
+        held[0][0] += n
         self._bytes += n
+        self._entries += 1
         while self._bytes > self.max_bytes:
-            (_, oldest), holder = next(iter(self._order.items()))
+            _, order = max(self._owners.values(), key=lambda h: h[0][0])
+            (_, oldest), holder = next(iter(order.items()))
             holder._drop(oldest)  # calls _remove
 
     def _remove(self, cache: ConnectionCache, response_id: str, n: int) -> None:
-        if self._order.pop((id(cache), response_id), None) is not None:
+        held = self._owners.get(cache.owner)
+        if held is not None and held[1].pop((id(cache), response_id), None) is not None:
+            held[0][0] -= n
             self._bytes -= n
+            self._entries -= 1
+            if not held[1]:
+                del self._owners[cache.owner]
 
 
 class ConnectionCache:
@@ -616,18 +634,19 @@ class ConnectionCache:
 
     ``deletions``: the process's :class:`Deletions`; a response deleted after it was cached here
     is not served (and is dropped). ``budget``: the process's :class:`CacheBudget`, which may
-    drop this cache's oldest entries to make room for another connection's.
+    drop this cache's oldest entries to make room (``owner``: the tenant it counts against).
     """
 
     def __init__(
         self, max_entries: int = 1, max_lanes: int = 32, max_bytes: int = 64 * 1024 * 1024,
-        deletions: Deletions | None = None, budget: CacheBudget | None = None,
+        deletions: Deletions | None = None, budget: CacheBudget | None = None, owner: str = "",
     ) -> None:
         self.max_entries = max(1, max_entries)
         self.max_lanes = max_lanes
         self.max_bytes = max_bytes
         self.deletions = deletions
         self.budget = budget
+        self.owner = owner  # the tenant whose connection this is (CacheBudget)
         self._lanes: dict[str | None, OrderedDict[str, CachedResponse]] = {None: OrderedDict()}
         # id -> (lane, bytes, the deletions' generation when cached), oldest first
         self._order: OrderedDict[str, tuple[str | None, int, int]] = OrderedDict()
