@@ -1,10 +1,12 @@
-"""An SSE stream whose frames fail after its head went out: the stream ends, the failure is
-logged once, and no second response head is attempted (it would be the ASGI server's own error,
-with a traceback, on top of the first)."""
+"""An SSE stream whose frames fail after its head went out: the stream ends as a failed response
+does (the error event, ``response.failed``), the failure is logged once, and no second response
+head is attempted (it would be the ASGI server's own error, with a traceback, on top of the
+first)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, AsyncGenerator
 
@@ -26,7 +28,7 @@ def test_frames_failing_after_the_head_end_the_stream(
     def failing(self: Any) -> AsyncGenerator[list[Any], None]:
         async def gen() -> AsyncGenerator[list[Any], None]:
             async for batch in original(self):
-                yield batch[:1]  # response.created
+                yield batch  # response.created and what came with it
                 raise failure
 
         return gen()
@@ -58,6 +60,11 @@ def test_frames_failing_after_the_head_end_the_stream(
         content = asyncio.run(main())
     assert starts == [200]
     assert content.startswith(b"event: response.created")
+    # the stream ends as a failed response does: the error event, then response.failed
+    events = [line[7:] for line in content.decode().splitlines() if line.startswith("event: ")]
+    assert events[-2:] == ["error", "response.failed"], events
+    numbers = [json.loads(line[6:])["sequence_number"] for line in content.decode().splitlines() if line.startswith("data: ")]
+    assert numbers == list(range(len(numbers)))
     ended = [r for r in caplog.records if "ended early" in r.getMessage()]
     assert len(ended) == 1
     assert ("boom" in caplog.text) == isinstance(failure, RuntimeError)  # a bug's traceback is logged

@@ -428,13 +428,22 @@ class HttpTransport:
             raise
         except Exception as exc:
             # The head has gone out: no other answer can be sent (a second head would be the
-            # server's own error). The stream ends here; the failure is logged, once.
+            # server's own error). The stream ends here, with the turn's error event and
+            # response.failed where the turn can still make them; the failure is logged, once.
             if isinstance(exc, errors.HotloopError):
                 log.warning("SSE stream of request %s ended early: %s", rid, type(exc).__name__)
             else:
                 log.exception("SSE stream of request %s ended early", rid)
             if self.app.metrics is not None:
                 self.app.metrics.error(exc if isinstance(exc, errors.HotloopError) else errors.ServerError())
+            failed = b""
+            with contextlib.suppress(Exception):  # (the turn's own state may be what failed)
+                if not run.turn.done:
+                    failed = b"".join([sse(f) for f in run.turn.fail(errors.ServerError())])
+            if failed and not ended:
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": failed, "more_body": False})
+                    ended = True
             return
         finally:
             run.emit = None  # no cycle through the closures
