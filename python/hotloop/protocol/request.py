@@ -893,8 +893,6 @@ def listed_item(d: dict[str, Any]) -> dict[str, Any]:
             parts = [_listed_part(p) for p in output]
             if any(a is not b for a, b in zip(parts, output)):
                 d = {**d, "output": parts}
-        # and a status, which the SDKs' listed output item requires (openai-python, -node)
-        return d if d.get("status") is not None else {**d, "status": "completed"}
     if kind != "message":
         # a call or a call's output (function_call, custom_tool_call, computer_call_output...)
         # sent without a status: listed with one, which the SDKs' types of them require

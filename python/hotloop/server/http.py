@@ -31,7 +31,7 @@ from hotloop.pipeline.prepare import prepare
 from hotloop.protocol import events as ev
 from hotloop.protocol import sealed
 from hotloop.protocol.events import Frame
-from hotloop.protocol.request import ENCRYPTED_REASONING, decode_body, item_to_dict, listed_item, validate
+from hotloop.protocol.request import ENCRYPTED_REASONING, decode_body, item_from_dict, item_to_dict, listed_item, validate
 from hotloop.server.common import JSON_HEADER, Receive, Scope, Send, encode, request_id
 from hotloop.server.httpproto import CORK, ON_DISCONNECT, RECEIVE, RESPOND, SEND_NOW
 from hotloop.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -818,9 +818,9 @@ def _decoder() -> ThreadPoolExecutor:
 
 def _with_encrypted_reasoning(response: dict[str, Any]) -> dict[str, Any]:
     """``response`` with each reasoning item of its output carrying ``encrypted_content``, as a
-    response created with ``include: ["reasoning.encrypted_content"]`` has it: the token of the
-    item's text (:func:`sealed.seal`, what the turn seals: its content's text, else its
-    summary's). The stored response is not changed."""
+    response created with ``include: ["reasoning.encrypted_content"]`` has it: the token
+    (:func:`sealed.seal`) of the item's reasoning text (:func:`sealed.reasoning_text`, what a
+    backend is sent for it). The stored response is not changed."""
     output = response.get("output")
     if not isinstance(output, list) or not any(
         isinstance(it, dict) and it.get("type") == "reasoning" and "encrypted_content" not in it for it in output
@@ -829,8 +829,7 @@ def _with_encrypted_reasoning(response: dict[str, Any]) -> dict[str, Any]:
     items = []
     for it in output:
         if isinstance(it, dict) and it.get("type") == "reasoning" and "encrypted_content" not in it:
-            parts = it.get("content") or it.get("summary") or []
-            text = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            text = sealed.reasoning_text(item_from_dict(it))  # type: ignore[arg-type]
             head = {k: it[k] for k in ("id", "type") if k in it}
             it = {**head, "encrypted_content": sealed.seal(text), **it}  # (OpenAI's order)
         items.append(it)

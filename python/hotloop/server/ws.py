@@ -87,6 +87,7 @@ def _count_connection(app: "HotloopApp", tenant: Tenant) -> bool:
     held[tenant.id] = n + 1
     return True
 
+
 async def _reject(scope: Scope, send: Send, exc: errors.HotloopError) -> None:
     if "websocket.http.response" in scope.get("extensions", {}):
         await send(

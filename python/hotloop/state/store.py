@@ -1037,7 +1037,7 @@ class SQLiteStore(_Pruned):
         except sqlite3.OperationalError as exc:
             if locked(exc):
                 return
-            if exc.sqlite_errorcode == sqlite3.SQLITE_READONLY or "readonly" in str(exc):
+            if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_READONLY:  # (and its extended codes)
                 raise errors.StoreUnavailable(
                     f"the store file {self.path} can be read but not written (its permissions, or a "
                     "read-only file system): the server would lose every response"

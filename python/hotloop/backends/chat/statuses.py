@@ -150,13 +150,6 @@ def _error_fields(body: object) -> tuple[str, str]:
     return "", ""
 
 
-def _error_type(body: object) -> str:
-    """The ``type`` of an OpenAI-style error object (``""`` if none)."""
-    inner = body.get("error") if isinstance(body, dict) else None
-    kind = (inner if isinstance(inner, dict) else body if isinstance(body, dict) else {}).get("type")
-    return kind if isinstance(kind, str) else ""
-
-
 # The backends' own credentials, registered when a backend starts (withhold): a backend's error
 # message that quotes one never repeats it, to a client or in the log. Bounded by the backends
 # one process starts.
@@ -232,7 +225,7 @@ def status_error(
     """
     message, code = _error_fields(body)
     log.warning("%s backend answered HTTP %d: %s", backend, status, _safe(message) or "(no message)")
-    if status == 429 and (code == "insufficient_quota" or _error_type(body) == "insufficient_quota"):
+    if status == 429 and code == "insufficient_quota":  # (its type, when its code is none: _error_fields)
         # the account hotloop uses has no quota left (OpenAI's answer, and many a compatible
         # provider's): not a rate limit that passes
         return errors.QuotaExhausted(
